@@ -1,0 +1,294 @@
+"""The pure-JAX backend (``backend="xla"``): runs anywhere JAX runs, and is the reference
+every other backend is tested against.
+
+Data path (prepare -> experts -> finalize), with the experts strategy picked by shape at
+trace time (:func:`pick_strategy`):
+
+- ``"gather"``: for a handful of slots (decode), each slot's expert weights are gathered and
+  applied in one batched matmul: one launch per GEMM, weights read about twice.
+- ``"blocked"`` (the general case): sort the ``T*k`` slots by expert (:mod:`jax_moe.permute`)
+  and lay each expert's rows out in blocks of ``B`` rows, so that every block belongs to
+  exactly one expert; the number of blocks has a static bound, ``ceil(T*k / B) + min(E, T*k)``.
+  A ``lax.scan`` takes ``G`` blocks per step, gathers their rows and their experts' weights,
+  runs GEMM1 -> activation -> GEMM2 as batched matmuls, and skips steps with no rows. Nothing
+  of size ``[T*k, E, ...]`` or ``[E, T, H]`` is built: memory is ``O(T*k*H + blocks*B*H)``
+  whatever E is.
+- ``"dense"``: every expert on every token as two batched matmuls over E, combined with the
+  router weights. It reads each expert's weights exactly once, which is the floor when the
+  batch is small (weight-bound) yet touches most experts; picked only then, and only when its
+  ``[E, T, max(2I, H)]`` temporaries stay under :data:`DENSE_TEMP_BYTES`.
+- ``"ragged_dot"``: the sorted rows through ``jax.lax.ragged_dot`` (what JAX users write
+  today; kept for comparison, never picked automatically).
+
+finalize: each slot's output row is gathered and reduced over k with the router weights, in
+float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_moe.activations import activate
+from jax_moe.config import MoEConfig
+from jax_moe.permute import sort_by_expert
+from jax_moe.quant.scheme import dequantize_experts, dequantize_weights, quantize_activation
+
+STRATEGIES = ("gather", "blocked", "dense", "ragged_dot")
+NAME = "xla"
+STEP_WEIGHT_BYTES = 256 << 20
+GATHER_WEIGHT_BYTES = 2 << 30
+GATHER_MAX_SLOTS = 64
+DENSE_TEMP_BYTES = 2 << 30
+DENSE_MAX_TOKENS = 128  # above this the dense strategy's E/k extra FLOPs stop being free
+
+
+def supports(cfg: MoEConfig, quant=None, device=None) -> tuple[bool, str]:
+    """The pure-JAX backend serves every config on every device."""
+    return True, "pure JAX: runs on any device"
+
+
+def needs_whole_gemm2_input(quant) -> bool:
+    """Dynamic tensor-wide activation scales at GEMM2's input (``fp8_per_tensor`` or ``nvfp4``
+    without ``a2_scale``) are a max over every routed row, which only the ``ragged_dot``
+    strategy sees at once."""
+    return quant is not None and quant.act in ("fp8_per_tensor", "nvfp4") and quant.a2_scale is None
+
+
+def _rows_per_touched_expert(num_tokens: int, top_k: int, num_experts: int) -> float:
+    touched = num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+    return num_tokens * top_k / max(touched, 1.0)
+
+
+def pick_block_size(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Rows per block, a power of two in [16, 1024].
+
+    Few rows per expert (weight-bound): twice the expected rows per touched expert, so that
+    most experts fit one block and their weights are read once. Many rows (compute-bound):
+    about the expected rows, so that padding wastes little arithmetic."""
+    rows = _rows_per_touched_expert(num_tokens, top_k, num_experts)
+    target = 2 * rows if rows < 128 else rows
+    return int(min(1024, max(16, 2 ** math.ceil(math.log2(max(target, 1.0)) - 0.05))))
+
+
+def pick_strategy(num_tokens: int, cfg: MoEConfig) -> str:
+    """``"gather"`` for a handful of slots, ``"dense"`` for small batches that touch most
+    experts, else ``"blocked"``."""
+    e, k = cfg.num_experts, cfg.top_k
+    expert_bytes = 2 * (cfg.w13_rows * cfg.hidden_size + cfg.hidden_size * cfg.intermediate_size)
+    slots = num_tokens * k
+    if slots <= GATHER_MAX_SLOTS and slots * expert_bytes <= GATHER_WEIGHT_BYTES:
+        return "gather"
+    touched = 1.0 - (1.0 - k / e) ** num_tokens
+    temp = 4 * e * num_tokens * max(cfg.w13_rows, cfg.hidden_size)
+    if num_tokens <= DENSE_MAX_TOKENS and touched >= 0.5 and temp <= DENSE_TEMP_BYTES:
+        return "dense"
+    return "blocked"
+
+
+def _gathered_weights(w, quant, which: str, experts, dtype):
+    """The weights of ``experts [G]``: ``w[experts]`` as ``dtype``, dequantized when quantized."""
+    if quant is None:
+        return w[experts]
+    return dequantize_experts(quant, which, w, experts, dtype=dtype)
+
+
+def _compute_dtype(x, quant):
+    return jnp.float32 if quant is not None else x.dtype
+
+
+def _precision(quant, x):
+    # Quantized weights are dequantized to float32: keep every bit of the product.
+    return jax.lax.Precision.HIGHEST if quant is not None or x.dtype == jnp.float32 else None
+
+
+def _batched_dot_t(a, w, precision):
+    """``a [G, M, K] @ w[G, N, K]^T -> [G, M, N]`` float32."""
+    return jax.lax.dot_general(
+        a, w, (((2,), (2,)), ((0,), (0,))), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def _experts_mlp(xb, experts, w13, w2, cfg, quant, w13_bias, w2_bias):
+    """GEMM1 -> activation -> GEMM2 for row groups ``xb [G, M, H]``, group g on expert
+    ``experts[g]``. Returns ``[G, M, H]`` in x's dtype (float32 when quantized)."""
+    cdt = _compute_dtype(xb, quant)
+    prec = _precision(quant, xb)
+    h = _batched_dot_t(xb.astype(cdt), _gathered_weights(w13, quant, "w13", experts, cdt), prec)
+    if w13_bias is not None:
+        h = h + w13_bias[experts][:, None, :].astype(jnp.float32)
+    a = activate(h, cfg)
+    if quant is not None:
+        a = quantize_activation(quant, a, 2)
+    y = _batched_dot_t(a.astype(cdt), _gathered_weights(w2, quant, "w2", experts, cdt), prec)
+    if w2_bias is not None:
+        y = y + w2_bias[experts][:, None, :].astype(jnp.float32)
+    return y.astype(xb.dtype if quant is None else jnp.float32)
+
+
+def pick_blocks_per_step(cfg: MoEConfig) -> int:
+    """Blocks (each on its own expert) per scan step: as many as keep the gathered weights of
+    one step under :data:`STEP_WEIGHT_BYTES`, a power of two in [1, 16]."""
+    expert_bytes = 2 * (cfg.w13_rows * cfg.hidden_size + cfg.hidden_size * cfg.intermediate_size)
+    g = max(1, min(16, STEP_WEIGHT_BYTES // expert_bytes))
+    return 1 << (int(g).bit_length() - 1)
+
+
+def _blocked_experts(xq, sort, cfg, w13, w2, quant, w13_bias, w2_bias, block_size, blocks_per_step):
+    """Run the experts block by block. Returns (y [NB*B + 1, H], row_of_slot [T*k] int32)."""
+    n_slots = sort.sorted_slots.shape[0]
+    e_count, k, h = cfg.num_experts, cfg.top_k, cfg.hidden_size
+    b, g = block_size, blocks_per_step
+    nb = -(-n_slots // b) + min(e_count, n_slots)
+    nb = -(-nb // g) * g
+    padded = ((sort.counts + b - 1) // b) * b
+    pad_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(padded, dtype=jnp.int32)])
+    blocks_used = pad_start[-1] // b
+
+    # Slot -> padded row: expert start + rank inside the expert. Slots whose id is not a
+    # local expert (EP's -1) sort last and point at row nb*b, a zero row appended below.
+    pos = jnp.arange(n_slots, dtype=jnp.int32)
+    sorted_expert = jnp.clip(jnp.searchsorted(sort.offsets, pos, side="right") - 1, 0, e_count - 1)
+    sorted_row = pad_start[sorted_expert] + (pos - sort.offsets[sorted_expert])
+    sorted_row = jnp.where(pos < sort.offsets[-1], sorted_row, nb * b)
+    row_of_slot = sorted_row[sort.inverse]
+    # Padded row -> token (T for padding rows, which gather zeros).
+    token_of_row = (
+        jnp.full((nb * b,), xq.shape[0], jnp.int32).at[sorted_row].set(sort.sorted_slots // k, mode="drop")
+    )
+    block_expert = jnp.searchsorted(pad_start, jnp.arange(nb, dtype=jnp.int32) * b, side="right") - 1
+    block_expert = jnp.clip(block_expert, 0, e_count - 1)
+    x_pad = jnp.concatenate([xq, jnp.zeros((1, h), xq.dtype)], axis=0)
+    out_dtype = xq.dtype if quant is None else jnp.float32
+
+    def step(_, blk):
+        first, toks, experts = blk
+
+        def run(_):
+            return _experts_mlp(x_pad[toks], experts, w13, w2, cfg, quant, w13_bias, w2_bias)
+
+        y = jax.lax.cond(first < blocks_used, run, lambda _: jnp.zeros((g, b, h), out_dtype), None)
+        return None, y
+
+    steps = nb // g
+    blocks = (jnp.arange(steps, dtype=jnp.int32) * g, token_of_row.reshape(steps, g, b),
+              block_expert.reshape(steps, g))
+    _, ys = jax.lax.scan(step, None, blocks)
+    ys = jnp.concatenate([ys.reshape(nb * b, h), jnp.zeros((1, h), out_dtype)], axis=0)
+    return ys, row_of_slot
+
+
+def _gather_experts(xq, topk_ids, cfg, w13, w2, quant, w13_bias, w2_bias):
+    """Each slot against its own gathered expert weights. Returns (y [T*k + 1, H], row_of_slot)."""
+    n = topk_ids.size
+    flat = topk_ids.reshape(-1)
+    valid = (flat >= 0) & (flat < cfg.num_experts)
+    y = _experts_mlp(xq[jnp.arange(n) // cfg.top_k][:, None, :], jnp.clip(flat, 0, cfg.num_experts - 1),
+                     w13, w2, cfg, quant, w13_bias, w2_bias)[:, 0, :]
+    y = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)], axis=0)
+    return y, jnp.where(valid, jnp.arange(n, dtype=jnp.int32), n)
+
+
+def _ragged_experts(xq, sort, cfg, w13, w2, quant, w13_bias, w2_bias):
+    """Sorted rows through ``jax.lax.ragged_dot``. Returns (y [T*k, H], row_of_slot [T*k])."""
+    k = cfg.top_k
+    cdt = _compute_dtype(xq, quant)
+    prec = _precision(quant, xq)
+    if quant is not None:
+        w13, w2 = dequantize_weights(quant, w13, w2, dtype=cdt)
+    rows = xq[sort.sorted_slots // k].astype(cdt)
+    sorted_expert = jnp.searchsorted(sort.offsets, jnp.arange(rows.shape[0]), side="right") - 1
+    sorted_expert = jnp.clip(sorted_expert, 0, cfg.num_experts - 1)
+    h1 = jax.lax.ragged_dot(rows, jnp.swapaxes(w13, 1, 2), sort.counts, precision=prec,
+                            preferred_element_type=jnp.float32)
+    if w13_bias is not None:
+        h1 = h1 + w13_bias[sorted_expert].astype(jnp.float32)
+    a = activate(h1, cfg)
+    if quant is not None:
+        a = quantize_activation(quant, a, 2)
+    y = jax.lax.ragged_dot(a.astype(cdt), jnp.swapaxes(w2, 1, 2), sort.counts, precision=prec,
+                           preferred_element_type=jnp.float32)
+    if w2_bias is not None:
+        y = y + w2_bias[sorted_expert].astype(jnp.float32)
+    valid = jnp.arange(rows.shape[0]) < sort.offsets[-1]
+    y = jnp.where(valid[:, None], y, 0.0)
+    return y.astype(xq.dtype if quant is None else jnp.float32), sort.inverse
+
+
+def _dense_experts(xq, topk_weights, topk_ids, cfg, w13, w2, quant, w13_bias, w2_bias):
+    """Every expert on every token. Returns the weighted sum [T, H] float32 directly."""
+    cdt = _compute_dtype(xq, quant)
+    prec = _precision(quant, xq)
+    if quant is not None:
+        w13, w2 = dequantize_weights(quant, w13, w2, dtype=cdt)
+    h1 = jnp.einsum("th,enh->etn", xq.astype(cdt), w13, precision=prec, preferred_element_type=jnp.float32)
+    if w13_bias is not None:
+        h1 = h1 + w13_bias.astype(jnp.float32)[:, None, :]
+    a = activate(h1, cfg)
+    if quant is not None:
+        a = quantize_activation(quant, a, 2)
+    y = jnp.einsum("eti,ehi->eth", a.astype(cdt), w2, precision=prec, preferred_element_type=jnp.float32)
+    if w2_bias is not None:
+        y = y + w2_bias.astype(jnp.float32)[:, None, :]
+    y = y.astype(xq.dtype if quant is None else jnp.float32).astype(jnp.float32)
+    # combine[t, e] = sum_j w[t, j] * [ids[t, j] == e]; ids outside [0, E) match nothing
+    combine = jnp.einsum("tk,tke->te", topk_weights, jax.nn.one_hot(topk_ids, cfg.num_experts, dtype=jnp.float32))
+    return jnp.einsum("eth,te->th", y, combine, precision=jax.lax.Precision.HIGHEST)
+
+
+def finalize(y_rows: jax.Array, row_of_slot: jax.Array, topk_weights: jax.Array, out_dtype) -> jax.Array:
+    """Weighted top-k reduce: ``out[t] = sum_j w[t, j] * y_rows[row_of_slot[t*k + j]]`` in float32."""
+    t, k = topk_weights.shape
+    gathered = y_rows[row_of_slot].reshape(t, k, -1).astype(jnp.float32)
+    return jnp.einsum("tkh,tk->th", gathered, topk_weights.astype(jnp.float32)).astype(out_dtype)
+
+
+def apply(
+    x: jax.Array,
+    w13: jax.Array,
+    w2: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    cfg: MoEConfig,
+    *,
+    quant=None,
+    w13_bias: jax.Array | None = None,
+    w2_bias: jax.Array | None = None,
+    apply_router_weight_on_input: bool = False,
+    strategy: str | None = None,
+    block_size: int | None = None,
+    blocks_per_step: int | None = None,
+) -> jax.Array:
+    """Experts + finalize for already-routed tokens. Arguments as :func:`jax_moe.fused_experts`
+    (validated there). Returns ``[T, H]`` in ``x.dtype``."""
+    t, k = topk_ids.shape
+    if t == 0:
+        return jnp.zeros((0, cfg.hidden_size), x.dtype)
+    if strategy is None:
+        strategy = "ragged_dot" if needs_whole_gemm2_input(quant) else pick_strategy(t, cfg)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    weights = topk_weights.astype(jnp.float32)
+    xin = x
+    if apply_router_weight_on_input:
+        xin = (x.astype(jnp.float32) * weights[:, :1]).astype(x.dtype)
+        weights = jnp.ones_like(weights)
+    if quant is not None:
+        xin = quantize_activation(quant, xin.astype(jnp.float32), 1)
+
+    if strategy == "gather":
+        y, row_of_slot = _gather_experts(xin, topk_ids, cfg, w13, w2, quant, w13_bias, w2_bias)
+        return finalize(y, row_of_slot, weights, x.dtype)
+    if strategy == "dense":
+        out = _dense_experts(xin, weights, topk_ids, cfg, w13, w2, quant, w13_bias, w2_bias)
+        return out.astype(x.dtype)
+    sort = sort_by_expert(topk_ids, cfg.num_experts)
+    if strategy == "ragged_dot":
+        y, row_of_slot = _ragged_experts(xin, sort, cfg, w13, w2, quant, w13_bias, w2_bias)
+    else:
+        b = block_size or pick_block_size(t, k, cfg.num_experts)
+        g = blocks_per_step or pick_blocks_per_step(cfg)
+        y, row_of_slot = _blocked_experts(xin, sort, cfg, w13, w2, quant, w13_bias, w2_bias, b, g)
+    return finalize(y, row_of_slot, weights, x.dtype)

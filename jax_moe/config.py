@@ -1,0 +1,84 @@
+"""The static description of one MoE layer, and the argument checks every entry point shares.
+
+Weight orientation (vLLM's, used throughout jax_moe):
+    w13 [E, 2I, H]  gate rows then up rows (``gate_up_layout="concat"``), or gate/up rows
+                    alternating (``"interleaved"``: row 2i is gate i, row 2i+1 is up i, as
+                    GPT-OSS checkpoints store them). Non-gated activations: w13 is [E, I, H].
+    w2  [E, H, I]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+# activation name -> gated (GEMM1 produces gate and up halves)
+ACTIVATIONS: dict[str, bool] = {"silu": True, "gelu": True, "swigluoai": True, "relu2": False}
+GATE_UP_LAYOUTS = ("concat", "interleaved")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Shapes and the expert function of one MoE layer.
+
+    num_experts (E), top_k (k), hidden_size (H), intermediate_size (I, per expert, after the
+    gate/up split). ``swiglu_alpha``/``swiglu_limit`` are GPT-OSS's ``swigluoai`` constants.
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    activation: str = "silu"
+    gate_up_layout: str = "concat"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k={self.top_k} must be <= num_experts={self.num_experts}"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}"
+            )
+        if self.gate_up_layout not in GATE_UP_LAYOUTS:
+            raise ValueError(
+                f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {self.gate_up_layout!r}"
+            )
+        if self.gate_up_layout == "interleaved" and not self.gated:
+            raise ValueError(f"gate_up_layout='interleaved' needs a gated activation, not {self.activation!r}")
+
+    @property
+    def gated(self) -> bool:
+        return ACTIVATIONS[self.activation]
+
+    @property
+    def w13_rows(self) -> int:
+        """Rows of w13 per expert: 2I for gated activations, I otherwise."""
+        return 2 * self.intermediate_size if self.gated else self.intermediate_size
+
+
+def check_shape(name: str, x, shape: Sequence[int | None], what: str = "") -> None:
+    """Raise ValueError unless ``x.shape`` matches ``shape`` (None matches any size)."""
+    got = tuple(getattr(x, "shape", ()))
+    ok = len(got) == len(shape) and all(s is None or s == g for s, g in zip(shape, got))
+    if not ok:
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"{name} must have shape {want}{extra}, got {list(got)}")
+
+
+def check_dtype(name: str, x, allowed: Sequence[str]) -> None:
+    """Raise ValueError unless ``x.dtype`` is one of ``allowed`` (dtype names)."""
+    dt = np.dtype(x.dtype).name
+    if dt not in allowed:
+        raise ValueError(f"{name} must have dtype in {list(allowed)}, got {dt}")

@@ -1,0 +1,131 @@
+"""The public entry points: ``fused_experts`` (routed tokens -> output) and ``fused_moe``
+(router logits -> output). Both check every argument before anything is traced, ask the
+oracle for a backend, and call it."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jax_moe import oracle
+from jax_moe.config import ACTIVATIONS, FLOAT_DTYPES, MoEConfig, check_dtype, check_shape
+from jax_moe.routing import select_experts
+
+
+def _rank(name: str, x, rank: int, what: str) -> None:
+    if getattr(x, "ndim", None) != rank:
+        raise ValueError(f"{name} must have rank {rank} {what}, got shape {list(getattr(x, 'shape', ()))}")
+
+
+def moe_config_from_arrays(
+    x, w13, w2, topk_ids, *, activation: str, gate_up_layout: str, quant, swiglu_alpha: float, swiglu_limit: float
+) -> MoEConfig:
+    """Check the shapes and dtypes of the data arguments and derive the layer's :class:`MoEConfig`."""
+    _rank("x", x, 2, "[T, H]")
+    _rank("w13", w13, 3, "[E, 2I, H]")
+    _rank("w2", w2, 3, "[E, H, I]")
+    _rank("topk_ids", topk_ids, 2, "[T, k]")
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_dtype("topk_ids", topk_ids, ("int32",))
+    t, h = x.shape
+    e = w13.shape[0]
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    gated = ACTIVATIONS[activation]
+    rows = w13.shape[1]
+    if gated and rows % 2:
+        raise ValueError(f"w13 must have an even number of rows (gate and up halves, 2I), got {rows}")
+    inter = rows // 2 if gated else rows
+    k = topk_ids.shape[1]
+    cfg = MoEConfig(e, k, h, inter, activation, gate_up_layout, swiglu_alpha, swiglu_limit)
+    check_shape("topk_ids", topk_ids, (t, None), "[T, k] with T = x.shape[0]")
+    if quant is None:
+        check_dtype("w13", w13, FLOAT_DTYPES)
+        if w13.dtype != x.dtype or w2.dtype != x.dtype:
+            raise ValueError(
+                f"w13 and w2 must have x's dtype {np.dtype(x.dtype).name} (or pass quant=), "
+                f"got {np.dtype(w13.dtype).name} and {np.dtype(w2.dtype).name}"
+            )
+        check_shape("w13", w13, (e, cfg.w13_rows, h), "[E, 2I, H] with H = x.shape[1]")
+        check_shape("w2", w2, (e, h, inter), "[E, H, I] with I from w13")
+    else:
+        if w2.shape[:2] != (e, h):
+            raise ValueError(f"w2 must have shape [E={e}, H={h}, ...], got {list(w2.shape)}")
+        quant.validate(e, h, inter, gated, w13=w13, w2=w2)
+    return cfg
+
+
+def fused_experts(
+    x: jax.Array,
+    w13: jax.Array,
+    w2: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    *,
+    activation: str = "silu",
+    gate_up_layout: str = "concat",
+    w13_bias: jax.Array | None = None,
+    w2_bias: jax.Array | None = None,
+    apply_router_weight_on_input: bool = False,
+    quant=None,
+    backend: str | None = None,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+) -> jax.Array:
+    """Run the routed experts and reduce over top-k.
+
+    x [T, H] float; w13 [E, 2I, H] (gate rows then up rows; [E, I, H] for ``relu2``);
+    w2 [E, H, I]; topk_weights [T, k] float; topk_ids [T, k] int32 in [0, E).
+    With ``quant`` (a :class:`jax_moe.QuantConfig`), w13/w2 are the stored quantized tensors.
+    Returns [T, H] in x's dtype.
+    """
+    cfg = moe_config_from_arrays(
+        x, w13, w2, topk_ids, activation=activation, gate_up_layout=gate_up_layout, quant=quant,
+        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+    )
+    check_shape("topk_weights", topk_weights, topk_ids.shape, "[T, k], like topk_ids")
+    check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
+    if w13_bias is not None:
+        check_shape("w13_bias", w13_bias, (cfg.num_experts, cfg.w13_rows), "[E, 2I]")
+    if w2_bias is not None:
+        check_shape("w2_bias", w2_bias, (cfg.num_experts, cfg.hidden_size), "[E, H]")
+    if apply_router_weight_on_input and cfg.top_k != 1:
+        raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k={cfg.top_k}")
+    impl = oracle.select_backend(cfg, quant, backend=backend).module
+    return impl.apply(
+        x, w13, w2, topk_weights, topk_ids, cfg, quant=quant, w13_bias=w13_bias, w2_bias=w2_bias,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+    )
+
+
+def fused_moe(
+    x: jax.Array,
+    w13: jax.Array,
+    w2: jax.Array,
+    router_logits: jax.Array,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    e_score_correction_bias: jax.Array | None = None,
+    routed_scaling_factor: float = 1.0,
+    **expert_options,
+) -> jax.Array:
+    """Routing (:func:`jax_moe.select_experts`) then :func:`fused_experts`.
+
+    router_logits [T, E]; ``expert_options`` are fused_experts' keyword arguments.
+    """
+    check_shape("router_logits", router_logits, (x.shape[0] if getattr(x, "ndim", 0) == 2 else None, None),
+                "[T, E] with T = x.shape[0]")
+    if w13.ndim >= 1 and router_logits.shape[1] != w13.shape[0]:
+        raise ValueError(
+            f"router_logits has {router_logits.shape[1]} experts but w13 has E={w13.shape[0]}"
+        )
+    weights, ids = select_experts(
+        router_logits, top_k, scoring=scoring, renormalize=renormalize, num_expert_group=num_expert_group,
+        topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=routed_scaling_factor,
+    )
+    return fused_experts(x, w13, w2, weights, ids, **expert_options)

@@ -1,0 +1,201 @@
+"""fused_experts / fused_moe on the pure-JAX backend against the dense float32 reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_moe import fused_experts, fused_moe, select_experts
+from jax_moe.backends import xla
+from jax_moe.config import MoEConfig
+from jax_moe.reference import moe_reference
+
+# relative error bounds per compute dtype
+BOUND = {"float32": 1e-5, "bfloat16": 1.5e-2, "float16": 5e-3}
+
+
+def rel_err(out, ref):
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert np.isfinite(out).all(), "output has NaN/inf"
+    return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def make_moe(rng, t, e, k, h, i, activation="silu", dtype=jnp.float32, bias=False):
+    cfg = MoEConfig(e, k, h, i, activation)
+    x = jnp.asarray(rng.standard_normal((t, h)), dtype)
+    w13 = jnp.asarray(rng.standard_normal((e, cfg.w13_rows, h)) / np.sqrt(h), dtype)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), dtype)
+    weights, ids = select_experts(jnp.asarray(rng.standard_normal((t, e)), jnp.float32), k)
+    extra = {}
+    if bias:
+        extra = dict(w13_bias=jnp.asarray(rng.standard_normal((e, cfg.w13_rows)), jnp.float32),
+                     w2_bias=jnp.asarray(rng.standard_normal((e, h)), jnp.float32))
+    return cfg, x, w13, w2, weights, ids, extra
+
+
+SHAPES = [  # (T, E, k, H, I)
+    (1, 8, 2, 64, 32),
+    (37, 16, 4, 32, 48),
+    (200, 64, 8, 32, 16),
+    (3, 8, 2, 32, 16),  # few slots: gathered weights
+    (5, 256, 8, 16, 16),  # most experts receive no token
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-E{}-k{}-H{}-I{}".format(*s))
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai", "relu2"])
+def test_every_activation_matches_reference_in_float32(rng, shape, activation):
+    cfg, x, w13, w2, w, ids, _ = make_moe(rng, *shape, activation=activation)
+    out = jax.jit(lambda *a: fused_experts(*a, activation=activation))(x, w13, w2, w, ids)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND["float32"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+def test_half_precision_within_dtype_bound(rng, dtype, strategy):
+    cfg, x, w13, w2, w, ids, _ = make_moe(rng, 64, 16, 4, 64, 32, dtype=getattr(jnp, dtype))
+    out = jax.jit(lambda *a: xla.apply(*a, cfg, strategy=strategy))(x, w13, w2, w, ids)
+    assert out.dtype == x.dtype
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND[dtype]
+
+
+@pytest.mark.parametrize("block_size,blocks_per_step", [(16, 1), (16, 4), (64, 2), (1024, 1)])
+def test_blocking_does_not_change_the_result(rng, block_size, blocks_per_step):
+    cfg, x, w13, w2, w, ids, _ = make_moe(rng, 100, 8, 2, 32, 16)
+    out = xla.apply(x, w13, w2, w, ids, cfg, strategy="blocked", block_size=block_size,
+                    blocks_per_step=blocks_per_step)
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND["float32"]
+
+
+@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+def test_every_strategy_matches_reference(rng, strategy):
+    cfg, x, w13, w2, w, ids, bias = make_moe(rng, 23, 16, 3, 32, 16, activation="gelu", bias=True)
+    out = xla.apply(x, w13, w2, w, ids, cfg, strategy=strategy, **bias)
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg, **bias)) < BOUND["float32"]
+
+
+def test_gpt_oss_swiglu_with_interleaved_gate_up_and_biases(rng):
+    cfg, x, w13, w2, w, ids, bias = make_moe(rng, 40, 32, 4, 32, 16, activation="swigluoai", bias=True)
+    cfg = MoEConfig(32, 4, 32, 16, "swigluoai", "interleaved")
+    out = fused_experts(x, w13, w2, w, ids, activation="swigluoai", gate_up_layout="interleaved", **bias)
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg, **bias)) < BOUND["float32"]
+    # interleaved is a real permutation of the rows: the concat result differs
+    concat = fused_experts(x, w13, w2, w, ids, activation="swigluoai", **bias)
+    assert rel_err(concat, out) > 1e-2
+
+
+def test_interleaved_equals_concat_after_row_permutation(rng):
+    cfg, x, w13, w2, w, ids, _ = make_moe(rng, 16, 8, 2, 32, 16, activation="silu")
+    i = cfg.intermediate_size
+    order = np.stack([np.arange(i), np.arange(i) + i], 1).reshape(-1)  # gate0, up0, gate1, up1, ...
+    a = fused_experts(x, w13, w2, w, ids)
+    b = fused_experts(x, w13[:, order], w2, w, ids, gate_up_layout="interleaved")
+    assert rel_err(b, a) < 1e-6
+
+
+def test_router_weight_on_input_for_top1(rng):
+    cfg, x, w13, w2, w, ids, _ = make_moe(rng, 30, 8, 1, 32, 16)
+    out = fused_experts(x, w13, w2, w, ids, apply_router_weight_on_input=True)
+    ref = moe_reference(x, w13, w2, w, ids, cfg, apply_router_weight_on_input=True)
+    assert rel_err(out, ref) < BOUND["float32"]
+
+
+def test_zero_tokens_gives_empty_output(rng):
+    cfg, x, w13, w2, w, ids, _ = make_moe(rng, 0, 8, 2, 32, 16)
+    out = jax.jit(fused_experts)(x, w13, w2, w, ids)
+    assert out.shape == (0, 32)
+
+
+def test_all_tokens_on_one_expert_and_top_k_equal_e(rng):
+    cfg, x, w13, w2, _, _, _ = make_moe(rng, 50, 4, 4, 32, 16)
+    ids = jnp.tile(jnp.arange(4, dtype=jnp.int32), (50, 1))
+    w = jnp.asarray(rng.random((50, 4)), jnp.float32)
+    out = fused_experts(x, w13, w2, w, ids)
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND["float32"]
+    ids1 = jnp.full((50, 1), 3, jnp.int32)
+    out1 = fused_experts(x, w13, w2, w[:, :1], ids1)
+    assert rel_err(out1, moe_reference(x, w13, w2, w[:, :1], ids1, cfg)) < BOUND["float32"]
+
+
+def test_ids_outside_range_contribute_nothing(rng):
+    """Expert-parallel shards pass -1 for experts another device owns."""
+    cfg, x, w13, w2, w, ids, _ = make_moe(rng, 20, 8, 2, 32, 16)
+    masked = ids.at[:, 1].set(-1)
+    out = xla.apply(x, w13, w2, w, masked, cfg)
+    ref = moe_reference(x, w13, w2, w.at[:, 1].set(0.0), ids.at[:, 1].set(0), cfg)
+    assert rel_err(out, ref) < BOUND["float32"]
+
+
+def test_jit_twice_gives_identical_results(rng):
+    cfg, x, w13, w2, w, ids, _ = make_moe(rng, 64, 16, 4, 32, 16, dtype=jnp.bfloat16)
+    f = jax.jit(fused_experts)
+    np.testing.assert_array_equal(np.asarray(f(x, w13, w2, w, ids)), np.asarray(f(x, w13, w2, w, ids)))
+
+
+def test_fused_moe_is_routing_then_experts(rng):
+    cfg, x, w13, w2, _, _, _ = make_moe(rng, 24, 16, 4, 32, 16)
+    logits = jnp.asarray(rng.standard_normal((24, 16)), jnp.float32)
+    w, ids = select_experts(logits, 4, scoring="sigmoid")
+    out = jax.jit(lambda *a: fused_moe(*a, 4, scoring="sigmoid"))(x, w13, w2, logits)
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND["float32"]
+
+
+def test_shape_picks_the_strategy_and_block_size():
+    deepseek = MoEConfig(256, 8, 7168, 2048)
+    assert xla.pick_strategy(1, deepseek) == "gather"  # 8 slots: gather their weights
+    assert xla.pick_strategy(4, deepseek) == "blocked"  # 32 of 256 experts touched
+    assert xla.pick_strategy(64, deepseek) == "dense"  # most experts touched, weight-bound
+    assert xla.pick_strategy(1024, deepseek) == "blocked"
+    assert xla.pick_block_size(1, 8, 256) == 16
+    assert xla.pick_block_size(1024, 8, 256) == 64  # ~32 rows per expert: one block each
+    assert xla.pick_block_size(16384, 2, 8) == 1024
+    assert xla.pick_blocks_per_step(deepseek) == 2  # 88 MB per expert
+    assert xla.pick_blocks_per_step(MoEConfig(128, 8, 2048, 768)) == 16  # 9.4 MB per expert
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _args(rng):
+    _, x, w13, w2, w, ids, _ = make_moe(rng, 8, 4, 2, 32, 16)
+    return dict(x=x, w13=w13, w2=w2, topk_weights=w, topk_ids=ids)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda a: a.update(x=a["x"][0]), "x must have rank 2"),
+        (lambda a: a.update(x=a["x"].astype(jnp.int32)), "x must have dtype"),
+        (lambda a: a.update(w13=a["w13"][:, :, :16]), "w13 must have shape \\[4, 32, 32\\]"),
+        (lambda a: a.update(w13=a["w13"][:, :31]), "w13 must have an even number of rows"),
+        (lambda a: a.update(w2=a["w2"][:, :, :8]), "w2 must have shape \\[4, 32, 16\\]"),
+        (lambda a: a.update(w2=a["w2"].astype(jnp.bfloat16)), "w13 and w2 must have x's dtype"),
+        (lambda a: a.update(topk_ids=a["topk_ids"].astype(jnp.int64) if jax.config.jax_enable_x64
+                            else a["topk_ids"].astype(jnp.float32)), "topk_ids must have dtype"),
+        (lambda a: a.update(topk_ids=a["topk_ids"][:4]), "topk_ids must have shape \\[8, \\*\\]"),
+        (lambda a: a.update(topk_weights=a["topk_weights"][:, :1]), "topk_weights must have shape \\[8, 2\\]"),
+        (lambda a: a.update(topk_ids=jnp.zeros((8, 5), jnp.int32),
+                            topk_weights=jnp.ones((8, 5), jnp.float32)), "top_k=5 must be <= num_experts=4"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_argument(rng, change, match):
+    args = _args(rng)
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        fused_experts(args.pop("x"), args.pop("w13"), args.pop("w2"), args.pop("topk_weights"), args.pop("topk_ids"))
+
+
+def test_bad_options_raise(rng):
+    a = _args(rng)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        fused_experts(*a.values(), activation="tanh")
+    with pytest.raises(ValueError, match="apply_router_weight_on_input needs top_k == 1"):
+        fused_experts(*a.values(), apply_router_weight_on_input=True)
+    with pytest.raises(ValueError, match="w13_bias must have shape \\[4, 32\\]"):
+        fused_experts(*a.values(), w13_bias=jnp.zeros((4, 16)))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fused_experts(*a.values(), backend="magic")
+    with pytest.raises(ValueError, match="router_logits has 5 experts but w13 has E=4"):
+        fused_moe(a["x"], a["w13"], a["w2"], jnp.zeros((8, 5)), 2)

@@ -1,0 +1,168 @@
+"""MoEBlock inside a jitted Flax model, and loading each checkpoint layout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_moe import MoEBlock
+
+
+class TinyModel(nnx.Module):
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(32, 32, rngs=rngs)
+        self.moe = MoEBlock(32, 16, 8, 2, rngs=rngs, dtype=jnp.float32)
+
+    def __call__(self, x):
+        return x + self.moe(self.proj(x))
+
+
+def test_moeblock_runs_in_a_jitted_flax_model_with_leading_dims(rng):
+    model = TinyModel(nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((2, 5, 32)), jnp.float32)
+    y = nnx.jit(lambda m, x: m(x))(model, x)
+    assert y.shape == (2, 5, 32) and np.isfinite(np.asarray(y)).all()
+    # the same as calling the block eagerly
+    np.testing.assert_allclose(np.asarray(y), np.asarray(model(x)), rtol=1e-5, atol=1e-5)
+
+
+def test_moeblock_gradients_flow_to_experts_and_router(rng):
+    block = MoEBlock(16, 8, 4, 2, rngs=nnx.Rngs(1), dtype=jnp.float32)
+    x = jnp.asarray(rng.standard_normal((6, 16)), jnp.float32)
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(block)
+    assert float(jnp.abs(grads.w13.get_value()).sum()) > 0
+    assert float(jnp.abs(grads.router.get_value()).sum()) > 0
+
+
+def test_moeblock_rejects_wrong_hidden_size():
+    block = MoEBlock(16, 8, 4, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="x must have shape \\[..., H=16\\]"):
+        block(jnp.ones((3, 15)))
+
+
+# ------------------------------------------------------------------ checkpoint layouts
+# Each reference below is written from the model family's own definition of its MoE layer,
+# directly on the checkpoint tensors, without jax_moe's orientation.
+
+E, K, H, I, T = 8, 2, 32, 16, 12
+
+
+def _silu(v):
+    return v / (1 + np.exp(-v))
+
+
+def _softmax(v):
+    e = np.exp(v - v.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _top(scores, k):
+    return np.argsort(-scores, kind="stable")[:k]
+
+
+def _per_expert_tensors(rng, prefix, gate, up, down):
+    t = {}
+    for e in range(E):
+        t[f"{prefix}experts.{e}.{gate}.weight"] = rng.standard_normal((I, H)) / np.sqrt(H)
+        t[f"{prefix}experts.{e}.{up}.weight"] = rng.standard_normal((I, H)) / np.sqrt(H)
+        t[f"{prefix}experts.{e}.{down}.weight"] = rng.standard_normal((H, I)) / np.sqrt(I)
+    return {k: v.astype(np.float32) for k, v in t.items()}
+
+
+def _softmax_topk_reference(t, prefix, x, gate, up, down):
+    probs = _softmax(x @ t[prefix + "gate.weight"].T)
+    out = np.zeros_like(x)
+    for n in range(len(x)):
+        sel = _top(probs[n], K)
+        w = probs[n, sel] / probs[n, sel].sum()
+        for wj, e in zip(w, sel):
+            g = x[n] @ t[f"{prefix}experts.{e}.{gate}.weight"].T
+            u = x[n] @ t[f"{prefix}experts.{e}.{up}.weight"].T
+            out[n] += wj * (_silu(g) * u) @ t[f"{prefix}experts.{e}.{down}.weight"].T
+    return out
+
+
+@pytest.mark.parametrize("layout,prefix,names", [
+    ("mixtral", "model.layers.0.block_sparse_moe.", ("w1", "w3", "w2")),
+    ("qwen3_moe", "model.layers.3.mlp.", ("gate_proj", "up_proj", "down_proj")),
+])
+def test_load_softmax_topk_layouts(rng, layout, prefix, names):
+    t = _per_expert_tensors(rng, prefix, *names)
+    t[prefix + "gate.weight"] = rng.standard_normal((E, H)).astype(np.float32)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    block = MoEBlock.from_checkpoint(layout, t, prefix, top_k=K, dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(block(jnp.asarray(x))),
+                               _softmax_topk_reference(t, prefix, x, *names), rtol=2e-4, atol=2e-5)
+
+
+def test_load_deepseek_v3(rng):
+    prefix = "model.layers.5.mlp."
+    e, groups = 16, 8
+    t = {}
+    for n in range(e):
+        t[f"{prefix}experts.{n}.gate_proj.weight"] = rng.standard_normal((I, H)) / np.sqrt(H)
+        t[f"{prefix}experts.{n}.up_proj.weight"] = rng.standard_normal((I, H)) / np.sqrt(H)
+        t[f"{prefix}experts.{n}.down_proj.weight"] = rng.standard_normal((H, I)) / np.sqrt(I)
+    t[prefix + "gate.weight"] = rng.standard_normal((e, H))
+    t[prefix + "gate.e_score_correction_bias"] = 0.1 * rng.standard_normal(e)
+    t = {k: v.astype(np.float32) for k, v in t.items()}
+    x = rng.standard_normal((T, H)).astype(np.float32)
+
+    # DeepSeek-V3: sigmoid scores; biased scores pick 4 of 8 groups (sum of top-2) then top-k;
+    # weights are unbiased scores, renormalized, times 2.5.
+    scores = 1 / (1 + np.exp(-(x @ t[prefix + "gate.weight"].T)))
+    biased = scores + t[prefix + "gate.e_score_correction_bias"]
+    ref = np.zeros_like(x)
+    for n in range(T):
+        per = e // groups
+        gs = [np.sort(biased[n, g * per:(g + 1) * per])[-2:].sum() for g in range(groups)]
+        keep = np.zeros(e, bool)
+        for g in _top(np.array(gs), groups // 2):
+            keep[g * per:(g + 1) * per] = True
+        sel = _top(np.where(keep, biased[n], -np.inf), K)
+        w = scores[n, sel] / scores[n, sel].sum() * 2.5
+        for wj, m in zip(w, sel):
+            g = x[n] @ t[f"{prefix}experts.{m}.gate_proj.weight"].T
+            u = x[n] @ t[f"{prefix}experts.{m}.up_proj.weight"].T
+            ref[n] += wj * (_silu(g) * u) @ t[f"{prefix}experts.{m}.down_proj.weight"].T
+    block = MoEBlock.from_checkpoint("deepseek_v3", t, prefix, top_k=K, dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(block(jnp.asarray(x))), ref, rtol=2e-4, atol=2e-5)
+
+
+def test_load_gpt_oss(rng):
+    prefix = "model.layers.1.mlp."
+    t = {
+        prefix + "router.weight": rng.standard_normal((E, H)),
+        prefix + "router.bias": rng.standard_normal(E),
+        prefix + "experts.gate_up_proj": rng.standard_normal((E, H, 2 * I)) / np.sqrt(H),
+        prefix + "experts.gate_up_proj_bias": rng.standard_normal((E, 2 * I)),
+        prefix + "experts.down_proj": rng.standard_normal((E, I, H)) / np.sqrt(I),
+        prefix + "experts.down_proj_bias": rng.standard_normal((E, H)),
+    }
+    t = {k: v.astype(np.float32) for k, v in t.items()}
+    x = rng.standard_normal((T, H)).astype(np.float32)
+
+    # GPT-OSS: top-k of router logits, softmax over the chosen; gate/up alternate along the last
+    # axis of gate_up_proj; swiglu with alpha 1.702, clamp 7, (up + 1) * glu.
+    logits = x @ t[prefix + "router.weight"].T + t[prefix + "router.bias"]
+    ref = np.zeros_like(x)
+    for n in range(T):
+        sel = _top(logits[n], K)
+        w = _softmax(logits[n, sel])
+        for wj, e in zip(w, sel):
+            gu = x[n] @ t[prefix + "experts.gate_up_proj"][e] + t[prefix + "experts.gate_up_proj_bias"][e]
+            gate, up = np.minimum(gu[::2], 7.0), np.clip(gu[1::2], -7.0, 7.0)
+            act = (up + 1) * gate / (1 + np.exp(-1.702 * gate))
+            ref[n] += wj * (act @ t[prefix + "experts.down_proj"][e] + t[prefix + "experts.down_proj_bias"][e])
+    block = MoEBlock.from_checkpoint("gpt_oss", t, prefix, top_k=K, dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(block(jnp.asarray(x))), ref, rtol=2e-4, atol=2e-5)
+
+
+def test_unknown_layout_and_missing_tensor_raise(rng):
+    with pytest.raises(ValueError, match="layout must be one of"):
+        MoEBlock.from_checkpoint("llama", {}, top_k=2)
+    with pytest.raises(ValueError, match="no experts found"):
+        MoEBlock.from_checkpoint("mixtral", {}, "p.", top_k=2)
+    with pytest.raises(ValueError, match="checkpoint tensor 'p.gate.weight' is missing"):
+        MoEBlock.from_checkpoint("mixtral", _per_expert_tensors(rng, "p.", "w1", "w3", "w2"), "p.", top_k=2)

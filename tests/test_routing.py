@@ -1,0 +1,135 @@
+"""select_experts: every routing mode against a per-token numpy reference written from its definition."""
+
+import jax
+import numpy as np
+import pytest
+
+from jax_moe import select_experts
+
+
+def _softmax(v):
+    e = np.exp(v - v.max())
+    return e / e.sum()
+
+
+def _sigmoid(v):
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+def _topk(values, k):
+    """Indices of the k largest values, ties to the lowest index."""
+    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+    return order[:k]
+
+
+def reference(logits, k, scoring="softmax", renormalize=True, groups=None, topk_group=None, bias=None, scale=1.0):
+    t, e = logits.shape
+    weights, ids = np.zeros((t, k), np.float32), np.zeros((t, k), np.int32)
+    for row in range(t):
+        scores = (_softmax if scoring == "softmax" else _sigmoid)(logits[row].astype(np.float64))
+        choice = scores + (bias if bias is not None else 0.0)
+        allowed = np.ones(e, bool)
+        if groups:
+            per = e // groups
+            gscore = []
+            for g in range(groups):
+                member = choice[g * per:(g + 1) * per]
+                gscore.append(np.sort(member)[-2:].sum() if bias is not None else member.max())
+            allowed[:] = False
+            for g in _topk(gscore, topk_group):
+                allowed[g * per:(g + 1) * per] = True
+        masked = np.where(allowed, choice, -np.inf)
+        sel = _topk(list(masked), k)
+        w = scores[sel]
+        if renormalize:
+            w = w / w.sum()
+        weights[row], ids[row] = w * scale, sel
+    return weights, ids
+
+
+def check(logits, k, **kw):
+    w, ids = jax.jit(lambda l: select_experts(l, k, **kw))(logits)
+    rw, rids = reference(
+        np.asarray(logits, np.float32), k, kw.get("scoring", "softmax"), kw.get("renormalize", True),
+        kw.get("num_expert_group"), kw.get("topk_group"),
+        None if kw.get("e_score_correction_bias") is None else np.asarray(kw["e_score_correction_bias"], np.float64),
+        kw.get("routed_scaling_factor", 1.0),
+    )
+    assert w.dtype == np.float32 and ids.dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(ids), rids)
+    np.testing.assert_allclose(np.asarray(w), rw, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (37, 64, 6), (128, 128, 8)])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_plain_topk_matches_reference(rng, t, e, k, scoring, renormalize):
+    check(rng.standard_normal((t, e)).astype(np.float32), k, scoring=scoring, renormalize=renormalize)
+
+
+def test_deepseek_v3_grouped_topk_with_bias_and_scaling(rng):
+    logits = rng.standard_normal((50, 256)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(256)).astype(np.float32)
+    check(logits, 8, scoring="sigmoid", num_expert_group=8, topk_group=4,
+          e_score_correction_bias=bias, routed_scaling_factor=2.5)
+
+
+def test_grouped_topk_without_bias_scores_groups_by_max(rng):
+    check(rng.standard_normal((40, 64)).astype(np.float32), 6, num_expert_group=8, topk_group=3)
+
+
+def test_bias_changes_choice_but_not_weights(rng):
+    logits = rng.standard_normal((20, 16)).astype(np.float32)
+    bias = np.zeros(16, np.float32)
+    bias[5] = 100.0  # expert 5 always chosen
+    w, ids = select_experts(logits, 2, scoring="sigmoid", renormalize=False, e_score_correction_bias=bias)
+    assert (np.asarray(ids) == 5).any(axis=1).all()
+    sig = _sigmoid(logits.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(w), np.take_along_axis(sig, np.asarray(ids), 1), rtol=1e-6)
+
+
+def test_llama4_top1_sigmoid_is_sigmoid_of_best_logit(rng):
+    logits = rng.standard_normal((33, 16)).astype(np.float32)
+    w, ids = select_experts(logits, 1, scoring="sigmoid", renormalize=False)
+    np.testing.assert_array_equal(np.asarray(ids)[:, 0], logits.argmax(1))
+    np.testing.assert_allclose(np.asarray(w)[:, 0], _sigmoid(logits.max(1)), rtol=1e-6)
+
+
+def test_ties_go_to_the_lowest_expert_id():
+    logits = np.zeros((3, 8), np.float32)
+    logits[:, [2, 5, 6]] = 1.0
+    _, ids = select_experts(logits, 2)
+    np.testing.assert_array_equal(np.asarray(ids), [[2, 5]] * 3)
+
+
+def test_bf16_logits_and_top_k_equal_to_e(rng):
+    logits = jax.numpy.asarray(rng.standard_normal((9, 4)), jax.numpy.bfloat16)
+    w, ids = select_experts(logits, 4)
+    np.testing.assert_allclose(np.asarray(w).sum(1), 1.0, rtol=1e-6)
+    np.testing.assert_array_equal(np.sort(np.asarray(ids), 1), [[0, 1, 2, 3]] * 9)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(top_k=9), "top_k=9 must be <= the number of experts E=8"),
+        (dict(top_k=0), "top_k must be a positive int"),
+        (dict(top_k=2, scoring="relu"), "scoring must be one of"),
+        (dict(top_k=2, num_expert_group=3, topk_group=1), "num_expert_group=3 must divide"),
+        (dict(top_k=2, num_expert_group=4), "must be given together"),
+        (dict(top_k=2, num_expert_group=4, topk_group=5), "topk_group=5 must be in"),
+        (dict(top_k=6, num_expert_group=4, topk_group=2), "top_k=6 must be <= topk_group"),
+        (dict(top_k=2, e_score_correction_bias=np.zeros(7, np.float32)), "e_score_correction_bias must have shape \\[8\\]"),
+    ],
+)
+def test_bad_routing_arguments_raise_naming_the_argument(kwargs, match):
+    logits = np.ones((4, 8), np.float32)
+    with pytest.raises(ValueError, match=match):
+        select_experts(logits, **kwargs)
+
+
+def test_bad_logits_raise():
+    with pytest.raises(ValueError, match="router_logits must have rank 2"):
+        select_experts(np.ones((8,), np.float32), 1)
+    with pytest.raises(ValueError, match="router_logits must have dtype"):
+        select_experts(np.ones((2, 8), np.int32), 1)
