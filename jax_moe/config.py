@@ -36,13 +36,16 @@ class MoEConfig:
     gate_up_layout: str = "concat"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # One expert-parallel shard's view: num_experts is the local count, top_k may exceed it,
+    # and ids of experts owned elsewhere are -1.
+    expert_shard: bool = False
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.top_k > self.num_experts:
+        if self.top_k > self.num_experts and not self.expert_shard:
             raise ValueError(
                 f"top_k={self.top_k} must be <= num_experts={self.num_experts}"
             )

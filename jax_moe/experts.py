@@ -91,11 +91,16 @@ def fused_experts(
         check_shape("w2_bias", w2_bias, (cfg.num_experts, cfg.hidden_size), "[E, H]")
     if apply_router_weight_on_input and cfg.top_k != 1:
         raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k={cfg.top_k}")
-    impl = oracle.select_backend(cfg, quant, backend=backend).module
-    return impl.apply(
+    return run_experts(
         x, w13, w2, topk_weights, topk_ids, cfg, quant=quant, w13_bias=w13_bias, w2_bias=w2_bias,
-        apply_router_weight_on_input=apply_router_weight_on_input,
+        apply_router_weight_on_input=apply_router_weight_on_input, backend=backend,
     )
+
+
+def run_experts(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, backend: str | None = None, **options):
+    """The oracle's backend on already-checked arguments (``options`` as the backends' ``apply``)."""
+    impl = oracle.select_backend(cfg, options.get("quant"), backend=backend).module
+    return impl.apply(x, w13, w2, topk_weights, topk_ids, cfg, **options)
 
 
 def fused_moe(

@@ -1,6 +1,12 @@
-"""Test-suite wiring: ``@pytest.mark.gpu`` tests run only where JAX sees an NVIDIA GPU."""
+"""Test-suite wiring: ``@pytest.mark.gpu`` tests run only where JAX sees an NVIDIA GPU; the CPU
+platform gets 8 devices so that the parallel tests can build meshes anywhere."""
 
-import jax
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
 import pytest
 
 

@@ -1,0 +1,279 @@
+"""Expert, tensor and data parallelism on JAX's own engine: a ``Mesh``, ``shard_map`` and XLA's
+collectives. No communication layer of our own.
+
+Layout on a mesh with (some of) the axes ``dp``, ``ep``, ``tp``:
+
+- tokens (x [T, H], router logits, top-k ids/weights) are split over ``(dp, ep)``: every
+  device of the expert-parallel group brings its own tokens, as in vLLM's DP+EP;
+- experts are split over ``ep``: device r of the group owns global experts
+  ``[r * E/ep, (r + 1) * E/ep)`` (the expert map of the seeds: global id -> local id or -1);
+- the intermediate size is split over ``tp``: w13 column-parallel, w2 row-parallel, the output
+  summed over ``tp``. :func:`shard_weights` reorders w13's rows once, at load time, so that a
+  contiguous split of its 2I rows gives every device its own gate rows then its own up rows.
+
+Prepare/finalize strategies (``ParallelConfig.strategy``):
+
+- ``"none"``: no expert parallelism (``ep`` absent); experts replicated over ``dp``.
+- ``"naive"`` (the seeds'): all-gather tokens, ids and weights over ``ep``; each device runs
+  its local experts on every token; a reduce-scatter brings each token's sum home.
+- ``"all_to_all"``: each token goes only to the devices owning one of its experts. On GPUs,
+  ``jax.lax.ragged_all_to_all`` moves just those rows; where XLA lacks it (CPU), a fixed
+  ``[ep, T_local, H]`` all-to-all carries the same rows, zero-padded. The reverse exchange
+  brings the partial outputs back, summed in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_moe.experts import moe_config_from_arrays, run_experts
+from jax_moe.routing import select_experts
+
+STRATEGIES = ("none", "naive", "all_to_all")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Which mesh axes split tokens (``dp_axis``, and ``ep_axis``), experts (``ep_axis``) and the
+    intermediate size (``tp_axis``); ``None`` for an axis not used."""
+
+    mesh: Mesh
+    ep_axis: str | None = None
+    tp_axis: str | None = None
+    dp_axis: str | None = None
+    strategy: str = "naive"
+    ragged: bool | None = None  # all_to_all: ragged exchange (default: on GPUs)
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        for name in ("ep_axis", "tp_axis", "dp_axis"):
+            axis = getattr(self, name)
+            if axis is not None and axis not in self.mesh.axis_names:
+                raise ValueError(f"{name}={axis!r} is not an axis of the mesh {self.mesh.axis_names}")
+        if (self.strategy == "none") != (self.ep_axis is None):
+            raise ValueError("strategy 'none' is for meshes without ep_axis; 'naive' and 'all_to_all' need ep_axis")
+
+    def size(self, axis: str | None) -> int:
+        return 1 if axis is None else self.mesh.shape[axis]
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in (self.dp_axis, self.ep_axis) if a is not None)
+
+    @property
+    def token_spec(self) -> P:
+        axes = self.token_axes
+        return P(axes if axes else None)
+
+    def use_ragged(self) -> bool:
+        if self.ragged is not None:
+            return self.ragged
+        return all(d.platform == "gpu" for d in self.mesh.devices.flat)
+
+
+# ------------------------------------------------------------------------- load time
+
+
+def tp_row_order(rows: int, tp: int, gate_up_layout: str, gated: bool) -> np.ndarray:
+    """Row order of w13 such that shard s of a contiguous ``tp``-way split holds, in concat
+    layout, gate rows ``[s*I/tp, (s+1)*I/tp)`` then the same up rows. Identity when not gated
+    or interleaved (pairs stay together in a contiguous split)."""
+    if not gated or gate_up_layout == "interleaved" or tp == 1:
+        return np.arange(rows)
+    inter = rows // 2
+    part = inter // tp
+    order = [np.r_[s * part:(s + 1) * part, inter + s * part:inter + (s + 1) * part] for s in range(tp)]
+    return np.concatenate(order)
+
+
+def shard_weights(w13, w2, pcfg: ParallelConfig, *, activation: str = "silu", gate_up_layout: str = "concat",
+                  w13_bias=None, w2_bias=None, quant=None) -> dict:
+    """Place the expert weights on the mesh once, at load time: experts over ``ep``, the
+    intermediate size over ``tp`` (w13's rows reordered by :func:`tp_row_order`).
+
+    Returns a dict with w13, w2, w13_bias, w2_bias, quant ready for :func:`parallel_fused_experts`.
+    """
+    from jax_moe.config import ACTIVATIONS
+
+    gated = ACTIVATIONS[activation]
+    e, rows = w13.shape[:2]
+    ep, tp = pcfg.size(pcfg.ep_axis), pcfg.size(pcfg.tp_axis)
+    if e % ep:
+        raise ValueError(f"the number of experts E={e} must be a multiple of the ep size {ep}")
+    inter = rows // 2 if gated else rows
+    if inter % tp:
+        raise ValueError(f"the intermediate size I={inter} must be a multiple of the tp size {tp}")
+    if quant is not None and tp > 1:
+        raise ValueError("tensor parallelism over quantized weights is not supported yet; use ep/dp")
+    order = tp_row_order(rows, tp, gate_up_layout, gated)
+    ep_ax, tp_ax = pcfg.ep_axis, pcfg.tp_axis
+
+    def put(a, spec):
+        return None if a is None else jax.device_put(a, NamedSharding(pcfg.mesh, spec))
+
+    out = dict(
+        w13=put(w13[:, order], P(ep_ax, tp_ax, None)),
+        w2=put(w2, P(ep_ax, None, tp_ax)),
+        w13_bias=put(None if w13_bias is None else w13_bias[:, order], P(ep_ax, tp_ax)),
+        w2_bias=put(w2_bias, P(ep_ax, None)),
+        quant=None,
+    )
+    if quant is not None:
+        out["quant"] = jax.tree.map(lambda a: put(a, _expert_spec(a, e, ep_ax)), quant)
+    return out
+
+
+def _expert_spec(a, num_experts: int, ep_axis) -> P:
+    """Scales with a leading expert axis are split like the experts; others are replicated."""
+    if getattr(a, "ndim", 0) >= 1 and a.shape[0] == num_experts:
+        return P(ep_axis, *([None] * (a.ndim - 1)))
+    return P()
+
+
+# ------------------------------------------------------------------------- run time
+
+
+def _local_ids(ids, e_local: int, rank):
+    """Global ids -> this device's local ids, -1 for experts owned elsewhere."""
+    local = ids - rank * e_local
+    return jnp.where((local >= 0) & (local < e_local), local, -1).astype(jnp.int32)
+
+
+def _experts(x, w13, w2, w, ids, opts, w2_bias, tp_axis):
+    """Local experts on local rows; the w2 bias counted once across ``tp``; summed over ``tp``."""
+    if tp_axis is not None and w2_bias is not None:
+        w2_bias = jnp.where(jax.lax.axis_index(tp_axis) == 0, w2_bias, 0.0)
+    opts = dict(opts)
+    cfg = opts.pop("cfg")
+    y = run_experts(x, w13, w2, w, ids, cfg, w2_bias=w2_bias, **opts).astype(jnp.float32)
+    if tp_axis is not None:
+        y = jax.lax.psum(y, tp_axis)
+    return y
+
+
+def _naive(x, w13, w2, w, ids, opts, w2_bias, pcfg: ParallelConfig, e_local: int):
+    ep = pcfg.ep_axis
+    xa = jax.lax.all_gather(x, ep, tiled=True)
+    wa = jax.lax.all_gather(w, ep, tiled=True)
+    ida = _local_ids(jax.lax.all_gather(ids, ep, tiled=True), e_local, jax.lax.axis_index(ep))
+    y = _experts(xa, w13, w2, wa, ida, opts, w2_bias, pcfg.tp_axis)
+    return jax.lax.psum_scatter(y, ep, scatter_dimension=0, tiled=True)
+
+
+def _dispatch_masks(ids, e_local: int, ep_size: int):
+    """owner [T, k] (device of each slot) and send [ep, T] (token t goes to device d)."""
+    owner = ids // e_local
+    send = (owner[None, :, :] == jnp.arange(ep_size)[:, None, None]).any(-1)
+    return owner, send
+
+
+def _all_to_all_dense(x, w13, w2, w, ids, opts, w2_bias, pcfg: ParallelConfig, e_local: int):
+    ep, n = pcfg.ep_axis, pcfg.size(pcfg.ep_axis)
+    t = x.shape[0]
+    owner, send = _dispatch_masks(ids, e_local, n)
+    dest = jnp.arange(n)[:, None, None]
+    x_send = jnp.where(send[:, :, None], x[None], 0).astype(x.dtype)  # [ep, T, H]
+    id_send = jnp.where(owner[None] == dest, ids[None] - dest * e_local, -1).astype(jnp.int32)
+    x_recv = jax.lax.all_to_all(x_send, ep, 0, 0, tiled=True)
+    id_recv = jax.lax.all_to_all(id_send, ep, 0, 0, tiled=True)
+    w_recv = jax.lax.all_to_all(jnp.broadcast_to(w[None], (n,) + w.shape), ep, 0, 0, tiled=True)
+    h = x.shape[1]
+    y = _experts(x_recv.reshape(n * t, h), w13, w2, w_recv.reshape(n * t, -1), id_recv.reshape(n * t, -1),
+                 opts, w2_bias, pcfg.tp_axis)
+    back = jax.lax.all_to_all(y.reshape(n, t, h), ep, 0, 0, tiled=True)
+    return back.sum(0)
+
+
+def _all_to_all_ragged(x, w13, w2, w, ids, opts, w2_bias, pcfg: ParallelConfig, e_local: int):
+    """Only the rows a device needs travel. Sender packs its rows by destination; receiver
+    keeps a fixed slot of T rows per source (zero rows where nothing arrived)."""
+    ep, n = pcfg.ep_axis, pcfg.size(pcfg.ep_axis)
+    t, h = x.shape
+    me = jax.lax.axis_index(ep)
+    owner, send = _dispatch_masks(ids, e_local, n)
+    counts = send.sum(1).astype(jnp.int32)  # rows for each destination
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)[:-1].astype(jnp.int32)])
+    cap = t * min(n, ids.shape[1])
+    # packed row r -> (destination, token): stable order by destination then token
+    flat = send.reshape(-1)
+    order = jnp.argsort(~flat, stable=True)[:cap]
+    valid = jnp.arange(cap) < counts.sum()
+    dest, tok = order // t, order % t
+    x_pack = jnp.where(valid[:, None], x[tok], 0).astype(x.dtype)
+    id_pack = jnp.where(valid[:, None] & (owner[tok] == dest[:, None]), ids[tok] - dest[:, None] * e_local, -1)
+    w_pack = w[tok]
+
+    recv_counts = jax.lax.all_to_all(counts, ep, 0, 0, tiled=True)  # rows each source sends me
+    out_offsets = jnp.full((n,), me * t, jnp.int32)  # my rows land in slot `me` of every receiver
+
+    def exchange(a, fill):
+        buf = jnp.full((n * t,) + a.shape[1:], fill, a.dtype)
+        return jax.lax.ragged_all_to_all(a, buf, starts, counts, out_offsets, recv_counts, axis_name=ep)
+
+    x_recv = exchange(x_pack, 0)
+    id_recv = exchange(id_pack.astype(jnp.int32), -1)
+    w_recv = exchange(w_pack, 0)
+    y = _experts(x_recv, w13, w2, w_recv, id_recv, opts, w2_bias, pcfg.tp_axis)
+    # reverse: slot s of my buffer goes back to source s, at the offsets it sent from
+    src_starts = jax.lax.all_to_all(starts, ep, 0, 0, tiled=True)
+    back = jax.lax.ragged_all_to_all(y, jnp.zeros((cap, h), y.dtype), jnp.arange(n, dtype=jnp.int32) * t,
+                                     recv_counts, src_starts, counts, axis_name=ep)
+    back = jnp.where(valid[:, None], back, 0.0)
+    return jnp.zeros((t, h), jnp.float32).at[tok].add(back)
+
+
+def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelConfig, *, w13_bias=None,
+                           w2_bias=None, quant=None, **opts):
+    """:func:`jax_moe.fused_experts` over ``pcfg.mesh``. Weights as placed by :func:`shard_weights`
+    (global shapes; w13's rows in :func:`tp_row_order`); x [T, H] with T a multiple of the
+    number of token shards. Returns [T, H] in x's dtype, split like x."""
+    e = w13.shape[0]
+    ep, tp = pcfg.size(pcfg.ep_axis), pcfg.size(pcfg.tp_axis)
+    shards = int(np.prod([pcfg.size(a) for a in pcfg.token_axes])) if pcfg.token_axes else 1
+    if x.shape[0] % shards:
+        raise ValueError(f"x has T={x.shape[0]} tokens, which must be a multiple of the {shards} token shards")
+    if e % ep:
+        raise ValueError(f"the number of experts E={e} must be a multiple of the ep size {ep}")
+    if opts.get("apply_router_weight_on_input"):
+        raise ValueError("apply_router_weight_on_input is not supported under parallel execution yet")
+    # full shape checks on the global arrays, before anything is traced
+    cfg = moe_config_from_arrays(x, w13, w2, topk_ids, activation=opts.pop("activation", "silu"),
+                                 gate_up_layout=opts.pop("gate_up_layout", "concat"), quant=quant,
+                                 swiglu_alpha=opts.pop("swiglu_alpha", 1.702), swiglu_limit=opts.pop("swiglu_limit", 7.0))
+    e_local = e // ep
+    local_cfg = dataclasses.replace(cfg, num_experts=e_local, intermediate_size=cfg.intermediate_size // tp,
+                                    expert_shard=ep > 1)
+    ep_ax, tp_ax = pcfg.ep_axis, pcfg.tp_axis
+    tok = pcfg.token_spec
+    quant_spec = None if quant is None else jax.tree.map(lambda a: _expert_spec(a, e, ep_ax), quant)
+
+    def body(x, w13, w2, w, ids, w13_bias, w2_bias, quant):
+        o = dict(opts, w13_bias=w13_bias, quant=quant, cfg=local_cfg)
+        if pcfg.strategy == "none":
+            y = _experts(x, w13, w2, w, ids, o, w2_bias, tp_ax)
+        elif pcfg.strategy == "naive":
+            y = _naive(x, w13, w2, w, ids, o, w2_bias, pcfg, e_local)
+        elif pcfg.use_ragged():
+            y = _all_to_all_ragged(x, w13, w2, w, ids, o, w2_bias, pcfg, e_local)
+        else:
+            y = _all_to_all_dense(x, w13, w2, w, ids, o, w2_bias, pcfg, e_local)
+        return y.astype(x.dtype)
+
+    in_specs = (tok, P(ep_ax, tp_ax, None), P(ep_ax, None, tp_ax), tok, tok,
+                None if w13_bias is None else P(ep_ax, tp_ax), None if w2_bias is None else P(ep_ax, None),
+                quant_spec)
+    fn = jax.shard_map(body, mesh=pcfg.mesh, in_specs=in_specs, out_specs=tok, check_vma=False)
+    return fn(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, quant)
+
+
+def parallel_fused_moe(x, w13, w2, router_logits, top_k: int, pcfg: ParallelConfig, *, routing=None, **opts):
+    """Routing (token-parallel, no communication) then :func:`parallel_fused_experts`."""
+    weights, ids = select_experts(router_logits, top_k, **(routing or {}))
+    return parallel_fused_experts(x, w13, w2, weights, ids, pcfg, **opts)

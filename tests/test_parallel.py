@@ -1,0 +1,108 @@
+"""Expert/tensor/data parallel execution equals the single-device MoE (8 CPU devices)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from jax_moe import fused_experts, select_experts
+from jax_moe.parallel import ParallelConfig, parallel_fused_experts, shard_weights, tp_row_order
+from jax_moe.quant.scheme import quantize_weights
+
+E, K, H, I = 16, 4, 32, 32
+
+
+def cpu_mesh(shape, names):
+    devs = jax.devices("cpu")
+    if len(devs) < int(np.prod(shape)):
+        pytest.skip(f"needs {int(np.prod(shape))} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    return Mesh(np.array(devs[: int(np.prod(shape))]).reshape(shape), names)
+
+
+def moe(rng, t, activation="silu", bias=False):
+    rows = 2 * I if activation != "relu2" else I
+    x = jnp.asarray(rng.standard_normal((t, H)), jnp.float32)
+    w13 = jnp.asarray(rng.standard_normal((E, rows, H)) / np.sqrt(H), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((E, H, I)) / np.sqrt(I), jnp.float32)
+    w, ids = select_experts(jnp.asarray(rng.standard_normal((t, E)), jnp.float32), K)
+    b = {}
+    if bias:
+        b = dict(w13_bias=jnp.asarray(rng.standard_normal((E, rows)), jnp.float32),
+                 w2_bias=jnp.asarray(rng.standard_normal((E, H)), jnp.float32))
+    return x, w13, w2, w, ids, b
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.isfinite(a).all()
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+MESHES = [((8,), ("ep",), dict(ep_axis="ep")),
+          ((4, 2), ("ep", "tp"), dict(ep_axis="ep", tp_axis="tp")),
+          ((2, 4), ("dp", "ep"), dict(ep_axis="ep", dp_axis="dp"))]
+
+
+@pytest.mark.parametrize("shape,names,axes", MESHES, ids=["ep8", "ep4-tp2", "dp2-ep4"])
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_parallel_equals_single_device(rng, shape, names, axes, strategy):
+    pcfg = ParallelConfig(cpu_mesh(shape, names), strategy=strategy, **axes)
+    x, w13, w2, w, ids, b = moe(rng, 64, activation="swigluoai", bias=True)
+    ref = fused_experts(x, w13, w2, w, ids, activation="swigluoai", **b)
+    placed = shard_weights(w13, w2, pcfg, activation="swigluoai", **b)
+    out = jax.jit(lambda x, w, ids, p: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg,
+                                                               w13_bias=p["w13_bias"], w2_bias=p["w2_bias"],
+                                                               quant=p["quant"], activation="swigluoai"))(
+        x, w, ids, placed)
+    assert out.shape == x.shape
+    assert rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_tokens_whose_experts_all_live_on_one_device(rng, strategy):
+    """Every token picks experts 0..3 (device 0 of ep=4): the other devices receive nothing."""
+    pcfg = ParallelConfig(cpu_mesh((4,), ("ep",)), ep_axis="ep", strategy=strategy)
+    x, w13, w2, _, _, _ = moe(rng, 32)
+    ids = jnp.tile(jnp.arange(4, dtype=jnp.int32), (32, 1))
+    w = jnp.asarray(rng.random((32, 4)), jnp.float32)
+    p = shard_weights(w13, w2, pcfg)
+    out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg)
+    assert rel(out, fused_experts(x, w13, w2, w, ids)) < 1e-5
+
+
+def test_quantized_weights_under_expert_parallelism(rng):
+    pcfg = ParallelConfig(cpu_mesh((4,), ("ep",)), ep_axis="ep")
+    x, w13, w2, w, ids, _ = moe(rng, 32)
+    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_token")
+    p = shard_weights(q13, q2, pcfg, quant=quant)
+    out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"])
+    assert rel(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-3
+
+
+def test_no_ep_with_tensor_and_data_parallelism(rng):
+    pcfg = ParallelConfig(cpu_mesh((2, 4), ("dp", "tp")), tp_axis="tp", dp_axis="dp", strategy="none")
+    x, w13, w2, w, ids, _ = moe(rng, 16)
+    p = shard_weights(w13, w2, pcfg)
+    out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg)
+    assert rel(out, fused_experts(x, w13, w2, w, ids)) < 1e-5
+
+
+def test_tp_row_order_keeps_gate_and_up_together():
+    # I=4, tp=2: shard 0 = gate 0,1 + up 0,1 (rows 0,1,4,5); shard 1 = rows 2,3,6,7
+    np.testing.assert_array_equal(tp_row_order(8, 2, "concat", True), [0, 1, 4, 5, 2, 3, 6, 7])
+    np.testing.assert_array_equal(tp_row_order(8, 2, "interleaved", True), np.arange(8))
+
+
+def test_bad_parallel_configs_raise(rng):
+    mesh = cpu_mesh((4,), ("ep",))
+    with pytest.raises(ValueError, match="ep_axis='x' is not an axis"):
+        ParallelConfig(mesh, ep_axis="x")
+    with pytest.raises(ValueError, match="strategy 'none' is for meshes without ep_axis"):
+        ParallelConfig(mesh, ep_axis="ep", strategy="none")
+    pcfg = ParallelConfig(mesh, ep_axis="ep")
+    x, w13, w2, w, ids, _ = moe(rng, 6)
+    with pytest.raises(ValueError, match="E=6 must be a multiple of the ep size 4"):
+        shard_weights(w13[:6], w2[:6], pcfg)
+    with pytest.raises(ValueError, match="T=6 tokens, which must be a multiple of the 4 token shards"):
+        parallel_fused_experts(x, w13, w2, w, ids, pcfg)
