@@ -1,0 +1,108 @@
+"""Expert-parallel MoE on every local GPU: naive (all-gather + reduce-scatter) vs all-to-all.
+
+    python bench/ep_bench.py                       # DeepSeek-V3 shapes, T = 64 1024 8192 per device
+    python bench/ep_bench.py --tokens 64 --check   # also compare with the single-device result
+
+Prints, per tokens-per-device T: median step time of each strategy and the bytes each device
+sends per step (counted from the routing, not estimated): naive sends its tokens to every other
+device and reduce-scatters float32 partials; all-to-all sends each token once to each other
+device that owns one of its experts, and the partial outputs back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench.moe_bench import timeit  # noqa: E402
+from jax_moe import fused_experts, select_experts  # noqa: E402
+from jax_moe.parallel import ParallelConfig, parallel_fused_experts, shard_weights  # noqa: E402
+
+
+def bytes_sent(ids: np.ndarray, ep: int, e_local: int, h: int, t_local: int) -> tuple[float, float]:
+    """Mean bytes one device sends per step: (naive, all_to_all)."""
+    naive = (ep - 1) * t_local * (2 * h + 8 * ids.shape[1]) + (ep - 1) * t_local * 4 * h
+    owner = ids // e_local  # [T, k]
+    a2a = 0.0
+    for src in range(ep):
+        mine = owner[src * t_local:(src + 1) * t_local]
+        for dst in range(ep):
+            if dst != src:
+                rows = (mine == dst).any(1).sum()
+                a2a += rows * (2 * h + 8 * ids.shape[1] + 4 * h)
+    return naive, a2a / ep
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--inter", type=int, default=2048)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--tokens", nargs="+", type=int, default=[64, 1024, 8192], help="tokens per device")
+    p.add_argument("--check", action="store_true", help="compare with the single-device MoE")
+    p.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
+    args = p.parse_args(argv)
+
+    devs = jax.devices()
+    ep = len(devs)
+    mesh = Mesh(np.array(devs), ("ep",))
+    e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
+    kw, k2 = jax.random.split(jax.random.key(0))
+    w13 = jax.random.normal(kw, (e, 2 * i, h), jnp.bfloat16) * (h ** -0.5)
+    w2 = jax.random.normal(k2, (e, h, i), jnp.bfloat16) * (i ** -0.5)
+    rows = []
+    strategies = {"naive": ParallelConfig(mesh, ep_axis="ep", strategy="naive"),
+                  "all_to_all": ParallelConfig(mesh, ep_axis="ep", strategy="all_to_all")}
+    placed = shard_weights(w13, w2, strategies["naive"])
+    tok = NamedSharding(mesh, P("ep"))
+    for t_local in args.tokens:
+        t = t_local * ep
+        kx, kr = jax.random.split(jax.random.key(t))
+        x = jax.device_put(jax.random.normal(kx, (t, h), jnp.bfloat16), tok)
+        w, ids = select_experts(jax.random.normal(kr, (t, e), jnp.float32), k)
+        w, ids = jax.device_put(w, tok), jax.device_put(ids, tok)
+        row = {"T": t_local}
+        for name, pcfg in strategies.items():
+            fn = jax.jit(lambda x, w, ids, p, pcfg=pcfg: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg))
+            row[name] = timeit(fn, [(x, w, ids, placed)])
+            if args.check:
+                ref = jax.jit(fused_experts)(jax.device_put(x, devs[0]), jax.device_put(w13, devs[0]),
+                                             jax.device_put(w2, devs[0]), jax.device_put(w, devs[0]),
+                                             jax.device_put(ids, devs[0]))
+                out = np.asarray(fn(x, w, ids, placed), np.float64)
+                r = np.asarray(ref, np.float64)
+                row[name + "_err"] = float(np.linalg.norm(out - r) / np.linalg.norm(r))
+        row["naive_bytes"], row["a2a_bytes"] = bytes_sent(np.asarray(ids), ep, e // ep, h, t_local)
+        rows.append(row)
+        print(row, flush=True)
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
+    title = (f"{ep} x {devs[0].device_kind}, {datetime.date.today()}, commit {commit}: expert parallel "
+             f"E={e} H={h} I={i} k={k}, bf16, xla backend")
+    table = ["| T per device | naive ms | all_to_all ms | naive MB sent/device | all_to_all MB sent/device |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['T']} | {r['naive']:.2f} | {r['all_to_all']:.2f} | {r['naive_bytes'] / 1e6:.1f} | "
+                     f"{r['a2a_bytes'] / 1e6:.1f} |")
+    text = "\n".join(table)
+    print("\n" + title + "\n" + text)
+    if args.write:
+        with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as f:
+            f.write(f"\n## {title}\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Expert parallelism across the GPUs of one host (needs >= 2): equals one GPU's result."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_moe import fused_experts, select_experts
+from jax_moe.parallel import ParallelConfig, parallel_fused_experts, shard_weights
+
+pytestmark = pytest.mark.gpu
+
+
+def gpus():
+    try:
+        return [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return []
+
+
+@pytest.mark.skipif(len(gpus()) < 2, reason="needs at least 2 GPUs")
+@pytest.mark.parametrize("strategy,ragged", [("naive", None), ("all_to_all", True), ("all_to_all", False)])
+@pytest.mark.parametrize("t_local", [1, 100])
+def test_expert_parallel_on_gpus_equals_one_gpu(rng, strategy, ragged, t_local):
+    devs = gpus()
+    mesh = Mesh(np.array(devs), ("ep",))
+    e, k, h, i = 64, 8, 512, 256
+    t = t_local * len(devs)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
+    w, ids = select_experts(jnp.asarray(rng.standard_normal((t, e)), jnp.float32), k)
+    ref = np.asarray(fused_experts(x, w13, w2, w, ids), np.float64)
+    pcfg = ParallelConfig(mesh, ep_axis="ep", strategy=strategy, ragged=ragged)
+    p = shard_weights(w13, w2, pcfg)
+    tok = NamedSharding(mesh, P("ep"))
+    out = jax.jit(lambda x, w, ids: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg))(
+        jax.device_put(x, tok), jax.device_put(w, tok), jax.device_put(ids, tok))
+    got = np.asarray(out, np.float64)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
