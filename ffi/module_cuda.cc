@@ -1,0 +1,23 @@
+// jax_moe._jax_moe_cuda: the CUDA XLA FFI handlers, exported as capsules, plus build facts.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
+
+#include "sort_by_expert.h"
+
+namespace nb = nanobind;
+
+#ifndef JAX_MOE_CUDA_ARCHS_STR
+#define JAX_MOE_CUDA_ARCHS_STR ""
+#endif
+
+NB_MODULE(_jax_moe_cuda, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_moe_sort_by_expert"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeSortByExpertCuda));
+    return d;
+  });
+  m.def("cuda_archs", []() { return std::string(JAX_MOE_CUDA_ARCHS_STR); });
+  m.attr("sort_chunk") = jax_moe::kSortChunk;
+}

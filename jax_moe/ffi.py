@@ -1,0 +1,116 @@
+"""The compiled modules: loading them, registering their XLA FFI targets once, and the shape rules.
+
+``_jax_moe_cpu`` (always built) holds CPU handlers; ``_jax_moe_cuda`` (built where a CUDA
+compiler was found, see CMakeLists.txt) holds the CUDA ones. A module that is absent or fails
+to load is recorded with its reason (``native_status()``), never raised at import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from jax_moe.permute import ExpertSort
+
+log = logging.getLogger("jax_moe")
+
+_MODULES = {"cpu": "jax_moe._jax_moe_cpu", "cuda": "jax_moe._jax_moe_cuda"}
+_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
+_loaded: dict[str, object] = {}
+_errors: dict[str, str] = {}
+_registered: set[str] = set()
+SORT_CHUNK = 256  # slots per CUDA block of sort_by_expert (ffi/sort_by_expert.h: kSortChunk)
+
+
+def _gpu_backend() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def _load(kind: str):
+    if kind in _loaded or kind in _errors:
+        return _loaded.get(kind)
+    try:
+        _loaded[kind] = importlib.import_module(_MODULES[kind])
+    except ImportError as err:
+        _errors[kind] = f"{_MODULES[kind]} is not built or cannot load ({err})"
+        log.info("jax_moe: %s", _errors[kind])
+    return _loaded.get(kind)
+
+
+def _register(kind: str) -> bool:
+    """Register ``kind``'s targets with XLA once; False (with the reason recorded) if unavailable."""
+    if kind in _registered:
+        return True
+    if kind == "cuda" and not _gpu_backend():
+        _errors.setdefault(kind, "no GPU backend in this JAX")
+        return False
+    mod = _load(kind)
+    if mod is None:
+        return False
+    if kind == "cuda" and getattr(mod, "sort_chunk", SORT_CHUNK) != SORT_CHUNK:
+        _errors[kind] = "the compiled module's sort chunk does not match jax_moe/ffi.py"
+        return False
+    for name, capsule in mod.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform=_PLATFORM[kind])
+    _registered.add(kind)
+    return True
+
+
+def has_native(kind: str) -> bool:
+    """Whether the ``"cpu"`` or ``"cuda"`` handlers are built and registered."""
+    return _register(kind)
+
+
+def native_status() -> dict[str, str]:
+    """What loaded and what did not, with reasons (for ``python -m jax_moe.info``)."""
+    out = {}
+    for kind in _MODULES:
+        if _register(kind):
+            extra = ""
+            if kind == "cuda":
+                extra = f", archs {_loaded[kind].cuda_archs()}"
+            out[kind] = f"loaded{extra}"
+        else:
+            out[kind] = f"unavailable: {_errors.get(kind, 'unknown reason')}"
+    return out
+
+
+def sort_by_expert(topk_ids: jax.Array, num_experts: int) -> ExpertSort:
+    """The compiled twin of :func:`jax_moe.permute.sort_by_expert` (same four arrays).
+
+    topk_ids [T, k] int32. Runs the CPU or CUDA handler, whichever platform it is lowered for.
+    """
+    if getattr(topk_ids, "ndim", None) != 2:
+        raise ValueError(f"topk_ids must have rank 2 [T, k], got shape {list(getattr(topk_ids, 'shape', ()))}")
+    if jnp.dtype(topk_ids.dtype) != jnp.int32:
+        raise ValueError(f"topk_ids must have dtype int32, got {jnp.dtype(topk_ids.dtype).name}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    n = topk_ids.shape[0] * topk_ids.shape[1]
+    i32 = jnp.int32
+    outs = [jax.ShapeDtypeStruct((n,), i32), jax.ShapeDtypeStruct((n,), i32),
+            jax.ShapeDtypeStruct((num_experts,), i32), jax.ShapeDtypeStruct((num_experts + 1,), i32)]
+    workspace = jax.ShapeDtypeStruct((max(1, -(-n // SORT_CHUNK) * (num_experts + 1)),), i32)
+    have_cpu, have_cuda = has_native("cpu"), has_native("cuda")
+    if not (have_cpu or have_cuda):
+        raise RuntimeError(f"jax_moe native module unavailable: {native_status()}")
+
+    def cpu(ids):
+        return tuple(jax.ffi.ffi_call("jax_moe_sort_by_expert", outs)(ids, num_experts=num_experts))
+
+    def cuda(ids):
+        return tuple(jax.ffi.ffi_call("jax_moe_sort_by_expert", outs + [workspace])(ids, num_experts=num_experts))[:4]
+
+    branches = {}
+    if have_cpu:
+        branches["cpu"] = cpu
+    if have_cuda:
+        branches["cuda"] = cuda
+    sorted_slots, inverse, counts, offsets = jax.lax.platform_dependent(topk_ids, **branches)
+    return ExpertSort(sorted_slots, inverse, counts, offsets)
