@@ -108,7 +108,7 @@ def implementations(cfg: MoEConfig) -> dict:
         "ragged_dot": lambda *a: xla.apply(*a, cfg, strategy="ragged_dot"),
         "dense": lambda *a: dense_reference(*a, cfg),
     }
-    for name in oracle.ORDER:
+    for name in oracle.BACKENDS:
         if name == "xla":
             continue
         mod, ok, reason = oracle.probe(name, cfg, None, None)
@@ -215,8 +215,9 @@ def main(argv=None):
 
     dev = jax.devices()[0]
     bw, peak = measure_ceilings()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
+    commit = os.environ.get("JAX_MOE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
+    ).stdout.strip() or "unknown"
     title = (f"{dev.device_kind} ({dev.platform}), {datetime.date.today()}, commit {commit}, jax {jax.__version__}; "
              f"measured {bw / 1e12:.2f} TB/s read+write, {peak / 1e12:.0f} TFLOP/s bf16 matmul")
     print("#", title)
