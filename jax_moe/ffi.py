@@ -47,11 +47,11 @@ def _register(kind: str) -> bool:
     """Register ``kind``'s targets with XLA once; False (with the reason recorded) if unavailable."""
     if kind in _registered:
         return True
-    if kind == "cuda" and not _gpu_backend():
-        _errors.setdefault(kind, "no GPU backend in this JAX")
-        return False
     mod = _load(kind)
     if mod is None:
+        return False
+    if kind == "cuda" and not _gpu_backend():
+        _errors.setdefault(kind, f"built for {mod.cuda_archs()}, but this JAX has no GPU backend")
         return False
     if kind == "cuda" and getattr(mod, "sort_chunk", SORT_CHUNK) != SORT_CHUNK:
         _errors[kind] = "the compiled module's sort chunk does not match jax_moe/ffi.py"
