@@ -103,19 +103,24 @@ def dense_reference(x, w13, w2, w, ids, cfg):
 
 
 def implementations(cfg: MoEConfig) -> dict:
+    """name -> (prepare(w13, w2) -> (w13, w2), run at load time; fn(x, w13, w2, w, ids))."""
+    same = lambda w13, w2: (w13, w2)  # noqa: E731
     impls = {
-        "xla": lambda *a: xla.apply(*a, cfg),
-        "ragged_dot": lambda *a: xla.apply(*a, cfg, strategy="ragged_dot"),
-        "dense": lambda *a: dense_reference(*a, cfg),
+        "xla": (same, lambda *a: xla.apply(*a, cfg)),
+        "ragged_dot": (same, lambda *a: xla.apply(*a, cfg, strategy="ragged_dot")),
+        "dense": (same, lambda *a: dense_reference(*a, cfg)),
     }
     for name in oracle.BACKENDS:
         if name == "xla":
             continue
         mod, ok, reason = oracle.probe(name, cfg, None, None)
-        if ok:
-            impls[name] = lambda *a, mod=mod: mod.apply(*a, cfg)
-        else:
+        if not ok:
             print(f"# {name}: not run ({reason})")
+        elif hasattr(mod, "prepare_weights") and hasattr(mod, "apply_prepared"):
+            impls[name] = (lambda w13, w2, mod=mod: mod.prepare_weights(w13, w2, cfg.activation, cfg.gate_up_layout),
+                           lambda *a, mod=mod: mod.apply_prepared(*a, cfg.activation))
+        else:
+            impls[name] = (same, lambda *a, mod=mod: mod.apply(*a, cfg))
     return impls
 
 
@@ -126,19 +131,21 @@ def run_model(m: Model, tokens: list[int], bw: float, peak: float, dense_limit: 
     w13 = (jax.random.normal(k1, (m.e, 2 * m.i, m.h), jnp.bfloat16) * (m.h ** -0.5)).astype(jnp.bfloat16)
     w2 = (jax.random.normal(k2, (m.e, m.h, m.i), jnp.bfloat16) * (m.i ** -0.5)).astype(jnp.bfloat16)
     impls = implementations(cfg)
+    weights = {name: prep(w13, w2) for name, (prep, _) in impls.items()}  # load time, untimed
     for t in tokens:
-        inputs = []
+        routed = []
         for r in range(3):  # rotate inputs so repeated runs don't measure the cache
             kx, kr = jax.random.split(jax.random.key(100 + r))
             x = jax.random.normal(kx, (t, m.h), jnp.bfloat16)
             w, ids = select_experts(jax.random.normal(kr, (t, m.e), jnp.float32), m.k)
-            inputs.append((x, w13, w2, w, ids))
+            routed.append((x, w, ids))
         floor, nbytes, flops = roofline(m, t, bw, peak)
         row = {"model": m.name, "T": t, "floor": floor}
-        for name, fn in impls.items():
+        for name, (_, fn) in impls.items():
             if name == "dense" and t * m.k * 3 * m.h * m.i * 2 > dense_limit:
                 row[name] = None
                 continue
+            inputs = [(x, *weights[name], w, ids) for x, w, ids in routed]
             try:
                 row[name] = timeit(jax.jit(fn), inputs)
             except Exception as err:  # out of memory and the like: recorded, not fatal
@@ -147,8 +154,7 @@ def run_model(m: Model, tokens: list[int], bw: float, peak: float, dense_limit: 
                 row[name] = None
         rows.append(row)
         print(format_row(row, list(impls)), flush=True)
-        del inputs
-    del w13, w2
+    del w13, w2, weights
 
 
 def fmt(v):

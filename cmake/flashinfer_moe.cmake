@@ -1,0 +1,452 @@
+# cmake/flashinfer_moe.cmake -- builds jax_moe._jax_moe_flashinfer: FlashInfer's CUTLASS fused-MoE
+# runner (TensorRT-LLM's CutlassMoeFCRunner) for SM90, BF16 activations x BF16 weights -> BF16
+# output, behind a thin XLA FFI handler (ffi/flashinfer_cutlass_moe.cu).
+#
+# FlashInfer's sources are a build input and are never copied into this repository. They are found
+#   1. through -DFLASHINFER_SRC_DIR=... or the FLASHINFER_SRC_DIR environment variable, pointing at
+#      a directory laid out like the wheel's `flashinfer/` package directory, or
+#   2. through the installed `flashinfer-python` package (importlib.util.find_spec, no import).
+# Checked against flashinfer-python 0.7.2.post1. If nothing is found the module is skipped with a
+# warning and jax_moe.backends.flashinfer_cutlass.available() says why.
+#
+# ---------------------------------------------------------------------------------------------
+# What BF16 x BF16 -> BF16 on SM90 needs (paths below are relative to <flashinfer>/data/csrc)
+# ---------------------------------------------------------------------------------------------
+# From FlashInfer, compiled as they are:
+#   nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_kernels_bf16_bf16.cu
+#       MoeGemmRunner<bf16,bf16,bf16>: tactic lists, the SM90 TMA dispatch, and the SM80-style
+#       grouped GEMMs it compiles inline (the slowest TU, ~4 min on one core).
+#   nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_tma_warp_specialized_input.cu
+#       TmaWarpSpecializedGroupedGemmInput workspace/stride helpers.
+#   nv_internal/tensorrt_llm/kernels/cutlass_kernels/cutlass_heuristic.cpp  (candidate tactics)
+#   nv_internal/cpp/common/{envUtils,logger,stringUtils,tllmException}.cpp, memoryUtils.cu
+#       (TRT-LLM support code: env knobs, logger, TllmException, string formatting).
+# Generated here at configure time (into ${CMAKE_CURRENT_BINARY_DIR}/flashinfer_gen):
+#   runner_bf16.cu  -- `template class CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;` over
+#       fused_moe/cutlass_backend/cutlass_fused_moe_kernels.cuh (routing/permute, activation,
+#       finalize kernels and the runner's host logic).
+#   sm90_bf16_*.cu  -- INSTANTIATE_TMA_WARP_SPECIALIZED_MOE_GEMM(Sm90, bf16, bf16, bf16, void,
+#       EpilogueOpDefault, FUSION, M, N, K=64, CM, CN, 1, false, false, false, SWAP_AB) from
+#       moe_gemm/launchers/moe_gemm_tma_ws_launcher.inl, one TU per (tile, cluster, fusion).
+#       The SM90 dispatcher (moe_gemm_template_dispatch_tma_ws.h) can reach exactly 72 of these:
+#         tiles (M x N, K = 128 bytes = 64 bf16): 128x16 128x32 128x64 128x128 128x256 256x128
+#         clusters: 1x1x1, 2x1x1 always; 1x2x1 and 2x2x1 only when N >= 128
+#         fusion: NONE, FINALIZE (fused top-k reduce in GEMM2's epilogue); swap_ab: false, true
+#       -- the same 72 lines FlashInfer's generator (jit/gemm/cutlass/generate_kernels.py, "90")
+#       writes for bf16 into gemm_grouped_sm90_M128_group7..13 and _M256_group2..3.
+#       Which of them are compiled is chosen with the cache variables below; the others get
+#       throwing stubs (stubs.cu) so the library still links, and the handler only ever selects
+#       compiled tactics (it reads the generated jax_moe_fi_kernels.h).
+#   stubs.cu -- the throwing stubs above, throwing stubs for the 30 bf16
+#       sm80_generic_fused_moe_gemm_kernelLauncher instantiations (the SM80 fused gated-GEMM
+#       tactics; not used on SM90 unless JAX_MOE_FI_SM80_FUSED=ON), and a throwing
+#       tensorrt_llm::kernels::Lora_run (LoRA is not used; this avoids lora.cpp and cuBLAS
+#       linkage -- cuBLAS *headers* are still needed because cudaUtils.h includes them).
+# Not needed for BF16: FlashInfer's TVM-FFI binding, deepgemm_jit_setup.cu, fp8_blockscale_gemm.cu
+#   (and so no -lnvrtc), moe_gemm_mixed_utils.cu, preQuantScaleKernel.cu, lora.cpp, the other
+#   13 moe_gemm_kernels_<act>_<weight>.cu files, and the 148 non-bf16 / plain-GEMM generated files.
+#
+# Include directories: nv_internal, nv_internal/include, nv_internal/tensorrt_llm/cutlass_extensions/
+#   include, nv_internal/tensorrt_llm/kernels/cutlass_kernels{,/include}, fused_moe/cutlass_backend,
+#   <flashinfer>/data/{cutlass/include, cutlass/tools/util/include, include}, cuBLAS and cuRAND
+#   headers (headers only).
+# nvcc flags (FlashInfer's gen_cutlass_fused_moe_sm90_module, minus FP8 block scale / DeepGEMM):
+#   -gencode=arch=compute_90a,code=sm_90a -std=c++17 --expt-relaxed-constexpr
+#   -static-global-template-stub=false -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#   -DCOMPILE_HOPPER_TMA_GEMMS -DCOMPILE_HOPPER_TMA_GROUPED_GEMMS -DENABLE_BF16 -DENABLE_FP8
+#   -DENABLE_FP4 -DUSING_OSS_CUTLASS_MOE_GEMM -DCUTLASS_ENABLE_GDC_FOR_SM90=1
+#   -DFLASHINFER_ENABLE_FP8_E8M0 -DFLASHINFER_ENABLE_FP4_E2M1
+#   ENABLE_FP8/ENABLE_FP4 stay on although unused: they change the layout of QuantParams and of
+#   the runner class, so every TU (our handler included) must see the same set.
+#
+# Cache variables (all TUs are ~1 min each on one core; choose fewer tactics for faster builds):
+#   JAX_MOE_FI_SM90_TILES     "all" or a list of MxN from the tile list above  (default all)
+#   JAX_MOE_FI_SM90_CLUSTERS  "all" or a list of 1x1x1;2x1x1;1x2x1;2x2x1     (default 1x1x1)
+#   JAX_MOE_FI_SM90_SWAP_AB   compile swap_ab variants (small-token tactics)  (default ON)
+#   JAX_MOE_FI_SM90_FINALIZE  compile FINALIZE-fused GEMM2 variants           (default ON)
+#   JAX_MOE_FI_SM80_FUSED     compile the SM80 fused gated GEMM launchers     (default OFF)
+#   JAX_MOE_FI_INSTS_PER_TU   instantiations per generated TU (auto: ~12 TUs) (default auto)
+#
+# Measured (defaults: 24 kernels in 12 TUs, ninja -j16, cold build dir, 2026-11-22):
+#   H100 box, 16 cores: 220 s wall; H200 box, 32 cores: 145 s wall (sum of TU times 2140 / 1480 s).
+#   Critical path = moe_gemm_kernels_bf16_bf16.cu (219 / 145 s); each generated 2-kernel TU
+#   100-155 s; runner_bf16.cu 88-128 s; the handler TU 40-60 s.
+# ---------------------------------------------------------------------------------------------
+
+include_guard(GLOBAL)
+
+set(FLASHINFER_SRC_DIR "" CACHE PATH "FlashInfer package dir (laid out like the wheel's flashinfer/)")
+set(JAX_MOE_FI_SM90_TILES "all" CACHE STRING "SM90 bf16 MoE GEMM tiles to compile (all or MxN list)")
+set(JAX_MOE_FI_SM90_CLUSTERS "1x1x1" CACHE STRING "SM90 cluster shapes to compile (all or list)")
+option(JAX_MOE_FI_SM90_SWAP_AB "Compile swap_ab SM90 MoE GEMM variants" ON)
+option(JAX_MOE_FI_SM90_FINALIZE "Compile FINALIZE-fused SM90 MoE GEMM2 variants" ON)
+option(JAX_MOE_FI_SM80_FUSED "Compile the SM80 fused gated-activation MoE GEMMs" OFF)
+set(JAX_MOE_FI_INSTS_PER_TU "auto" CACHE STRING "MoE GEMM instantiations per generated TU (auto: ~12 TUs)")
+
+# ---------------------------------------------------------------------------- locate sources
+if(NOT Python_EXECUTABLE)
+  find_package(Python 3.10 COMPONENTS Interpreter Development.Module REQUIRED)
+endif()
+
+set(_fi_dir "")
+if(FLASHINFER_SRC_DIR)
+  set(_fi_dir "${FLASHINFER_SRC_DIR}")
+elseif(DEFINED ENV{FLASHINFER_SRC_DIR} AND NOT "$ENV{FLASHINFER_SRC_DIR}" STREQUAL "")
+  set(_fi_dir "$ENV{FLASHINFER_SRC_DIR}")
+else()
+  execute_process(
+    COMMAND "${Python_EXECUTABLE}" -c
+      "import importlib.util as u; s = u.find_spec('flashinfer'); print(list(s.submodule_search_locations)[0] if s and s.submodule_search_locations else '')"
+    OUTPUT_VARIABLE _fi_dir OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+endif()
+get_filename_component(_fi_dir "${_fi_dir}" ABSOLUTE)
+set(_fi_csrc "${_fi_dir}/data/csrc")
+set(_fi_runner_cuh "${_fi_csrc}/fused_moe/cutlass_backend/cutlass_fused_moe_kernels.cuh")
+if(NOT _fi_dir OR NOT EXISTS "${_fi_runner_cuh}")
+  message(WARNING "jax_moe: FlashInfer sources not found (set FLASHINFER_SRC_DIR or install "
+                  "flashinfer-python); skipping jax_moe._jax_moe_flashinfer")
+  return()
+endif()
+message(STATUS "jax_moe: FlashInfer sources: ${_fi_dir}")
+
+# ---------------------------------------------------------------------------- toolchain bits
+include(CheckLanguage)
+get_property(_langs GLOBAL PROPERTY ENABLED_LANGUAGES)
+if(NOT "CUDA" IN_LIST _langs)
+  check_language(CUDA)
+  if(NOT CMAKE_CUDA_COMPILER)
+    message(WARNING "jax_moe: no CUDA compiler; skipping jax_moe._jax_moe_flashinfer")
+    return()
+  endif()
+  enable_language(CUDA)
+endif()
+find_package(CUDAToolkit REQUIRED)
+if(CMAKE_CUDA_COMPILER_VERSION VERSION_LESS 12.8)
+  message(WARNING "jax_moe: FlashInfer's SM90 MoE needs nvcc >= 12.8; skipping")
+  return()
+endif()
+
+# cuBLAS and cuRAND headers: cudaUtils.h includes cublas_v2.h / cublasLt.h, the runner's kernels
+# include curand_kernel.h. Headers only -- nothing links against cuBLAS or cuRAND. Looked up in
+# $CUBLAS_INCLUDE_DIR / $CURAND_INCLUDE_DIR, the CUDA toolkit, pip's nvidia-* wheels, and
+# <FLASHINFER_SRC_DIR>/../cuda_extra/include.
+execute_process(
+  COMMAND "${Python_EXECUTABLE}" -c
+    "import importlib.util as u, glob, os\ns = u.find_spec('nvidia')\nfor d in (s.submodule_search_locations if s else []):\n    for p in sorted(glob.glob(os.path.join(d, '*', 'include'))): print(p)"
+  OUTPUT_VARIABLE _py_nv_inc OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+string(REPLACE "\n" ";" _py_nv_inc "${_py_nv_inc}")
+foreach(_pair "CUBLAS;cublas_v2.h" "CURAND;curand_kernel.h")
+  list(GET _pair 0 _lib)
+  list(GET _pair 1 _hdr)
+  set(_hints ${CUDAToolkit_INCLUDE_DIRS} ${_py_nv_inc} "${_fi_dir}/../cuda_extra/include")
+  if(DEFINED ENV{${_lib}_INCLUDE_DIR})
+    list(PREPEND _hints "$ENV{${_lib}_INCLUDE_DIR}")
+  endif()
+  find_path(JAX_MOE_${_lib}_INCLUDE_DIR ${_hdr} HINTS ${_hints} NO_DEFAULT_PATH)
+  if(NOT JAX_MOE_${_lib}_INCLUDE_DIR)
+    find_path(JAX_MOE_${_lib}_INCLUDE_DIR ${_hdr})
+  endif()
+  if(NOT JAX_MOE_${_lib}_INCLUDE_DIR)
+    message(WARNING "jax_moe: ${_hdr} not found; set ${_lib}_INCLUDE_DIR (headers come with the "
+                    "nvidia-${_lib} pip wheels); skipping jax_moe._jax_moe_flashinfer")
+    return()
+  endif()
+  message(STATUS "jax_moe: ${_hdr} in ${JAX_MOE_${_lib}_INCLUDE_DIR}")
+  # Copy just this library's headers, so that a pip include dir (which also holds cuda_runtime.h
+  # etc. of some other CUDA minor version) never shadows the toolkit's headers.
+  string(TOLOWER "${_lib}" _lower)
+  file(GLOB _hdrs "${JAX_MOE_${_lib}_INCLUDE_DIR}/${_lower}*.h")
+  file(COPY ${_hdrs} DESTINATION "${CMAKE_CURRENT_BINARY_DIR}/flashinfer_extra_include")
+endforeach()
+set(_extra_inc_dirs "${CMAKE_CURRENT_BINARY_DIR}/flashinfer_extra_include")
+# CUDA 13 keeps CCCL (cuda/std/..., cub, thrust) in include/cccl, which nvcc adds by itself but the
+# host compiler (cutlass_heuristic.cpp and friends include CUTLASS headers) does not.
+set(_cccl_dirs "")
+foreach(_d ${CUDAToolkit_INCLUDE_DIRS})
+  if(EXISTS "${_d}/cccl/cuda/std/utility")
+    list(APPEND _cccl_dirs "${_d}/cccl")
+  endif()
+endforeach()
+
+# XLA FFI headers: from the root CMakeLists when it already found them, else from jax.
+if(NOT JAX_MOE_XLA_FFI_INCLUDE_DIR)
+  foreach(_v XLA_FFI_INCLUDE_DIR XLA_INCLUDE_DIR JAX_FFI_INCLUDE_DIR)
+    if(${_v})
+      set(JAX_MOE_XLA_FFI_INCLUDE_DIR "${${_v}}")
+      break()
+    endif()
+  endforeach()
+endif()
+if(NOT JAX_MOE_XLA_FFI_INCLUDE_DIR)
+  execute_process(
+    COMMAND "${Python_EXECUTABLE}" -c "import jax.ffi; print(jax.ffi.include_dir())"
+    OUTPUT_VARIABLE JAX_MOE_XLA_FFI_INCLUDE_DIR OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+endif()
+if(NOT EXISTS "${JAX_MOE_XLA_FFI_INCLUDE_DIR}/xla/ffi/api/ffi.h")
+  message(WARNING "jax_moe: XLA FFI headers not found; skipping jax_moe._jax_moe_flashinfer")
+  return()
+endif()
+
+if(NOT COMMAND nanobind_add_module)
+  execute_process(
+    COMMAND "${Python_EXECUTABLE}" -m nanobind --cmake_dir
+    OUTPUT_VARIABLE _nb_dir OUTPUT_STRIP_TRAILING_WHITESPACE)
+  find_package(nanobind CONFIG REQUIRED HINTS "${_nb_dir}")
+endif()
+
+# ---------------------------------------------------------------------------- common settings
+add_library(jax_moe_fi_config INTERFACE)
+target_compile_definitions(jax_moe_fi_config INTERFACE
+  CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED COMPILE_HOPPER_TMA_GEMMS COMPILE_HOPPER_TMA_GROUPED_GEMMS
+  ENABLE_BF16 ENABLE_FP8 ENABLE_FP4 USING_OSS_CUTLASS_MOE_GEMM CUTLASS_ENABLE_GDC_FOR_SM90=1
+  FLASHINFER_ENABLE_FP8_E8M0 FLASHINFER_ENABLE_FP4_E2M1)
+target_include_directories(jax_moe_fi_config INTERFACE
+  "${_fi_csrc}/nv_internal"
+  "${_fi_csrc}/nv_internal/include"
+  "${_fi_csrc}/nv_internal/tensorrt_llm/cutlass_extensions/include"
+  "${_fi_csrc}/nv_internal/tensorrt_llm/kernels/cutlass_kernels/include"
+  "${_fi_csrc}/nv_internal/tensorrt_llm/kernels/cutlass_kernels"
+  "${_fi_csrc}/fused_moe/cutlass_backend"
+  "${CMAKE_CURRENT_BINARY_DIR}/flashinfer_gen")
+target_include_directories(jax_moe_fi_config SYSTEM INTERFACE
+  "${_fi_dir}/data/cutlass/include"
+  "${_fi_dir}/data/cutlass/tools/util/include"
+  "${_fi_dir}/data/include"
+  ${CUDAToolkit_INCLUDE_DIRS}
+  ${_extra_inc_dirs})
+target_compile_features(jax_moe_fi_config INTERFACE cxx_std_17 cuda_std_17)
+target_compile_options(jax_moe_fi_config INTERFACE
+  $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -static-global-template-stub=false
+    -diag-suppress=20012,177,550,186>
+  $<$<COMPILE_LANGUAGE:CXX>:-Wno-deprecated-declarations>)
+foreach(_d ${_cccl_dirs})
+  target_include_directories(jax_moe_fi_config SYSTEM INTERFACE $<$<COMPILE_LANGUAGE:CXX>:${_d}>)
+endforeach()
+
+# ---------------------------------------------------------------------------- generated sources
+set(_gen "${CMAKE_CURRENT_BINARY_DIR}/flashinfer_gen")
+file(MAKE_DIRECTORY "${_gen}")
+
+set(_all_tiles "128x16" "128x32" "128x64" "128x128" "128x256" "256x128")
+if(JAX_MOE_FI_SM90_TILES STREQUAL "all")
+  set(_tiles ${_all_tiles})
+else()
+  set(_tiles ${JAX_MOE_FI_SM90_TILES})
+endif()
+if(JAX_MOE_FI_SM90_CLUSTERS STREQUAL "all")
+  set(_clusters "1x1x1" "2x1x1" "1x2x1" "2x2x1")
+else()
+  set(_clusters ${JAX_MOE_FI_SM90_CLUSTERS})
+endif()
+
+set(_inst_prefix "INSTANTIATE_TMA_WARP_SPECIALIZED_MOE_GEMM(Sm90, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, void, EpilogueOpDefault")
+set(_spec_prefix "template <> void tma_warp_specialized_generic_moe_gemm_kernelLauncher<cutlass::arch::Sm90, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, void, tensorrt_llm::cutlass_extensions::EpilogueOpDefault")
+set(_spec_args "(TmaWarpSpecializedGroupedGemmInput, int, int, cudaStream_t, int*, size_t*, cute::Shape<int32_t, int32_t, cute::_1>, cute::Shape<int32_t, int32_t, cute::_1>)")
+
+set(_compiled_rows "")
+set(_stub_body "")
+set(_insts "")   # one element per compiled instantiation (without the trailing ';')
+set(_n_stubbed 0)
+
+foreach(_fusion NONE FINALIZE)
+  foreach(_tile ${_all_tiles})
+    string(REPLACE "x" ";" _mn "${_tile}")
+    list(GET _mn 0 _tm)
+    list(GET _mn 1 _tn)
+    foreach(_cl "1x1x1" "2x1x1" "1x2x1" "2x2x1")
+      string(REPLACE "x" ";" _c "${_cl}")
+      list(GET _c 0 _cm)
+      list(GET _c 1 _cn)
+      if((_cn EQUAL 2) AND (_tn LESS 128))
+        continue()  # the dispatcher never reaches it (are_tile_shapes_supported)
+      endif()
+      foreach(_swap false true)
+        set(_want TRUE)
+        if(NOT _tile IN_LIST _tiles OR NOT _cl IN_LIST _clusters)
+          set(_want FALSE)
+        endif()
+        if(_fusion STREQUAL "FINALIZE" AND NOT JAX_MOE_FI_SM90_FINALIZE)
+          set(_want FALSE)
+        endif()
+        if(_swap STREQUAL "true" AND NOT JAX_MOE_FI_SM90_SWAP_AB)
+          set(_want FALSE)
+        endif()
+        if(_want)
+          list(APPEND _insts
+            "${_inst_prefix}, ${_fusion}, ${_tm}, ${_tn}, 64, ${_cm}, ${_cn}, 1, false, false, false, ${_swap})")
+          set(_fz 0)
+          if(_fusion STREQUAL "FINALIZE")
+            set(_fz 1)
+          endif()
+          set(_sw 0)
+          if(_swap STREQUAL "true")
+            set(_sw 1)
+          endif()
+          string(APPEND _compiled_rows "    {${_tm}, ${_tn}, ${_cm}, ${_cn}, ${_fz}, ${_sw}},\n")
+        else()
+          string(APPEND _stub_body
+            "${_spec_prefix}, TmaWarpSpecializedGroupedGemmInput::EpilogueFusion::${_fusion}, cute::Shape<cute::Int<${_tm}>, cute::Int<${_tn}>, cute::Int<64>>, cute::Shape<cute::Int<${_cm}>, cute::Int<${_cn}>, cute::Int<1>>, false, false, false, ${_swap}>${_spec_args} {\n  TLLM_THROW(\"jax_moe: SM90 bf16 MoE GEMM ${_fusion} ${_tm}x${_tn}x64 cluster ${_cl} swap_ab=${_swap} was not compiled (see cmake/flashinfer_moe.cmake)\");\n}\n")
+          math(EXPR _n_stubbed "${_n_stubbed} + 1")
+        endif()
+      endforeach()
+    endforeach()
+  endforeach()
+endforeach()
+list(LENGTH _insts _n_compiled)
+if(_n_compiled EQUAL 0)
+  message(FATAL_ERROR "jax_moe: the JAX_MOE_FI_SM90_* selection compiles no MoE GEMM at all")
+endif()
+# Header parsing dominates (~1 min per TU, ~10 s per extra instantiation on one core), so group the
+# instantiations into about 12 TUs: enough to keep 16 cores busy next to the two big TUs.
+if(JAX_MOE_FI_INSTS_PER_TU STREQUAL "auto")
+  math(EXPR _per_tu "(${_n_compiled} + 11) / 12")
+else()
+  set(_per_tu "${JAX_MOE_FI_INSTS_PER_TU}")
+endif()
+set(_gen_sources "")
+set(_pending "")
+set(_pending_n 0)
+set(_tu_idx 0)
+set(_i 0)
+foreach(_line IN LISTS _insts)
+  string(APPEND _pending "${_line};\n")
+  math(EXPR _pending_n "${_pending_n} + 1")
+  math(EXPR _i "${_i} + 1")
+  if(_pending_n GREATER_EQUAL _per_tu OR _i EQUAL _n_compiled)
+    set(_f "${_gen}/sm90_bf16_moe_gemm_${_tu_idx}.cu")
+    file(CONFIGURE OUTPUT "${_f}" CONTENT
+"// Generated by cmake/flashinfer_moe.cmake -- do not edit.
+#include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/moe_gemm_tma_ws_launcher.inl\"
+namespace tensorrt_llm::kernels::cutlass_kernels_oss {
+${_pending}}
+" @ONLY)
+    list(APPEND _gen_sources "${_f}")
+    math(EXPR _tu_idx "${_tu_idx} + 1")
+    set(_pending "")
+    set(_pending_n 0)
+  endif()
+endforeach()
+message(STATUS "jax_moe: FlashInfer SM90 bf16 MoE GEMMs: ${_n_compiled} compiled in ${_tu_idx} TUs, ${_n_stubbed} stubbed")
+
+# SM80 fused gated-activation launchers (bf16): compiled or stubbed.
+set(_sm80_body "")
+set(_sm80_shapes "16 128 64" "16 256 64" "32 128 64" "64 128 64" "128 128 64")
+foreach(_shape ${_sm80_shapes})
+  string(REPLACE " " ";" _s "${_shape}")
+  list(GET _s 0 _m)
+  list(GET _s 1 _n)
+  list(GET _s 2 _k)
+  foreach(_stages 2 3 4)
+    foreach(_epi EpilogueOpDefaultSilu EpilogueOpDefaultFtGelu)
+      set(_head "void sm80_generic_fused_moe_gemm_kernelLauncher<cutlass::bfloat16_t, cutlass::bfloat16_t, ${_m}, ${_n}, ${_k}, ${_stages}, tensorrt_llm::cutlass_extensions::${_epi}>(cutlass::bfloat16_t const* A, cutlass::bfloat16_t const* B, cutlass::bfloat16_t const* biases, bool bias_is_broadcast, cutlass::bfloat16_t* C, int64_t const* total_tokens_including_expert, int64_t num_rows, int64_t gemm_n, int64_t gemm_k, int num_experts, int multi_processor_count, cudaStream_t stream, int* kernel_occupancy)")
+      if(JAX_MOE_FI_SM80_FUSED)
+        string(APPEND _sm80_body "template ${_head};\n")
+      else()
+        string(APPEND _sm80_body "template <> ${_head} {\n  TLLM_THROW(\"jax_moe: SM80 fused MoE GEMM ${_m}x${_n}x${_k} stages=${_stages} ${_epi} was not compiled\");\n}\n")
+      endif()
+    endforeach()
+  endforeach()
+endforeach()
+if(JAX_MOE_FI_SM80_FUSED)
+  file(CONFIGURE OUTPUT "${_gen}/sm80_bf16_fused_moe_gemm.cu" CONTENT
+"// Generated by cmake/flashinfer_moe.cmake -- do not edit.
+#include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/fused_moe_gemm_launcher_sm80.inl\"
+namespace tensorrt_llm::kernels::cutlass_kernels_oss {
+${_sm80_body}}
+" @ONLY)
+  list(APPEND _gen_sources "${_gen}/sm80_bf16_fused_moe_gemm.cu")
+  set(_sm80_body "")
+endif()
+
+file(CONFIGURE OUTPUT "${_gen}/stubs.cu" CONTENT
+"// Generated by cmake/flashinfer_moe.cmake -- do not edit.
+// Throwing definitions for kernels the runner's dispatch can name but this build does not compile,
+// and for LoRA (unused). TllmException is caught by the runner's workspace sizing and reported by
+// the jax_moe handler otherwise.
+#include \"tensorrt_llm/common/assert.h\"
+#include \"tensorrt_llm/kernels/cutlass_kernels/include/moe_kernels.h\"
+#include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/moe_gemm_tma_ws_launcher.h\"
+#include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/fused_moe_gemm_launcher_sm80.h\"
+#include \"cutlass/arch/arch.h\"
+#include \"cutlass_extensions/epilogue_helpers.h\"
+
+namespace tensorrt_llm::kernels {
+int Lora_run(LoraImpl*, int64_t, int64_t, void const*, int32_t const*, void const* const*, int,
+             void* const*, void*, cudaStream_t) {
+  TLLM_THROW(\"jax_moe: LoRA is not supported by this build of the FlashInfer CUTLASS MoE runner\");
+}
+}  // namespace tensorrt_llm::kernels
+
+namespace tensorrt_llm::kernels::cutlass_kernels_oss {
+${_stub_body}${_sm80_body}}
+" @ONLY)
+list(APPEND _gen_sources "${_gen}/stubs.cu")
+
+file(CONFIGURE OUTPUT "${_gen}/runner_bf16.cu" CONTENT
+"// Generated by cmake/flashinfer_moe.cmake -- do not edit.
+#include \"cutlass_fused_moe_kernels.cuh\"
+namespace tensorrt_llm::kernels::cutlass_kernels {
+template class CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;
+}
+" @ONLY)
+list(APPEND _gen_sources "${_gen}/runner_bf16.cu")
+
+if(JAX_MOE_FI_SM80_FUSED)
+  set(_sm80_flag "true")
+else()
+  set(_sm80_flag "false")
+endif()
+file(CONFIGURE OUTPUT "${_gen}/jax_moe_fi_kernels.h" CONTENT
+"// Generated by cmake/flashinfer_moe.cmake -- do not edit.
+// The SM90 bf16 MoE GEMM tactics compiled into this build: tile M, N (K is 128 bytes), cluster
+// M, N, finalize fusion, swap_ab. The handler only selects tactics listed here.
+#pragma once
+namespace jax_moe_fi {
+struct CompiledSm90Tactic { int tile_m, tile_n, cluster_m, cluster_n, finalize, swap_ab; };
+inline constexpr CompiledSm90Tactic kCompiledSm90Tactics[] = {
+${_compiled_rows}};
+inline constexpr bool kSm80FusedCompiled = ${_sm80_flag};
+}  // namespace jax_moe_fi
+" @ONLY)
+
+# ---------------------------------------------------------------------------- targets
+set(_fi_big_sources
+  "${_gen}/runner_bf16.cu"
+  "${_fi_csrc}/nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_kernels_bf16_bf16.cu")
+set(_fi_small_sources
+  "${_fi_csrc}/nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_tma_warp_specialized_input.cu"
+  "${_fi_csrc}/nv_internal/tensorrt_llm/kernels/cutlass_kernels/cutlass_heuristic.cpp"
+  "${_fi_csrc}/nv_internal/cpp/common/envUtils.cpp"
+  "${_fi_csrc}/nv_internal/cpp/common/logger.cpp"
+  "${_fi_csrc}/nv_internal/cpp/common/stringUtils.cpp"
+  "${_fi_csrc}/nv_internal/cpp/common/tllmException.cpp"
+  "${_fi_csrc}/nv_internal/cpp/common/memoryUtils.cu")
+list(REMOVE_ITEM _gen_sources "${_gen}/runner_bf16.cu")
+# The two slowest TUs first, so that a parallel build starts them early.
+add_library(jax_moe_fi_kernels OBJECT ${_fi_big_sources} ${_gen_sources} ${_fi_small_sources})
+target_link_libraries(jax_moe_fi_kernels PRIVATE jax_moe_fi_config)
+set_target_properties(jax_moe_fi_kernels PROPERTIES
+  POSITION_INDEPENDENT_CODE ON
+  CUDA_ARCHITECTURES "90a"
+  CUDA_SEPARABLE_COMPILATION OFF)
+
+option(JAX_MOE_FI_NOSTRIP "Keep symbols in _jax_moe_flashinfer (debugging)" OFF)
+set(_nb_strip "")
+if(JAX_MOE_FI_NOSTRIP)
+  set(_nb_strip NOSTRIP)
+endif()
+nanobind_add_module(_jax_moe_flashinfer NB_STATIC ${_nb_strip}
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_module.cc"
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe.cu")
+target_include_directories(_jax_moe_flashinfer PRIVATE "${JAX_MOE_XLA_FFI_INCLUDE_DIR}")
+# Some jaxlib releases' api.h trips -Werror=missing-field-initializers under the host compiler.
+target_compile_options(_jax_moe_flashinfer PRIVATE
+  $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wno-missing-field-initializers,-Wno-error=missing-field-initializers>
+  $<$<COMPILE_LANGUAGE:CXX>:-Wno-missing-field-initializers>)
+target_link_libraries(_jax_moe_flashinfer PRIVATE jax_moe_fi_config jax_moe_fi_kernels
+  CUDA::cudart_static)
+if(TARGET CUDA::cuda_driver)
+  target_link_libraries(_jax_moe_flashinfer PRIVATE CUDA::cuda_driver)
+endif()
+set_target_properties(_jax_moe_flashinfer PROPERTIES CUDA_ARCHITECTURES "90a")
+install(TARGETS _jax_moe_flashinfer LIBRARY DESTINATION jax_moe)

@@ -1,0 +1,433 @@
+// XLA FFI handler for FlashInfer's CUTLASS fused-MoE runner (TensorRT-LLM CutlassMoeFCRunner),
+// SM90, BF16 activations x BF16 weights -> BF16 output.
+//
+// Operands (all row-major):
+//   x            [T, H]        bf16
+//   w13          [E, 2I, H]    bf16  for gated activations, [E, I, H] otherwise. For gated
+//                                    activations the runner reads rows [0, I) as the linear
+//                                    ("up", w3) half and rows [I, 2I) as the gate (w1) half:
+//                                    out = act(gate) * up. That is the *reverse* of vLLM's
+//                                    w13 = [w1 (gate); w3 (up)], so vLLM-layout weights must have
+//                                    their halves swapped once at load time
+//                                    (jax_moe.backends.flashinfer_cutlass.prepare_weights).
+//   w2           [E, H, I]     bf16
+//   topk_ids     [T, k]        int32  expert ids in [0, E)
+//   topk_weights [T, k]        float32
+// Results:
+//   out          [T, H]        bf16   sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])
+//   workspace    [W]           uint8  W = jax_moe_fi_workspace_size(T, H, I, E, k, activation)
+// Attributes:
+//   activation    int64  TRT-LLM ActivationType (Gelu 0, Relu 1, Silu 2, Swiglu 3, Geglu 4, ...)
+//   gemm1_tactic  int64  index into the runner's GEMM1 tactic list, -1 = built-in choice
+//   gemm2_tactic  int64  index into the runner's GEMM2 tactic list, -1 = built-in choice
+//
+// One runner per device (the runner is stateful, so calls on a device are serialized by a mutex
+// around the host-side launch); the tactic pair is chosen once per problem shape and cached.
+// Only tactics compiled into this build (jax_moe_fi_kernels.h) are ever selected.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+// XLA's FFI headers first: CUTLASS's cute/atom/mma_traits_sm100.hpp (reached through
+// moe_kernels.h) turns -Wmissing-field-initializers into an error for everything after it, and
+// some jaxlib versions' api.h has such initializers.
+#include "xla/ffi/api/ffi.h"
+// clang-format off
+#include "jax_moe_fi_kernels.h"
+#include "moe_kernels.h"
+// clang-format on
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic warning "-Wmissing-field-initializers"
+#endif
+
+namespace ffi = xla::ffi;
+namespace tk = tensorrt_llm::kernels::cutlass_kernels;
+namespace ce = tensorrt_llm::cutlass_extensions;
+
+// Defined in the generated runner_bf16.cu (see cmake/flashinfer_moe.cmake).
+extern template class tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;
+
+namespace jax_moe_fi {
+namespace {
+
+using Runner = tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;
+using Config = ce::CutlassGemmConfig;
+
+constexpr size_t kAlign = 128;  // tensorrt_llm::common::kCudaMemAlign
+size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+bool AnyFinalizeCompiled() {
+  for (auto const& t : kCompiledSm90Tactics)
+    if (t.finalize) return true;
+  return false;
+}
+
+// Whether `c` names a kernel that this build compiled (as opposed to a throwing stub).
+bool IsCompiled(Config const& c) {
+  if (!c.is_tma_warp_specialized) return kSm80FusedCompiled && c.sm_version < 90;
+  if (c.sm_version != 90) return false;
+  auto const [tm, tn, tk_bytes] = ce::enum_to_shape_tuple(c.tile_config_sm90);
+  auto const [cm, cn, ck] = ce::enum_to_shape_tuple(c.cluster_shape);
+  int const fin = c.epilogue_fusion_type == Config::EpilogueFusionType::FINALIZE ? 1 : 0;
+  if (tk_bytes != 128 || ck != 1) return false;
+  for (auto const& t : kCompiledSm90Tactics) {
+    if (t.tile_m == tm && t.tile_n == tn && t.cluster_m == cm && t.cluster_n == cn &&
+        t.finalize == fin && t.swap_ab == (c.swap_ab ? 1 : 0))
+      return true;
+  }
+  return false;
+}
+
+// Makes `device` current for the lifetime of the guard.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&prev_);
+    if (prev_ != device) cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    cudaGetDevice(&cur);
+    if (cur != prev_ && prev_ >= 0) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = -1;
+};
+
+struct ShapeKey {
+  int64_t t, h, i;
+  int e, k, act;
+  bool operator<(ShapeKey const& o) const {
+    return std::tie(t, h, i, e, k, act) < std::tie(o.t, o.h, o.i, o.e, o.k, o.act);
+  }
+};
+
+struct DeviceState {
+  std::mutex mu;
+  std::unique_ptr<Runner> runner;
+  std::vector<Config> gemm1, gemm2;        // the runner's full tactic lists
+  std::map<ShapeKey, std::pair<int, int>> chosen;  // shape -> (gemm1 idx, gemm2 idx)
+};
+
+std::mutex g_states_mu;
+std::map<int, std::unique_ptr<DeviceState>> g_states;
+
+DeviceState& GetState(int device) {
+  std::lock_guard<std::mutex> lock(g_states_mu);
+  auto& slot = g_states[device];
+  if (!slot) {
+    DeviceGuard guard(device);
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    if (major != 9 || minor != 0) {
+      std::ostringstream msg;
+      msg << "jax_moe FlashInfer CUTLASS MoE is built for SM90 (sm_90a) only; device " << device
+          << " is sm_" << major << minor;
+      throw std::runtime_error(msg.str());
+    }
+    auto state = std::make_unique<DeviceState>();
+    state->runner = std::make_unique<Runner>();
+    // Finalize fusion (GEMM2 epilogue does the top-k reduce) only when its kernels exist.
+    state->runner->use_fused_finalize_ = AnyFinalizeCompiled();
+    state->gemm1 = state->runner->getTactics(tk::MoeGemmId::GEMM_1);
+    state->gemm2 = state->runner->getTactics(tk::MoeGemmId::GEMM_2);
+    slot = std::move(state);
+  }
+  return *slot;
+}
+
+std::pair<int, int> TileMN(Config const& c) {
+  auto const [m, n, k] = ce::enum_to_shape_tuple(c.tile_config_sm90);
+  return {m, n};
+}
+
+bool IsPlain(Config const& c) {  // 1x1x1 cluster, no epilogue fusion
+  return c.cluster_shape == ce::ClusterShape::ClusterShape_1x1x1 &&
+         c.epilogue_fusion_type == Config::EpilogueFusionType::NONE;
+}
+
+// Deterministic built-in choice for one GEMM: with few rows per expert, swap A/B so that the
+// narrow N tile runs over tokens; otherwise a 128x128 (or the widest compiled) tile.
+int DefaultTactic(std::vector<Config> const& list, int64_t rows_per_expert) {
+  int best = -1;
+  int64_t best_score = INT64_MAX;
+  for (int idx = 0; idx < static_cast<int>(list.size()); ++idx) {
+    Config const& c = list[idx];
+    if (!c.is_tma_warp_specialized || !IsCompiled(c) || !IsPlain(c)) continue;
+    auto const [tm, tn] = TileMN(c);
+    int64_t score;
+    if (rows_per_expert <= 64) {
+      // prefer swap_ab with the smallest N tile covering the rows
+      score = c.swap_ab ? (tn >= rows_per_expert ? tn : 1000 + (rows_per_expert - tn)) : 100000;
+      score = score * 1000 + tm;
+    } else {
+      // prefer no swap, 128x128, then closest
+      score = c.swap_ab ? 100000 : 0;
+      score += std::abs(tm - 128) + std::abs(tn - 128);
+    }
+    if (score < best_score) {
+      best_score = score;
+      best = idx;
+    }
+  }
+  if (best < 0) {  // fall back to the first compiled tactic of any kind
+    for (int idx = 0; idx < static_cast<int>(list.size()); ++idx)
+      if (IsCompiled(list[idx])) return idx;
+  }
+  return best;
+}
+
+std::pair<int, int> ChooseTactics(DeviceState& st, ShapeKey const& key, int64_t g1, int64_t g2) {
+  auto check = [](std::vector<Config> const& list, int64_t idx, char const* which) {
+    if (idx < 0 || idx >= static_cast<int64_t>(list.size()))
+      throw std::invalid_argument(std::string("jax_moe: ") + which + " tactic index " +
+                                  std::to_string(idx) + " out of range [0, " +
+                                  std::to_string(list.size()) + ")");
+    if (!IsCompiled(list[idx]))
+      throw std::invalid_argument(std::string("jax_moe: ") + which + " tactic " +
+                                  std::to_string(idx) + " was not compiled into this build");
+    return static_cast<int>(idx);
+  };
+  if (g1 >= 0 && g2 >= 0) return {check(st.gemm1, g1, "gemm1"), check(st.gemm2, g2, "gemm2")};
+  auto it = st.chosen.find(key);
+  std::pair<int, int> pick;
+  if (it != st.chosen.end()) {
+    pick = it->second;
+  } else {
+    int64_t const rows_per_expert = (key.t * key.k + key.e - 1) / key.e;
+    pick = {DefaultTactic(st.gemm1, rows_per_expert), DefaultTactic(st.gemm2, rows_per_expert)};
+    if (pick.first < 0 || pick.second < 0)
+      throw std::runtime_error("jax_moe: no compiled SM90 MoE GEMM tactic available");
+    st.chosen.emplace(key, pick);
+  }
+  if (g1 >= 0) pick.first = check(st.gemm1, g1, "gemm1");
+  if (g2 >= 0) pick.second = check(st.gemm2, g2, "gemm2");
+  return pick;
+}
+
+size_t RunnerWorkspaceBytes(Runner& r, int64_t t, int64_t h, int64_t i, int e, int k,
+                            tk::ActivationType act) {
+  return r.getWorkspaceSize(t, h, i, e, k, act, tk::MOEParallelismConfig{}, /*use_lora=*/false,
+                            /*use_deepseek_fp8_block_scale=*/false,
+                            /*use_mxfp8_act_scaling=*/false, /*min_latency_mode=*/false,
+                            /*use_awq=*/false);
+}
+
+size_t TotalWorkspaceBytes(Runner& r, int64_t t, int64_t h, int64_t i, int e, int k,
+                           tk::ActivationType act) {
+  // [runner workspace | unpermuted_row_to_permuted_row (T*k int32)], each 128-byte aligned.
+  return AlignUp(RunnerWorkspaceBytes(r, t, h, i, e, k, act)) +
+         AlignUp(static_cast<size_t>(t) * k * sizeof(int));
+}
+
+bool IsGated(tk::ActivationType a) {
+  return a == tk::ActivationType::Swiglu || a == tk::ActivationType::Geglu ||
+         a == tk::ActivationType::SwigluBias || a == tk::ActivationType::SwigluStep ||
+         a == tk::ActivationType::GegluTanh || a == tk::ActivationType::Situ;
+}
+
+bool IsSupportedActivation(int64_t a) {
+  using A = tk::ActivationType;
+  switch (static_cast<A>(a)) {
+    case A::Gelu:
+    case A::Relu:
+    case A::Silu:
+    case A::Swiglu:
+    case A::Geglu:
+    case A::Relu2:
+    case A::Identity:
+      return true;
+    default:  // the others need per-expert parameters this handler does not take (yet)
+      return false;
+  }
+}
+
+std::string DescribeTactic(Config const& c) {
+  char buf[192];
+  if (c.is_tma_warp_specialized) {
+    auto const [tm, tn, tkb] = ce::enum_to_shape_tuple(c.tile_config_sm90);
+    auto const [cm, cn, ck] = ce::enum_to_shape_tuple(c.cluster_shape);
+    bool const fin = c.epilogue_fusion_type == Config::EpilogueFusionType::FINALIZE;
+    std::snprintf(buf, sizeof(buf), "sm%d tma_ws tile=%dx%dx%dB cluster=%dx%dx%d fusion=%s swap_ab=%d%s",
+                  c.sm_version, tm, tn, tkb, cm, cn, ck, fin ? "finalize" : "none",
+                  c.swap_ab ? 1 : 0, IsCompiled(c) ? "" : " (not compiled)");
+  } else {
+    std::snprintf(buf, sizeof(buf), "sm80 tile_id=%d stages=%d%s",
+                  static_cast<int>(c.tile_config_sm80), c.stages,
+                  IsCompiled(c) ? "" : " (not compiled)");
+  }
+  return std::string(buf);
+}
+
+ffi::Error MoeImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x,
+                   ffi::Buffer<ffi::BF16> w13, ffi::Buffer<ffi::BF16> w2,
+                   ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::F32> topk_weights,
+                   ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::U8> workspace,
+                   int64_t activation, int64_t gemm1_tactic, int64_t gemm2_tactic) {
+  auto bad = [](std::string const& m) {
+    return ffi::Error::InvalidArgument("jax_moe flashinfer_cutlass_moe: " + m);
+  };
+  auto xd = x.dimensions();
+  auto w13d = w13.dimensions();
+  auto w2d = w2.dimensions();
+  auto idd = topk_ids.dimensions();
+  auto twd = topk_weights.dimensions();
+  auto od = out->dimensions();
+  if (xd.size() != 2 || w13d.size() != 3 || w2d.size() != 3 || idd.size() != 2 ||
+      twd.size() != 2 || od.size() != 2 || workspace->dimensions().size() != 1)
+    return bad("expected x [T,H], w13 [E,N,H], w2 [E,H,I], topk_ids/topk_weights [T,k], "
+               "out [T,H], workspace [W]");
+  if (!IsSupportedActivation(activation))
+    return bad("unsupported activation type " + std::to_string(activation));
+  auto const act = static_cast<tk::ActivationType>(activation);
+  int64_t const t = xd[0], h = xd[1];
+  int64_t const e = w2d[0], i = w2d[2];
+  int64_t const k = idd[1];
+  int64_t const n1 = IsGated(act) ? 2 * i : i;
+  if (w13d[0] != e || w13d[1] != n1 || w13d[2] != h)
+    return bad("w13 must be [E, " + std::string(IsGated(act) ? "2I" : "I") + ", H]");
+  if (w2d[1] != h) return bad("w2 must be [E, H, I]");
+  if (idd[0] != t || twd[0] != t || twd[1] != k) return bad("topk_ids/topk_weights must be [T,k]");
+  if (od[0] != t || od[1] != h) return bad("out must be [T, H]");
+  if (h % 8 != 0 || i % 8 != 0) return bad("H and I must be multiples of 8 (TMA alignment)");
+  if (t == 0) return ffi::Error::Success();
+
+  try {
+    DeviceState& st = GetState(device);
+    std::lock_guard<std::mutex> lock(st.mu);
+    DeviceGuard guard(device);
+    Runner& r = *st.runner;
+
+    size_t const moe_ws = RunnerWorkspaceBytes(r, t, h, i, static_cast<int>(e),
+                                               static_cast<int>(k), act);
+    size_t const need = AlignUp(moe_ws) + AlignUp(static_cast<size_t>(t) * k * sizeof(int));
+    if (workspace->size_bytes() < need)
+      return bad("workspace has " + std::to_string(workspace->size_bytes()) + " bytes, needs " +
+                 std::to_string(need) + " (use workspace_size())");
+    auto* ws = static_cast<char*>(workspace->untyped_data());
+    if (reinterpret_cast<uintptr_t>(ws) % kAlign != 0) return bad("workspace is not 128-byte aligned");
+
+    ShapeKey key{t, h, i, static_cast<int>(e), static_cast<int>(k), static_cast<int>(activation)};
+    auto const [g1, g2] = ChooseTactics(st, key, gemm1_tactic, gemm2_tactic);
+    r.setTactic(st.gemm1[g1], st.gemm2[g2]);
+
+    tk::ActivationParams act_params(act);
+    tk::QuantParams quant{};
+    ::tensorrt_llm::kernels::LoraParams lora{};
+    tk::MoeMinLatencyParams min_latency{};
+    r.runMoe(x.untyped_data(), /*input_sf=*/nullptr, /*swizzled_input_sf=*/false,
+             topk_ids.typed_data(), topk_weights.typed_data(), w13.untyped_data(),
+             /*fc1_expert_biases=*/nullptr, act_params, w2.untyped_data(),
+             /*fc2_expert_biases=*/nullptr, quant, t, h, /*unpadded_hidden_size=*/h, i,
+             static_cast<int>(e), static_cast<int>(k), ws, out->untyped_data(),
+             reinterpret_cast<int*>(ws + AlignUp(moe_ws)), tk::MOEParallelismConfig{},
+             /*enable_alltoall=*/false, /*use_lora=*/false, lora,
+             /*use_deepseek_fp8_block_scale=*/false, /*use_mxfp8_act_scaling=*/false,
+             /*min_latency_mode=*/false, min_latency, /*enable_pdl=*/false, stream);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess)
+      return ffi::Error::Internal(std::string("jax_moe flashinfer_cutlass_moe: CUDA error: ") +
+                                  cudaGetErrorString(err));
+  } catch (std::invalid_argument const& ex) {
+    return ffi::Error::InvalidArgument(ex.what());
+  } catch (std::exception const& ex) {
+    return ffi::Error::Internal(std::string("jax_moe flashinfer_cutlass_moe: ") + ex.what());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------- host-side queries (nanobind)
+
+size_t WorkspaceSize(int64_t num_tokens, int64_t hidden, int64_t inter, int64_t num_experts,
+                     int64_t top_k, int64_t activation, int device) {
+  if (!IsSupportedActivation(activation))
+    throw std::invalid_argument("unsupported activation type " + std::to_string(activation));
+  if (device < 0) cudaGetDevice(&device);
+  DeviceState& st = GetState(device);
+  std::lock_guard<std::mutex> lock(st.mu);
+  DeviceGuard guard(device);
+  return TotalWorkspaceBytes(*st.runner, std::max<int64_t>(num_tokens, 1), hidden, inter,
+                             static_cast<int>(num_experts), static_cast<int>(top_k),
+                             static_cast<tk::ActivationType>(activation));
+}
+
+// Tactic-list queries use only C types across the TU boundary to the nanobind module, which builds
+// the Python list itself. (Returning std::vector<std::tuple<int, std::string, bool>> through
+// nanobind's STL casters segfaulted on the GPU image -- cause not pinned down.)
+int NumTactics(int gemm_id, int device) {
+  if (device < 0) cudaGetDevice(&device);
+  DeviceState& st = GetState(device);
+  std::lock_guard<std::mutex> lock(st.mu);
+  return static_cast<int>((gemm_id == 1 ? st.gemm1 : st.gemm2).size());
+}
+
+// Writes tactic `idx`'s description (NUL-terminated, truncated to buf_len) and returns whether
+// that tactic is compiled into this build (1) or not (0).
+int TacticInfo(int gemm_id, int idx, int device, char* buf, size_t buf_len) {
+  if (device < 0) cudaGetDevice(&device);
+  DeviceState& st = GetState(device);
+  std::lock_guard<std::mutex> lock(st.mu);
+  auto const& list = gemm_id == 1 ? st.gemm1 : st.gemm2;
+  if (idx < 0 || idx >= static_cast<int>(list.size()))
+    throw std::out_of_range("tactic index out of range");
+  std::string const d = DescribeTactic(list[idx]);
+  if (buf_len > 0) {
+    size_t const n = std::min(d.size(), buf_len - 1);
+    std::memcpy(buf, d.data(), n);
+    buf[n] = '\0';
+  }
+  return IsCompiled(list[idx]) ? 1 : 0;
+}
+
+// The (gemm1, gemm2) tactic indices the handler picks for a shape when given -1.
+std::pair<int, int> DefaultTactics(int64_t num_tokens, int64_t hidden, int64_t inter,
+                                   int64_t num_experts, int64_t top_k, int64_t activation,
+                                   int device) {
+  if (device < 0) cudaGetDevice(&device);
+  DeviceState& st = GetState(device);
+  std::lock_guard<std::mutex> lock(st.mu);
+  ShapeKey key{num_tokens, hidden, inter, static_cast<int>(num_experts), static_cast<int>(top_k),
+               static_cast<int>(activation)};
+  return ChooseTactics(st, key, -1, -1);
+}
+
+int NumCompiledSm90Tactics() {
+  return static_cast<int>(sizeof(kCompiledSm90Tactics) / sizeof(kCompiledSm90Tactics[0]));
+}
+
+}  // namespace jax_moe_fi
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFlashinferCutlassMoe, jax_moe_fi::MoeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w13
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w2
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                                  .Attr<int64_t>("activation")
+                                  .Attr<int64_t>("gemm1_tactic")
+                                  .Attr<int64_t>("gemm2_tactic"));

@@ -1,0 +1,91 @@
+// nanobind module jax_moe._jax_moe_flashinfer: exports the XLA FFI handler of FlashInfer's CUTLASS
+// fused-MoE runner (ffi/flashinfer_cutlass_moe.cu) and the host-side queries the Python wrapper
+// needs at trace time (workspace size, tactic lists).
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdlib>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace nb = nanobind;
+
+// XLA_FFI_DEFINE_HANDLER_SYMBOL in flashinfer_cutlass_moe.cu defines it with C linkage.
+struct XLA_FFI_CallFrame;
+struct XLA_FFI_Error;
+extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoe(XLA_FFI_CallFrame* call_frame);
+
+namespace jax_moe_fi {
+size_t WorkspaceSize(int64_t num_tokens, int64_t hidden, int64_t inter, int64_t num_experts,
+                     int64_t top_k, int64_t activation, int device);
+int NumTactics(int gemm_id, int device);
+int TacticInfo(int gemm_id, int idx, int device, char* buf, size_t buf_len);
+std::pair<int, int> DefaultTactics(int64_t num_tokens, int64_t hidden, int64_t inter,
+                                   int64_t num_experts, int64_t top_k, int64_t activation,
+                                   int device);
+int NumCompiledSm90Tactics();
+}  // namespace jax_moe_fi
+
+namespace {
+// JAX_MOE_FI_SEGV_TRACE=1: print a native backtrace on SIGSEGV (debugging aid).
+void SegvTrace(int sig) {
+  void* frames[64];
+  int n = backtrace(frames, 64);
+  backtrace_symbols_fd(frames, n, 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+}  // namespace
+
+NB_MODULE(_jax_moe_flashinfer, m) {
+  if (std::getenv("JAX_MOE_FI_SEGV_TRACE")) signal(SIGSEGV, SegvTrace);
+  m.doc() = "FlashInfer CUTLASS fused-MoE (SM90, bf16) as an XLA FFI custom call";
+
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_moe_flashinfer_cutlass_moe"] =
+        nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoe));
+    return d;
+  }, "FFI target name -> handler capsule (api_version=1, platform CUDA).");
+
+  m.def("workspace_size", &jax_moe_fi::WorkspaceSize, nb::arg("num_tokens"), nb::arg("hidden"),
+        nb::arg("inter"), nb::arg("num_experts"), nb::arg("top_k"), nb::arg("activation"),
+        nb::arg("device") = -1,
+        "Bytes of the uint8 workspace result the custom call needs for this problem. Needs a "
+        "CUDA device (default: the current one).");
+
+  m.def(
+      "tactics",
+      [](int gemm_id, int device) {
+        nb::list out;
+        int const n = jax_moe_fi::NumTactics(gemm_id, device);
+        char buf[256];
+        for (int idx = 0; idx < n; ++idx) {
+          bool const compiled = jax_moe_fi::TacticInfo(gemm_id, idx, device, buf, sizeof(buf)) != 0;
+          out.append(nb::make_tuple(idx, nb::str(buf), compiled));
+        }
+        return out;
+      },
+      nb::arg("gemm_id"), nb::arg("device") = -1,
+      "[(index, description, compiled)] of the runner's tactics for GEMM 1 or 2.");
+
+  m.def("default_tactics", &jax_moe_fi::DefaultTactics, nb::arg("num_tokens"), nb::arg("hidden"),
+        nb::arg("inter"), nb::arg("num_experts"), nb::arg("top_k"), nb::arg("activation"),
+        nb::arg("device") = -1,
+        "(gemm1, gemm2) tactic indices the handler uses for this shape when given -1.");
+
+  m.def("num_compiled_sm90_tactics", &jax_moe_fi::NumCompiledSm90Tactics,
+        "How many SM90 MoE GEMM kernels this build compiled.");
+}
