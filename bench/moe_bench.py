@@ -110,7 +110,7 @@ def implementations(cfg: MoEConfig) -> dict:
         "ragged_dot": (same, lambda *a: xla.apply(*a, cfg, strategy="ragged_dot")),
         "dense": (same, lambda *a: dense_reference(*a, cfg)),
     }
-    for name in oracle.BACKENDS:
+    for name in oracle.MODULES:
         if name == "xla":
             continue
         mod, ok, reason = oracle.probe(name, cfg, None, None)

@@ -1,8 +1,14 @@
-"""Backend selection: which kernel family serves a given layer on a given device, and why not the others.
+"""Backend selection: which kernel family serves a layer on a device, and why not the others.
 
-Order tried (first that supports the config wins): the compiled backends fastest-first, then
-``xla``, which supports everything. ``backend=`` or the environment variable ``JAX_MOE_BACKEND``
-forces one; a forced backend that cannot serve the config raises with its reason.
+For each quant scheme the backends are tried in vLLM's order (:data:`SCHEME_ORDER`); each row
+answers ``supports(cfg, quant, device) -> (ok, reason)`` from the device's compute capability,
+what this build contains, and the shapes. The first that can serve *and* is in :data:`AUTO`
+wins; ``xla`` serves everything and ends every list. A row joins AUTO once its GPU tests pass on
+hardware and it needs no per-call repacking through ``fused_experts``.
+
+Overrides: ``backend=`` or ``JAX_MOE_BACKEND`` forces one backend (raising with its reason if it
+cannot serve); ``JAX_MOE_FLASHINFER_MOE_BACKEND`` = ``throughput`` (CUTLASS), ``latency``
+(TRT-LLM) or ``masked_gemm`` (CuteDSL) moves that FlashInfer row first, as vLLM's variable does.
 """
 
 from __future__ import annotations
@@ -16,15 +22,46 @@ from jax_moe.config import MoEConfig
 
 log = logging.getLogger("jax_moe")
 
-# name -> module implementing supports(cfg, quant, device) and apply(...)
-BACKENDS: dict[str, str] = {
+# backends with a Python module of their own: supports(cfg, quant, device) and apply(...)
+MODULES: dict[str, str] = {
     "flashinfer_cutlass": "jax_moe.backends.flashinfer_cutlass",
     "xla": "jax_moe.backends.xla",
 }
-# Tried in this order without an override. A backend joins ORDER only once its GPU tests pass
-# on hardware; until then it runs only when forced (backend= or JAX_MOE_BACKEND).
-ORDER = ("xla",)
+# every backend name the oracle knows; those without a module answer from backends/unavailable.py
+BACKENDS: tuple[str, ...] = ("flashinfer_trtllm", "flashinfer_cutedsl", "flashinfer_cutlass", "cutlass",
+                             "marlin", "xla")
+# vLLM's order per scheme ("bf16" = unquantized)
+SCHEME_ORDER: dict[str, tuple[str, ...]] = {
+    "bf16": ("flashinfer_cutlass", "cutlass", "xla"),
+    "fp8": ("flashinfer_trtllm", "flashinfer_cutlass", "cutlass", "xla"),
+    "fp8_block": ("flashinfer_trtllm", "flashinfer_cutlass", "xla"),
+    "nvfp4": ("flashinfer_trtllm", "flashinfer_cutedsl", "flashinfer_cutlass", "cutlass", "marlin", "xla"),
+    "mxfp4": ("flashinfer_trtllm", "flashinfer_cutlass", "marlin", "xla"),
+    "w4a8": ("flashinfer_cutlass", "cutlass", "xla"),
+}
+AUTO: frozenset[str] = frozenset({"xla"})
 ENV = "JAX_MOE_BACKEND"
+FLASHINFER_ENV = "JAX_MOE_FLASHINFER_MOE_BACKEND"
+FLASHINFER_CHOICES = {"throughput": "flashinfer_cutlass", "latency": "flashinfer_trtllm",
+                      "masked_gemm": "flashinfer_cutedsl"}
+
+
+def scheme_of(quant) -> str:
+    return "bf16" if quant is None else quant.scheme
+
+
+def order_for(quant) -> tuple[str, ...]:
+    """The backends tried for ``quant``'s scheme, with the FlashInfer preference applied."""
+    order = list(SCHEME_ORDER[scheme_of(quant)])
+    pref = os.environ.get(FLASHINFER_ENV)
+    if pref:
+        if pref not in FLASHINFER_CHOICES:
+            raise ValueError(f"{FLASHINFER_ENV} must be one of {sorted(FLASHINFER_CHOICES)}, got {pref!r}")
+        first = FLASHINFER_CHOICES[pref]
+        if first in order:
+            order.remove(first)
+            order.insert(0, first)
+    return tuple(order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,20 +73,13 @@ class Selection:
     reasons: tuple[tuple[str, str], ...]
 
 
-def _load(name: str):
-    try:
-        return importlib.import_module(BACKENDS[name]), ""
-    except ImportError as err:  # a backend whose Python side is absent in this build
-        return None, f"not available in this build ({err})"
-
-
 def probe(name: str, cfg: MoEConfig, quant=None, device=None) -> tuple[object, bool, str]:
-    """(module or None, supported, reason) of backend ``name`` for this config."""
-    mod, why = _load(name)
-    if mod is None:
-        return None, False, why
-    if not hasattr(mod, "supports"):
-        return None, False, "backend module has no supports() yet"
+    """(module or None, supported, reason) of backend ``name`` for this config on ``device``."""
+    if name not in MODULES:
+        from jax_moe.backends.unavailable import refusal
+
+        return (None, *refusal(name, cfg, quant, device))
+    mod = importlib.import_module(MODULES[name])
     ok, reason = mod.supports(cfg, quant, device)
     return mod, ok, reason
 
@@ -68,8 +98,10 @@ def select_backend(cfg: MoEConfig, quant=None, *, backend: str | None = None, de
             raise ValueError(f"backend {forced!r} cannot serve this MoE: {reason}")
         return Selection(forced, mod, ())
     refused = []
-    for name in ORDER:
+    for name in order_for(quant):
         mod, ok, reason = probe(name, cfg, quant, device)
+        if ok and name not in AUTO:
+            ok, reason = False, "can serve this, but is used only when forced (backend=) so far"
         if ok:
             for r in refused:
                 if r not in _logged:

@@ -46,30 +46,27 @@ def _module():
     return _state["module"]
 
 
-def _sm90_devices():
-    try:
-        devs = jax.devices("gpu")
-    except RuntimeError:
-        return []
-    return [d for d in devs if str(getattr(d, "compute_capability", "")) == "9.0"]
+def available(device=None) -> tuple[bool, str]:
+    """Whether the custom call can run on ``device`` (default: JAX's default device), and why not."""
+    from jax_moe.device import device_info
 
-
-def available() -> tuple[bool, str]:
-    """Whether the custom call can run here, and why not if it can't."""
+    dev = device_info(device)
+    if dev.sm != 90:
+        return False, f"needs SM90 (this build compiles sm_90a only); this device is {dev.describe()}"
     if _module() is None:
         return False, _state["error"]
-    if not _sm90_devices():
-        return False, "needs an SM90 (Hopper) GPU; this build is compiled for sm_90a only"
     return True, "FlashInfer CUTLASS fused MoE (SM90, bf16)"
 
 
 def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
-    """Whether this backend serves ``cfg`` (a :class:`jax_moe.config.MoEConfig`)."""
-    ok, why = available()
+    """Whether this backend serves ``cfg`` (a :class:`jax_moe.config.MoEConfig`) on ``device``."""
+    if quant is not None:
+        return False, f"scheme {quant.scheme!r} is not built yet (bf16 only so far)"
+    ok, why = available(device)
     if not ok:
         return False, why
-    if quant is not None:
-        return False, "only unquantized bf16 weights are built so far"
+    if cfg.expert_shard:
+        return False, "expert-parallel shards (ids of -1) are not wired to the runner yet"
     if cfg.activation not in ACTIVATION_CODES:
         return False, f"activation {cfg.activation!r} is not wired up (have {sorted(ACTIVATION_CODES)})"
     if cfg.hidden_size % ALIGN or cfg.intermediate_size % ALIGN:

@@ -1,0 +1,39 @@
+"""Oracle rows for vLLM's backend families that jax_moe does not run yet, each with the reason it
+gives on every device: the hardware it needs first, then what is missing in this build.
+
+| backend              | hardware              | schemes                          | status here                     |
+| -------------------- | --------------------- | -------------------------------- | ------------------------------- |
+| flashinfer_trtllm    | SM100 (B200/GB200)    | fp8, fp8_block, nvfp4, mxfp4     | FFI handlers not written yet    |
+| flashinfer_cutedsl   | SM100                 | nvfp4                            | not written yet                 |
+| cutlass (jax_moe's)  | SM90 (SM100 for FP4)  | bf16, fp8, nvfp4, w4a8           | not written yet (issue 5)       |
+| marlin               | SM80+ (weight-only)   | nvfp4/mxfp4/w4a8 weights, bf16 x | not provided: on SM80/SM90 the FlashInfer CUTLASS mixed-input GEMMs are to serve weight-only 4-bit |
+"""
+
+from __future__ import annotations
+
+from jax_moe.device import device_info
+
+# backend -> (SM numbers it runs on, schemes it serves, what this build lacks)
+ROWS: dict[str, tuple[tuple[int, ...], tuple[str, ...], str]] = {
+    "flashinfer_trtllm": ((100, 103), ("fp8", "fp8_block", "nvfp4", "mxfp4"),
+                          "the TRT-LLM gen MoE FFI handlers are not in this build yet"),
+    "flashinfer_cutedsl": ((100, 103), ("nvfp4",), "the CuteDSL masked grouped GEMM is not in this build yet"),
+    "cutlass": ((90, 100, 103), ("bf16", "fp8", "nvfp4", "w4a8"),
+                "jax_moe's own CUTLASS grouped GEMMs are not in this build yet"),
+    "marlin": ((80, 86, 89, 90), ("nvfp4", "mxfp4", "w4a8"),
+               "not provided: weight-only 4-bit on SM80/SM90 is to be served by flashinfer_cutlass's "
+               "mixed-input GEMMs"),
+}
+
+
+def refusal(name: str, cfg, quant, device) -> tuple[bool, str]:
+    """Why ``name`` cannot serve (cfg, quant) on ``device``: hardware first, then this build."""
+    sms, schemes, missing = ROWS[name]
+    dev = device_info(device)
+    scheme = "bf16" if quant is None else quant.scheme
+    if dev.sm not in sms:
+        need = "/".join(f"SM{s}" for s in sms)
+        return False, f"needs {need}; this device is {dev.describe()}"
+    if scheme not in schemes:
+        return False, f"does not serve scheme {scheme!r} (serves {', '.join(schemes)})"
+    return False, missing

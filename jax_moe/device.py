@@ -1,0 +1,37 @@
+"""What the oracle needs to know of a device: its platform and CUDA compute capability."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """platform: "gpu" or "cpu" (or another JAX platform); capability: (major, minor) on NVIDIA GPUs."""
+
+    platform: str
+    capability: tuple[int, int] | None = None
+
+    @property
+    def sm(self) -> int | None:
+        """Compute capability as an SM number (9.0 -> 90), None off NVIDIA GPUs."""
+        return None if self.capability is None else 10 * self.capability[0] + self.capability[1]
+
+    def describe(self) -> str:
+        return self.platform if self.sm is None else f"SM{self.sm}"
+
+
+def device_info(device=None) -> DeviceInfo:
+    """``device``: a DeviceInfo (returned as is), a jax Device, or None for JAX's default device."""
+    if isinstance(device, DeviceInfo):
+        return device
+    if device is None:
+        device = jax.devices()[0]
+    cap = getattr(device, "compute_capability", None)
+    capability = None
+    if device.platform == "gpu" and cap:
+        major, minor = str(cap).split(".")[:2]
+        capability = (int(major), int(minor))
+    return DeviceInfo(device.platform, capability)

@@ -1,0 +1,94 @@
+"""The oracle: which backend serves a (device, scheme, shape), and the reason every other one gives."""
+
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_moe import fused_experts, oracle
+from jax_moe.config import MoEConfig
+from jax_moe.device import DeviceInfo
+
+CFG = MoEConfig(128, 8, 2048, 768)
+A100, H100, B200, RTX5090 = (DeviceInfo("gpu", c) for c in ((8, 0), (9, 0), (10, 0), (12, 0)))
+CPU = DeviceInfo("cpu")
+
+
+def scheme(name):
+    return None if name == "bf16" else SimpleNamespace(scheme=name)
+
+
+# (device, scheme, backend) -> the start of the reason it gives
+REASONS = [
+    (H100, "nvfp4", "flashinfer_trtllm", "needs SM100/SM103; this device is SM90"),
+    (H100, "nvfp4", "flashinfer_cutedsl", "needs SM100/SM103; this device is SM90"),
+    (H100, "nvfp4", "marlin", "not provided: weight-only 4-bit on SM80/SM90"),
+    (H100, "fp8", "flashinfer_cutlass", "scheme 'fp8' is not built yet"),
+    (H100, "bf16", "cutlass", "jax_moe's own CUTLASS grouped GEMMs are not in this build yet"),
+    (B200, "nvfp4", "flashinfer_trtllm", "the TRT-LLM gen MoE FFI handlers are not in this build yet"),
+    (B200, "nvfp4", "flashinfer_cutedsl", "the CuteDSL masked grouped GEMM is not in this build yet"),
+    (B200, "fp8", "flashinfer_cutedsl", "does not serve scheme 'fp8' (serves nvfp4)"),  # asked directly
+    (B200, "bf16", "flashinfer_cutlass", "needs SM90 (this build compiles sm_90a only); this device is SM100"),
+    (B200, "mxfp4", "marlin", "needs SM80/SM86/SM89/SM90; this device is SM100"),
+    (RTX5090, "nvfp4", "flashinfer_trtllm", "needs SM100/SM103; this device is SM120"),
+    (A100, "w4a8", "cutlass", "needs SM90/SM100/SM103; this device is SM80"),
+    (A100, "mxfp4", "marlin", "not provided"),
+    (CPU, "bf16", "flashinfer_cutlass", "needs SM90 (this build compiles sm_90a only); this device is cpu"),
+]
+
+
+@pytest.mark.parametrize("device,scheme_name,backend,reason", REASONS,
+                         ids=[f"{d.describe()}-{s}-{b}" for d, s, b, _ in REASONS])
+def test_each_refusal_gives_its_reason(device, scheme_name, backend, reason):
+    _, ok, why = oracle.probe(backend, CFG, scheme(scheme_name), device)
+    assert not ok
+    assert why.startswith(reason), why
+
+
+@pytest.mark.parametrize("device", [A100, H100, B200, RTX5090, CPU], ids=lambda d: d.describe())
+@pytest.mark.parametrize("scheme_name", sorted(oracle.SCHEME_ORDER))
+def test_every_device_and_scheme_falls_back_to_xla_with_reasons_in_order(device, scheme_name):
+    sel = oracle.select_backend(CFG, scheme(scheme_name), device=device)
+    assert sel.name == "xla"
+    assert [name for name, _ in sel.reasons] == list(oracle.order_for(scheme(scheme_name)))[:-1]
+    assert all(reason for _, reason in sel.reasons)
+
+
+def test_orders_follow_vllm():
+    assert oracle.SCHEME_ORDER["nvfp4"][:5] == ("flashinfer_trtllm", "flashinfer_cutedsl", "flashinfer_cutlass",
+                                                "cutlass", "marlin")
+    assert all(order[-1] == "xla" for order in oracle.SCHEME_ORDER.values())
+
+
+@pytest.mark.parametrize("pref,first", [("throughput", "flashinfer_cutlass"), ("latency", "flashinfer_trtllm"),
+                                        ("masked_gemm", "flashinfer_cutedsl")])
+def test_flashinfer_preference_moves_its_row_first(monkeypatch, pref, first):
+    monkeypatch.setenv(oracle.FLASHINFER_ENV, pref)
+    assert oracle.order_for(scheme("nvfp4"))[0] == first
+
+
+def test_bad_flashinfer_preference_raises(monkeypatch):
+    monkeypatch.setenv(oracle.FLASHINFER_ENV, "fastest")
+    with pytest.raises(ValueError, match="JAX_MOE_FLASHINFER_MOE_BACKEND must be one of"):
+        oracle.order_for(None)
+
+
+def _small():
+    x = jnp.ones((4, 16), jnp.float32) * 0.5
+    w13 = jnp.asarray(np.random.default_rng(0).standard_normal((4, 16, 16)), jnp.float32)
+    w2 = jnp.asarray(np.random.default_rng(1).standard_normal((4, 16, 8)), jnp.float32)
+    return x, w13, w2, jnp.full((4, 2), 0.5, jnp.float32), jnp.tile(jnp.array([[0, 3]], jnp.int32), (4, 1))
+
+
+def test_forced_unsupported_backend_raises_before_tracing():
+    with pytest.raises(ValueError, match="backend 'flashinfer_trtllm' cannot serve this MoE: needs SM100"):
+        fused_experts(*_small(), backend="flashinfer_trtllm")
+
+
+def test_environment_forces_a_backend(monkeypatch):
+    monkeypatch.setenv(oracle.ENV, "marlin")
+    with pytest.raises(ValueError, match="backend 'marlin' cannot serve this MoE"):
+        fused_experts(*_small())
+    monkeypatch.setenv(oracle.ENV, "xla")
+    assert fused_experts(*_small()).shape == (4, 16)
