@@ -39,7 +39,9 @@ def _load(kind: str):
         _loaded[kind] = importlib.import_module(_MODULES[kind])
     except ImportError as err:
         _errors[kind] = f"{_MODULES[kind]} is not built or cannot load ({err})"
-        log.info("jax_moe: %s", _errors[kind])
+        # said once; loudly only where it matters (a GPU without the CUDA kernels)
+        level = logging.WARNING if kind == "cuda" and _gpu_backend() else logging.INFO
+        log.log(level, "jax_moe: %s; the pure-JAX paths are used instead", _errors[kind])
     return _loaded.get(kind)
 
 
