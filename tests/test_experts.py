@@ -199,3 +199,11 @@ def test_bad_options_raise(rng):
         fused_experts(*a.values(), backend="magic")
     with pytest.raises(ValueError, match="router_logits has 5 experts but w13 has E=4"):
         fused_moe(a["x"], a["w13"], a["w2"], jnp.zeros((8, 5)), 2)
+
+
+@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+def test_a_token_may_pick_the_same_expert_twice(rng, strategy):
+    cfg, x, w13, w2, w, _, _ = make_moe(rng, 12, 8, 3, 32, 16)
+    ids = jnp.asarray(rng.integers(0, 3, (12, 3)), jnp.int32)  # repeats within a row
+    out = xla.apply(x, w13, w2, w, ids, cfg, strategy=strategy)
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND["float32"]
