@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe.layouts import swap_w13_to_w31, undo_reorder_rows_for_gated_act_gemm
+
 NAME = "flashinfer_cutlass"
 TARGET = "jax_moe_flashinfer_cutlass_moe"
 
@@ -94,14 +96,11 @@ def prepare_weights(w13, w2, activation: str = "silu", gate_up_layout: str = "co
     """
     w13 = jnp.asarray(w13)
     if GATED.get(activation, True):
-        if gate_up_layout == "concat":
-            i = w13.shape[1] // 2
-            gate, up = w13[:, :i], w13[:, i:]
-        elif gate_up_layout == "interleaved":
-            gate, up = w13[:, 0::2], w13[:, 1::2]
-        else:
+        if gate_up_layout == "interleaved":
+            w13 = undo_reorder_rows_for_gated_act_gemm(w13)  # -> [gate; up]
+        elif gate_up_layout != "concat":
             raise ValueError(f"unknown gate_up_layout {gate_up_layout!r}")
-        w13 = jnp.concatenate([up, gate], axis=1)
+        w13 = swap_w13_to_w31(w13)  # [gate; up] -> [up; gate]
     return w13.astype(jnp.bfloat16), jnp.asarray(w2).astype(jnp.bfloat16)
 
 

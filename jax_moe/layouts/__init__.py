@@ -1,0 +1,114 @@
+"""Load-time weight repacks for the kernel families, in pure jnp (jit-able, exact).
+
+Each transformation is documented in its module (shapes, dtypes, the permutation in words) and,
+where it is a permutation, comes with its exact inverse. Layout constants (epilogue tile 128,
+the 128x4 scale tile, pad sizes) live in :mod:`jax_moe.layouts.common` only.
+
+* :mod:`~jax_moe.layouts.common` — constants, zero padding, per-backend padding rules
+* :mod:`~jax_moe.layouts.gated`  — gate/up row orders: w13 <-> w31 swap, FlashInfer's gated-act
+  row interleave, GPT-OSS pairwise row swap
+* :mod:`~jax_moe.layouts.shuffle` — FlashInfer ``shuffle_matrix_a`` / ``shuffle_matrix_sf_a``
+* :mod:`~jax_moe.layouts.scales` — the 128x4 block-scale swizzle (NVFP4 ``block_scale_interleave``,
+  vLLM ``swizzle_mxfp4_scales``) and the FP8 / NVFP4 alpha scales
+
+Typical compositions (per expert axis carried along):
+
+* FlashInfer TRT-LLM FP8 per-tensor (seed 000): ``w13 = pad_gate_up(w13, fp8_padded_intermediate(I))``,
+  ``w2 = pad_axis(w2, Ip)``; ``w13 = shuffle_matrix_a(reorder_rows_for_gated_act_gemm(
+  swap_w13_to_w31(w13)))``, ``w2 = shuffle_matrix_a(w2)``; scales from :func:`trtllm_fp8_output_scales`.
+* FlashInfer TRT-LLM MXFP4 (seed 002, GPT-OSS interleaved): ``swap_row_pairs`` on w13, its scales
+  and bias (``axis=-1``), then ``shuffle_matrix_a`` on weights and biases and
+  ``shuffle_matrix_sf_a`` on the scales.
+"""
+
+from jax_moe.layouts.common import (
+    EPILOGUE_TILE_M,
+    FP8_INTERMEDIATE_ALIGN,
+    MXFP4_PADDING,
+    MXFP4_PADDING_DEFAULT,
+    SF_TILE_INNER_M,
+    SF_TILE_K,
+    SF_TILE_M,
+    SF_TILE_OUTER_M,
+    SHUFFLE_BLOCK_ROWS_LARGE,
+    SHUFFLE_BLOCK_ROWS_SMALL,
+    SHUFFLE_ROW_GROUPS,
+    MxPadding,
+    fp8_padded_intermediate,
+    mxfp4_padded_sizes,
+    mxfp4_padding,
+    pad_axis,
+    pad_axis_to_multiple,
+    pad_gate_up,
+    round_up,
+    shuffle_block_rows,
+    unpad_gate_up,
+)
+from jax_moe.layouts.gated import (
+    reorder_rows_for_gated_act_gemm,
+    swap_row_pairs,
+    swap_w13_to_w31,
+    swap_w31_to_w13,
+    undo_reorder_rows_for_gated_act_gemm,
+)
+from jax_moe.layouts.scales import (
+    Nvfp4Alphas,
+    TrtllmFp8OutputScales,
+    block_scale_deinterleave,
+    block_scale_interleave,
+    fp8_alpha_scales,
+    nvfp4_alpha_scales,
+    swizzle_mxfp4_scales,
+    trtllm_fp8_output_scales,
+    unswizzle_mxfp4_scales,
+)
+from jax_moe.layouts.shuffle import (
+    shuffle_matrix_a,
+    shuffle_matrix_a_row_indices,
+    shuffle_matrix_sf_a,
+    unshuffle_matrix_a,
+    unshuffle_matrix_sf_a,
+)
+
+__all__ = [
+    "EPILOGUE_TILE_M",
+    "FP8_INTERMEDIATE_ALIGN",
+    "MXFP4_PADDING",
+    "MXFP4_PADDING_DEFAULT",
+    "SF_TILE_INNER_M",
+    "SF_TILE_K",
+    "SF_TILE_M",
+    "SF_TILE_OUTER_M",
+    "SHUFFLE_BLOCK_ROWS_LARGE",
+    "SHUFFLE_BLOCK_ROWS_SMALL",
+    "SHUFFLE_ROW_GROUPS",
+    "MxPadding",
+    "Nvfp4Alphas",
+    "TrtllmFp8OutputScales",
+    "block_scale_deinterleave",
+    "block_scale_interleave",
+    "fp8_alpha_scales",
+    "fp8_padded_intermediate",
+    "mxfp4_padded_sizes",
+    "mxfp4_padding",
+    "nvfp4_alpha_scales",
+    "pad_axis",
+    "pad_axis_to_multiple",
+    "pad_gate_up",
+    "reorder_rows_for_gated_act_gemm",
+    "round_up",
+    "shuffle_block_rows",
+    "shuffle_matrix_a",
+    "shuffle_matrix_a_row_indices",
+    "shuffle_matrix_sf_a",
+    "swap_row_pairs",
+    "swap_w13_to_w31",
+    "swap_w31_to_w13",
+    "swizzle_mxfp4_scales",
+    "trtllm_fp8_output_scales",
+    "undo_reorder_rows_for_gated_act_gemm",
+    "unpad_gate_up",
+    "unshuffle_matrix_a",
+    "unshuffle_matrix_sf_a",
+    "unswizzle_mxfp4_scales",
+]

@@ -1,0 +1,468 @@
+"""Spec tests for jax_moe.layouts: every layout against a reference written here from the
+documented words (python loops over indices), every permutation inverted bit-exactly, the padding
+rules from a table, the alpha scales on concrete numbers, jit and a leading expert axis."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_moe import layouts as L
+from jax_moe.quant.fp4 import pack_fp4
+
+DTYPES = ["float32", "bfloat16", "float8_e4m3fn", "uint8"]
+
+
+# ------------------------------------------------------------------ helpers
+def make(rng, shape, dtype="float32"):
+    """Random, never-zero data of ``dtype`` (uint8 in 1..255; floats +-[0.5, 4))."""
+    if dtype == "uint8":
+        return jnp.asarray(rng.integers(1, 256, size=shape, dtype=np.uint8))
+    v = rng.uniform(0.5, 4.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
+    return jnp.asarray(v.astype(np.float32)).astype(jnp.dtype(dtype))
+
+
+def bits(a):
+    """Raw bytes of an array (bitwise comparison for float8 / bf16 / uint8 alike)."""
+    a = np.ascontiguousarray(np.asarray(a))
+    return a.view(np.uint8).reshape(a.shape + (-1,))
+
+
+def assert_bits_equal(a, b):
+    assert np.asarray(a).dtype == np.asarray(b).dtype
+    assert np.asarray(a).shape == np.asarray(b).shape
+    np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def rows_ref(x, src_of_dst, axis=-2):
+    """Reference row permutation by a python loop: out[r] = x[src_of_dst(r)] along ``axis``."""
+    x = np.asarray(x)
+    xm = np.moveaxis(x, axis, 0)
+    out = np.empty_like(xm)
+    for r in range(xm.shape[0]):
+        out[r] = xm[src_of_dst(r)]
+    return np.moveaxis(out, 0, axis)
+
+
+def roundup(x, m):
+    return -(-x // m) * m
+
+
+def interleave_ref(sf):
+    """The 128x4 layout from its documented words: pad to (128, 4) multiples with zeros, and place
+    sf[m, k] at flat ((m//128)*(Kp/4) + k//4)*512 + (m%32)*16 + ((m%128)//32)*4 + k%4."""
+    sf = np.asarray(sf)
+    m_, k_ = sf.shape
+    mp, kp = roundup(m_, 128), roundup(k_, 4)
+    flat = np.zeros(mp * kp, sf.dtype)
+    for m in range(m_):
+        for k in range(k_):
+            off = ((m // 128) * (kp // 4) + k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
+            flat[off] = sf[m, k]
+    return flat.reshape(mp // 128, kp // 4, 32, 4, 4)
+
+
+def shuffle_ref(x, tile=128, axis=-2):
+    """shuffle_matrix_a from its documented words: blocks of B = 32 (tile % 128 == 0) else 16;
+    source offset (B/8)*a + b goes to 8*b + a."""
+    bsz = 32 if tile % 128 == 0 else 16
+    g = bsz // 8
+    dst_to_src = {}
+    n = np.asarray(x).shape[axis]
+    for blk in range(n // bsz):
+        for a in range(8):
+            for b in range(g):
+                dst_to_src[blk * bsz + 8 * b + a] = blk * bsz + g * a + b
+    return rows_ref(x, dst_to_src.__getitem__, axis)
+
+
+# ------------------------------------------------------------------ gated row orders
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_w13_to_w31_reference_and_inverse(rng, dtype):
+    i = 6
+    x = make(rng, (2 * i, 5), dtype)
+    want = rows_ref(x, lambda r: (r + i) % (2 * i))
+    got = L.swap_w13_to_w31(x)
+    assert_bits_equal(got, want)
+    assert_bits_equal(L.swap_w31_to_w13(got), x)
+    assert_bits_equal(L.swap_w13_to_w31(got), x)  # self-inverse
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reorder_rows_for_gated_act_gemm_reference_and_inverse(rng, dtype):
+    i = 5
+    x = make(rng, (2 * i, 3), dtype)
+    # out[2i] = x[i], out[2i+1] = x[I+i]
+    want = rows_ref(x, lambda r: r // 2 + (i if r % 2 else 0))
+    got = L.reorder_rows_for_gated_act_gemm(x)
+    assert_bits_equal(got, want)
+    assert_bits_equal(L.undo_reorder_rows_for_gated_act_gemm(got), x)
+    assert_bits_equal(L.reorder_rows_for_gated_act_gemm(L.undo_reorder_rows_for_gated_act_gemm(x)), x)
+
+
+def test_reorder_rows_literal_example():
+    # FlashInfer docstring: [r0, r1, ..., rN/2, ..., r(N-1)] -> [r0, rN/2, r1, rN/2+1, ...]
+    got = np.asarray(L.reorder_rows_for_gated_act_gemm(jnp.arange(1, 9), axis=-1))
+    np.testing.assert_array_equal(got, [1, 5, 2, 6, 3, 7, 4, 8])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_row_pairs_reference_and_inverse(rng, dtype):
+    x = make(rng, (8, 4), dtype)
+    want = rows_ref(x, lambda r: r ^ 1)
+    got = L.swap_row_pairs(x)
+    assert_bits_equal(got, want)
+    assert_bits_equal(L.swap_row_pairs(got), x)
+
+
+def test_gptoss_pair_swap_matches_swap_then_reorder(rng):
+    # GPT-OSS interleaved [g0, u0, g1, u1, ...] after the pair swap is what w13 [g; u] becomes
+    # under swap_w13_to_w31 + reorder_rows_for_gated_act_gemm: [u0, g0, u1, g1, ...].
+    i, h = 4, 3
+    gate, up = np.asarray(make(rng, (i, h))), np.asarray(make(rng, (i, h)))
+    concat = np.concatenate([gate, up])
+    inter = np.empty((2 * i, h), np.float32)
+    inter[0::2], inter[1::2] = gate, up
+    want = np.empty((2 * i, h), np.float32)
+    want[0::2], want[1::2] = up, gate
+    assert_bits_equal(L.swap_row_pairs(inter), want)
+    assert_bits_equal(L.reorder_rows_for_gated_act_gemm(L.swap_w13_to_w31(concat)), want)
+    assert_bits_equal(L.reorder_rows_for_gated_act_gemm(concat), inter)  # concat -> interleaved
+
+
+def test_gated_bias_axis(rng):
+    b = make(rng, (3, 8))  # [E, 2I]
+    assert_bits_equal(L.swap_row_pairs(b, axis=-1), rows_ref(b, lambda r: r ^ 1, axis=-1))
+    assert_bits_equal(L.swap_w13_to_w31(b, axis=-1), rows_ref(b, lambda r: (r + 4) % 8, axis=-1))
+
+
+@pytest.mark.parametrize("fn", [L.swap_w13_to_w31, L.swap_w31_to_w13, L.reorder_rows_for_gated_act_gemm,
+                                L.undo_reorder_rows_for_gated_act_gemm, L.swap_row_pairs])
+def test_gated_shape_errors(rng, fn):
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        fn(make(rng, (7, 2)))
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        fn(make(rng, (4, 2)), axis=2)
+
+
+# ------------------------------------------------------------------ shuffle_matrix_a
+def test_shuffle_block_table():
+    # FlashInfer srcToDstBlk32RowMap / srcToDstBlk16RowMap: destination of each source offset
+    blk32 = [0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
+             4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31]
+    blk16 = [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]
+    for tile, table in ((128, blk32), (256, blk32), (64, blk16)):
+        n = len(table)
+        src = jnp.arange(2 * n)
+        out = np.asarray(L.shuffle_matrix_a(src, tile, axis=-1))
+        for s in range(2 * n):
+            assert out[(s // n) * n + table[s % n]] == s
+    assert L.shuffle_block_rows(128) == 32 and L.shuffle_block_rows(64) == 16
+
+
+@pytest.mark.parametrize("tile", [128, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shuffle_matrix_a_reference_and_inverse(rng, dtype, tile):
+    x = make(rng, (96, 6), dtype)
+    got = L.shuffle_matrix_a(x, tile)
+    assert_bits_equal(got, shuffle_ref(x, tile))
+    assert_bits_equal(L.unshuffle_matrix_a(got, tile), x)
+    assert_bits_equal(L.shuffle_matrix_a(L.unshuffle_matrix_a(x, tile), tile), x)
+    idx = L.shuffle_matrix_a_row_indices(96, tile)
+    assert_bits_equal(got, np.asarray(x)[idx])
+
+
+def test_shuffle_matrix_a_packed_fp4(rng):
+    # real E2M1 codes packed two per byte: only rows move, the bytes of a row stay as they are
+    codes = jnp.asarray(rng.integers(1, 16, size=(64, 32), dtype=np.uint8))
+    packed = pack_fp4(codes)
+    assert packed.dtype == jnp.uint8 and packed.shape == (64, 16)
+    got = L.shuffle_matrix_a(packed)
+    assert_bits_equal(got, shuffle_ref(packed))
+    assert_bits_equal(L.unshuffle_matrix_a(got), packed)
+
+
+def test_shuffle_matrix_a_bias_axis(rng):
+    b = make(rng, (2, 64))  # [E, M]: vLLM shuffles bias.reshape(-1, 1)
+    assert_bits_equal(L.shuffle_matrix_a(b, axis=-1), shuffle_ref(b, axis=-1))
+    assert_bits_equal(L.shuffle_matrix_a(b, axis=-1)[0], L.shuffle_matrix_a(b[0][:, None])[:, 0])
+
+
+def test_shuffle_matrix_a_errors(rng):
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        L.shuffle_matrix_a(make(rng, (48, 4)))  # not a multiple of 32
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        L.unshuffle_matrix_a(make(rng, (40, 4)), 64)  # not a multiple of 16
+    with pytest.raises(ValueError, match="epilogue_tile_m"):
+        L.shuffle_matrix_a(make(rng, (32, 4)), 0)
+    with pytest.raises(ValueError, match=r"\bm\b"):
+        L.shuffle_matrix_a_row_indices(33)
+
+
+# ------------------------------------------------------------------ 128x4 block-scale interleave
+@pytest.mark.parametrize("shape", [(128, 4), (130, 5), (256, 12), (3, 2), (200, 9)])
+@pytest.mark.parametrize("dtype", ["uint8", "float8_e4m3fn", "bfloat16"])
+def test_block_scale_interleave_reference_and_inverse(rng, shape, dtype):
+    sf = make(rng, shape, dtype)
+    got = L.block_scale_interleave(sf)
+    want = interleave_ref(sf)
+    assert_bits_equal(got, want)
+    m, k = shape
+    mp, kp = roundup(m, 128), roundup(k, 4)
+    flat2d = L.block_scale_interleave(sf, as_2d=True)
+    assert flat2d.shape == (mp, kp)
+    assert_bits_equal(np.asarray(flat2d).reshape(-1), want.reshape(-1))
+    assert_bits_equal(L.block_scale_deinterleave(got, m, k), sf)
+    assert_bits_equal(L.block_scale_deinterleave(flat2d, m, k, as_2d=True), sf)
+
+
+def test_block_scale_interleave_tile_words(rng):
+    # the 5-D index is [m // 128, k // 4, m % 32, (m // 32) % 4, k % 4]
+    sf = make(rng, (256, 8), "uint8")
+    t = np.asarray(L.block_scale_interleave(sf))
+    for m in range(256):
+        for k in range(8):
+            assert t[m // 128, k // 4, m % 32, (m // 32) % 4, k % 4] == np.asarray(sf)[m, k]
+
+
+def test_block_scale_interleave_padding_is_zero(rng):
+    sf = make(rng, (130, 5), "uint8")
+    flat = np.asarray(L.block_scale_interleave(sf)).reshape(-1)
+    assert flat.size == 256 * 8
+    assert np.count_nonzero(flat) == 130 * 5  # the data is never zero, the padding always
+
+
+def test_block_scale_deinterleave_errors(rng):
+    with pytest.raises(ValueError, match="tiled"):
+        L.block_scale_deinterleave(make(rng, (1, 2, 32, 4, 4), "uint8"), 128, 9)  # 9 columns need 3 k-tiles
+    with pytest.raises(ValueError, match="tiled"):
+        L.block_scale_deinterleave(make(rng, (128, 8), "uint8"), 128, 8)  # 2-D without as_2d
+    with pytest.raises(ValueError, match="sf"):
+        L.block_scale_interleave(make(rng, (7,), "uint8"))
+
+
+# ------------------------------------------------------------------ vLLM swizzle_mxfp4_scales
+def test_swizzle_mxfp4_scales_reference_and_inverse(rng):
+    n, k = 200, 352  # K in elements -> 11 scale columns
+    sc = make(rng, (n, k // 32), "uint8")
+    got = np.asarray(L.swizzle_mxfp4_scales(sc))
+    assert got.shape == (roundup(n, 128) // 128, roundup(k, 128) // 128, 32, 4, 4)
+    # vLLM's words: mTileIdx = m/128, outerMIdx = m%32, innerMIdx = (m/32)%4, kTileIdx = k/4,
+    # innerKIdx = k%4 (k in scale columns); the rest is zero padding
+    want = np.zeros_like(got)
+    for m in range(n):
+        for kk in range(k // 32):
+            want[m // 128, kk // 4, m % 32, (m // 32) % 4, kk % 4] = np.asarray(sc)[m, kk]
+    assert_bits_equal(got, want)
+    assert_bits_equal(L.unswizzle_mxfp4_scales(got, n, k), sc)
+    two_d = L.swizzle_mxfp4_scales(sc, as_2d=True)
+    assert two_d.shape == (256, 12)
+    assert_bits_equal(L.unswizzle_mxfp4_scales(two_d, n, k, as_2d=True), sc)
+
+
+def test_swizzle_mxfp4_scales_errors(rng):
+    with pytest.raises(ValueError, match="scales"):
+        L.swizzle_mxfp4_scales(make(rng, (128, 4), "float8_e4m3fn"))
+    t = L.swizzle_mxfp4_scales(make(rng, (128, 4), "uint8"))
+    with pytest.raises(ValueError, match=r"\bk\b"):
+        L.unswizzle_mxfp4_scales(t, 128, 100)
+    with pytest.raises(ValueError, match="swizzled"):
+        L.unswizzle_mxfp4_scales(t.astype(jnp.float32), 128, 128)
+
+
+# ------------------------------------------------------------------ shuffle_matrix_sf_a
+@pytest.mark.parametrize("dtype", ["uint8", "float8_e4m3fn"])
+@pytest.mark.parametrize("k", [8, 6])
+def test_shuffle_matrix_sf_a_reference_and_inverse(rng, dtype, k):
+    sf = make(rng, (256, k), dtype)
+    got = L.shuffle_matrix_sf_a(sf)
+    assert_bits_equal(got, interleave_ref(shuffle_ref(sf)))
+    assert_bits_equal(L.unshuffle_matrix_sf_a(got, 256, k), sf)
+    two_d = L.shuffle_matrix_sf_a(sf, as_2d=True)
+    assert two_d.shape == (256, roundup(k, 4))
+    assert_bits_equal(L.unshuffle_matrix_sf_a(two_d, 256, k, as_2d=True), sf)
+
+
+def test_shuffle_matrix_sf_a_errors(rng):
+    with pytest.raises(ValueError, match=r"\bsf\b"):
+        L.shuffle_matrix_sf_a(make(rng, (96, 4), "uint8"))
+    with pytest.raises(ValueError, match="rows"):
+        L.unshuffle_matrix_sf_a(L.block_scale_interleave(make(rng, (96, 4), "uint8")), 96, 4)
+
+
+# ------------------------------------------------------------------ jit and a leading expert axis
+def _cases():
+    """(name, function of one expert's array, input shape per expert, dtype)."""
+    return [
+        ("swap_w13_to_w31", L.swap_w13_to_w31, (8, 4), "float8_e4m3fn"),
+        ("swap_w31_to_w13", L.swap_w31_to_w13, (8, 4), "bfloat16"),
+        ("reorder_rows_for_gated_act_gemm", L.reorder_rows_for_gated_act_gemm, (8, 4), "float8_e4m3fn"),
+        ("undo_reorder_rows_for_gated_act_gemm", L.undo_reorder_rows_for_gated_act_gemm, (8, 4), "uint8"),
+        ("swap_row_pairs", L.swap_row_pairs, (8, 4), "uint8"),
+        ("shuffle_matrix_a", L.shuffle_matrix_a, (64, 4), "uint8"),
+        ("unshuffle_matrix_a", functools.partial(L.unshuffle_matrix_a, epilogue_tile_m=64), (32, 4), "float8_e4m3fn"),
+        ("shuffle_matrix_sf_a", L.shuffle_matrix_sf_a, (128, 6), "uint8"),
+        ("unshuffle_matrix_sf_a", functools.partial(L.unshuffle_matrix_sf_a, rows=128, cols=6),
+         (1, 2, 32, 4, 4), "uint8"),
+        ("block_scale_interleave", L.block_scale_interleave, (130, 5), "float8_e4m3fn"),
+        ("block_scale_deinterleave", functools.partial(L.block_scale_deinterleave, rows=130, cols=5),
+         (2, 2, 32, 4, 4), "uint8"),
+        ("swizzle_mxfp4_scales", L.swizzle_mxfp4_scales, (130, 5), "uint8"),
+        ("unswizzle_mxfp4_scales", functools.partial(L.unswizzle_mxfp4_scales, n=130, k=160),
+         (2, 2, 32, 4, 4), "uint8"),
+        ("pad_axis", functools.partial(L.pad_axis, size=7, axis=-1), (3, 5), "float8_e4m3fn"),
+        ("pad_axis_to_multiple", functools.partial(L.pad_axis_to_multiple, multiple=16, axis=-2), (5, 3), "uint8"),
+        ("pad_gate_up", functools.partial(L.pad_gate_up, intermediate_padded=5), (6, 3), "bfloat16"),
+        ("unpad_gate_up", functools.partial(L.unpad_gate_up, intermediate=3), (10, 3), "float32"),
+    ]
+
+
+@pytest.mark.parametrize("name,fn,shape,dtype", _cases(), ids=[c[0] for c in _cases()])
+def test_jit_and_expert_axis(rng, name, fn, shape, dtype):
+    e = 3
+    x = make(rng, (e,) + shape, dtype)
+    batched = jax.jit(fn)(x)
+    single = [np.asarray(fn(x[j])) for j in range(e)]
+    assert_bits_equal(batched, np.stack(single))
+
+
+def test_alphas_under_jit(rng):
+    w13s, w2s = make(rng, (4,)), make(rng, (4,))
+    a1, a2 = jnp.float32(0.5), jnp.float32(0.25)
+    for fn in (L.fp8_alpha_scales, L.trtllm_fp8_output_scales, L.nvfp4_alpha_scales):
+        eager = fn(w13s, a1, w2s, a2)
+        jitted = jax.jit(fn)(w13s, a1, w2s, a2)
+        for u, v in zip(eager, jitted):
+            assert u.dtype == jnp.float32
+            assert_bits_equal(u, v)
+
+
+# ------------------------------------------------------------------ padding rules
+# backend -> (intermediate multiple, hidden multiple); seed 002 and later vLLM
+MXFP4_RULES = {
+    "flashinfer_trtllm": (256, 256),
+    "flashinfer_cutlass": (128, 128),
+    "marlin": (128, 256),
+    "xla": (64, 1),
+    "cutlass": (64, 1),
+    "some_future_backend": (64, 1),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(MXFP4_RULES))
+def test_mxfp4_padding_table(backend):
+    mi, mh = MXFP4_RULES[backend]
+    assert tuple(L.mxfp4_padding(backend)) == (mi, mh)
+    for h, i in [(2880, 2880), (2880, 360), (4096, 1440), (100, 90)]:
+        assert L.mxfp4_padded_sizes(backend, h, i) == (roundup(h, mh), roundup(i, mi))
+
+
+def test_mxfp4_padding_gpt_oss_numbers():
+    # GPT-OSS: H = I = 2880
+    assert L.mxfp4_padded_sizes("flashinfer_trtllm", 2880, 2880) == (3072, 3072)
+    assert L.mxfp4_padded_sizes("flashinfer_cutlass", 2880, 2880) == (2944, 2944)
+    assert L.mxfp4_padded_sizes("marlin", 2880, 2880) == (3072, 2944)
+    assert L.mxfp4_padded_sizes("xla", 2880, 2880) == (2880, 2880)
+    assert L.mxfp4_padded_sizes("xla", 2880, 720) == (2880, 768)
+
+
+def test_fp8_padding_rule():
+    assert L.FP8_INTERMEDIATE_ALIGN == 16
+    for i, want in [(16, 16), (17, 32), (1, 16), (1408, 1408), (1400, 1408), (96, 96)]:
+        assert L.fp8_padded_intermediate(i) == want
+
+
+def test_constants():
+    assert L.EPILOGUE_TILE_M == 128
+    assert (L.SF_TILE_M, L.SF_TILE_K, L.SF_TILE_OUTER_M, L.SF_TILE_INNER_M) == (128, 4, 32, 4)
+
+
+def test_round_up():
+    assert [L.round_up(x, 16) for x in (0, 1, 16, 17, 31, 32)] == [0, 16, 16, 32, 32, 32]
+    with pytest.raises(ValueError, match="multiple"):
+        L.round_up(3, 0)
+
+
+def test_pad_axis_and_multiple(rng):
+    x = make(rng, (5, 3), "float8_e4m3fn")
+    got = L.pad_axis_to_multiple(x, 4, axis=-2)
+    want = np.concatenate([np.asarray(x), np.zeros((3, 3), np.asarray(x).dtype)])
+    assert_bits_equal(got, want)
+    assert_bits_equal(L.pad_axis(x, 3, axis=-1), x)  # already that long
+    with pytest.raises(ValueError, match="size"):
+        L.pad_axis(x, 4, axis=-2)
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        L.pad_axis(x, 9, axis=5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint8", "float8_e4m3fn"])
+def test_pad_gate_up_concat(rng, dtype):
+    i, ip, h = 3, 5, 4
+    gate, up = np.asarray(make(rng, (i, h), dtype)), np.asarray(make(rng, (i, h), dtype))
+    z = np.zeros((ip - i, h), gate.dtype)
+    w13 = np.concatenate([gate, up])
+    got = L.pad_gate_up(w13, ip)
+    assert_bits_equal(got, np.concatenate([gate, z, up, z]))
+    assert_bits_equal(L.unpad_gate_up(got, i), w13)
+    # the halves stay aligned through the w31 swap: row Ip + r is still the partner of row r
+    assert_bits_equal(L.swap_w13_to_w31(got), np.concatenate([up, z, gate, z]))
+
+
+def test_pad_gate_up_interleaved_and_bias(rng):
+    i, ip = 3, 4
+    w = np.asarray(make(rng, (2, 2 * i, 5)))  # [E, 2I, H]
+    got = L.pad_gate_up(w, ip, layout="interleaved")
+    assert_bits_equal(got, np.concatenate([w, np.zeros((2, 2, 5), np.float32)], axis=1))
+    assert_bits_equal(L.unpad_gate_up(got, i, layout="interleaved"), w)
+    b = np.asarray(make(rng, (2, 2 * i)))  # bias [E, 2I]
+    got_b = L.pad_gate_up(b, ip, axis=-1)
+    zb = np.zeros((2, 1), np.float32)
+    assert_bits_equal(got_b, np.concatenate([b[:, :i], zb, b[:, i:], zb], axis=1))
+    assert_bits_equal(L.unpad_gate_up(got_b, i, axis=-1), b)
+
+
+def test_pad_gate_up_errors(rng):
+    with pytest.raises(ValueError, match="w13"):
+        L.pad_gate_up(make(rng, (5, 2)), 4)
+    with pytest.raises(ValueError, match="intermediate_padded"):
+        L.pad_gate_up(make(rng, (6, 2)), 2)
+    with pytest.raises(ValueError, match="layout"):
+        L.pad_gate_up(make(rng, (6, 2)), 4, layout="zigzag")
+    with pytest.raises(ValueError, match="intermediate"):
+        L.unpad_gate_up(make(rng, (6, 2)), 4)
+
+
+# ------------------------------------------------------------------ alpha scales on numbers
+def test_fp8_alpha_scales_numbers():
+    g1, g2 = L.fp8_alpha_scales(np.array([0.5, 2.0, 3.0], np.float32), np.float32(0.25),
+                                np.array([4.0, 0.125, 1.5], np.float32), np.float32(2.0))
+    np.testing.assert_array_equal(np.asarray(g1), [0.125, 0.5, 0.75])
+    np.testing.assert_array_equal(np.asarray(g2), [8.0, 0.25, 3.0])
+    # vLLM's [E, 1, 1] per-expert scales squeeze to [E]
+    g1, _ = L.fp8_alpha_scales(np.full((2, 1, 1), 2.0, np.float32), 0.5, np.ones((2, 1, 1), np.float32), 1.0)
+    assert g1.shape == (2,)
+    with pytest.raises(ValueError, match="w13_scale"):
+        L.fp8_alpha_scales(np.ones(3, np.float32), np.ones(2, np.float32), 1.0, 1.0)
+
+
+def test_trtllm_fp8_output_scales_numbers():
+    s = L.trtllm_fp8_output_scales(np.array([0.5, 2.0], np.float32), np.float32(0.25),
+                                   np.array([4.0, 0.125], np.float32), np.float32(0.5))
+    # g1 = [0.125, 0.5]; 1 / w2_input_scale = 2; g2 = [2, 0.0625]
+    np.testing.assert_array_equal(np.asarray(s.output1_scales_gate_scalar), [0.125, 0.5])
+    np.testing.assert_array_equal(np.asarray(s.output1_scales_scalar), [0.25, 1.0])
+    np.testing.assert_array_equal(np.asarray(s.output2_scales_scalar), [2.0, 0.0625])
+
+
+def test_nvfp4_alpha_scales_numbers():
+    a = L.nvfp4_alpha_scales(np.array([0.001, 0.002], np.float32), np.float32(4.0),
+                             np.array([0.5, 0.25], np.float32), np.float32(0.5))
+    np.testing.assert_array_equal(np.asarray(a.g1_alphas), np.float32(4.0) * np.array([0.001, 0.002], np.float32))
+    np.testing.assert_array_equal(np.asarray(a.g2_alphas), [0.25, 0.125])
+    np.testing.assert_array_equal(np.asarray(a.a1_gscale), np.float32(0.25))
+    np.testing.assert_array_equal(np.asarray(a.a2_gscale), np.float32(2.0))
+    assert all(v.dtype == jnp.float32 for v in a)
