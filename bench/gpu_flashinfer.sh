@@ -1,16 +1,40 @@
 #!/usr/bin/env bash
-# GPU run with the FlashInfer CUTLASS MoE built in: needs .fi/fi_src.tar.xz (bench/pack_flashinfer_src.sh),
-# carried to the machine. Builds (timed), runs the GPU tests, then the bench (BENCH_ARGS, BENCH_TIMEOUT).
+# GPU run with the FlashInfer CUTLASS MoE built in. Needs either .fi/fi_src.tar.xz
+# (bench/pack_flashinfer_src.sh; carried to the machine) for a source build, or JAX_MOE_FI_PREBUILT
+# pointing at a libjax_moe_fi.so built before. Steps (STEPS, default "build test bench"):
+#   build  pip install -e . with the FlashInfer module (timed; ninja -j$(nproc))
+#   test   python -m jax_moe.info (bf16, fp8) and every GPU test (pytest -m gpu)
+#   bench  bench/moe_bench.py --write for each scheme in BENCH_SCHEMES (default "bf16 fp8"),
+#          with BENCH_ARGS, each under BENCH_TIMEOUT seconds
+# Logs go to ${OUT:-/tmp/jax_moe_gpu}; a short summary is printed.
 set -uo pipefail
 out="${OUT:-/tmp/jax_moe_gpu}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-mkdir -p /tmp/fisrc && tar xJf .fi/fi_src.tar.xz -C /tmp/fisrc
-export FLASHINFER_SRC_DIR=/tmp/fisrc/flashinfer JAX_MOE_WITH_FLASHINFER=ON
-start=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -30; exit 1; }
-echo "build (CPU + CUDA + FlashInfer modules): $(( $(date +%s) - start )) s" | tee "$out/gpu.txt"
-python3 -m jax_moe.info 2>&1 | grep -v "^[WIE][0-9]\{4\}" | tee -a "$out/gpu.txt"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_flashinfer_cutlass.py tests/test_ffi_sort.py 2>&1 \
-  | grep -v "^[WIE][0-9]\{4\}" > "$out/pytest_gpu.log"; tail -6 "$out/pytest_gpu.log"
-timeout "${BENCH_TIMEOUT:-240}" python3 bench/moe_bench.py --write ${BENCH_ARGS:-} 2>&1 | grep -v "^[WIE][0-9]\{4\}" > "$out/bench.log"
-cp bench/RESULTS.md bench/roofline.png "$out/" 2>/dev/null; grep "^|\|^#" "$out/bench.log" | tail -30
+steps="${STEPS:-build test bench}"
+filter() { grep -v "^[WIE][0-9]\{4\}"; }
+if [[ " $steps " == *" build "* ]]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+  export JAX_MOE_WITH_FLASHINFER=ON CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
+  if [ -z "${JAX_MOE_FI_PREBUILT:-}" ]; then
+    mkdir -p /tmp/fisrc && tar xJf .fi/fi_src.tar.xz -C /tmp/fisrc
+    export FLASHINFER_SRC_DIR=/tmp/fisrc/flashinfer
+  fi
+  start=$(date +%s)
+  python3 -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 \
+    || { grep -E "error|FAILED" "$out/build.log" | head -30; tail -5 "$out/build.log"; exit 1; }
+  echo "build (CPU + CUDA + FlashInfer modules, $(nproc) cores${JAX_MOE_FI_PREBUILT:+, prebuilt FlashInfer library}): $(( $(date +%s) - start )) s" | tee -a "$out/gpu.txt"
+  grep -E "jax_moe: FlashInfer" "$out/build.log" | sed 's/^ *//' | tee -a "$out/gpu.txt"
+fi
+if [[ " $steps " == *" test "* ]]; then
+  for s in bf16 fp8; do python3 -m jax_moe.info --scheme "$s" 2>&1 | filter; done | tee "$out/info.txt"
+  python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | filter > "$out/pytest_gpu.log"
+  grep -E "passed|failed|error" "$out/pytest_gpu.log" | tail -15
+fi
+if [[ " $steps " == *" bench "* ]]; then
+  for s in ${BENCH_SCHEMES:-bf16 fp8}; do
+    plot=bench/roofline.png; [ "$s" = bf16 ] || plot="bench/roofline_$s.png"
+    JAX_MOE_PLOT="$plot" timeout "${BENCH_TIMEOUT:-240}" python3 bench/moe_bench.py --write --scheme "$s" ${BENCH_ARGS:-} 2>&1 | filter > "$out/bench_$s.log"
+    grep "^|\|^#" "$out/bench_$s.log" | tail -30
+  done
+  cp bench/RESULTS.md bench/roofline*.png "$out/" 2>/dev/null
+fi

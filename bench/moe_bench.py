@@ -2,15 +2,23 @@
 
     python bench/moe_bench.py                 # GPU: the four model shapes; CPU: a small demo
     python bench/moe_bench.py --models qwen3 --tokens 1 64 1024 --write
+    python bench/moe_bench.py --scheme fp8    # FP8 per-tensor weights and activations
 
 Columns: each implementation's median time (ms), its speedup over the plain sort +
 ``jax.lax.ragged_dot`` MoE, and the floor ``max(bytes / bandwidth, FLOPs / peak)`` with the
 bandwidth and bf16 matmul peak measured in the same run. Implementations:
 
-- ``xla``: jax_moe's pure-JAX backend (blocked experts).
-- ``ragged_dot``: the plain sort + ``jax.lax.ragged_dot`` MoE JAX users write today.
-- ``dense``: the dense jnp reference (per-slot gathered weights; skipped where it cannot fit).
-- every compiled backend the oracle finds on this machine (e.g. ``flashinfer_cutlass``).
+- ``xla``: jax_moe's pure-JAX backend (blocked experts) on the scheme's weights (FP8: dequantized
+  in the graph, as the reference does).
+- ``ragged_dot``: the plain sort + ``jax.lax.ragged_dot`` MoE JAX users write today, always on
+  bf16 weights (the baseline of the speedup column, whatever the scheme).
+- ``dense``: the dense jnp reference (bf16 only; per-slot gathered weights; skipped where it
+  cannot fit).
+- every compiled backend the oracle finds on this machine (e.g. ``flashinfer_cutlass``), on
+  weights prepared once before timing (its ``prepare``), as ``MoEBlock.prepare()`` does.
+
+The floor counts weight bytes at the scheme's width (FP8: 1 byte) and FLOPs at the measured bf16
+matmul peak (x2 for FP8, the Hopper ratio).
 """
 
 from __future__ import annotations
@@ -33,8 +41,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from jax_moe import oracle  # noqa: E402
 from jax_moe.backends import xla  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
+from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights  # noqa: E402
 from jax_moe.routing import select_experts  # noqa: E402
 
+SCHEMES = {"bf16": 2, "fp8": 1}  # bytes per weight
 
 @dataclasses.dataclass(frozen=True)
 class Model:
@@ -84,12 +94,13 @@ def measure_ceilings() -> tuple[float, float]:
     return bw, 2 * m**3 / (t * 1e-3)
 
 
-def roofline(m: Model, t: int, bw: float, peak: float) -> tuple[float, float, float]:
-    """(floor ms, bytes, flops) of one bf16 forward with T=t tokens."""
+def roofline(m: Model, t: int, bw: float, peak: float, scheme: str = "bf16") -> tuple[float, float, float]:
+    """(floor ms, bytes, flops) of one forward with T=t tokens (bf16 tokens in and out)."""
     touched = m.e * (1 - (1 - m.k / m.e) ** t)
-    expert_bytes = 2 * 3 * m.h * m.i
+    expert_bytes = SCHEMES[scheme] * 3 * m.h * m.i
     nbytes = touched * expert_bytes + 2 * 2 * t * m.h
     flops = 2 * t * m.k * 3 * m.h * m.i
+    peak = peak * (2 if scheme == "fp8" else 1)
     return 1e3 * max(nbytes / bw, flops / peak), nbytes, flops
 
 
@@ -102,36 +113,57 @@ def dense_reference(x, w13, w2, w, ids, cfg):
     return jnp.einsum("tkh,tk->th", y, w).astype(x.dtype)
 
 
-def implementations(cfg: MoEConfig) -> dict:
-    """name -> (prepare(w13, w2) -> (w13, w2), run at load time; fn(x, w13, w2, w, ids))."""
+def implementations(cfg: MoEConfig, quant=None) -> dict:
+    """name -> (uses the scheme's weights?, prepare(w13, w2) -> weights (load time, untimed),
+    fn(x, weights, w, ids))."""
     same = lambda w13, w2: (w13, w2)  # noqa: E731
     impls = {
-        "xla": (same, lambda *a: xla.apply(*a, cfg)),
-        "ragged_dot": (same, lambda *a: xla.apply(*a, cfg, strategy="ragged_dot")),
-        "dense": (same, lambda *a: dense_reference(*a, cfg)),
+        "xla": (True, same, lambda x, ws, w, ids: xla.apply(x, *ws, w, ids, cfg, quant=quant)),
+        "ragged_dot": (False, same, lambda x, ws, w, ids: xla.apply(x, *ws, w, ids, cfg, strategy="ragged_dot")),
     }
+    if quant is None:
+        impls["dense"] = (False, same, lambda x, ws, w, ids: dense_reference(x, *ws, w, ids, cfg))
     for name in oracle.MODULES:
         if name == "xla":
             continue
-        mod, ok, reason = oracle.probe(name, cfg, None, None)
+        mod, ok, reason = oracle.probe(name, cfg, quant, None)
         if not ok:
             print(f"# {name}: not run ({reason})")
-        elif hasattr(mod, "prepare_weights") and hasattr(mod, "apply_prepared"):
-            impls[name] = (lambda w13, w2, mod=mod: mod.prepare_weights(w13, w2, cfg.activation, cfg.gate_up_layout),
-                           lambda *a, mod=mod: mod.apply_prepared(*a, cfg.activation))
+        elif hasattr(mod, "prepare") and hasattr(mod, "apply_prepared"):
+            impls[name] = (True, lambda w13, w2, mod=mod: mod.prepare(w13, w2, cfg, quant),
+                           lambda x, p, w, ids, mod=mod: mod.apply_prepared(x, p, w, ids))
         else:
-            impls[name] = (same, lambda *a, mod=mod: mod.apply(*a, cfg))
+            impls[name] = (True, same, lambda x, ws, w, ids, mod=mod: mod.apply(x, *ws, w, ids, cfg, quant=quant))
     return impls
 
 
-def run_model(m: Model, tokens: list[int], bw: float, peak: float, dense_limit: float, rows: list):
+def quantized(scheme: str, w13, w2, m: Model):
+    """(w13, w2, QuantConfig or None) of ``scheme``; FP8: per-expert weight scales and static
+    activation scales calibrated on a random batch, as a checkpoint's would be."""
+    if scheme == "bf16":
+        return w13, w2, None
+    x = jax.random.normal(jax.random.key(7), (256, m.h), jnp.float32)
+    a13 = calibrate_activation_scale("fp8_per_tensor", x)
+    h1 = jnp.einsum("th,nh->tn", x, w13[0].astype(jnp.float32))
+    inter = jax.nn.silu(h1[:, : m.i]) * h1[:, m.i:]
+    a2 = calibrate_activation_scale("fp8_per_tensor", inter)
+    return quantize_weights(scheme, w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=a2)
+
+
+def run_model(m: Model, tokens: list[int], bw: float, peak: float, dense_limit: float, rows: list,
+              scheme: str = "bf16"):
     cfg = MoEConfig(m.e, m.k, m.h, m.i)
     key = jax.random.key(0)
     k1, k2 = jax.random.split(key)
     w13 = (jax.random.normal(k1, (m.e, 2 * m.i, m.h), jnp.bfloat16) * (m.h ** -0.5)).astype(jnp.bfloat16)
     w2 = (jax.random.normal(k2, (m.e, m.h, m.i), jnp.bfloat16) * (m.i ** -0.5)).astype(jnp.bfloat16)
-    impls = implementations(cfg)
-    weights = {name: prep(w13, w2) for name, (prep, _) in impls.items()}  # load time, untimed
+    q13, q2, quant = quantized(scheme, w13, w2, m)
+    impls = implementations(cfg, quant)
+    print(header(list(impls)), flush=True)
+    weights = {name: prep(*((q13, q2) if scheme_w else (w13, w2)))
+               for name, (scheme_w, prep, _) in impls.items()}  # load time, untimed
+    if quant is not None:
+        del q13, q2
     for t in tokens:
         routed = []
         for r in range(3):  # rotate inputs so repeated runs don't measure the cache
@@ -139,13 +171,13 @@ def run_model(m: Model, tokens: list[int], bw: float, peak: float, dense_limit: 
             x = jax.random.normal(kx, (t, m.h), jnp.bfloat16)
             w, ids = select_experts(jax.random.normal(kr, (t, m.e), jnp.float32), m.k)
             routed.append((x, w, ids))
-        floor, nbytes, flops = roofline(m, t, bw, peak)
+        floor, nbytes, flops = roofline(m, t, bw, peak, scheme)
         row = {"model": m.name, "T": t, "floor": floor}
-        for name, (_, fn) in impls.items():
+        for name, (_, _, fn) in impls.items():
             if name == "dense" and t * m.k * 3 * m.h * m.i * 2 > dense_limit:
                 row[name] = None
                 continue
-            inputs = [(x, *weights[name], w, ids) for x, w, ids in routed]
+            inputs = [(x, weights[name], w, ids) for x, w, ids in routed]
             try:
                 row[name] = timeit(jax.jit(fn), inputs)
             except Exception as err:  # out of memory and the like: recorded, not fatal
@@ -215,6 +247,7 @@ def main(argv=None):
     p.add_argument("--models", nargs="+", default=["mixtral", "qwen3", "deepseek", "gptoss"] if on_gpu else ["tiny"],
                    choices=sorted(MODELS))
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 64, 1024, 4096, 16384] if on_gpu else [1, 16, 256])
+    p.add_argument("--scheme", default="bf16", choices=sorted(SCHEMES), help="expert weight format")
     p.add_argument("--dense-limit-gb", type=float, default=16.0, help="skip the dense reference above this many GB")
     p.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md and save a PNG plot")
     args = p.parse_args(argv)
@@ -224,23 +257,24 @@ def main(argv=None):
     commit = os.environ.get("JAX_MOE_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
     ).stdout.strip() or "unknown"
-    title = (f"{dev.device_kind} ({dev.platform}), {datetime.date.today()}, commit {commit}, jax {jax.__version__}; "
+    title = (f"{args.scheme}: {dev.device_kind} ({dev.platform}), {datetime.date.today()}, commit {commit}, jax {jax.__version__}; "
              f"measured {bw / 1e12:.2f} TB/s read+write, {peak / 1e12:.0f} TFLOP/s bf16 matmul")
     print("#", title)
     rows: list = []
     names = None
     for key in args.models:
         m = MODELS[key]
-        names = list(implementations(MoEConfig(m.e, m.k, m.h, m.i)))
-        print(header(names), flush=True)
-        run_model(m, args.tokens, bw, peak, args.dense_limit_gb * 1e9, rows)
+        rows_before = len(rows)
+        run_model(m, args.tokens, bw, peak, args.dense_limit_gb * 1e9, rows, args.scheme)
+        names = names or [n for n in rows[rows_before] if n not in ("model", "T", "floor")]
     table = header(names) + "\n" + "\n".join(format_row(r, names) for r in rows)
     print("\n" + title + "\n" + table)
     if args.write:
         here = os.path.dirname(__file__)
         with open(os.path.join(here, "RESULTS.md"), "a") as f:
-            f.write(f"\n## {title}\n\nbf16, times in ms (median), floor = max(bytes / measured bandwidth, "
-                    f"FLOPs / measured peak).\n\n{table}\n")
+            f.write(f"\n## {title}\n\n{args.scheme} weights, times in ms (median), floor = max(bytes / measured "
+                    f"bandwidth, FLOPs / measured peak{' x2 (fp8)' if args.scheme == 'fp8' else ''}); ragged_dot "
+                    f"is bf16.\n\n{table}\n")
         plot(rows, names, os.environ.get("JAX_MOE_PLOT", os.path.join(here, "roofline.png")))
 
 

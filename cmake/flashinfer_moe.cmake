@@ -83,6 +83,39 @@ option(JAX_MOE_FI_SM90_FINALIZE "Compile FINALIZE-fused SM90 MoE GEMM2 variants"
 option(JAX_MOE_FI_SM80_FUSED "Compile the SM80 fused gated-activation MoE GEMMs" OFF)
 set(JAX_MOE_FI_INSTS_PER_TU "auto" CACHE STRING "MoE GEMM instantiations per generated TU (auto: ~12 TUs)")
 
+set(JAX_MOE_FI_SCHEMES "bf16;fp8" CACHE STRING "Quant schemes to build the runner for (bf16, fp8)")
+option(JAX_MOE_FI_NOSTRIP "Keep symbols in libjax_moe_fi.so (debugging)" OFF)
+set(JAX_MOE_FI_PREBUILT "$ENV{JAX_MOE_FI_PREBUILT}" CACHE FILEPATH
+    "A libjax_moe_fi.so built before (same FlashInfer, schemes and options): link it, compile nothing of FlashInfer")
+
+# The nanobind module jax_moe._jax_moe_flashinfer: only the Python glue (handler capsules, host
+# queries); everything else lives in libjax_moe_fi.so next to it.
+function(jax_moe_add_fi_module)
+  if(NOT COMMAND nanobind_add_module)
+    execute_process(
+      COMMAND "${Python_EXECUTABLE}" -m nanobind --cmake_dir
+      OUTPUT_VARIABLE _nb_dir OUTPUT_STRIP_TRAILING_WHITESPACE)
+    find_package(nanobind CONFIG REQUIRED HINTS "${_nb_dir}")
+  endif()
+  nanobind_add_module(_jax_moe_flashinfer NB_STATIC "${CMAKE_CURRENT_FUNCTION_LIST_DIR}/../ffi/flashinfer_module.cc")
+  target_link_libraries(_jax_moe_flashinfer PRIVATE jax_moe_fi)
+  set_target_properties(_jax_moe_flashinfer PROPERTIES INSTALL_RPATH "$ORIGIN" BUILD_RPATH "$<TARGET_FILE_DIR:jax_moe_fi>")
+  install(TARGETS _jax_moe_flashinfer LIBRARY DESTINATION jax_moe)
+endfunction()
+
+if(JAX_MOE_FI_PREBUILT)
+  if(NOT EXISTS "${JAX_MOE_FI_PREBUILT}")
+    message(FATAL_ERROR "jax_moe: JAX_MOE_FI_PREBUILT=${JAX_MOE_FI_PREBUILT} does not exist")
+  endif()
+  message(STATUS "jax_moe: FlashInfer MoE: linking the prebuilt ${JAX_MOE_FI_PREBUILT}")
+  add_library(jax_moe_fi SHARED IMPORTED)
+  set_target_properties(jax_moe_fi PROPERTIES IMPORTED_LOCATION "${JAX_MOE_FI_PREBUILT}"
+                                              IMPORTED_SONAME "libjax_moe_fi.so")
+  jax_moe_add_fi_module()
+  install(FILES "${JAX_MOE_FI_PREBUILT}" DESTINATION jax_moe RENAME libjax_moe_fi.so)
+  return()
+endif()
+
 # ---------------------------------------------------------------------------- locate sources
 if(NOT Python_EXECUTABLE)
   find_package(Python 3.10 COMPONENTS Interpreter Development.Module REQUIRED)
@@ -187,13 +220,6 @@ if(NOT EXISTS "${JAX_MOE_XLA_FFI_INCLUDE_DIR}/xla/ffi/api/ffi.h")
   return()
 endif()
 
-if(NOT COMMAND nanobind_add_module)
-  execute_process(
-    COMMAND "${Python_EXECUTABLE}" -m nanobind --cmake_dir
-    OUTPUT_VARIABLE _nb_dir OUTPUT_STRIP_TRAILING_WHITESPACE)
-  find_package(nanobind CONFIG REQUIRED HINTS "${_nb_dir}")
-endif()
-
 # ---------------------------------------------------------------------------- common settings
 add_library(jax_moe_fi_config INTERFACE)
 target_compile_definitions(jax_moe_fi_config INTERFACE
@@ -239,96 +265,149 @@ else()
   set(_clusters ${JAX_MOE_FI_SM90_CLUSTERS})
 endif()
 
-set(_inst_prefix "INSTANTIATE_TMA_WARP_SPECIALIZED_MOE_GEMM(Sm90, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, void, EpilogueOpDefault")
-set(_spec_prefix "template <> void tma_warp_specialized_generic_moe_gemm_kernelLauncher<cutlass::arch::Sm90, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, void, tensorrt_llm::cutlass_extensions::EpilogueOpDefault")
-set(_spec_args "(TmaWarpSpecializedGroupedGemmInput, int, int, cudaStream_t, int*, size_t*, cute::Shape<int32_t, int32_t, cute::_1>, cute::Shape<int32_t, int32_t, cute::_1>)")
+# Per scheme: activation type, weight type, output type, runner template arguments, K tile in
+# elements (128 bytes), and its id in the generated tactic table (the handler's Scheme::kId).
+set(_scheme_bf16_T "__nv_bfloat16")
+set(_scheme_bf16_W "__nv_bfloat16")
+set(_scheme_bf16_O "__nv_bfloat16")
+set(_scheme_bf16_RUNNER "__nv_bfloat16, __nv_bfloat16")
+set(_scheme_bf16_K 64)
+set(_scheme_bf16_ID 0)
+set(_scheme_fp8_T "__nv_fp8_e4m3")
+set(_scheme_fp8_W "__nv_fp8_e4m3")
+set(_scheme_fp8_O "__nv_bfloat16")
+# FlashInfer's binding for FP8 per-tensor with bf16 output: the input arrives quantized (FP8).
+set(_scheme_fp8_RUNNER "__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16, __nv_fp8_e4m3, __nv_bfloat16")
+set(_scheme_fp8_K 128)
+set(_scheme_fp8_ID 1)
+foreach(_s ${JAX_MOE_FI_SCHEMES})
+  if(NOT DEFINED _scheme_${_s}_T)
+    message(FATAL_ERROR "jax_moe: JAX_MOE_FI_SCHEMES: unknown scheme '${_s}' (known: bf16, fp8)")
+  endif()
+endforeach()
 
+set(_spec_args "(TmaWarpSpecializedGroupedGemmInput, int, int, cudaStream_t, int*, size_t*, cute::Shape<int32_t, int32_t, cute::_1>, cute::Shape<int32_t, int32_t, cute::_1>)")
 set(_compiled_rows "")
 set(_stub_body "")
-set(_insts "")   # one element per compiled instantiation (without the trailing ';')
+set(_gen_sources "")
+set(_big_sources "")
+set(_n_compiled_all 0)
 set(_n_stubbed 0)
+set(_scheme_defs "")
 
-foreach(_fusion NONE FINALIZE)
-  foreach(_tile ${_all_tiles})
-    string(REPLACE "x" ";" _mn "${_tile}")
-    list(GET _mn 0 _tm)
-    list(GET _mn 1 _tn)
-    foreach(_cl "1x1x1" "2x1x1" "1x2x1" "2x2x1")
-      string(REPLACE "x" ";" _c "${_cl}")
-      list(GET _c 0 _cm)
-      list(GET _c 1 _cn)
-      if((_cn EQUAL 2) AND (_tn LESS 128))
-        continue()  # the dispatcher never reaches it (are_tile_shapes_supported)
-      endif()
-      foreach(_swap false true)
-        set(_want TRUE)
-        if(NOT _tile IN_LIST _tiles OR NOT _cl IN_LIST _clusters)
-          set(_want FALSE)
+foreach(_s ${JAX_MOE_FI_SCHEMES})
+  set(_T "${_scheme_${_s}_T}")
+  set(_W "${_scheme_${_s}_W}")
+  set(_O "${_scheme_${_s}_O}")
+  set(_K "${_scheme_${_s}_K}")
+  set(_id "${_scheme_${_s}_ID}")
+  string(TOUPPER "${_s}" _S)
+  list(APPEND _scheme_defs "JAX_MOE_FI_WITH_${_S}=1")
+  set(_inst_prefix "INSTANTIATE_TMA_WARP_SPECIALIZED_MOE_GEMM(Sm90, ${_T}, ${_W}, ${_O}, void, EpilogueOpDefault")
+  set(_spec_prefix "template <> void tma_warp_specialized_generic_moe_gemm_kernelLauncher<cutlass::arch::Sm90, ${_T}, ${_W}, ${_O}, void, tensorrt_llm::cutlass_extensions::EpilogueOpDefault")
+  set(_insts "")
+  foreach(_fusion NONE FINALIZE)
+    foreach(_tile ${_all_tiles})
+      string(REPLACE "x" ";" _mn "${_tile}")
+      list(GET _mn 0 _tm)
+      list(GET _mn 1 _tn)
+      foreach(_cl "1x1x1" "2x1x1" "1x2x1" "2x2x1")
+        string(REPLACE "x" ";" _c "${_cl}")
+        list(GET _c 0 _cm)
+        list(GET _c 1 _cn)
+        if((_cn EQUAL 2) AND (_tn LESS 128))
+          continue()  # the dispatcher never reaches it (are_tile_shapes_supported)
         endif()
-        if(_fusion STREQUAL "FINALIZE" AND NOT JAX_MOE_FI_SM90_FINALIZE)
-          set(_want FALSE)
-        endif()
-        if(_swap STREQUAL "true" AND NOT JAX_MOE_FI_SM90_SWAP_AB)
-          set(_want FALSE)
-        endif()
-        if(_want)
-          list(APPEND _insts
-            "${_inst_prefix}, ${_fusion}, ${_tm}, ${_tn}, 64, ${_cm}, ${_cn}, 1, false, false, false, ${_swap})")
-          set(_fz 0)
-          if(_fusion STREQUAL "FINALIZE")
-            set(_fz 1)
+        foreach(_swap false true)
+          set(_want TRUE)
+          if(NOT _tile IN_LIST _tiles OR NOT _cl IN_LIST _clusters)
+            set(_want FALSE)
           endif()
-          set(_sw 0)
-          if(_swap STREQUAL "true")
-            set(_sw 1)
+          if(_fusion STREQUAL "FINALIZE" AND NOT JAX_MOE_FI_SM90_FINALIZE)
+            set(_want FALSE)
           endif()
-          string(APPEND _compiled_rows "    {${_tm}, ${_tn}, ${_cm}, ${_cn}, ${_fz}, ${_sw}},\n")
-        else()
-          string(APPEND _stub_body
-            "${_spec_prefix}, TmaWarpSpecializedGroupedGemmInput::EpilogueFusion::${_fusion}, cute::Shape<cute::Int<${_tm}>, cute::Int<${_tn}>, cute::Int<64>>, cute::Shape<cute::Int<${_cm}>, cute::Int<${_cn}>, cute::Int<1>>, false, false, false, ${_swap}>${_spec_args} {\n  TLLM_THROW(\"jax_moe: SM90 bf16 MoE GEMM ${_fusion} ${_tm}x${_tn}x64 cluster ${_cl} swap_ab=${_swap} was not compiled (see cmake/flashinfer_moe.cmake)\");\n}\n")
-          math(EXPR _n_stubbed "${_n_stubbed} + 1")
-        endif()
+          if(_swap STREQUAL "true" AND NOT JAX_MOE_FI_SM90_SWAP_AB)
+            set(_want FALSE)
+          endif()
+          if(_want)
+            list(APPEND _insts
+              "${_inst_prefix}, ${_fusion}, ${_tm}, ${_tn}, ${_K}, ${_cm}, ${_cn}, 1, false, false, false, ${_swap})")
+            set(_fz 0)
+            if(_fusion STREQUAL "FINALIZE")
+              set(_fz 1)
+            endif()
+            set(_sw 0)
+            if(_swap STREQUAL "true")
+              set(_sw 1)
+            endif()
+            string(APPEND _compiled_rows "    {${_id}, ${_tm}, ${_tn}, ${_cm}, ${_cn}, ${_fz}, ${_sw}},\n")
+          else()
+            string(APPEND _stub_body
+              "${_spec_prefix}, TmaWarpSpecializedGroupedGemmInput::EpilogueFusion::${_fusion}, cute::Shape<cute::Int<${_tm}>, cute::Int<${_tn}>, cute::Int<${_K}>>, cute::Shape<cute::Int<${_cm}>, cute::Int<${_cn}>, cute::Int<1>>, false, false, false, ${_swap}>${_spec_args} {\n  TLLM_THROW(\"jax_moe: SM90 ${_s} MoE GEMM ${_fusion} ${_tm}x${_tn}x${_K} cluster ${_cl} swap_ab=${_swap} was not compiled (see cmake/flashinfer_moe.cmake)\");\n}\n")
+            math(EXPR _n_stubbed "${_n_stubbed} + 1")
+          endif()
+        endforeach()
       endforeach()
     endforeach()
   endforeach()
-endforeach()
-list(LENGTH _insts _n_compiled)
-if(_n_compiled EQUAL 0)
-  message(FATAL_ERROR "jax_moe: the JAX_MOE_FI_SM90_* selection compiles no MoE GEMM at all")
-endif()
-# Header parsing dominates (~1 min per TU, ~10 s per extra instantiation on one core), so group the
-# instantiations into about 12 TUs: enough to keep 16 cores busy next to the two big TUs.
-if(JAX_MOE_FI_INSTS_PER_TU STREQUAL "auto")
-  math(EXPR _per_tu "(${_n_compiled} + 11) / 12")
-else()
-  set(_per_tu "${JAX_MOE_FI_INSTS_PER_TU}")
-endif()
-set(_gen_sources "")
-set(_pending "")
-set(_pending_n 0)
-set(_tu_idx 0)
-set(_i 0)
-foreach(_line IN LISTS _insts)
-  string(APPEND _pending "${_line};\n")
-  math(EXPR _pending_n "${_pending_n} + 1")
-  math(EXPR _i "${_i} + 1")
-  if(_pending_n GREATER_EQUAL _per_tu OR _i EQUAL _n_compiled)
-    set(_f "${_gen}/sm90_bf16_moe_gemm_${_tu_idx}.cu")
-    file(CONFIGURE OUTPUT "${_f}" CONTENT
+  list(LENGTH _insts _n_compiled)
+  if(_n_compiled EQUAL 0)
+    message(FATAL_ERROR "jax_moe: the JAX_MOE_FI_SM90_* selection compiles no ${_s} MoE GEMM at all")
+  endif()
+  math(EXPR _n_compiled_all "${_n_compiled_all} + ${_n_compiled}")
+  # Header parsing dominates (~1 min per TU, ~10 s per extra instantiation on one core), so group
+  # the instantiations into about 12 TUs per scheme: enough to keep 16 cores busy.
+  if(JAX_MOE_FI_INSTS_PER_TU STREQUAL "auto")
+    math(EXPR _per_tu "(${_n_compiled} + 11) / 12")
+  else()
+    set(_per_tu "${JAX_MOE_FI_INSTS_PER_TU}")
+  endif()
+  set(_pending "")
+  set(_pending_n 0)
+  set(_tu_idx 0)
+  set(_i 0)
+  foreach(_line IN LISTS _insts)
+    string(APPEND _pending "${_line};\n")
+    math(EXPR _pending_n "${_pending_n} + 1")
+    math(EXPR _i "${_i} + 1")
+    if(_pending_n GREATER_EQUAL _per_tu OR _i EQUAL _n_compiled)
+      set(_f "${_gen}/sm90_${_s}_moe_gemm_${_tu_idx}.cu")
+      file(CONFIGURE OUTPUT "${_f}" CONTENT
 "// Generated by cmake/flashinfer_moe.cmake -- do not edit.
 #include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/moe_gemm_tma_ws_launcher.inl\"
 namespace tensorrt_llm::kernels::cutlass_kernels_oss {
 ${_pending}}
 " @ONLY)
-    list(APPEND _gen_sources "${_f}")
-    math(EXPR _tu_idx "${_tu_idx} + 1")
-    set(_pending "")
-    set(_pending_n 0)
-  endif()
-endforeach()
-message(STATUS "jax_moe: FlashInfer SM90 bf16 MoE GEMMs: ${_n_compiled} compiled in ${_tu_idx} TUs, ${_n_stubbed} stubbed")
+      list(APPEND _gen_sources "${_f}")
+      math(EXPR _tu_idx "${_tu_idx} + 1")
+      set(_pending "")
+      set(_pending_n 0)
+    endif()
+  endforeach()
+  message(STATUS "jax_moe: FlashInfer SM90 ${_s} MoE GEMMs: ${_n_compiled} compiled in ${_tu_idx} TUs")
 
-# SM80 fused gated-activation launchers (bf16): compiled or stubbed.
+  # The grouped-GEMM runner (tactic lists, SM90 TMA dispatch, and the SM80/SM89-style kernels it
+  # compiles inline) and the fused-MoE runner (routing, permute, activation, finalize).
+  file(CONFIGURE OUTPUT "${_gen}/gemm_runner_${_s}.cu" CONTENT
+"// Generated by cmake/flashinfer_moe.cmake -- do not edit.
+#include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_template_dispatch.h\"
+namespace tensorrt_llm::kernels::cutlass_kernels {
+template class MoeGemmRunner<${_T}, ${_W}, ${_O}>;
+}
+" @ONLY)
+  file(CONFIGURE OUTPUT "${_gen}/runner_${_s}.cu" CONTENT
+"// Generated by cmake/flashinfer_moe.cmake -- do not edit.
+#include \"cutlass_fused_moe_kernels.cuh\"
+namespace tensorrt_llm::kernels::cutlass_kernels {
+template class CutlassMoeFCRunner<${_scheme_${_s}_RUNNER}>;
+}
+" @ONLY)
+  list(APPEND _big_sources "${_gen}/gemm_runner_${_s}.cu" "${_gen}/runner_${_s}.cu")
+endforeach()
+message(STATUS "jax_moe: FlashInfer SM90 MoE GEMMs: ${_n_compiled_all} compiled, ${_n_stubbed} stubbed")
+
+# SM80 fused gated-activation launchers (bf16 only; the runner names them for bf16): compiled or
+# stubbed.
 set(_sm80_body "")
 set(_sm80_shapes "16 128 64" "16 256 64" "32 128 64" "64 128 64" "128 128 64")
 foreach(_shape ${_sm80_shapes})
@@ -347,7 +426,9 @@ foreach(_shape ${_sm80_shapes})
     endforeach()
   endforeach()
 endforeach()
-if(JAX_MOE_FI_SM80_FUSED)
+if(NOT "bf16" IN_LIST JAX_MOE_FI_SCHEMES)
+  set(_sm80_body "")
+elseif(JAX_MOE_FI_SM80_FUSED)
   file(CONFIGURE OUTPUT "${_gen}/sm80_bf16_fused_moe_gemm.cu" CONTENT
 "// Generated by cmake/flashinfer_moe.cmake -- do not edit.
 #include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/fused_moe_gemm_launcher_sm80.inl\"
@@ -382,15 +463,6 @@ ${_stub_body}${_sm80_body}}
 " @ONLY)
 list(APPEND _gen_sources "${_gen}/stubs.cu")
 
-file(CONFIGURE OUTPUT "${_gen}/runner_bf16.cu" CONTENT
-"// Generated by cmake/flashinfer_moe.cmake -- do not edit.
-#include \"cutlass_fused_moe_kernels.cuh\"
-namespace tensorrt_llm::kernels::cutlass_kernels {
-template class CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;
-}
-" @ONLY)
-list(APPEND _gen_sources "${_gen}/runner_bf16.cu")
-
 if(JAX_MOE_FI_SM80_FUSED)
   set(_sm80_flag "true")
 else()
@@ -398,11 +470,11 @@ else()
 endif()
 file(CONFIGURE OUTPUT "${_gen}/jax_moe_fi_kernels.h" CONTENT
 "// Generated by cmake/flashinfer_moe.cmake -- do not edit.
-// The SM90 bf16 MoE GEMM tactics compiled into this build: tile M, N (K is 128 bytes), cluster
-// M, N, finalize fusion, swap_ab. The handler only selects tactics listed here.
+// The SM90 MoE GEMM tactics compiled into this build: scheme id (0 bf16, 1 fp8), tile M, N (K is
+// 128 bytes), cluster M, N, finalize fusion, swap_ab. The handler only selects tactics listed here.
 #pragma once
 namespace jax_moe_fi {
-struct CompiledSm90Tactic { int tile_m, tile_n, cluster_m, cluster_n, finalize, swap_ab; };
+struct CompiledSm90Tactic { int scheme, tile_m, tile_n, cluster_m, cluster_n, finalize, swap_ab; };
 inline constexpr CompiledSm90Tactic kCompiledSm90Tactics[] = {
 ${_compiled_rows}};
 inline constexpr bool kSm80FusedCompiled = ${_sm80_flag};
@@ -410,9 +482,6 @@ inline constexpr bool kSm80FusedCompiled = ${_sm80_flag};
 " @ONLY)
 
 # ---------------------------------------------------------------------------- targets
-set(_fi_big_sources
-  "${_gen}/runner_bf16.cu"
-  "${_fi_csrc}/nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_kernels_bf16_bf16.cu")
 set(_fi_small_sources
   "${_fi_csrc}/nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_tma_warp_specialized_input.cu"
   "${_fi_csrc}/nv_internal/tensorrt_llm/kernels/cutlass_kernels/cutlass_heuristic.cpp"
@@ -421,32 +490,25 @@ set(_fi_small_sources
   "${_fi_csrc}/nv_internal/cpp/common/stringUtils.cpp"
   "${_fi_csrc}/nv_internal/cpp/common/tllmException.cpp"
   "${_fi_csrc}/nv_internal/cpp/common/memoryUtils.cu")
-list(REMOVE_ITEM _gen_sources "${_gen}/runner_bf16.cu")
-# The two slowest TUs first, so that a parallel build starts them early.
-add_library(jax_moe_fi_kernels OBJECT ${_fi_big_sources} ${_gen_sources} ${_fi_small_sources})
-target_link_libraries(jax_moe_fi_kernels PRIVATE jax_moe_fi_config)
-set_target_properties(jax_moe_fi_kernels PROPERTIES
-  POSITION_INDEPENDENT_CODE ON
+# libjax_moe_fi.so: the kernels, the runner and our FFI handlers. No Python in it, so it can be
+# built once (on any machine with nvcc, see JAX_MOE_FI_PREBUILT) and reused by every interpreter.
+# The slowest TUs first, so that a parallel build starts them early.
+add_library(jax_moe_fi SHARED ${_big_sources} ${_gen_sources} ${_fi_small_sources}
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe.cu")
+target_link_libraries(jax_moe_fi PRIVATE jax_moe_fi_config CUDA::cudart_static)
+if(TARGET CUDA::cuda_driver)
+  target_link_libraries(jax_moe_fi PRIVATE CUDA::cuda_driver)
+endif()
+target_compile_definitions(jax_moe_fi PRIVATE ${_scheme_defs})
+target_include_directories(jax_moe_fi PRIVATE "${JAX_MOE_XLA_FFI_INCLUDE_DIR}")
+# Some jaxlib releases' api.h trips -Werror=missing-field-initializers under the host compiler.
+set_source_files_properties("${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe.cu" PROPERTIES
+  COMPILE_OPTIONS "-Xcompiler=-Wno-missing-field-initializers,-Wno-error=missing-field-initializers")
+set_target_properties(jax_moe_fi PROPERTIES
   CUDA_ARCHITECTURES "90a"
   CUDA_SEPARABLE_COMPILATION OFF)
-
-option(JAX_MOE_FI_NOSTRIP "Keep symbols in _jax_moe_flashinfer (debugging)" OFF)
-set(_nb_strip "")
-if(JAX_MOE_FI_NOSTRIP)
-  set(_nb_strip NOSTRIP)
+if(NOT JAX_MOE_FI_NOSTRIP)
+  target_link_options(jax_moe_fi PRIVATE "-s")
 endif()
-nanobind_add_module(_jax_moe_flashinfer NB_STATIC ${_nb_strip}
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_module.cc"
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe.cu")
-target_include_directories(_jax_moe_flashinfer PRIVATE "${JAX_MOE_XLA_FFI_INCLUDE_DIR}")
-# Some jaxlib releases' api.h trips -Werror=missing-field-initializers under the host compiler.
-target_compile_options(_jax_moe_flashinfer PRIVATE
-  $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wno-missing-field-initializers,-Wno-error=missing-field-initializers>
-  $<$<COMPILE_LANGUAGE:CXX>:-Wno-missing-field-initializers>)
-target_link_libraries(_jax_moe_flashinfer PRIVATE jax_moe_fi_config jax_moe_fi_kernels
-  CUDA::cudart_static)
-if(TARGET CUDA::cuda_driver)
-  target_link_libraries(_jax_moe_flashinfer PRIVATE CUDA::cuda_driver)
-endif()
-set_target_properties(_jax_moe_flashinfer PROPERTIES CUDA_ARCHITECTURES "90a")
-install(TARGETS _jax_moe_flashinfer LIBRARY DESTINATION jax_moe)
+jax_moe_add_fi_module()
+install(TARGETS jax_moe_fi LIBRARY DESTINATION jax_moe)

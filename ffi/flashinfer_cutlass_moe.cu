@@ -1,31 +1,46 @@
-// XLA FFI handler for FlashInfer's CUTLASS fused-MoE runner (TensorRT-LLM CutlassMoeFCRunner),
-// SM90, BF16 activations x BF16 weights -> BF16 output.
+// XLA FFI handlers for FlashInfer's CUTLASS fused-MoE runner (TensorRT-LLM CutlassMoeFCRunner),
+// SM90, one per quant scheme compiled in (JAX_MOE_FI_WITH_<SCHEME>, see cmake/flashinfer_moe.cmake):
 //
-// Operands (all row-major):
-//   x            [T, H]        bf16
-//   w13          [E, 2I, H]    bf16  for gated activations, [E, I, H] otherwise. For gated
+//   jax_moe_flashinfer_cutlass_moe      BF16 activations x BF16 weights -> BF16
+//   jax_moe_flashinfer_cutlass_moe_fp8  FP8 E4M3 activations (quantized by the caller with a
+//                                       per-tensor scale) x FP8 E4M3 weights (per-tensor or
+//                                       per-expert scale) -> BF16
+//
+// Operands (all row-major; "F" is bf16 or float8_e4m3fn by scheme):
+//   x            [T, H]        F
+//   w13          [E, 2I, H]    F     for gated activations, [E, I, H] otherwise. For gated
 //                                    activations the runner reads rows [0, I) as the linear
 //                                    ("up", w3) half and rows [I, 2I) as the gate (w1) half:
 //                                    out = act(gate) * up. That is the *reverse* of vLLM's
 //                                    w13 = [w1 (gate); w3 (up)], so vLLM-layout weights must have
 //                                    their halves swapped once at load time
 //                                    (jax_moe.backends.flashinfer_cutlass.prepare_weights).
-//   w2           [E, H, I]     bf16
+//   w2           [E, H, I]     F
 //   topk_ids     [T, k]        int32  expert ids in [0, E)
 //   topk_weights [T, k]        float32
+//   fp8 only:
+//   g1_alphas    [E]           float32  w13_scale[e] * a13_scale: dequantizes GEMM1's accumulator
+//   a2_gscale    [] or [E]     float32  1 / a2_scale: quantizes the activation output to FP8
+//   g2_alphas    [E]           float32  w2_scale[e] * a2_scale: dequantizes GEMM2's accumulator
 // Results:
 //   out          [T, H]        bf16   sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])
-//   workspace    [W]           uint8  W = jax_moe_fi_workspace_size(T, H, I, E, k, activation)
+//   workspace    [W]           uint8  W = WorkspaceSize(T, H, I, E, k, activation, scheme)
 // Attributes:
 //   activation    int64  TRT-LLM ActivationType (Gelu 0, Relu 1, Silu 2, Swiglu 3, Geglu 4, ...)
 //   gemm1_tactic  int64  index into the runner's GEMM1 tactic list, -1 = built-in choice
 //   gemm2_tactic  int64  index into the runner's GEMM2 tactic list, -1 = built-in choice
 //
-// One runner per device (the runner is stateful, so calls on a device are serialized by a mutex
-// around the host-side launch); the tactic pair is chosen once per problem shape and cached.
-// Only tactics compiled into this build (jax_moe_fi_kernels.h) are ever selected.
+// Command buffers (CUDA graphs): the launch path has no host synchronization or host<->device
+// copies (those are LoRA-only in the runner), and the runner is created and its tactic lists read
+// at trace time (WorkspaceSize), outside any capture; so both handlers declare themselves
+// command-buffer compatible (tests/test_flashinfer_cutlass.py runs them with command buffers on).
+//
+// One runner per device and scheme (the runner is stateful, so calls on a device are serialized
+// by a mutex around the host-side launch); the tactic pair is chosen once per problem shape and
+// cached. Only tactics compiled into this build (jax_moe_fi_kernels.h) are ever selected.
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -60,34 +75,50 @@ namespace ffi = xla::ffi;
 namespace tk = tensorrt_llm::kernels::cutlass_kernels;
 namespace ce = tensorrt_llm::cutlass_extensions;
 
-// Defined in the generated runner_bf16.cu (see cmake/flashinfer_moe.cmake).
+// The runner classes are instantiated in the generated runner_<scheme>.cu files.
+struct Bf16Scheme {
+  static constexpr int kId = 0;
+  static constexpr char const* kName = "bf16";
+  using Runner = tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;
+};
+struct Fp8Scheme {
+  static constexpr int kId = 1;
+  static constexpr char const* kName = "fp8";
+  using Runner = tk::CutlassMoeFCRunner<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16,
+                                        __nv_fp8_e4m3, __nv_bfloat16>;
+};
+#if JAX_MOE_FI_WITH_BF16
 extern template class tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;
+#endif
+#if JAX_MOE_FI_WITH_FP8
+extern template class tk::CutlassMoeFCRunner<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16,
+                                             __nv_fp8_e4m3, __nv_bfloat16>;
+#endif
 
 namespace jax_moe_fi {
 namespace {
 
-using Runner = tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;
 using Config = ce::CutlassGemmConfig;
 
 constexpr size_t kAlign = 128;  // tensorrt_llm::common::kCudaMemAlign
 size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-bool AnyFinalizeCompiled() {
+bool AnyFinalizeCompiled(int scheme) {
   for (auto const& t : kCompiledSm90Tactics)
-    if (t.finalize) return true;
+    if (t.scheme == scheme && t.finalize) return true;
   return false;
 }
 
-// Whether `c` names a kernel that this build compiled (as opposed to a throwing stub).
-bool IsCompiled(Config const& c) {
-  if (!c.is_tma_warp_specialized) return kSm80FusedCompiled && c.sm_version < 90;
+// Whether `c` names a kernel of `scheme` that this build compiled (not a throwing stub).
+bool IsCompiled(int scheme, Config const& c) {
+  if (!c.is_tma_warp_specialized) return scheme == Bf16Scheme::kId && kSm80FusedCompiled && c.sm_version < 90;
   if (c.sm_version != 90) return false;
   auto const [tm, tn, tk_bytes] = ce::enum_to_shape_tuple(c.tile_config_sm90);
   auto const [cm, cn, ck] = ce::enum_to_shape_tuple(c.cluster_shape);
   int const fin = c.epilogue_fusion_type == Config::EpilogueFusionType::FINALIZE ? 1 : 0;
   if (tk_bytes != 128 || ck != 1) return false;
   for (auto const& t : kCompiledSm90Tactics) {
-    if (t.tile_m == tm && t.tile_n == tn && t.cluster_m == cm && t.cluster_n == cn &&
+    if (t.scheme == scheme && t.tile_m == tm && t.tile_n == tn && t.cluster_m == cm && t.cluster_n == cn &&
         t.finalize == fin && t.swap_ab == (c.swap_ab ? 1 : 0))
       return true;
   }
@@ -119,19 +150,20 @@ struct ShapeKey {
   }
 };
 
+template <typename S>
 struct DeviceState {
   std::mutex mu;
-  std::unique_ptr<Runner> runner;
+  std::unique_ptr<typename S::Runner> runner;
   std::vector<Config> gemm1, gemm2;        // the runner's full tactic lists
   std::map<ShapeKey, std::pair<int, int>> chosen;  // shape -> (gemm1 idx, gemm2 idx)
 };
 
-std::mutex g_states_mu;
-std::map<int, std::unique_ptr<DeviceState>> g_states;
-
-DeviceState& GetState(int device) {
-  std::lock_guard<std::mutex> lock(g_states_mu);
-  auto& slot = g_states[device];
+template <typename S>
+DeviceState<S>& GetState(int device) {
+  static std::mutex states_mu;
+  static std::map<int, std::unique_ptr<DeviceState<S>>> states;
+  std::lock_guard<std::mutex> lock(states_mu);
+  auto& slot = states[device];
   if (!slot) {
     DeviceGuard guard(device);
     int major = 0, minor = 0;
@@ -143,10 +175,10 @@ DeviceState& GetState(int device) {
           << " is sm_" << major << minor;
       throw std::runtime_error(msg.str());
     }
-    auto state = std::make_unique<DeviceState>();
-    state->runner = std::make_unique<Runner>();
+    auto state = std::make_unique<DeviceState<S>>();
+    state->runner = std::make_unique<typename S::Runner>();
     // Finalize fusion (GEMM2 epilogue does the top-k reduce) only when its kernels exist.
-    state->runner->use_fused_finalize_ = AnyFinalizeCompiled();
+    state->runner->use_fused_finalize_ = AnyFinalizeCompiled(S::kId);
     state->gemm1 = state->runner->getTactics(tk::MoeGemmId::GEMM_1);
     state->gemm2 = state->runner->getTactics(tk::MoeGemmId::GEMM_2);
     slot = std::move(state);
@@ -166,12 +198,12 @@ bool IsPlain(Config const& c) {  // 1x1x1 cluster, no epilogue fusion
 
 // Deterministic built-in choice for one GEMM: with few rows per expert, swap A/B so that the
 // narrow N tile runs over tokens; otherwise a 128x128 (or the widest compiled) tile.
-int DefaultTactic(std::vector<Config> const& list, int64_t rows_per_expert) {
+int DefaultTactic(int scheme, std::vector<Config> const& list, int64_t rows_per_expert) {
   int best = -1;
   int64_t best_score = INT64_MAX;
   for (int idx = 0; idx < static_cast<int>(list.size()); ++idx) {
     Config const& c = list[idx];
-    if (!c.is_tma_warp_specialized || !IsCompiled(c) || !IsPlain(c)) continue;
+    if (!c.is_tma_warp_specialized || !IsCompiled(scheme, c) || !IsPlain(c)) continue;
     auto const [tm, tn] = TileMN(c);
     int64_t score;
     if (rows_per_expert <= 64) {
@@ -190,18 +222,19 @@ int DefaultTactic(std::vector<Config> const& list, int64_t rows_per_expert) {
   }
   if (best < 0) {  // fall back to the first compiled tactic of any kind
     for (int idx = 0; idx < static_cast<int>(list.size()); ++idx)
-      if (IsCompiled(list[idx])) return idx;
+      if (IsCompiled(scheme, list[idx])) return idx;
   }
   return best;
 }
 
-std::pair<int, int> ChooseTactics(DeviceState& st, ShapeKey const& key, int64_t g1, int64_t g2) {
+template <typename S>
+std::pair<int, int> ChooseTactics(DeviceState<S>& st, ShapeKey const& key, int64_t g1, int64_t g2) {
   auto check = [](std::vector<Config> const& list, int64_t idx, char const* which) {
     if (idx < 0 || idx >= static_cast<int64_t>(list.size()))
       throw std::invalid_argument(std::string("jax_moe: ") + which + " tactic index " +
                                   std::to_string(idx) + " out of range [0, " +
                                   std::to_string(list.size()) + ")");
-    if (!IsCompiled(list[idx]))
+    if (!IsCompiled(S::kId, list[idx]))
       throw std::invalid_argument(std::string("jax_moe: ") + which + " tactic " +
                                   std::to_string(idx) + " was not compiled into this build");
     return static_cast<int>(idx);
@@ -213,7 +246,8 @@ std::pair<int, int> ChooseTactics(DeviceState& st, ShapeKey const& key, int64_t 
     pick = it->second;
   } else {
     int64_t const rows_per_expert = (key.t * key.k + key.e - 1) / key.e;
-    pick = {DefaultTactic(st.gemm1, rows_per_expert), DefaultTactic(st.gemm2, rows_per_expert)};
+    pick = {DefaultTactic(S::kId, st.gemm1, rows_per_expert),
+            DefaultTactic(S::kId, st.gemm2, rows_per_expert)};
     if (pick.first < 0 || pick.second < 0)
       throw std::runtime_error("jax_moe: no compiled SM90 MoE GEMM tactic available");
     st.chosen.emplace(key, pick);
@@ -223,7 +257,8 @@ std::pair<int, int> ChooseTactics(DeviceState& st, ShapeKey const& key, int64_t 
   return pick;
 }
 
-size_t RunnerWorkspaceBytes(Runner& r, int64_t t, int64_t h, int64_t i, int e, int k,
+template <typename R>
+size_t RunnerWorkspaceBytes(R& r, int64_t t, int64_t h, int64_t i, int e, int k,
                             tk::ActivationType act) {
   return r.getWorkspaceSize(t, h, i, e, k, act, tk::MOEParallelismConfig{}, /*use_lora=*/false,
                             /*use_deepseek_fp8_block_scale=*/false,
@@ -231,7 +266,8 @@ size_t RunnerWorkspaceBytes(Runner& r, int64_t t, int64_t h, int64_t i, int e, i
                             /*use_awq=*/false);
 }
 
-size_t TotalWorkspaceBytes(Runner& r, int64_t t, int64_t h, int64_t i, int e, int k,
+template <typename R>
+size_t TotalWorkspaceBytes(R& r, int64_t t, int64_t h, int64_t i, int e, int k,
                            tk::ActivationType act) {
   // [runner workspace | unpermuted_row_to_permuted_row (T*k int32)], each 128-byte aligned.
   return AlignUp(RunnerWorkspaceBytes(r, t, h, i, e, k, act)) +
@@ -260,7 +296,7 @@ bool IsSupportedActivation(int64_t a) {
   }
 }
 
-std::string DescribeTactic(Config const& c) {
+std::string DescribeTactic(int scheme, Config const& c) {
   char buf[192];
   if (c.is_tma_warp_specialized) {
     auto const [tm, tn, tkb] = ce::enum_to_shape_tuple(c.tile_config_sm90);
@@ -268,22 +304,26 @@ std::string DescribeTactic(Config const& c) {
     bool const fin = c.epilogue_fusion_type == Config::EpilogueFusionType::FINALIZE;
     std::snprintf(buf, sizeof(buf), "sm%d tma_ws tile=%dx%dx%dB cluster=%dx%dx%d fusion=%s swap_ab=%d%s",
                   c.sm_version, tm, tn, tkb, cm, cn, ck, fin ? "finalize" : "none",
-                  c.swap_ab ? 1 : 0, IsCompiled(c) ? "" : " (not compiled)");
+                  c.swap_ab ? 1 : 0, IsCompiled(scheme, c) ? "" : " (not compiled)");
   } else {
     std::snprintf(buf, sizeof(buf), "sm80 tile_id=%d stages=%d%s",
                   static_cast<int>(c.tile_config_sm80), c.stages,
-                  IsCompiled(c) ? "" : " (not compiled)");
+                  IsCompiled(scheme, c) ? "" : " (not compiled)");
   }
   return std::string(buf);
 }
 
-ffi::Error MoeImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x,
-                   ffi::Buffer<ffi::BF16> w13, ffi::Buffer<ffi::BF16> w2,
-                   ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::F32> topk_weights,
-                   ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::U8> workspace,
-                   int64_t activation, int64_t gemm1_tactic, int64_t gemm2_tactic) {
+// Shapes, validation and the launch, common to every scheme. `quant` carries the scheme's
+// scale pointers (empty for bf16).
+template <typename S>
+ffi::Error RunMoe(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w13,
+                  ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> topk_ids,
+                  ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out,
+                  ffi::ResultBuffer<ffi::U8> workspace, int64_t activation, int64_t gemm1_tactic,
+                  int64_t gemm2_tactic, tk::QuantParams const& quant, int64_t align) {
   auto bad = [](std::string const& m) {
-    return ffi::Error::InvalidArgument("jax_moe flashinfer_cutlass_moe: " + m);
+    return ffi::Error::InvalidArgument(std::string("jax_moe flashinfer_cutlass_moe (") + S::kName +
+                                       "): " + m);
   };
   auto xd = x.dimensions();
   auto w13d = w13.dimensions();
@@ -307,14 +347,15 @@ ffi::Error MoeImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x
   if (w2d[1] != h) return bad("w2 must be [E, H, I]");
   if (idd[0] != t || twd[0] != t || twd[1] != k) return bad("topk_ids/topk_weights must be [T,k]");
   if (od[0] != t || od[1] != h) return bad("out must be [T, H]");
-  if (h % 8 != 0 || i % 8 != 0) return bad("H and I must be multiples of 8 (TMA alignment)");
+  if (h % align != 0 || i % align != 0)
+    return bad("H and I must be multiples of " + std::to_string(align) + " (TMA alignment)");
   if (t == 0) return ffi::Error::Success();
 
   try {
-    DeviceState& st = GetState(device);
+    DeviceState<S>& st = GetState<S>(device);
     std::lock_guard<std::mutex> lock(st.mu);
     DeviceGuard guard(device);
-    Runner& r = *st.runner;
+    auto& r = *st.runner;
 
     size_t const moe_ws = RunnerWorkspaceBytes(r, t, h, i, static_cast<int>(e),
                                                static_cast<int>(k), act);
@@ -330,7 +371,6 @@ ffi::Error MoeImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x
     r.setTactic(st.gemm1[g1], st.gemm2[g2]);
 
     tk::ActivationParams act_params(act);
-    tk::QuantParams quant{};
     ::tensorrt_llm::kernels::LoraParams lora{};
     tk::MoeMinLatencyParams min_latency{};
     r.runMoe(x.untyped_data(), /*input_sf=*/nullptr, /*swizzled_input_sf=*/false,
@@ -354,80 +394,180 @@ ffi::Error MoeImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x
   return ffi::Error::Success();
 }
 
+ffi::Error NotCompiled(char const* scheme) {
+  return ffi::Error::InvalidArgument(std::string("jax_moe flashinfer_cutlass_moe: scheme ") + scheme +
+                                   " was not compiled into this build (JAX_MOE_FI_SCHEMES)");
+}
+
+ffi::Error Bf16Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w13,
+                    ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> topk_ids,
+                    ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out,
+                    ffi::ResultBuffer<ffi::U8> workspace, int64_t activation,
+                    int64_t gemm1_tactic, int64_t gemm2_tactic) {
+#if JAX_MOE_FI_WITH_BF16
+  for (auto dt : {x.element_type(), w13.element_type(), w2.element_type(), out->element_type()})
+    if (dt != ffi::DataType::BF16)
+      return ffi::Error::InvalidArgument("jax_moe flashinfer_cutlass_moe (bf16): x, w13, w2 and out must be bfloat16");
+  return RunMoe<Bf16Scheme>(stream, device, x, w13, w2, topk_ids, topk_weights, out, workspace,
+                            activation, gemm1_tactic, gemm2_tactic, tk::QuantParams{}, 8);
+#else
+  return NotCompiled("bf16");
+#endif
+}
+
+ffi::Error Fp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w13,
+                   ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> topk_ids,
+                   ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::F32> g1_alphas,
+                   ffi::Buffer<ffi::F32> a2_gscale, ffi::Buffer<ffi::F32> g2_alphas,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::U8> workspace,
+                   int64_t activation, int64_t gemm1_tactic, int64_t gemm2_tactic) {
+#if JAX_MOE_FI_WITH_FP8
+  auto bad = [](std::string const& m) {
+    return ffi::Error::InvalidArgument("jax_moe flashinfer_cutlass_moe (fp8): " + m);
+  };
+  for (auto dt : {x.element_type(), w13.element_type(), w2.element_type()})
+    if (dt != ffi::DataType::F8E4M3FN) return bad("x, w13 and w2 must be float8_e4m3fn");
+  if (out->element_type() != ffi::DataType::BF16) return bad("out must be bfloat16");
+  if (w2.dimensions().size() != 3) return bad("w2 must be [E, H, I]");
+  int64_t const e = w2.dimensions()[0];
+  auto is_e = [e](ffi::Buffer<ffi::F32> const& b) {
+    return b.dimensions().size() == 1 && b.dimensions()[0] == e;
+  };
+  if (!is_e(g1_alphas) || !is_e(g2_alphas)) return bad("g1_alphas and g2_alphas must be [E] float32");
+  bool const per_expert_a2 = a2_gscale.dimensions().size() == 1;
+  if (!(a2_gscale.dimensions().size() == 0 || (per_expert_a2 && is_e(a2_gscale))))
+    return bad("a2_gscale must be [] or [E] float32");
+  auto const quant = tk::QuantParams::FP8(g1_alphas.typed_data(), a2_gscale.typed_data(),
+                                          g2_alphas.typed_data(), /*quant_final=*/nullptr,
+                                          /*dequant_input=*/nullptr, per_expert_a2);
+  return RunMoe<Fp8Scheme>(stream, device, x, w13, w2, topk_ids, topk_weights, out, workspace,
+                           activation, gemm1_tactic, gemm2_tactic, quant, 16);
+#else
+  return NotCompiled("fp8");
+#endif
+}
+
+// Runs `f(DeviceState<S>&)` for the scheme with id `scheme`.
+template <typename F>
+auto WithState(int scheme, int device, F&& f) {
+  if (device < 0) cudaGetDevice(&device);
+#if JAX_MOE_FI_WITH_BF16
+  if (scheme == Bf16Scheme::kId) return f(GetState<Bf16Scheme>(device), Bf16Scheme::kId);
+#endif
+#if JAX_MOE_FI_WITH_FP8
+  if (scheme == Fp8Scheme::kId) return f(GetState<Fp8Scheme>(device), Fp8Scheme::kId);
+#endif
+  throw std::invalid_argument("scheme " + std::to_string(scheme) + " is not compiled into this build");
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------- host-side queries (nanobind)
 
+// Bit (1 << scheme id) for each scheme compiled in.
+int CompiledSchemes() {
+  int m = 0;
+#if JAX_MOE_FI_WITH_BF16
+  m |= 1 << Bf16Scheme::kId;
+#endif
+#if JAX_MOE_FI_WITH_FP8
+  m |= 1 << Fp8Scheme::kId;
+#endif
+  return m;
+}
+
 size_t WorkspaceSize(int64_t num_tokens, int64_t hidden, int64_t inter, int64_t num_experts,
-                     int64_t top_k, int64_t activation, int device) {
+                     int64_t top_k, int64_t activation, int scheme, int device) {
   if (!IsSupportedActivation(activation))
     throw std::invalid_argument("unsupported activation type " + std::to_string(activation));
   if (device < 0) cudaGetDevice(&device);
-  DeviceState& st = GetState(device);
-  std::lock_guard<std::mutex> lock(st.mu);
-  DeviceGuard guard(device);
-  return TotalWorkspaceBytes(*st.runner, std::max<int64_t>(num_tokens, 1), hidden, inter,
-                             static_cast<int>(num_experts), static_cast<int>(top_k),
-                             static_cast<tk::ActivationType>(activation));
+  return WithState(scheme, device, [&](auto& st, int) {
+    std::lock_guard<std::mutex> lock(st.mu);
+    DeviceGuard guard(device);
+    return TotalWorkspaceBytes(*st.runner, std::max<int64_t>(num_tokens, 1), hidden, inter,
+                               static_cast<int>(num_experts), static_cast<int>(top_k),
+                               static_cast<tk::ActivationType>(activation));
+  });
 }
 
-// Tactic-list queries use only C types across the TU boundary to the nanobind module, which builds
-// the Python list itself. (Returning std::vector<std::tuple<int, std::string, bool>> through
-// nanobind's STL casters segfaulted on the GPU image -- cause not pinned down.)
-int NumTactics(int gemm_id, int device) {
-  if (device < 0) cudaGetDevice(&device);
-  DeviceState& st = GetState(device);
-  std::lock_guard<std::mutex> lock(st.mu);
-  return static_cast<int>((gemm_id == 1 ? st.gemm1 : st.gemm2).size());
+// Tactic-list queries use only C types across the library boundary to the nanobind module, which
+// builds the Python list itself.
+int NumTactics(int gemm_id, int scheme, int device) {
+  return WithState(scheme, device, [&](auto& st, int) {
+    std::lock_guard<std::mutex> lock(st.mu);
+    return static_cast<int>((gemm_id == 1 ? st.gemm1 : st.gemm2).size());
+  });
 }
 
 // Writes tactic `idx`'s description (NUL-terminated, truncated to buf_len) and returns whether
 // that tactic is compiled into this build (1) or not (0).
-int TacticInfo(int gemm_id, int idx, int device, char* buf, size_t buf_len) {
-  if (device < 0) cudaGetDevice(&device);
-  DeviceState& st = GetState(device);
-  std::lock_guard<std::mutex> lock(st.mu);
-  auto const& list = gemm_id == 1 ? st.gemm1 : st.gemm2;
-  if (idx < 0 || idx >= static_cast<int>(list.size()))
-    throw std::out_of_range("tactic index out of range");
-  std::string const d = DescribeTactic(list[idx]);
-  if (buf_len > 0) {
-    size_t const n = std::min(d.size(), buf_len - 1);
-    std::memcpy(buf, d.data(), n);
-    buf[n] = '\0';
-  }
-  return IsCompiled(list[idx]) ? 1 : 0;
+int TacticInfo(int gemm_id, int idx, int scheme, int device, char* buf, size_t buf_len) {
+  return WithState(scheme, device, [&](auto& st, int id) {
+    std::lock_guard<std::mutex> lock(st.mu);
+    auto const& list = gemm_id == 1 ? st.gemm1 : st.gemm2;
+    if (idx < 0 || idx >= static_cast<int>(list.size()))
+      throw std::out_of_range("tactic index out of range");
+    std::string const d = DescribeTactic(id, list[idx]);
+    if (buf_len > 0) {
+      size_t const n = std::min(d.size(), buf_len - 1);
+      std::memcpy(buf, d.data(), n);
+      buf[n] = '\0';
+    }
+    return IsCompiled(id, list[idx]) ? 1 : 0;
+  });
 }
 
 // The (gemm1, gemm2) tactic indices the handler picks for a shape when given -1.
 std::pair<int, int> DefaultTactics(int64_t num_tokens, int64_t hidden, int64_t inter,
                                    int64_t num_experts, int64_t top_k, int64_t activation,
-                                   int device) {
-  if (device < 0) cudaGetDevice(&device);
-  DeviceState& st = GetState(device);
-  std::lock_guard<std::mutex> lock(st.mu);
-  ShapeKey key{num_tokens, hidden, inter, static_cast<int>(num_experts), static_cast<int>(top_k),
-               static_cast<int>(activation)};
-  return ChooseTactics(st, key, -1, -1);
+                                   int scheme, int device) {
+  return WithState(scheme, device, [&](auto& st, int) {
+    std::lock_guard<std::mutex> lock(st.mu);
+    ShapeKey key{num_tokens, hidden, inter, static_cast<int>(num_experts),
+                 static_cast<int>(top_k), static_cast<int>(activation)};
+    return ChooseTactics(st, key, -1, -1);
+  });
 }
 
-int NumCompiledSm90Tactics() {
-  return static_cast<int>(sizeof(kCompiledSm90Tactics) / sizeof(kCompiledSm90Tactics[0]));
+int NumCompiledSm90Tactics(int scheme) {
+  int n = 0;
+  for (auto const& t : kCompiledSm90Tactics) n += t.scheme == scheme;
+  return n;
 }
 
 }  // namespace jax_moe_fi
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFlashinferCutlassMoe, jax_moe_fi::MoeImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFlashinferCutlassMoe, jax_moe_fi::Bf16Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w13
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w2
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Arg<ffi::AnyBuffer>()          // w13
+                                  .Arg<ffi::AnyBuffer>()          // w2
                                   .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out
+                                  .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::U8>>()    // workspace
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("gemm1_tactic")
-                                  .Attr<int64_t>("gemm2_tactic"));
+                                  .Attr<int64_t>("gemm2_tactic"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFlashinferCutlassMoeFp8, jax_moe_fi::Fp8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()          // x (fp8)
+                                  .Arg<ffi::AnyBuffer>()          // w13 (fp8)
+                                  .Arg<ffi::AnyBuffer>()          // w2 (fp8)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // g1_alphas [E]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // a2_gscale [] or [E]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // g2_alphas [E]
+                                  .Ret<ffi::AnyBuffer>()          // out (bf16)
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                                  .Attr<int64_t>("activation")
+                                  .Attr<int64_t>("gemm1_tactic")
+                                  .Attr<int64_t>("gemm2_tactic"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,6 +1,7 @@
-// nanobind module jax_moe._jax_moe_flashinfer: exports the XLA FFI handler of FlashInfer's CUTLASS
-// fused-MoE runner (ffi/flashinfer_cutlass_moe.cu) and the host-side queries the Python wrapper
-// needs at trace time (workspace size, tactic lists).
+// nanobind module jax_moe._jax_moe_flashinfer: exports the XLA FFI handlers of FlashInfer's CUTLASS
+// fused-MoE runner and the host-side queries the Python wrapper needs at trace time (workspace
+// size, tactic lists). Both live in libjax_moe_fi.so (ffi/flashinfer_cutlass_moe.cu), which this
+// module links; scheme ids: 0 bf16, 1 fp8.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
@@ -26,16 +27,18 @@ namespace nb = nanobind;
 struct XLA_FFI_CallFrame;
 struct XLA_FFI_Error;
 extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoe(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeFp8(XLA_FFI_CallFrame* call_frame);
 
 namespace jax_moe_fi {
+int CompiledSchemes();
 size_t WorkspaceSize(int64_t num_tokens, int64_t hidden, int64_t inter, int64_t num_experts,
-                     int64_t top_k, int64_t activation, int device);
-int NumTactics(int gemm_id, int device);
-int TacticInfo(int gemm_id, int idx, int device, char* buf, size_t buf_len);
+                     int64_t top_k, int64_t activation, int scheme, int device);
+int NumTactics(int gemm_id, int scheme, int device);
+int TacticInfo(int gemm_id, int idx, int scheme, int device, char* buf, size_t buf_len);
 std::pair<int, int> DefaultTactics(int64_t num_tokens, int64_t hidden, int64_t inter,
                                    int64_t num_experts, int64_t top_k, int64_t activation,
-                                   int device);
-int NumCompiledSm90Tactics();
+                                   int scheme, int device);
+int NumCompiledSm90Tactics(int scheme);
 }  // namespace jax_moe_fi
 
 namespace {
@@ -51,41 +54,47 @@ void SegvTrace(int sig) {
 
 NB_MODULE(_jax_moe_flashinfer, m) {
   if (std::getenv("JAX_MOE_FI_SEGV_TRACE")) signal(SIGSEGV, SegvTrace);
-  m.doc() = "FlashInfer CUTLASS fused-MoE (SM90, bf16) as an XLA FFI custom call";
+  m.doc() = "FlashInfer CUTLASS fused-MoE (SM90; bf16, fp8) as XLA FFI custom calls";
 
   m.def("registrations", []() {
     nb::dict d;
     d["jax_moe_flashinfer_cutlass_moe"] =
         nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoe));
+    d["jax_moe_flashinfer_cutlass_moe_fp8"] =
+        nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeFp8));
     return d;
   }, "FFI target name -> handler capsule (api_version=1, platform CUDA).");
 
+  m.def("compiled_schemes", &jax_moe_fi::CompiledSchemes,
+        "Bit mask of the quant schemes compiled in: 1 << 0 bf16, 1 << 1 fp8.");
+
   m.def("workspace_size", &jax_moe_fi::WorkspaceSize, nb::arg("num_tokens"), nb::arg("hidden"),
         nb::arg("inter"), nb::arg("num_experts"), nb::arg("top_k"), nb::arg("activation"),
-        nb::arg("device") = -1,
+        nb::arg("scheme") = 0, nb::arg("device") = -1,
         "Bytes of the uint8 workspace result the custom call needs for this problem. Needs a "
         "CUDA device (default: the current one).");
 
   m.def(
       "tactics",
-      [](int gemm_id, int device) {
+      [](int gemm_id, int scheme, int device) {
         nb::list out;
-        int const n = jax_moe_fi::NumTactics(gemm_id, device);
+        int const n = jax_moe_fi::NumTactics(gemm_id, scheme, device);
         char buf[256];
         for (int idx = 0; idx < n; ++idx) {
-          bool const compiled = jax_moe_fi::TacticInfo(gemm_id, idx, device, buf, sizeof(buf)) != 0;
+          bool const compiled =
+              jax_moe_fi::TacticInfo(gemm_id, idx, scheme, device, buf, sizeof(buf)) != 0;
           out.append(nb::make_tuple(idx, nb::str(buf), compiled));
         }
         return out;
       },
-      nb::arg("gemm_id"), nb::arg("device") = -1,
+      nb::arg("gemm_id"), nb::arg("scheme") = 0, nb::arg("device") = -1,
       "[(index, description, compiled)] of the runner's tactics for GEMM 1 or 2.");
 
   m.def("default_tactics", &jax_moe_fi::DefaultTactics, nb::arg("num_tokens"), nb::arg("hidden"),
         nb::arg("inter"), nb::arg("num_experts"), nb::arg("top_k"), nb::arg("activation"),
-        nb::arg("device") = -1,
+        nb::arg("scheme") = 0, nb::arg("device") = -1,
         "(gemm1, gemm2) tactic indices the handler uses for this shape when given -1.");
 
-  m.def("num_compiled_sm90_tactics", &jax_moe_fi::NumCompiledSm90Tactics,
-        "How many SM90 MoE GEMM kernels this build compiled.");
+  m.def("num_compiled_sm90_tactics", &jax_moe_fi::NumCompiledSm90Tactics, nb::arg("scheme") = 0,
+        "How many SM90 MoE GEMM kernels of a scheme this build compiled.");
 }

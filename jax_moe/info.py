@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import jax
+import numpy as np
 
 from jax_moe import oracle
 from jax_moe.config import MoEConfig
@@ -29,21 +30,32 @@ def main(argv=None) -> None:
         print(f"native: unavailable ({err})")
     e, h, i, k = (int(v) for v in args.model.split(","))
     cfg = MoEConfig(e, k, h, i, args.activation)
-    quant = None if args.scheme == "bf16" else SchemeOnly(args.scheme)
-    print(f"model E={e} H={h} I={i} k={k} activation={args.activation} scheme={args.scheme}:")
+    quant = None if args.scheme == "bf16" else SchemeOnly(args.scheme, e)
+    print(f"model E={e} H={h} I={i} k={k} activation={args.activation} scheme={args.scheme}"
+          f"{'' if quant is None else f' (act={quant.act}' + (', static scales' if quant.a2_scale is not None else '') + ')'}:")
     for name in oracle.order_for(quant):
         _, ok, reason = oracle.probe(name, cfg, quant, None)
-        auto = "" if not ok or name in oracle.AUTO else " (only when forced)"
-        print(f"  {name:20s} {'yes' if ok else 'no '}  {reason}{auto}")
-    if quant is None:
-        print(f"  -> selected: {oracle.select_backend(cfg).name}")
+        note = ""
+        if ok and name not in oracle.AUTO:
+            note = " (prepared weights: MoEBlock.prepare())" if name in oracle.AUTO_PREPARED else " (only when forced)"
+        print(f"  {name:20s} {'yes' if ok else 'no '}  {reason}{note}")
+    print(f"  -> fused_experts: {oracle.select_backend(cfg, quant).name}; "
+          f"MoEBlock.prepare(): {oracle.select_backend(cfg, quant, prepared=True).name}")
 
 
 class SchemeOnly:
-    """A stand-in for a QuantConfig that carries only the scheme name (for reporting)."""
+    """A stand-in for a QuantConfig of ``scheme`` in its most common serving form (for
+    reporting): the scheme's default activation format, per-expert weight scales, static
+    activation scales where the format has them."""
 
-    def __init__(self, scheme: str):
+    def __init__(self, scheme: str, num_experts: int):
+        from jax_moe.quant.scheme import SCHEME_ACTS, STATIC_ACTS
+
         self.scheme = scheme
+        self.act = SCHEME_ACTS[scheme][0]
+        self.w13_scale = self.w2_scale = np.ones((num_experts,), np.float32)
+        static = np.float32(1.0) if self.act in STATIC_ACTS else None
+        self.a13_scale = self.a2_scale = static
 
 
 if __name__ == "__main__":

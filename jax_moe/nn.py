@@ -3,6 +3,7 @@
     block = MoEBlock(hidden_size=1024, intermediate_size=512, num_experts=8, top_k=2, rngs=nnx.Rngs(0))
     y = block(x)                      # x [..., H] -> [..., H]
     block.quantize("fp8")             # once, at load time: weights stored quantized from now on
+    block.prepare()                   # once, at load time: repacked for the fastest backend here
     block = MoEBlock.from_checkpoint("mixtral", tensors, prefix="model.layers.0.block_sparse_moe.", top_k=2)
 """
 
@@ -18,10 +19,15 @@ from flax import nnx
 from jax_moe.checkpoint import ExpertTensors, read_layer
 from jax_moe.config import MoEConfig
 from jax_moe.experts import fused_moe
+from jax_moe.routing import select_experts
 
 
 class QuantizedWeight(nnx.Variable):
     """Stored (quantized) expert weights and their QuantConfig: not trained."""
+
+
+class PreparedWeight(nnx.Variable):
+    """Expert weights repacked for one backend (its ``Prepared`` pytree): not trained."""
 
 
 class RoutingBias(nnx.Variable):
@@ -87,7 +93,9 @@ class MoEBlock(nnx.Module):
         self.w2 = nnx.Param(jnp.asarray(weights.w2, dtype))
         self.w13_bias = _maybe(nnx.Param, weights.w13_bias, jnp.float32)
         self.w2_bias = _maybe(nnx.Param, weights.w2_bias, jnp.float32)
-        self.quant = None
+        self.quant = nnx.data(None)
+        self.prepared = nnx.data(None)
+        self.prepared_backend = None
 
     @classmethod
     def from_checkpoint(
@@ -117,12 +125,43 @@ class MoEBlock(nnx.Module):
 
         if self.quant is not None:
             raise ValueError("this MoEBlock is already quantized")
+        if self.prepared is not None:
+            raise ValueError("quantize() must come before prepare()")
         w13 = jnp.asarray(self.w13.get_value(), jnp.float32)
         w2 = jnp.asarray(self.w2.get_value(), jnp.float32)
         w13_q, w2_q, qcfg = quantize_weights(scheme, w13, w2, **options)
         self.w13 = QuantizedWeight(w13_q)
         self.w2 = QuantizedWeight(w2_q)
         self.quant = QuantizedWeight(qcfg)
+
+    def prepare(self, backend: str | None = None, device=None) -> str:
+        """Repack the expert weights once (load time) for the fastest backend that serves this
+        layer on ``device``, and use them from now on; returns the backend's name.
+
+        Backends that need their own weight layout (``flashinfer_cutlass``) are chosen here
+        without being forced (the oracle's ``prepared=True``); the pure-JAX backend needs no
+        repack, and then nothing changes. The original ``w13``/``w2`` are dropped when a repack
+        happens (the block is then for inference). Expert biases keep the block on backends that
+        take them.
+        """
+        from jax_moe import oracle
+
+        if self.prepared is not None:
+            raise ValueError(f"this MoEBlock is already prepared for {self.prepared_backend!r}")
+        quant = None if self.quant is None else self.quant.get_value()
+        forced = backend or self.backend
+        sel = oracle.select_backend(self.config, quant, backend=forced, device=device, prepared=True)
+        has_bias = self.w13_bias is not None or self.w2_bias is not None
+        if not hasattr(sel.module, "prepare") or (has_bias and forced is None):
+            self.prepared_backend = "xla" if has_bias and forced is None else sel.name
+            return self.prepared_backend
+        if has_bias:
+            raise ValueError(f"backend {sel.name!r} does not take expert biases (w13_bias/w2_bias) yet")
+        self.prepared = PreparedWeight(sel.module.prepare(self.w13.get_value(), self.w2.get_value(),
+                                                          self.config, quant))
+        self.prepared_backend = sel.name
+        self.w13 = self.w2 = None
+        return sel.name
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.config.hidden_size
@@ -134,6 +173,12 @@ class MoEBlock(nnx.Module):
         if self.router_bias is not None:
             logits = logits + self.router_bias.get_value()
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias.get_value()
+        if self.prepared is not None:
+            from jax_moe import oracle
+
+            weights, ids = select_experts(logits, self.config.top_k, e_score_correction_bias=bias, **self.routing)
+            y = oracle.module(self.prepared_backend).apply_prepared(x2, self.prepared.get_value(), weights, ids)
+            return y.reshape(*lead, h).astype(x.dtype)
         y = fused_moe(
             x2, self.w13.get_value(), self.w2.get_value(), logits, self.config.top_k,
             e_score_correction_bias=bias, **self.routing,

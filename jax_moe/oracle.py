@@ -4,7 +4,9 @@ For each quant scheme the backends are tried in vLLM's order (:data:`SCHEME_ORDE
 answers ``supports(cfg, quant, device) -> (ok, reason)`` from the device's compute capability,
 what this build contains, and the shapes. The first that can serve *and* is in :data:`AUTO`
 wins; ``xla`` serves everything and ends every list. A row joins AUTO once its GPU tests pass on
-hardware and it needs no per-call repacking through ``fused_experts``.
+hardware and it needs no per-call repacking through ``fused_experts``. Rows whose weights must be
+repacked are picked automatically only for weights prepared once at load time
+(``select_backend(..., prepared=True)``, as ``MoEBlock.prepare()`` asks): :data:`AUTO_PREPARED`.
 
 Overrides: ``backend=`` or ``JAX_MOE_BACKEND`` forces one backend (raising with its reason if it
 cannot serve); ``JAX_MOE_FLASHINFER_MOE_BACKEND`` = ``throughput`` (CUTLASS), ``latency``
@@ -40,6 +42,7 @@ SCHEME_ORDER: dict[str, tuple[str, ...]] = {
     "w4a8": ("flashinfer_cutlass", "cutlass", "xla"),
 }
 AUTO: frozenset[str] = frozenset({"xla"})
+AUTO_PREPARED: frozenset[str] = AUTO | {"flashinfer_cutlass"}
 ENV = "JAX_MOE_BACKEND"
 FLASHINFER_ENV = "JAX_MOE_FLASHINFER_MOE_BACKEND"
 FLASHINFER_CHOICES = {"throughput": "flashinfer_cutlass", "latency": "flashinfer_trtllm",
@@ -79,7 +82,7 @@ def probe(name: str, cfg: MoEConfig, quant=None, device=None) -> tuple[object, b
         from jax_moe.backends.unavailable import refusal
 
         return (None, *refusal(name, cfg, quant, device))
-    mod = importlib.import_module(MODULES[name])
+    mod = module(name)
     ok, reason = mod.supports(cfg, quant, device)
     return mod, ok, reason
 
@@ -87,8 +90,17 @@ def probe(name: str, cfg: MoEConfig, quant=None, device=None) -> tuple[object, b
 _logged: set = set()
 
 
-def select_backend(cfg: MoEConfig, quant=None, *, backend: str | None = None, device=None) -> Selection:
-    """Pick a backend for ``cfg`` (and ``quant``) on ``device`` (default: JAX's default device)."""
+def module(name: str):
+    """The Python module of backend ``name`` (only those in :data:`MODULES` have one)."""
+    return importlib.import_module(MODULES[name])
+
+
+def select_backend(cfg: MoEConfig, quant=None, *, backend: str | None = None, device=None,
+                   prepared: bool = False) -> Selection:
+    """Pick a backend for ``cfg`` (and ``quant``) on ``device`` (default: JAX's default device).
+
+    ``prepared``: the caller repacks the weights once for the chosen backend (its ``prepare``),
+    so backends that need a repack are eligible without being forced (:data:`AUTO_PREPARED`)."""
     forced = backend or os.environ.get(ENV) or None
     if forced is not None:
         if forced not in BACKENDS:
@@ -100,8 +112,10 @@ def select_backend(cfg: MoEConfig, quant=None, *, backend: str | None = None, de
     refused = []
     for name in order_for(quant):
         mod, ok, reason = probe(name, cfg, quant, device)
-        if ok and name not in AUTO:
-            ok, reason = False, "can serve this, but is used only when forced (backend=) so far"
+        if ok and name not in (AUTO_PREPARED if prepared else AUTO):
+            ok, reason = False, ("can serve this, but repacks the weights on every call through "
+                                 "fused_experts: used when forced (backend=) or for weights prepared "
+                                 "at load time (MoEBlock.prepare())")
         if ok:
             for r in refused:
                 if r not in _logged:

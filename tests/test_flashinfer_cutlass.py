@@ -1,4 +1,5 @@
-"""FlashInfer CUTLASS fused-MoE custom call (SM90, bf16) against a float32 jnp reference."""
+"""FlashInfer CUTLASS fused-MoE custom calls (SM90; bf16 and FP8 per-tensor) against a float32
+jnp reference (bf16) and the pure-JAX backend on the same quantized weights (FP8)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +7,11 @@ import numpy as np
 import pytest
 
 from jax_moe.backends import flashinfer_cutlass as fic
+from jax_moe.config import MoEConfig
+from jax_moe.quant.scheme import QuantConfig, calibrate_activation_scale, quantize_weights
 
 REL_TOL = 2e-2
+FP8_REL_TOL = 5e-2
 
 
 def _routing(rng, t, e, k):
@@ -44,6 +48,10 @@ def _reference(x, w13, w2, tw, ids, activation="silu"):
     return jnp.einsum("tk,tkh->th", tw.astype(jnp.float32), y)
 
 
+def _cfg(e, k, h, i, activation="silu"):
+    return MoEConfig(e, k, h, i, activation)
+
+
 def _rel_err(out, ref):
     out = np.asarray(out, np.float32)
     ref = np.asarray(ref, np.float32)
@@ -77,8 +85,8 @@ def test_matches_reference(rng, t, e, k):
     h, i = 1024, 512
     x, w13, w2, tw, ids = _problem(rng, t, e, k, h, i)
     ref = _reference(x, w13, w2, tw, ids)
-    p13, p2 = fic.prepare_weights(w13, w2)
-    out = jax.jit(fic.apply_prepared)(x, p13, p2, tw, ids)
+    prep = fic.prepare(w13, w2, _cfg(e, k, h, i))
+    out = jax.jit(fic.apply_prepared)(x, prep, tw, ids)
     assert out.shape == (t, h) and out.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel_err(out, ref) < REL_TOL
@@ -91,8 +99,8 @@ def test_other_activations(rng, activation):
     t, e, k, h, i = 37, 8, 2, 1024, 512
     x, w13, w2, tw, ids = _problem(rng, t, e, k, h, i, activation)
     ref = _reference(x, w13, w2, tw, ids, activation)
-    p13, p2 = fic.prepare_weights(w13, w2, activation=activation)
-    out = fic.apply_prepared(x, p13, p2, tw, ids, activation=activation)
+    prep = fic.prepare(w13, w2, _cfg(e, k, h, i, activation))
+    out = fic.apply_prepared(x, prep, tw, ids)
     assert _rel_err(out, ref) < REL_TOL
 
 
@@ -104,13 +112,13 @@ def test_every_compiled_tactic(rng, gemm_id):
     t, e, k, h, i = 37, 8, 2, 1024, 512
     x, w13, w2, tw, ids = _problem(rng, t, e, k, h, i)
     ref = _reference(x, w13, w2, tw, ids)
-    p13, p2 = fic.prepare_weights(w13, w2)
+    prep = fic.prepare(w13, w2, _cfg(e, k, h, i))
     compiled = [(idx, desc) for idx, desc, ok in fic.tactics(gemm_id) if ok]
     assert compiled, "no compiled tactic"
     errors = {}
     for idx, desc in compiled:
         kw = {"gemm1_tactic": idx} if gemm_id == 1 else {"gemm2_tactic": idx}
-        out = fic.apply_prepared(x, p13, p2, tw, ids, **kw)
+        out = fic.apply_prepared(x, prep, tw, ids, **kw)
         errors[desc] = _rel_err(out, ref)
     bad = {d: err for d, err in errors.items() if not err < REL_TOL}
     assert not bad, bad
@@ -124,9 +132,9 @@ def test_not_compiled_tactic_is_an_error(rng):
         pytest.skip("every tactic is compiled in this build")
     t, e, k, h, i = 4, 8, 2, 256, 128
     x, w13, w2, tw, ids = _problem(rng, t, e, k, h, i)
-    p13, p2 = fic.prepare_weights(w13, w2)
+    prep = fic.prepare(w13, w2, _cfg(e, k, h, i))
     with pytest.raises(Exception, match="not compiled"):
-        jax.block_until_ready(fic.apply_prepared(x, p13, p2, tw, ids, gemm1_tactic=missing[0]))
+        jax.block_until_ready(fic.apply_prepared(x, prep, tw, ids, gemm1_tactic=missing[0]))
 
 
 @pytest.mark.gpu
@@ -144,3 +152,167 @@ def test_fused_experts_forced_backend_equals_xla(rng, t, e, k):
     assert np.isfinite(np.asarray(out1, np.float32)).all()
     assert _rel_err(out1, ref) < REL_TOL
     np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
+
+
+# ----------------------------------------------------------------------------- FP8 per-tensor
+
+
+def _fp8_problem(rng, t, e, k, h, i, *, static_a13=True, activation="silu"):
+    """Random bf16 tokens and fp8-quantized weights (per-expert scales) with a calibrated static
+    a2_scale (and a13_scale unless ``static_a13`` is False)."""
+    x, w13, w2, tw, ids = _problem(rng, t, e, k, h, i, activation)
+    a13 = calibrate_activation_scale("fp8_per_tensor", x) if static_a13 else None
+    # GEMM2's input after the activation: calibrated on the float reference's intermediate.
+    h1 = jnp.einsum("th,enh->ten", x.astype(jnp.float32), w13.astype(jnp.float32))
+    if fic.GATED[activation]:
+        gate, up = h1[..., :i], h1[..., i:]
+        inter = (jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=False)) * up
+    else:
+        inter = jnp.square(jnp.maximum(h1, 0.0))
+    a2 = calibrate_activation_scale("fp8_per_tensor", inter)
+    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=a2)
+    return x, q13, q2, tw, ids, quant
+
+
+def test_prepare_fp8_layout_and_alphas(rng):
+    """w13 halves swapped (still fp8, bit-exact), g1 = w13_scale * a13, g2 = w2_scale * a2,
+    a2_gscale = 1 / a2; per-expert activation scales collapse to their max."""
+    e, i, h = 3, 16, 32
+    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)), jnp.float32)
+    a13 = jnp.asarray([0.01, 0.03, 0.02], jnp.float32)
+    q13, q2, quant = quantize_weights("fp8", w13, w2, a13_scale=a13, a2_scale=0.5)
+    prep = fic.prepare(q13, q2, _cfg(e, 2, h, i), quant)
+    assert prep.scheme == "fp8" and prep.w13.dtype == jnp.float8_e4m3fn and prep.w2.dtype == jnp.float8_e4m3fn
+    bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
+    np.testing.assert_array_equal(bits(prep.w13[:, :i]), bits(q13[:, i:]))
+    np.testing.assert_array_equal(bits(prep.w13[:, i:]), bits(q13[:, :i]))
+    np.testing.assert_array_equal(bits(prep.w2), bits(q2))
+    np.testing.assert_allclose(prep.g1_alphas, np.asarray(quant.w13_scale) * 0.03, rtol=1e-6)
+    np.testing.assert_allclose(prep.g2_alphas, np.asarray(quant.w2_scale) * 0.5, rtol=1e-6)
+    np.testing.assert_allclose(prep.a2_gscale, 2.0, rtol=1e-6)
+    dyn = fic.prepare(q13, q2, _cfg(e, 2, h, i), quant.replace(a13_scale=None))
+    assert dyn.a13_scale is None and dyn.g1_alphas is None and dyn.w13_scale.shape == (e,)
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(act="fp8_per_token"), "per-tensor activation scales"),
+    (dict(a2_scale=None), "static a2_scale"),
+])
+def test_fp8_refusals_name_the_reason(rng, change, reason):
+    e, i, h = 2, 16, 32
+    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)), jnp.float32)
+    opts = dict(act="fp8_per_tensor", a2_scale=0.5)
+    opts.update(change)
+    if opts["act"] != "fp8_per_tensor":
+        opts.pop("a2_scale")
+    _, _, quant = quantize_weights("fp8", w13, w2, **opts)
+    ok, why = fic.supports(_cfg(e, 2, h, i), quant)
+    assert not ok and reason in why
+
+
+def test_fp8_per_channel_weight_scales_are_refused(rng):
+    e, i, h = 2, 16, 32
+    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)), jnp.float32)
+    _, _, quant = quantize_weights("fp8", w13, w2, weight_scale="per_channel", a2_scale=0.5)
+    ok, why = fic.supports(_cfg(e, 2, h, i), quant)
+    assert not ok and "per channel" in why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,k", [(1, 256, 8), (37, 8, 2), (5, 256, 8), (1000, 64, 6)])
+def test_fp8_matches_xla_on_the_same_quantized_weights(rng, t, e, k):
+    """FP8 per-tensor (static scales) against backend="xla" with the same QuantConfig; T=5 with
+    E=256 leaves most experts without tokens; jit, twice (no state leaks)."""
+    _skip_unless_available()
+    if "fp8" not in fic.compiled_schemes():
+        pytest.skip("fp8 not compiled into this build")
+    from jax_moe import fused_experts
+
+    x, q13, q2, tw, ids, quant = _fp8_problem(rng, t, e, k, 1024, 512)
+    prep = fic.prepare(q13, q2, _cfg(e, k, 1024, 512), quant)
+    f = jax.jit(fic.apply_prepared)
+    out1 = f(x, prep, tw, ids)
+    out2 = f(x, prep, tw, ids)
+    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla")
+    assert np.isfinite(np.asarray(out1, np.float32)).all()
+    assert _rel_err(out1, ref) < FP8_REL_TOL
+    np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["gelu", "relu2"])
+def test_fp8_dynamic_input_scale_and_other_activations(rng, activation):
+    _skip_unless_available()
+    if "fp8" not in fic.compiled_schemes():
+        pytest.skip("fp8 not compiled into this build")
+    from jax_moe import fused_experts
+
+    t, e, k, h, i = 37, 8, 2, 1024, 512
+    x, q13, q2, tw, ids, quant = _fp8_problem(rng, t, e, k, h, i, static_a13=False, activation=activation)
+    out = jax.jit(lambda *a: fused_experts(*a, activation=activation, quant=quant,
+                                           backend="flashinfer_cutlass"))(x, q13, q2, tw, ids)
+    ref = fused_experts(x, q13, q2, tw, ids, activation=activation, quant=quant, backend="xla")
+    assert _rel_err(out, ref) < FP8_REL_TOL
+
+
+@pytest.mark.gpu
+def test_fp8_every_compiled_tactic(rng):
+    _skip_unless_available()
+    if "fp8" not in fic.compiled_schemes():
+        pytest.skip("fp8 not compiled into this build")
+    from jax_moe import fused_experts
+
+    t, e, k, h, i = 37, 8, 2, 1024, 512
+    x, q13, q2, tw, ids, quant = _fp8_problem(rng, t, e, k, h, i)
+    prep = fic.prepare(q13, q2, _cfg(e, k, h, i), quant)
+    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla")
+    errors = {}
+    for gemm_id in (1, 2):
+        for idx, desc, ok in fic.tactics(gemm_id, "fp8"):
+            if ok:
+                kw = {"gemm1_tactic": idx} if gemm_id == 1 else {"gemm2_tactic": idx}
+                errors[f"gemm{gemm_id} {desc}"] = _rel_err(fic.apply_prepared(x, prep, tw, ids, **kw), ref)
+    assert errors
+    bad = {d: err for d, err in errors.items() if not err < FP8_REL_TOL}
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+def test_under_command_buffers():
+    """Both handlers declare command-buffer compatibility: run them with XLA's command buffers
+    forced on, fresh inputs each round, against the xla backend."""
+    _skip_unless_available()
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import numpy as np, jax, jax.numpy as jnp
+        from jax_moe import fused_experts
+        from jax_moe.backends import flashinfer_cutlass as fic
+        from jax_moe.quant.scheme import quantize_weights
+        rng = np.random.default_rng(5)
+        t, e, k, h, i = 77, 16, 4, 512, 256
+        w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)
+        w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
+        q13, q2, quant = quantize_weights("fp8", w13, w2, a2_scale=0.01)
+        cases = [(w13, w2, None)] + ([(q13, q2, quant)] if "fp8" in fic.compiled_schemes() else [])
+        for a13, a2, q in cases:
+            f = jax.jit(lambda x, tw, ids: fused_experts(x, a13, a2, tw, ids, quant=q, backend="flashinfer_cutlass"))
+            for _ in range(3):
+                x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+                ids = jnp.asarray(np.argsort(-rng.standard_normal((t, e)), axis=1)[:, :k], jnp.int32)
+                tw = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
+                out = np.asarray(f(x, tw, ids), np.float32)
+                ref = np.asarray(fused_experts(x, a13, a2, tw, ids, quant=q, backend="xla"), np.float32)
+                err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+                assert np.isfinite(out).all() and err < 5e-2, err
+        print("OK", len(cases))
+    """)
+    env = dict(__import__("os").environ,
+               XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]

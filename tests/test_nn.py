@@ -166,3 +166,103 @@ def test_unknown_layout_and_missing_tensor_raise(rng):
         MoEBlock.from_checkpoint("mixtral", {}, "p.", top_k=2)
     with pytest.raises(ValueError, match="checkpoint tensor 'p.gate.weight' is missing"):
         MoEBlock.from_checkpoint("mixtral", _per_expert_tensors(rng, "p.", "w1", "w3", "w2"), "p.", top_k=2)
+
+
+# ----------------------------------------------------------------------------- prepare()
+
+
+class _DoublingBackend:
+    """A stand-in backend whose layout stores w13 doubled; apply_prepared undoes it (CPU-testable
+    plumbing of MoEBlock.prepare(); the real one is flashinfer_cutlass, tested on the GPU)."""
+
+    calls = 0
+
+    @staticmethod
+    def supports(cfg, quant=None, device=None):
+        return True, "ok"
+
+    @staticmethod
+    def prepare(w13, w2, cfg, quant=None):
+        _DoublingBackend.calls += 1
+        return {"w13": w13 * 2, "w2": w2}
+
+    @staticmethod
+    def apply_prepared(x, prepared, topk_weights, topk_ids):
+        from jax_moe import fused_experts
+
+        return fused_experts(x, prepared["w13"] / 2, prepared["w2"], topk_weights, topk_ids, backend="xla")
+
+
+def test_prepare_repacks_once_and_calls_stay_equal(rng, monkeypatch):
+    import sys
+    import types
+
+    from jax_moe import oracle
+
+    mod = types.ModuleType("jax_moe_test_doubling")
+    for name in ("supports", "prepare", "apply_prepared"):
+        setattr(mod, name, getattr(_DoublingBackend, name))
+    monkeypatch.setitem(sys.modules, "jax_moe_test_doubling", mod)
+    monkeypatch.setitem(oracle.MODULES, "flashinfer_cutlass", "jax_moe_test_doubling")
+    block = MoEBlock(64, 32, 8, 2, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 5, 64)), jnp.float32)
+    before = block(x)
+    assert block.prepare() == "flashinfer_cutlass"  # picked without being forced
+    assert _DoublingBackend.calls == 1 and block.w13 is None and block.w2 is None
+    after = nnx.jit(lambda m, v: m(v))(block, x)
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+    assert _DoublingBackend.calls == 1  # not per call
+    with pytest.raises(ValueError, match="already prepared"):
+        block.prepare()
+
+
+def test_quantized_block_runs_jitted_and_stays_close(rng):
+    block = MoEBlock(64, 32, 8, 2, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    before = np.asarray(block(x))
+    block.quantize("fp8", act="fp8_per_token")
+    after = np.asarray(nnx.jit(lambda m, v: m(v))(block, x))
+    # FP8 weights and activations against the unquantized block (not the dequantized reference):
+    # e4m3's 3 mantissa bits, twice, on a small layer.
+    assert np.linalg.norm(after - before) / np.linalg.norm(before) < 1e-1
+    with pytest.raises(ValueError, match="already quantized"):
+        block.quantize("fp8")
+
+
+def test_prepare_on_cpu_keeps_the_xla_backend(rng):
+    block = MoEBlock(64, 32, 8, 2, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.bfloat16)
+    before = block(x)
+    assert block.prepare() == "xla"
+    assert block.w13 is not None and block.prepared is None
+    np.testing.assert_array_equal(np.asarray(block(x), np.float32), np.asarray(before, np.float32))
+
+
+def test_forced_backend_that_cannot_serve_raises_at_prepare():
+    block = MoEBlock(64, 32, 8, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="flashinfer_trtllm.*cannot serve"):
+        block.prepare(backend="flashinfer_trtllm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", [None, "fp8"])
+def test_prepare_on_hopper_picks_flashinfer_cutlass(rng, scheme):
+    """On an H100/H200 with the FlashInfer module built, prepare() moves the block to the
+    FlashInfer CUTLASS runner and its output stays that of the xla backend."""
+    from jax_moe.backends import flashinfer_cutlass as fic
+
+    ok, why = fic.available()
+    if not ok:
+        pytest.skip(why)
+    if scheme is not None and scheme not in fic.compiled_schemes():
+        pytest.skip(f"{scheme} not compiled")
+    block = MoEBlock(1024, 512, 16, 4, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((77, 1024)), jnp.bfloat16)
+    if scheme is not None:
+        block.quantize(scheme, a2_scale=0.05)
+    before = np.asarray(block(x), np.float32)
+    assert block.prepare() == "flashinfer_cutlass"
+    after = np.asarray(nnx.jit(lambda m, v: m(v))(block, x), np.float32)
+    assert np.isfinite(after).all()
+    err = np.linalg.norm(after - before) / np.linalg.norm(before)
+    assert err < (5e-2 if scheme else 2e-2), err

@@ -1,7 +1,5 @@
 """The oracle: which backend serves a (device, scheme, shape), and the reason every other one gives."""
 
-from types import SimpleNamespace
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,14 +7,20 @@ import pytest
 from jax_moe import fused_experts, oracle
 from jax_moe.config import MoEConfig
 from jax_moe.device import DeviceInfo
+from jax_moe.info import SchemeOnly
 
 CFG = MoEConfig(128, 8, 2048, 768)
 A100, H100, B200, RTX5090 = (DeviceInfo("gpu", c) for c in ((8, 0), (9, 0), (10, 0), (12, 0)))
 CPU = DeviceInfo("cpu")
 
 
-def scheme(name):
-    return None if name == "bf16" else SimpleNamespace(scheme=name)
+def scheme(name, **changes):
+    """The scheme's most common serving form (jax_moe.info's stand-in), with ``changes``."""
+    if name == "bf16":
+        return None
+    q = SchemeOnly(name, CFG.num_experts)
+    q.__dict__.update(changes)
+    return q
 
 
 # (device, scheme, backend) -> the start of the reason it gives
@@ -24,7 +28,8 @@ REASONS = [
     (H100, "nvfp4", "flashinfer_trtllm", "needs SM100/SM103; this device is SM90"),
     (H100, "nvfp4", "flashinfer_cutedsl", "needs SM100/SM103; this device is SM90"),
     (H100, "nvfp4", "marlin", "not provided: weight-only 4-bit on SM80/SM90"),
-    (H100, "fp8", "flashinfer_cutlass", "scheme 'fp8' is not built yet"),
+    (H100, "fp8_block", "flashinfer_cutlass", "scheme 'fp8_block' is not built yet"),
+    (H100, "nvfp4", "flashinfer_cutlass", "scheme 'nvfp4' is not built yet"),
     (H100, "bf16", "cutlass", "jax_moe's own CUTLASS grouped GEMMs are not in this build yet"),
     (B200, "nvfp4", "flashinfer_trtllm", "the TRT-LLM gen MoE FFI handlers are not in this build yet"),
     (B200, "nvfp4", "flashinfer_cutedsl", "the CuteDSL masked grouped GEMM is not in this build yet"),
@@ -92,3 +97,32 @@ def test_environment_forces_a_backend(monkeypatch):
         fused_experts(*_small())
     monkeypatch.setenv(oracle.ENV, "xla")
     assert fused_experts(*_small()).shape == (4, 16)
+
+
+# With the FlashInfer module present on an SM90 device (simulated here; the real thing runs in the
+# GPU tests): which backend fused_experts gets, and which MoEBlock.prepare() gets.
+PREPARED_CASES = [
+    # scheme, changes, fused_experts' choice, prepare()'s choice, reason flashinfer_cutlass gives
+    ("bf16", {}, "xla", "flashinfer_cutlass", "can serve this, but repacks the weights on every call"),
+    ("fp8", {}, "xla", "flashinfer_cutlass", "can serve this, but repacks the weights on every call"),
+    ("fp8", {"act": "fp8_per_token", "a13_scale": None, "a2_scale": None}, "xla", "xla",
+     "FP8 needs per-tensor activation scales"),
+    ("fp8", {"a2_scale": None}, "xla", "xla", "FP8 needs a static a2_scale"),
+    ("fp8", {"w13_scale": np.ones((128, 1536, 1), np.float32)}, "xla", "xla", "w13_scale is per channel"),
+    ("mxfp4", {}, "xla", "xla", "scheme 'mxfp4' is not built yet"),
+]
+
+
+@pytest.mark.parametrize("scheme_name,changes,plain,prepared,reason", PREPARED_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(PREPARED_CASES)])
+def test_flashinfer_cutlass_is_picked_for_prepared_weights(monkeypatch, scheme_name, changes, plain, prepared,
+                                                          reason):
+    from jax_moe.backends import flashinfer_cutlass as fic
+
+    monkeypatch.setattr(fic, "available", lambda device=None: (True, "simulated"))
+    monkeypatch.setattr(fic, "compiled_schemes", lambda: ("bf16", "fp8"))
+    q = scheme(scheme_name, **changes)
+    sel = oracle.select_backend(CFG, q, device=H100)
+    assert sel.name == plain
+    assert dict(sel.reasons)["flashinfer_cutlass"].startswith(reason)
+    assert oracle.select_backend(CFG, q, device=H100, prepared=True).name == prepared

@@ -1,38 +1,54 @@
-"""FlashInfer's CUTLASS fused-MoE runner (TensorRT-LLM ``CutlassMoeFCRunner``) as an XLA FFI
-custom call -- ``backend="flashinfer_cutlass"`` (draft).
+"""FlashInfer's CUTLASS fused-MoE runner (TensorRT-LLM ``CutlassMoeFCRunner``) as XLA FFI custom
+calls -- ``backend="flashinfer_cutlass"``.
 
-Scope of this build: SM90 (Hopper, ``sm_90a``), bf16 activations x bf16 weights -> bf16 output,
-activations ``silu`` (gated), ``gelu`` (gated, erf form) and ``relu2`` (not gated). Routing
-happens before: the call takes top-k ids and weights.
+Scope of this build: SM90 (Hopper, ``sm_90a``); activations ``silu`` (gated), ``gelu`` (gated,
+erf form) and ``relu2`` (not gated); two schemes, each its own FFI target:
 
-Weight layout. The runner reads GEMM1's output as ``[up | gate]``: rows ``[0, I)`` of each
-expert's ``w13`` are the linear ("up", w3) half and rows ``[I, 2I)`` the gate (w1) half, and
-computes ``act(gate) * up``. vLLM's ``w13`` is ``[gate; up]`` (w1 then w3), so
-:func:`prepare_weights` swaps the halves once at load time ("w31" order). ``w2`` is used as is
-(``[E, H, I]``).
+* ``bf16``: bf16 activations x bf16 weights -> bf16.
+* ``fp8`` (vLLM's FP8 per-tensor W8A8): activations quantized to float8_e4m3fn with one
+  per-tensor scale (static ``a13_scale``, or dynamic ``amax(x) / 448`` per call) x float8_e4m3fn
+  weights with per-tensor or per-expert scales -> bf16. GEMM1's accumulator is rescaled by
+  ``g1_alphas[e] = w13_scale[e] * a13_scale``, the activation output re-quantized to FP8 with
+  ``1 / a2_scale`` (static: the runner has no amax pass), GEMM2's accumulator rescaled by
+  ``g2_alphas[e] = w2_scale[e] * a2_scale``. Per-expert activation scales use their max over
+  experts, as vLLM does.
 
-The native module is ``jax_moe._jax_moe_flashinfer`` (built by ``cmake/flashinfer_moe.cmake``
-when ``JAX_MOE_WITH_FLASHINFER`` is on and FlashInfer's sources are found). Its workspace comes
-from XLA as a second (discarded) ``uint8`` result whose size the module computes at trace time.
+Routing happens before: the calls take top-k ids and weights.
+
+Weight layout (:func:`prepare`, once, at load time). The runner reads GEMM1's output as
+``[up | gate]``: rows ``[0, I)`` of each expert's ``w13`` are the linear ("up", w3) half and rows
+``[I, 2I)`` the gate (w1) half, and computes ``act(gate) * up``. vLLM's ``w13`` is
+``[gate; up]`` (w1 then w3), so the halves are swapped ("w31" order,
+:func:`jax_moe.layouts.swap_w13_to_w31`). ``w2`` is used as is (``[E, H, I]``). The alphas above
+are computed there too (:func:`jax_moe.layouts.fp8_alpha_scales`).
+
+The native parts are ``jax_moe._jax_moe_flashinfer`` (nanobind glue) and ``libjax_moe_fi.so`` (the
+runner, its kernels and the FFI handlers), built by ``cmake/flashinfer_moe.cmake`` when
+``JAX_MOE_WITH_FLASHINFER`` is on and FlashInfer's sources are found. The workspace comes from XLA
+as a second (discarded) ``uint8`` result whose size the module computes at trace time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe.layouts import swap_w13_to_w31, undo_reorder_rows_for_gated_act_gemm
+from jax_moe.layouts import fp8_alpha_scales, swap_w13_to_w31, undo_reorder_rows_for_gated_act_gemm
+from jax_moe.quant import fp8
 
 NAME = "flashinfer_cutlass"
-TARGET = "jax_moe_flashinfer_cutlass_moe"
+# scheme -> (FFI target, scheme id in the native module, H/I alignment in elements: 16 bytes)
+TARGETS = {"bf16": "jax_moe_flashinfer_cutlass_moe", "fp8": "jax_moe_flashinfer_cutlass_moe_fp8"}
+SCHEME_IDS = {"bf16": 0, "fp8": 1}
+ALIGN = {"bf16": 8, "fp8": 16}
 
 # jax_moe activation name -> TensorRT-LLM ActivationType value (cutlass_kernels/include/common.h)
 ACTIVATION_CODES = {"silu": 3, "gelu": 4, "relu2": 6}  # Swiglu, Geglu, Relu2
 GATED = {"silu": True, "gelu": True, "relu2": False}
-ALIGN = 8  # H and I must be multiples of 8 bf16 elements (16-byte TMA alignment)
 
 _state = {"module": None, "error": None, "registered": False}
 
@@ -48,8 +64,17 @@ def _module():
     return _state["module"]
 
 
+def compiled_schemes() -> tuple[str, ...]:
+    """The schemes this build's native module serves (empty when it is not importable)."""
+    mod = _module()
+    if mod is None:
+        return ()
+    mask = mod.compiled_schemes() if hasattr(mod, "compiled_schemes") else 1
+    return tuple(name for name, sid in SCHEME_IDS.items() if mask >> sid & 1)
+
+
 def available(device=None) -> tuple[bool, str]:
-    """Whether the custom call can run on ``device`` (default: JAX's default device), and why not."""
+    """Whether the custom calls can run on ``device`` (default: JAX's default device), and why not."""
     from jax_moe.device import device_info
 
     dev = device_info(device)
@@ -57,22 +82,41 @@ def available(device=None) -> tuple[bool, str]:
         return False, f"needs SM90 (this build compiles sm_90a only); this device is {dev.describe()}"
     if _module() is None:
         return False, _state["error"]
-    return True, "FlashInfer CUTLASS fused MoE (SM90, bf16)"
+    return True, f"FlashInfer CUTLASS fused MoE (SM90; {', '.join(compiled_schemes())})"
+
+
+def scheme_of(quant) -> str:
+    return "bf16" if quant is None else quant.scheme
 
 
 def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
-    """Whether this backend serves ``cfg`` (a :class:`jax_moe.config.MoEConfig`) on ``device``."""
-    if quant is not None:
-        return False, f"scheme {quant.scheme!r} is not built yet (bf16 only so far)"
+    """Whether this backend serves ``cfg`` (a :class:`jax_moe.config.MoEConfig`) with ``quant``
+    on ``device``, and why not."""
+    scheme = scheme_of(quant)
+    if scheme not in TARGETS:
+        return False, f"scheme {scheme!r} is not built yet (have {sorted(TARGETS)})"
+    if scheme == "fp8":
+        if quant.act != "fp8_per_tensor":
+            return False, f"FP8 needs per-tensor activation scales (act='fp8_per_tensor'), not {quant.act!r}"
+        for name in ("w13_scale", "w2_scale"):
+            if getattr(quant, name).ndim > 1:
+                return False, (f"{name} is per channel; the runner's FP8 path takes per-tensor or "
+                               "per-expert weight scales")
+        if quant.a2_scale is None:
+            return False, ("FP8 needs a static a2_scale: the runner re-quantizes the activation "
+                           "output with it (calibrate one with calibrate_activation_scale)")
     ok, why = available(device)
     if not ok:
         return False, why
+    if scheme not in compiled_schemes():
+        return False, f"scheme {scheme!r} is not compiled into this build (JAX_MOE_FI_SCHEMES)"
     if cfg.expert_shard:
         return False, "expert-parallel shards (ids of -1) are not wired to the runner yet"
     if cfg.activation not in ACTIVATION_CODES:
         return False, f"activation {cfg.activation!r} is not wired up (have {sorted(ACTIVATION_CODES)})"
-    if cfg.hidden_size % ALIGN or cfg.intermediate_size % ALIGN:
-        return False, f"hidden and intermediate sizes must be multiples of {ALIGN}"
+    align = ALIGN[scheme]
+    if cfg.hidden_size % align or cfg.intermediate_size % align:
+        return False, f"hidden and intermediate sizes must be multiples of {align} for {scheme}"
     return True, "ok"
 
 
@@ -87,55 +131,115 @@ def _register():
     _state["registered"] = True
 
 
-def prepare_weights(w13, w2, activation: str = "silu", gate_up_layout: str = "concat"):
-    """vLLM-layout expert weights -> this backend's layout (run once, at load time).
+# ----------------------------------------------------------------------------- load time
 
-    ``w13 [E, 2I, H]`` holding ``[gate; up]`` (``gate_up_layout="concat"``) or alternating
-    gate/up rows (``"interleaved"``) becomes ``[up; gate]`` in bf16; ``w2 [E, H, I]`` is cast to
-    bf16. Not-gated activations (``relu2``: ``w13 [E, I, H]``) are only cast.
-    """
+
+def runner_row_order(w13, activation: str = "silu", gate_up_layout: str = "concat"):
+    """w13 [E, 2I, H] in vLLM's ``[gate; up]`` (``"concat"``) or alternating (``"interleaved"``)
+    rows -> ``[up; gate]``, any dtype. Not-gated activations (``relu2``, w13 [E, I, H]) unchanged."""
     w13 = jnp.asarray(w13)
-    if GATED.get(activation, True):
-        if gate_up_layout == "interleaved":
-            w13 = undo_reorder_rows_for_gated_act_gemm(w13)  # -> [gate; up]
-        elif gate_up_layout != "concat":
-            raise ValueError(f"unknown gate_up_layout {gate_up_layout!r}")
-        w13 = swap_w13_to_w31(w13)  # [gate; up] -> [up; gate]
+    if not GATED.get(activation, True):
+        return w13
+    if gate_up_layout == "interleaved":
+        w13 = undo_reorder_rows_for_gated_act_gemm(w13)  # -> [gate; up]
+    elif gate_up_layout != "concat":
+        raise ValueError(f"unknown gate_up_layout {gate_up_layout!r}")
+    return swap_w13_to_w31(w13)  # [gate; up] -> [up; gate]
+
+
+def prepare_weights(w13, w2, activation: str = "silu", gate_up_layout: str = "concat"):
+    """bf16 scheme: ``(w13 [E, 2I, H] bf16 as [up; gate], w2 [E, H, I] bf16)`` (see
+    :func:`runner_row_order`)."""
+    w13 = runner_row_order(w13, activation, gate_up_layout)
     return w13.astype(jnp.bfloat16), jnp.asarray(w2).astype(jnp.bfloat16)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Expert weights in the runner's layout, from :func:`prepare` (a pytree; jit-able).
+
+    w13 [E, 2I, H] (``[up; gate]``) and w2 [E, H, I]: bfloat16 (scheme ``bf16``) or
+    float8_e4m3fn (``fp8``). FP8 only (None otherwise), float32:
+    ``w13_scale [E]``; ``a13_scale []`` static input scale (None: dynamic per call);
+    ``g1_alphas [E] = w13_scale * a13_scale`` (None when a13_scale is dynamic);
+    ``a2_gscale [] = 1 / a2_scale``; ``g2_alphas [E] = w2_scale * a2_scale``.
+    """
+
+    w13: jax.Array
+    w2: jax.Array
+    w13_scale: jax.Array | None = None
+    a13_scale: jax.Array | None = None
+    g1_alphas: jax.Array | None = None
+    a2_gscale: jax.Array | None = None
+    g2_alphas: jax.Array | None = None
+    scheme: str = dataclasses.field(default="bf16", metadata=dict(static=True))
+    activation: str = dataclasses.field(default="silu", metadata=dict(static=True))
+
+
+def prepare(w13, w2, cfg, quant=None) -> Prepared:
+    """vLLM-layout expert weights (as ``fused_experts`` takes them) -> :class:`Prepared`, once,
+    at load time. ``cfg`` is the layer's :class:`jax_moe.config.MoEConfig`; ``quant`` None (bf16)
+    or an ``fp8`` :class:`jax_moe.QuantConfig` that :func:`supports` accepts."""
+    scheme = scheme_of(quant)
+    if scheme == "bf16":
+        w13p, w2p = prepare_weights(w13, w2, cfg.activation, cfg.gate_up_layout)
+        return Prepared(w13p, w2p, scheme="bf16", activation=cfg.activation)
+    if scheme != "fp8":
+        raise ValueError(f"{NAME}: scheme {scheme!r} is not built yet (have {sorted(TARGETS)})")
+    if quant.act != "fp8_per_tensor" or quant.a2_scale is None:
+        raise ValueError(f"{NAME}: FP8 needs act='fp8_per_tensor' and a static a2_scale")
+    e = jnp.shape(w13)[0]
+    w13_scale = jnp.broadcast_to(jnp.asarray(quant.w13_scale, jnp.float32), (e,))
+    w2_scale = jnp.broadcast_to(jnp.asarray(quant.w2_scale, jnp.float32), (e,))
+    a2 = jnp.max(jnp.asarray(quant.a2_scale, jnp.float32))  # one scale for all experts, as vLLM
+    a13 = None if quant.a13_scale is None else jnp.max(jnp.asarray(quant.a13_scale, jnp.float32))
+    g1, g2 = fp8_alpha_scales(w13_scale, 1.0 if a13 is None else a13, w2_scale, a2)
+    return Prepared(
+        w13=runner_row_order(w13, cfg.activation, cfg.gate_up_layout).astype(jnp.float8_e4m3fn),
+        w2=jnp.asarray(w2).astype(jnp.float8_e4m3fn),
+        w13_scale=w13_scale, a13_scale=a13, g1_alphas=None if a13 is None else g1,
+        a2_gscale=jnp.float32(1.0) / a2, g2_alphas=g2, scheme="fp8", activation=cfg.activation,
+    )
+
+
+# ----------------------------------------------------------------------------- per call
 
 
 @functools.lru_cache(maxsize=None)
 def workspace_size(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
-                   activation: str = "silu") -> int:
+                   activation: str = "silu", scheme: str = "bf16") -> int:
     """Bytes of scratch the custom call needs (asks the runner; needs a CUDA device)."""
     mod = _module()
     if mod is None:
         raise RuntimeError(_state["error"])
     return int(mod.workspace_size(num_tokens, hidden, inter, num_experts, top_k,
-                                  ACTIVATION_CODES[activation]))
+                                  ACTIVATION_CODES[activation], SCHEME_IDS[scheme]))
 
 
-def tactics(gemm_id: int):
+def tactics(gemm_id: int, scheme: str = "bf16"):
     """The runner's tactic list for GEMM 1 or 2: ``[(index, description, compiled)]``."""
     mod = _module()
     if mod is None:
         raise RuntimeError(_state["error"])
-    return list(mod.tactics(gemm_id))
+    return list(mod.tactics(gemm_id, SCHEME_IDS[scheme]))
 
 
-def apply_prepared(x, w13, w2, topk_weights, topk_ids, activation: str = "silu", *,
-                   gemm1_tactic: int = -1, gemm2_tactic: int = -1):
+def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tactic: int = -1,
+                   gemm2_tactic: int = -1):
     """``y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` on the FlashInfer
     CUTLASS runner.
 
-    x [T, H]; w13 [E, 2I, H] (or [E, I, H] for ``relu2``) **already in this backend's layout**
-    (:func:`prepare_weights`); w2 [E, H, I]; topk_weights [T, k] (float32); topk_ids [T, k]
-    (int32). Returns [T, H] bf16. ``gemm*_tactic`` index the runner's tactic lists
+    x [T, H] float; ``prepared`` from :func:`prepare`; topk_weights [T, k] float; topk_ids [T, k]
+    int32. Returns [T, H] bf16. ``gemm*_tactic`` index the runner's tactic lists
     (:func:`tactics`); -1 lets the handler pick (deterministic, cached per shape).
     """
+    activation, scheme = prepared.activation, prepared.scheme
     if activation not in ACTIVATION_CODES:
         raise ValueError(f"activation {activation!r} not supported by {NAME}")
-    _register()
+    if scheme not in TARGETS:
+        raise ValueError(f"prepared.scheme must be one of {sorted(TARGETS)}, got {scheme!r}")
+    w13, w2 = prepared.w13, prepared.w2
     t, h = x.shape
     e, n1, h2 = w13.shape
     e2, h3, i = w2.shape
@@ -146,21 +250,31 @@ def apply_prepared(x, w13, w2, topk_weights, topk_ids, activation: str = "silu",
                          f"(w13 must be [E, {'2I' if GATED[activation] else 'I'}, H])")
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != t:
         raise ValueError(f"topk_weights {topk_weights.shape} / topk_ids {topk_ids.shape} must be [T, k]")
-    ws = workspace_size(int(t), int(h), int(i), int(e), int(k), activation)
+    align = ALIGN[scheme]
+    if h % align or i % align:
+        raise ValueError(f"H={h} and I={i} must be multiples of {align} for scheme {scheme!r}")
+    _register()
+    ws = workspace_size(int(t), int(h), int(i), int(e), int(k), activation, scheme)
     call = jax.ffi.ffi_call(
-        TARGET,
+        TARGETS[scheme],
         (jax.ShapeDtypeStruct((t, h), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
     )
-    out, _ = call(
-        x.astype(jnp.bfloat16),
-        w13.astype(jnp.bfloat16),
-        w2.astype(jnp.bfloat16),
-        topk_ids.astype(jnp.int32),
-        topk_weights.astype(jnp.float32),
-        activation=np.int64(ACTIVATION_CODES[activation]),
-        gemm1_tactic=np.int64(gemm1_tactic),
-        gemm2_tactic=np.int64(gemm2_tactic),
-    )
+    attrs = dict(activation=np.int64(ACTIVATION_CODES[activation]),
+                 gemm1_tactic=np.int64(gemm1_tactic), gemm2_tactic=np.int64(gemm2_tactic))
+    ids, tw = topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)
+    if scheme == "bf16":
+        out, _ = call(x.astype(jnp.bfloat16), w13.astype(jnp.bfloat16), w2.astype(jnp.bfloat16),
+                      ids, tw, **attrs)
+        return out
+    xf = x.astype(jnp.float32)
+    if prepared.a13_scale is None:  # dynamic per-tensor scale over the tokens handed over
+        a13 = fp8.amax_to_scale(jnp.max(jnp.abs(xf)))
+        g1 = prepared.w13_scale * a13
+    else:
+        a13, g1 = prepared.a13_scale, prepared.g1_alphas
+    xq = fp8.quantize_fp8_static(xf, a13)
+    out, _ = call(xq, w13, w2, ids, tw, g1.astype(jnp.float32), prepared.a2_gscale,
+                  prepared.g2_alphas, **attrs)
     return out
 
 
@@ -169,11 +283,11 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     """The oracle's entry point (``fused_experts(..., backend="flashinfer_cutlass")``): w13/w2 in
     vLLM's layout, checked by ``fused_experts``.
 
-    This convenience path repacks w13 on every call (one extra pass over the weights); load the
-    weights once with :func:`prepare_weights` and call :func:`apply_prepared` for speed.
+    This convenience path repacks w13 on every call (one extra pass over the weights); prepare
+    the weights once (:func:`prepare`, or ``MoEBlock.prepare()``) and call :func:`apply_prepared`
+    for speed.
     """
-    if quant is not None or w13_bias is not None or w2_bias is not None or apply_router_weight_on_input:
-        raise ValueError(f"{NAME} serves unquantized weights without biases or router weight on input so far")
-    w13p, w2p = prepare_weights(w13, w2, cfg.activation, cfg.gate_up_layout)
-    out = apply_prepared(x, w13p, w2p, topk_weights, topk_ids, cfg.activation)
+    if w13_bias is not None or w2_bias is not None or apply_router_weight_on_input:
+        raise ValueError(f"{NAME} serves weights without biases or router weight on input so far")
+    out = apply_prepared(x, prepare(w13, w2, cfg, quant), topk_weights, topk_ids)
     return out.astype(x.dtype)
