@@ -75,7 +75,7 @@ namespace ffi = xla::ffi;
 namespace tk = tensorrt_llm::kernels::cutlass_kernels;
 namespace ce = tensorrt_llm::cutlass_extensions;
 
-// The runner classes are instantiated in the generated runner_<scheme>.cu files.
+// The runner classes are instantiated in the generated runner.cu.
 struct Bf16Scheme {
   static constexpr int kId = 0;
   static constexpr char const* kName = "bf16";
