@@ -261,21 +261,26 @@ def main(argv=None):
              f"measured {bw / 1e12:.2f} TB/s read+write, {peak / 1e12:.0f} TFLOP/s bf16 matmul")
     print("#", title)
     rows: list = []
-    names = None
+    here = os.path.dirname(__file__)
+    results = os.path.join(here, "RESULTS.md")
+    if args.write:  # the section first, then each model's table as soon as it is measured
+        with open(results, "a") as f:
+            f.write(f"\n## {title}\n\n{args.scheme} weights, times in ms (median), floor = max(bytes / measured "
+                    f"bandwidth, FLOPs / measured peak{' x2 (fp8)' if args.scheme == 'fp8' else ''}); ragged_dot "
+                    f"is bf16.\n")
     for key in args.models:
         m = MODELS[key]
         rows_before = len(rows)
         run_model(m, args.tokens, bw, peak, args.dense_limit_gb * 1e9, rows, args.scheme)
-        names = names or [n for n in rows[rows_before] if n not in ("model", "T", "floor")]
-    table = header(names) + "\n" + "\n".join(format_row(r, names) for r in rows)
-    print("\n" + title + "\n" + table)
+        names = [n for n in rows[rows_before] if n not in ("model", "T", "floor")] if len(rows) > rows_before else []
+        table = header(names) + "\n" + "\n".join(format_row(r, names) for r in rows[rows_before:])
+        if args.write:
+            with open(results, "a") as f:
+                f.write(f"\n{table}\n")
+    print("\n" + title)
     if args.write:
-        here = os.path.dirname(__file__)
-        with open(os.path.join(here, "RESULTS.md"), "a") as f:
-            f.write(f"\n## {title}\n\n{args.scheme} weights, times in ms (median), floor = max(bytes / measured "
-                    f"bandwidth, FLOPs / measured peak{' x2 (fp8)' if args.scheme == 'fp8' else ''}); ragged_dot "
-                    f"is bf16.\n\n{table}\n")
-        plot(rows, names, os.environ.get("JAX_MOE_PLOT", os.path.join(here, "roofline.png")))
+        plot(rows, sorted({n for r in rows for n in r if n not in ("model", "T", "floor")}),
+             os.environ.get("JAX_MOE_PLOT", os.path.join(here, "roofline.png")))
 
 
 if __name__ == "__main__":
