@@ -3,6 +3,8 @@
 # (bench/pack_flashinfer_src.sh; carried to the machine) for a source build, or JAX_MOE_FI_PREBUILT
 # pointing at a libjax_moe_fi.so built before. Steps (STEPS, default "build test bench"):
 #   build  pip install -e . with the FlashInfer module (timed; ninja -j$(nproc))
+#   relink the same install against the libjax_moe_fi.so just built, as a prebuilt library
+#          (JAX_MOE_FI_PREBUILT; timed, separate build dir), then the FlashInfer tests
 #   test   python -m jax_moe.info (bf16, fp8) and every GPU test (pytest -m gpu)
 #   bench  bench/moe_bench.py --write for each scheme in BENCH_SCHEMES (default "bf16 fp8"),
 #          with BENCH_ARGS, each under BENCH_TIMEOUT seconds
@@ -24,6 +26,17 @@ if [[ " $steps " == *" build "* ]]; then
     || { grep -E "error|FAILED" "$out/build.log" | head -30; tail -5 "$out/build.log"; exit 1; }
   echo "build (CPU + CUDA + FlashInfer modules, $(nproc) cores${JAX_MOE_FI_PREBUILT:+, prebuilt FlashInfer library}): $(( $(date +%s) - start )) s" | tee -a "$out/gpu.txt"
   grep -E "jax_moe: FlashInfer" "$out/build.log" | sed 's/^ *//' | tee -a "$out/gpu.txt"
+fi
+if [[ " $steps " == *" relink "* ]]; then
+  lib=$(find build -name libjax_moe_fi.so -not -path "*/prebuilt/*" | head -1)
+  cp "$lib" /tmp/libjax_moe_fi.so && ls -la /tmp/libjax_moe_fi.so | tee -a "$out/gpu.txt"
+  start=$(date +%s)
+  JAX_MOE_WITH_FLASHINFER=ON JAX_MOE_FI_PREBUILT=/tmp/libjax_moe_fi.so python3 -m pip install --no-build-isolation \
+    --no-deps -e . --config-settings=build-dir=build/prebuilt > "$out/relink.log" 2>&1 \
+    || { tail -30 "$out/relink.log"; exit 1; }
+  echo "install against the prebuilt libjax_moe_fi.so: $(( $(date +%s) - start )) s" | tee -a "$out/gpu.txt"
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_flashinfer_cutlass.py -k "matches or fp8_matches" 2>&1 \
+    | filter | tail -2 | tee -a "$out/gpu.txt"
 fi
 if [[ " $steps " == *" test "* ]]; then
   for s in bf16 fp8; do python3 -m jax_moe.info --scheme "$s" 2>&1 | filter; done | tee "$out/info.txt"

@@ -248,16 +248,23 @@ def main(argv=None):
                    choices=sorted(MODELS))
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 64, 1024, 4096, 16384] if on_gpu else [1, 16, 256])
     p.add_argument("--scheme", default="bf16", choices=sorted(SCHEMES), help="expert weight format")
+    p.add_argument("--tune", action="store_true",
+                   help="autotune the FlashInfer CUTLASS tactics of each shape before timing it (fresh cache)")
     p.add_argument("--dense-limit-gb", type=float, default=16.0, help="skip the dense reference above this many GB")
     p.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md and save a PNG plot")
     args = p.parse_args(argv)
 
+    if args.tune:
+        import tempfile
+
+        os.environ["JAX_MOE_FI_AUTOTUNE"] = "1"
+        os.environ["JAX_MOE_FI_TUNING_CACHE"] = os.path.join(tempfile.mkdtemp(), "tactics.json")
     dev = jax.devices()[0]
     bw, peak = measure_ceilings()
     commit = os.environ.get("JAX_MOE_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
     ).stdout.strip() or "unknown"
-    title = (f"{args.scheme}: {dev.device_kind} ({dev.platform}), {datetime.date.today()}, commit {commit}, jax {jax.__version__}; "
+    title = (f"{args.scheme}{' (tactics autotuned)' if args.tune else ''}: {dev.device_kind} ({dev.platform}), {datetime.date.today()}, commit {commit}, jax {jax.__version__}; "
              f"measured {bw / 1e12:.2f} TB/s read+write, {peak / 1e12:.0f} TFLOP/s bf16 matmul")
     print("#", title)
     rows: list = []

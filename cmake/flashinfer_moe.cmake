@@ -1,6 +1,14 @@
-# cmake/flashinfer_moe.cmake -- builds jax_moe._jax_moe_flashinfer: FlashInfer's CUTLASS fused-MoE
-# runner (TensorRT-LLM's CutlassMoeFCRunner) for SM90, BF16 activations x BF16 weights -> BF16
-# output, behind a thin XLA FFI handler (ffi/flashinfer_cutlass_moe.cu).
+# cmake/flashinfer_moe.cmake -- builds FlashInfer's CUTLASS fused-MoE runner (TensorRT-LLM's
+# CutlassMoeFCRunner) for SM90 behind thin XLA FFI handlers (ffi/flashinfer_cutlass_moe.cu), for the
+# quant schemes in JAX_MOE_FI_SCHEMES:
+#   bf16  BF16 activations x BF16 weights -> BF16
+#   fp8   FP8 E4M3 activations (per-tensor scale) x FP8 E4M3 weights (per-tensor/expert) -> BF16
+# Two artifacts, installed side by side in jax_moe/:
+#   libjax_moe_fi.so           kernels, runner, FFI handlers, host queries; no Python in it, so it
+#                              can be built once on any machine with nvcc and reused
+#                              (JAX_MOE_FI_PREBUILT=/path/libjax_moe_fi.so links it instead of
+#                              compiling anything of FlashInfer)
+#   _jax_moe_flashinfer        the nanobind glue (handler capsules, workspace/tactic queries)
 #
 # FlashInfer's sources are a build input and are never copied into this repository. They are found
 #   1. through -DFLASHINFER_SRC_DIR=... or the FLASHINFER_SRC_DIR environment variable, pointing at
@@ -10,31 +18,33 @@
 # warning and jax_moe.backends.flashinfer_cutlass.available() says why.
 #
 # ---------------------------------------------------------------------------------------------
-# What BF16 x BF16 -> BF16 on SM90 needs (paths below are relative to <flashinfer>/data/csrc)
+# What the build compiles (paths relative to <flashinfer>/data/csrc)
 # ---------------------------------------------------------------------------------------------
-# From FlashInfer, compiled as they are:
-#   nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_kernels_bf16_bf16.cu
-#       MoeGemmRunner<bf16,bf16,bf16>: tactic lists, the SM90 TMA dispatch, and the SM80-style
-#       grouped GEMMs it compiles inline (the slowest TU, ~4 min on one core).
+# From FlashInfer, as they are:
 #   nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_tma_warp_specialized_input.cu
 #       TmaWarpSpecializedGroupedGemmInput workspace/stride helpers.
 #   nv_internal/tensorrt_llm/kernels/cutlass_kernels/cutlass_heuristic.cpp  (candidate tactics)
 #   nv_internal/cpp/common/{envUtils,logger,stringUtils,tllmException}.cpp, memoryUtils.cu
 #       (TRT-LLM support code: env knobs, logger, TllmException, string formatting).
 # Generated here at configure time (into ${CMAKE_CURRENT_BINARY_DIR}/flashinfer_gen):
-#   runner_bf16.cu  -- `template class CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;` over
+#   runner.cu  -- `template class CutlassMoeFCRunner<...>;` for every scheme, over
 #       fused_moe/cutlass_backend/cutlass_fused_moe_kernels.cuh (routing/permute, activation,
-#       finalize kernels and the runner's host logic).
-#   sm90_bf16_*.cu  -- INSTANTIATE_TMA_WARP_SPECIALIZED_MOE_GEMM(Sm90, bf16, bf16, bf16, void,
-#       EpilogueOpDefault, FUSION, M, N, K=64, CM, CN, 1, false, false, false, SWAP_AB) from
-#       moe_gemm/launchers/moe_gemm_tma_ws_launcher.inl, one TU per (tile, cluster, fusion).
-#       The SM90 dispatcher (moe_gemm_template_dispatch_tma_ws.h) can reach exactly 72 of these:
-#         tiles (M x N, K = 128 bytes = 64 bf16): 128x16 128x32 128x64 128x128 128x256 256x128
+#       finalize kernels and the runner's host logic). One TU: that header also defines plain
+#       functions. bf16: <bf16, bf16>; fp8: <fp8, fp8, bf16 out, fp8 in, bf16 backbone> (the input
+#       arrives quantized, as in FlashInfer's binding).
+#   gemm_runner_<scheme>.cu -- `template class MoeGemmRunner<T, W, bf16>;` over
+#       moe_gemm/moe_gemm_template_dispatch.h: tactic lists, the SM90 TMA dispatch, and the
+#       SM80/SM89-style grouped GEMMs it compiles inline (the slowest TUs, ~4 min on one core).
+#   sm90_<scheme>_moe_gemm_*.cu -- INSTANTIATE_TMA_WARP_SPECIALIZED_MOE_GEMM(Sm90, T, W, bf16, void,
+#       EpilogueOpDefault, FUSION, M, N, K, CM, CN, 1, false, false, false, SWAP_AB) from
+#       moe_gemm/launchers/moe_gemm_tma_ws_launcher.inl, grouped ~2 per TU. K is 128 bytes (64
+#       bf16, 128 fp8). The SM90 dispatcher (moe_gemm_template_dispatch_tma_ws.h) can reach 72 per
+#       scheme:
+#         tiles (M x N): 128x16 128x32 128x64 128x128 128x256 256x128
 #         clusters: 1x1x1, 2x1x1 always; 1x2x1 and 2x2x1 only when N >= 128
 #         fusion: NONE, FINALIZE (fused top-k reduce in GEMM2's epilogue); swap_ab: false, true
-#       -- the same 72 lines FlashInfer's generator (jit/gemm/cutlass/generate_kernels.py, "90")
-#       writes for bf16 into gemm_grouped_sm90_M128_group7..13 and _M256_group2..3.
-#       Which of them are compiled is chosen with the cache variables below; the others get
+#       -- the lines FlashInfer's generator (jit/gemm/cutlass/generate_kernels.py, "90") writes for
+#       these types. Which are compiled is chosen with the cache variables below; the others get
 #       throwing stubs (stubs.cu) so the library still links, and the handler only ever selects
 #       compiled tactics (it reads the generated jax_moe_fi_kernels.h).
 #   stubs.cu -- the throwing stubs above, throwing stubs for the 30 bf16
@@ -42,9 +52,10 @@
 #       tactics; not used on SM90 unless JAX_MOE_FI_SM80_FUSED=ON), and a throwing
 #       tensorrt_llm::kernels::Lora_run (LoRA is not used; this avoids lora.cpp and cuBLAS
 #       linkage -- cuBLAS *headers* are still needed because cudaUtils.h includes them).
-# Not needed for BF16: FlashInfer's TVM-FFI binding, deepgemm_jit_setup.cu, fp8_blockscale_gemm.cu
-#   (and so no -lnvrtc), moe_gemm_mixed_utils.cu, preQuantScaleKernel.cu, lora.cpp, the other
-#   13 moe_gemm_kernels_<act>_<weight>.cu files, and the 148 non-bf16 / plain-GEMM generated files.
+# Not needed: FlashInfer's TVM-FFI binding, deepgemm_jit_setup.cu, fp8_blockscale_gemm.cu (and so
+#   no -lnvrtc), moe_gemm_mixed_utils.cu, preQuantScaleKernel.cu, lora.cpp, FlashInfer's
+#   moe_gemm_kernels_<act>_<weight>.cu files (they instantiate output types we do not use), and the
+#   generated files of other types and of plain GEMMs.
 #
 # Include directories: nv_internal, nv_internal/include, nv_internal/tensorrt_llm/cutlass_extensions/
 #   include, nv_internal/tensorrt_llm/kernels/cutlass_kernels{,/include}, fused_moe/cutlass_backend,
@@ -56,21 +67,21 @@
 #   -DCOMPILE_HOPPER_TMA_GEMMS -DCOMPILE_HOPPER_TMA_GROUPED_GEMMS -DENABLE_BF16 -DENABLE_FP8
 #   -DENABLE_FP4 -DUSING_OSS_CUTLASS_MOE_GEMM -DCUTLASS_ENABLE_GDC_FOR_SM90=1
 #   -DFLASHINFER_ENABLE_FP8_E8M0 -DFLASHINFER_ENABLE_FP4_E2M1
-#   ENABLE_FP8/ENABLE_FP4 stay on although unused: they change the layout of QuantParams and of
-#   the runner class, so every TU (our handler included) must see the same set.
+#   ENABLE_FP8/ENABLE_FP4 change the layout of QuantParams and of the runner class, so every TU
+#   (our handler included) must see the same set.
 #
-# Cache variables (all TUs are ~1 min each on one core; choose fewer tactics for faster builds):
+# Cache variables (each generated TU is ~1-2 min on one core; fewer tactics build faster):
+#   JAX_MOE_FI_SCHEMES        quant schemes: bf16;fp8                            (default both)
 #   JAX_MOE_FI_SM90_TILES     "all" or a list of MxN from the tile list above  (default all)
 #   JAX_MOE_FI_SM90_CLUSTERS  "all" or a list of 1x1x1;2x1x1;1x2x1;2x2x1     (default 1x1x1)
 #   JAX_MOE_FI_SM90_SWAP_AB   compile swap_ab variants (small-token tactics)  (default ON)
 #   JAX_MOE_FI_SM90_FINALIZE  compile FINALIZE-fused GEMM2 variants           (default ON)
 #   JAX_MOE_FI_SM80_FUSED     compile the SM80 fused gated GEMM launchers     (default OFF)
-#   JAX_MOE_FI_INSTS_PER_TU   instantiations per generated TU (auto: ~12 TUs) (default auto)
+#   JAX_MOE_FI_INSTS_PER_TU   instantiations per generated TU (auto: ~12 TUs per scheme)
+#   JAX_MOE_FI_PREBUILT       a libjax_moe_fi.so to link instead of compiling  (default none)
+#   JAX_MOE_FI_NOSTRIP        keep symbols in libjax_moe_fi.so                 (default OFF)
 #
-# Measured (defaults: 24 kernels in 12 TUs, ninja -j16, cold build dir, 2026-11-22):
-#   H100 box, 16 cores: 220 s wall; H200 box, 32 cores: 145 s wall (sum of TU times 2140 / 1480 s).
-#   Critical path = moe_gemm_kernels_bf16_bf16.cu (219 / 145 s); each generated 2-kernel TU
-#   100-155 s; runner_bf16.cu 88-128 s; the handler TU 40-60 s.
+# Measured build times: README.md ("FlashInfer CUTLASS build").
 # ---------------------------------------------------------------------------------------------
 
 include_guard(GLOBAL)
@@ -85,7 +96,7 @@ set(JAX_MOE_FI_INSTS_PER_TU "auto" CACHE STRING "MoE GEMM instantiations per gen
 
 set(JAX_MOE_FI_SCHEMES "bf16;fp8" CACHE STRING "Quant schemes to build the runner for (bf16, fp8)")
 option(JAX_MOE_FI_NOSTRIP "Keep symbols in libjax_moe_fi.so (debugging)" OFF)
-set(JAX_MOE_FI_PREBUILT "$ENV{JAX_MOE_FI_PREBUILT}" CACHE FILEPATH
+set(JAX_MOE_FI_PREBUILT "" CACHE FILEPATH
     "A libjax_moe_fi.so built before (same FlashInfer, schemes and options): link it, compile nothing of FlashInfer")
 
 # The nanobind module jax_moe._jax_moe_flashinfer: only the Python glue (handler capsules, host

@@ -316,3 +316,24 @@ def test_under_command_buffers():
                XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_autotuned_tactics_are_compiled_cached_and_correct(rng, tmp_path, monkeypatch):
+    """JAX_MOE_FI_AUTOTUNE=1 tunes a shape at trace time (under jit), writes the choice to the
+    cache file, and the tuned call still matches the reference."""
+    _skip_unless_available()
+    from jax_moe.backends import flashinfer_tuning as tuning
+
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path / "tactics.json"))
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "1")
+    t, e, k, h, i = 300, 16, 4, 1024, 512
+    x, w13, w2, tw, ids = _problem(rng, t, e, k, h, i)
+    prep = fic.prepare(w13, w2, _cfg(e, k, h, i))
+    out = jax.jit(fic.apply_prepared)(x, prep, tw, ids)
+    assert _rel_err(out, _reference(x, w13, w2, tw, ids)) < REL_TOL
+    pick = tuning.cached("bf16", "silu", t, h, i, e, k)
+    assert pick is not None and (tmp_path / "tactics.json").exists()
+    compiled1 = {idx for idx, _, ok in fic.tactics(1) if ok}
+    compiled2 = {idx for idx, _, ok in fic.tactics(2) if ok}
+    assert pick[0] in compiled1 and pick[1] in compiled2

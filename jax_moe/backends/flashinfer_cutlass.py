@@ -232,7 +232,9 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
 
     x [T, H] float; ``prepared`` from :func:`prepare`; topk_weights [T, k] float; topk_ids [T, k]
     int32. Returns [T, H] bf16. ``gemm*_tactic`` index the runner's tactic lists
-    (:func:`tactics`); -1 lets the handler pick (deterministic, cached per shape).
+    (:func:`tactics`); with both at -1, a tuned pair for this shape is used if one is cached
+    (:mod:`jax_moe.backends.flashinfer_tuning`, ``JAX_MOE_FI_AUTOTUNE=1`` tunes missing shapes),
+    else the handler's built-in rule.
     """
     activation, scheme = prepared.activation, prepared.scheme
     if activation not in ACTIVATION_CODES:
@@ -259,6 +261,10 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
         TARGETS[scheme],
         (jax.ShapeDtypeStruct((t, h), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
     )
+    if gemm1_tactic == -1 and gemm2_tactic == -1:  # a tuned pair for this shape, if any
+        from jax_moe.backends import flashinfer_tuning
+
+        gemm1_tactic, gemm2_tactic = flashinfer_tuning.choice(prepared, int(t), int(k))
     attrs = dict(activation=np.int64(ACTIVATION_CODES[activation]),
                  gemm1_tactic=np.int64(gemm1_tactic), gemm2_tactic=np.int64(gemm2_tactic))
     ids, tw = topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)
