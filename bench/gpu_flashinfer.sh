@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # GPU run with the FlashInfer CUTLASS MoE built in. Needs either .fi/fi_src.tar.xz
 # (bench/pack_flashinfer_src.sh; carried to the machine) for a source build, or JAX_MOE_FI_PREBUILT
-# pointing at a libjax_moe_fi.so built before. Steps (STEPS, default "build test bench"):
+# pointing at a libjax_moe_fi.so built before (or JAX_MOE_FI_PREBUILT_XZ at an xz-packed one, as
+# the pack step writes it). Steps (STEPS, default "build test bench"):
 #   build  pip install -e . with the FlashInfer module (timed; ninja -j$(nproc))
+#   pack   xz the built libjax_moe_fi.so into $OUT (carry it back in as JAX_MOE_FI_PREBUILT_XZ to
+#          skip the kernel build on a fresh machine, e.g. a multi-GPU one)
 #   relink the same install against the libjax_moe_fi.so just built, as a prebuilt library
 #          (JAX_MOE_FI_PREBUILT; timed, separate build dir), then the FlashInfer tests
 #   test   python -m jax_moe.info (bf16, fp8) and every GPU test (pytest -m gpu)
@@ -13,7 +16,10 @@ set -uo pipefail
 out="${OUT:-/tmp/jax_moe_gpu}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 steps="${STEPS:-build test bench}"
-filter() { grep -v "^[WIE][0-9]\{4\}"; }
+filter() { grep --line-buffered -v "^[WIE][0-9]\{4\}"; }
+if [ -n "${JAX_MOE_FI_PREBUILT_XZ:-}" ]; then
+  xz -dc "$JAX_MOE_FI_PREBUILT_XZ" > /tmp/libjax_moe_fi.so && export JAX_MOE_FI_PREBUILT=/tmp/libjax_moe_fi.so
+fi
 if [[ " $steps " == *" build "* ]]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
   export JAX_MOE_WITH_FLASHINFER=ON CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
@@ -26,6 +32,10 @@ if [[ " $steps " == *" build "* ]]; then
     || { grep -E "error|FAILED" "$out/build.log" | head -30; tail -5 "$out/build.log"; exit 1; }
   echo "build (CPU + CUDA + FlashInfer modules, $(nproc) cores${JAX_MOE_FI_PREBUILT:+, prebuilt FlashInfer library}): $(( $(date +%s) - start )) s" | tee -a "$out/gpu.txt"
   grep -E "jax_moe: FlashInfer" "$out/build.log" | sed 's/^ *//' | tee -a "$out/gpu.txt"
+fi
+if [[ " $steps " == *" pack "* ]]; then
+  lib=$(find build -name libjax_moe_fi.so -not -path "*/prebuilt/*" | head -1)
+  xz -T0 -6 -c "$lib" > "$out/libjax_moe_fi.so.xz" && ls -la "$out/libjax_moe_fi.so.xz" | tee -a "$out/gpu.txt"
 fi
 if [[ " $steps " == *" relink "* ]]; then
   lib=$(find build -name libjax_moe_fi.so -not -path "*/prebuilt/*" | head -1)

@@ -18,6 +18,11 @@
 //   w2           [E, H, I]     F
 //   topk_ids     [T, k]        int32  expert ids in [0, E)
 //   topk_weights [T, k]        float32
+//   w13_bias     [E, 2I] or [0]  bf16  GEMM1 bias in w13's row order ([0]: none)
+//   w2_bias      [E, H] or [0]   bf16  GEMM2 bias, added before the router weight ([0]: none)
+//   swiglu       [3, E] or [0]   float32  per-expert (alpha, beta, limit) of SwigluBias:
+//                                    min(g, limit) * sigmoid(alpha * min(g, limit)) *
+//                                    (clamp(u, -limit, limit) + beta); [0] for other activations
 //   fp8 only:
 //   g1_alphas    [E]           float32  w13_scale[e] * a13_scale: dequantizes GEMM1's accumulator
 //   a2_gscale    [] or [E]     float32  1 / a2_scale: quantizes the activation output to FP8
@@ -26,7 +31,7 @@
 //   out          [T, H]        bf16   sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])
 //   workspace    [W]           uint8  W = WorkspaceSize(T, H, I, E, k, activation, scheme)
 // Attributes:
-//   activation    int64  TRT-LLM ActivationType (Gelu 0, Relu 1, Silu 2, Swiglu 3, Geglu 4, ...)
+//   activation    int64  TRT-LLM ActivationType (Swiglu 3, Geglu 4, SwigluBias 5, Relu2 6, ...)
 //   gemm1_tactic  int64  index into the runner's GEMM1 tactic list, -1 = built-in choice
 //   gemm2_tactic  int64  index into the runner's GEMM2 tactic list, -1 = built-in choice
 //
@@ -290,8 +295,9 @@ bool IsSupportedActivation(int64_t a) {
     case A::Geglu:
     case A::Relu2:
     case A::Identity:
+    case A::SwigluBias:  // with the swiglu operand
       return true;
-    default:  // the others need per-expert parameters this handler does not take (yet)
+    default:  // the others need per-expert parameters this handler does not take
       return false;
   }
 }
@@ -318,7 +324,8 @@ std::string DescribeTactic(int scheme, Config const& c) {
 template <typename S>
 ffi::Error RunMoe(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w13,
                   ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> topk_ids,
-                  ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out,
+                  ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer w13_bias, ffi::AnyBuffer w2_bias,
+                  ffi::Buffer<ffi::F32> swiglu, ffi::Result<ffi::AnyBuffer> out,
                   ffi::ResultBuffer<ffi::U8> workspace, int64_t activation, int64_t gemm1_tactic,
                   int64_t gemm2_tactic, tk::QuantParams const& quant, int64_t align) {
   auto bad = [](std::string const& m) {
@@ -349,6 +356,23 @@ ffi::Error RunMoe(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::An
   if (od[0] != t || od[1] != h) return bad("out must be [T, H]");
   if (h % align != 0 || i % align != 0)
     return bad("H and I must be multiples of " + std::to_string(align) + " (TMA alignment)");
+  // Optional operands: an empty buffer means "none".
+  auto present = [](ffi::AnyBuffer const& b) { return b.element_count() > 0; };
+  auto is_2d = [](ffi::AnyBuffer const& b, int64_t d0, int64_t d1) {
+    auto d = b.dimensions();
+    return d.size() == 2 && d[0] == d0 && d[1] == d1;
+  };
+  bool const has_b13 = present(w13_bias), has_b2 = present(w2_bias);
+  if (has_b13 && (!is_2d(w13_bias, e, n1) || w13_bias.element_type() != ffi::DataType::BF16))
+    return bad("w13_bias must be [E, " + std::string(IsGated(act) ? "2I" : "I") + "] bfloat16 or empty");
+  if (has_b2 && (!is_2d(w2_bias, e, h) || w2_bias.element_type() != ffi::DataType::BF16))
+    return bad("w2_bias must be [E, H] bfloat16 or empty");
+  bool const is_swiglu_bias = act == tk::ActivationType::SwigluBias;
+  auto sd = swiglu.dimensions();
+  if (is_swiglu_bias && !(sd.size() == 2 && sd[0] == 3 && sd[1] == e))
+    return bad("SwigluBias needs swiglu [3, E] float32 (alpha, beta, limit per expert)");
+  if (!is_swiglu_bias && swiglu.element_count() != 0)
+    return bad("swiglu parameters are only taken with the SwigluBias activation");
   if (t == 0) return ffi::Error::Success();
 
   try {
@@ -370,13 +394,16 @@ ffi::Error RunMoe(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::An
     auto const [g1, g2] = ChooseTactics(st, key, gemm1_tactic, gemm2_tactic);
     r.setTactic(st.gemm1[g1], st.gemm2[g2]);
 
-    tk::ActivationParams act_params(act);
+    float const* sw = swiglu.typed_data();
+    tk::ActivationParams act_params =
+        is_swiglu_bias ? tk::ActivationParams(act, sw, sw + e, sw + 2 * e)
+                       : tk::ActivationParams(act);
     ::tensorrt_llm::kernels::LoraParams lora{};
     tk::MoeMinLatencyParams min_latency{};
     r.runMoe(x.untyped_data(), /*input_sf=*/nullptr, /*swizzled_input_sf=*/false,
              topk_ids.typed_data(), topk_weights.typed_data(), w13.untyped_data(),
-             /*fc1_expert_biases=*/nullptr, act_params, w2.untyped_data(),
-             /*fc2_expert_biases=*/nullptr, quant, t, h, /*unpadded_hidden_size=*/h, i,
+             has_b13 ? w13_bias.untyped_data() : nullptr, act_params, w2.untyped_data(),
+             has_b2 ? w2_bias.untyped_data() : nullptr, quant, t, h, /*unpadded_hidden_size=*/h, i,
              static_cast<int>(e), static_cast<int>(k), ws, out->untyped_data(),
              reinterpret_cast<int*>(ws + AlignUp(moe_ws)), tk::MOEParallelismConfig{},
              /*enable_alltoall=*/false, /*use_lora=*/false, lora,
@@ -401,14 +428,16 @@ ffi::Error NotCompiled(char const* scheme) {
 
 ffi::Error Bf16Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w13,
                     ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> topk_ids,
-                    ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out,
-                    ffi::ResultBuffer<ffi::U8> workspace, int64_t activation,
-                    int64_t gemm1_tactic, int64_t gemm2_tactic) {
+                    ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer w13_bias,
+                    ffi::AnyBuffer w2_bias, ffi::Buffer<ffi::F32> swiglu,
+                    ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::U8> workspace,
+                    int64_t activation, int64_t gemm1_tactic, int64_t gemm2_tactic) {
 #if JAX_MOE_FI_WITH_BF16
   for (auto dt : {x.element_type(), w13.element_type(), w2.element_type(), out->element_type()})
     if (dt != ffi::DataType::BF16)
       return ffi::Error::InvalidArgument("jax_moe flashinfer_cutlass_moe (bf16): x, w13, w2 and out must be bfloat16");
-  return RunMoe<Bf16Scheme>(stream, device, x, w13, w2, topk_ids, topk_weights, out, workspace,
+  return RunMoe<Bf16Scheme>(stream, device, x, w13, w2, topk_ids, topk_weights, w13_bias, w2_bias,
+                            swiglu, out, workspace,
                             activation, gemm1_tactic, gemm2_tactic, tk::QuantParams{}, 8);
 #else
   return NotCompiled("bf16");
@@ -419,6 +448,7 @@ ffi::Error Fp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::A
                    ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> topk_ids,
                    ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::F32> g1_alphas,
                    ffi::Buffer<ffi::F32> a2_gscale, ffi::Buffer<ffi::F32> g2_alphas,
+                   ffi::AnyBuffer w13_bias, ffi::AnyBuffer w2_bias, ffi::Buffer<ffi::F32> swiglu,
                    ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::U8> workspace,
                    int64_t activation, int64_t gemm1_tactic, int64_t gemm2_tactic) {
 #if JAX_MOE_FI_WITH_FP8
@@ -440,7 +470,8 @@ ffi::Error Fp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::A
   auto const quant = tk::QuantParams::FP8(g1_alphas.typed_data(), a2_gscale.typed_data(),
                                           g2_alphas.typed_data(), /*quant_final=*/nullptr,
                                           /*dequant_input=*/nullptr, per_expert_a2);
-  return RunMoe<Fp8Scheme>(stream, device, x, w13, w2, topk_ids, topk_weights, out, workspace,
+  return RunMoe<Fp8Scheme>(stream, device, x, w13, w2, topk_ids, topk_weights, w13_bias, w2_bias,
+                           swiglu, out, workspace,
                            activation, gemm1_tactic, gemm2_tactic, quant, 16);
 #else
   return NotCompiled("fp8");
@@ -546,6 +577,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFlashinferCutlassMoe, jax_moe_fi::Bf16Impl,
                                   .Arg<ffi::AnyBuffer>()          // w2
                                   .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
+                                  .Arg<ffi::AnyBuffer>()          // w13_bias [E,2I] or [0]
+                                  .Arg<ffi::AnyBuffer>()          // w2_bias [E,H] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // swiglu [3,E] or [0]
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::U8>>()    // workspace
                                   .Attr<int64_t>("activation")
@@ -565,6 +599,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFlashinferCutlassMoeFp8, jax_moe_fi::Fp8Impl
                                   .Arg<ffi::Buffer<ffi::F32>>()   // g1_alphas [E]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // a2_gscale [] or [E]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // g2_alphas [E]
+                                  .Arg<ffi::AnyBuffer>()          // w13_bias [E,2I] or [0]
+                                  .Arg<ffi::AnyBuffer>()          // w2_bias [E,H] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // swiglu [3,E] or [0]
                                   .Ret<ffi::AnyBuffer>()          // out (bf16)
                                   .Ret<ffi::Buffer<ffi::U8>>()    // workspace
                                   .Attr<int64_t>("activation")

@@ -152,15 +152,20 @@ class MoEBlock(nnx.Module):
         forced = backend or self.backend
         sel = oracle.select_backend(self.config, quant, backend=forced, device=device, prepared=True)
         has_bias = self.w13_bias is not None or self.w2_bias is not None
-        if not hasattr(sel.module, "prepare") or (has_bias and forced is None):
+        takes_bias = getattr(sel.module, "PREPARE_TAKES_BIASES", False)
+        if not hasattr(sel.module, "prepare") or (has_bias and not takes_bias and forced is None):
             self.prepared_backend = "xla" if has_bias and forced is None else sel.name
             return self.prepared_backend
-        if has_bias:
+        if has_bias and not takes_bias:
             raise ValueError(f"backend {sel.name!r} does not take expert biases (w13_bias/w2_bias) yet")
+        biases = {}
+        if has_bias:
+            biases = dict(w13_bias=None if self.w13_bias is None else self.w13_bias.get_value(),
+                          w2_bias=None if self.w2_bias is None else self.w2_bias.get_value())
         self.prepared = PreparedWeight(sel.module.prepare(self.w13.get_value(), self.w2.get_value(),
-                                                          self.config, quant))
+                                                          self.config, quant, **biases))
         self.prepared_backend = sel.name
-        self.w13 = self.w2 = None
+        self.w13 = self.w2 = self.w13_bias = self.w2_bias = None
         return sel.name
 
     def __call__(self, x: jax.Array) -> jax.Array:

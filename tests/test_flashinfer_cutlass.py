@@ -154,6 +154,107 @@ def test_fused_experts_forced_backend_equals_xla(rng, t, e, k):
     np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
 
 
+# ------------------------------------------------------- GPT-OSS activation, biases, EP, Llama4
+
+
+def test_prepare_biases_follow_w13_rows_and_carry_swiglu_parameters(rng):
+    """Written from the layout: the runner's GEMM1 rows are [up_0..up_{I-1}; gate_0..gate_{I-1}];
+    GPT-OSS stores gate_j at row 2j and up_j at row 2j+1 (weights and biases alike). The
+    SwigluBias parameters are (alpha, beta = 1, limit) for every expert."""
+    e, i, h = 3, 8, 16
+    cfg = MoEConfig(e, 2, h, i, "swigluoai", "interleaved", swiglu_alpha=1.5, swiglu_limit=6.0)
+    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)), jnp.bfloat16)
+    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)), jnp.float32)
+    b2 = jnp.asarray(rng.standard_normal((e, h)), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)), jnp.bfloat16)
+    prep = fic.prepare(w13, w2, cfg, w13_bias=b13, w2_bias=b2)
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    np.testing.assert_array_equal(f32(prep.w13[:, :i]), f32(w13[:, 1::2]))  # up
+    np.testing.assert_array_equal(f32(prep.w13[:, i:]), f32(w13[:, 0::2]))  # gate
+    assert prep.w13_bias.dtype == jnp.bfloat16 and prep.w2_bias.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(f32(prep.w13_bias[:, :i]), f32(b13[:, 1::2].astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(f32(prep.w13_bias[:, i:]), f32(b13[:, 0::2].astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(f32(prep.w2_bias), f32(b2.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(prep.swiglu), np.array([[1.5] * e, [1.0] * e, [6.0] * e], np.float32))
+    assert fic.prepare(w13, w2, MoEConfig(e, 2, h, i)).swiglu is None  # only for swigluoai
+
+
+def _gpt_oss_problem(rng, t, e, k, h, i, scheme):
+    """GPT-OSS-like layer: interleaved gate/up rows, biases on both GEMMs, pre-activations large
+    enough that swigluoai's clamps (limit 7) bite. FP8: per-expert weight scales, static
+    activation scales calibrated on the float layer."""
+    from jax_moe.activations import activate
+
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    w13 = jnp.asarray(4 * rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
+    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)), jnp.bfloat16).astype(jnp.float32)
+    b2 = jnp.asarray(0.3 * rng.standard_normal((e, h)), jnp.bfloat16).astype(jnp.float32)
+    tw, ids = _routing(rng, t, e, k)
+    cfg = MoEConfig(e, k, h, i, "swigluoai", "interleaved")
+    kw = dict(activation="swigluoai", gate_up_layout="interleaved", w13_bias=b13, w2_bias=b2)
+    if scheme == "bf16":
+        return x, w13, w2, tw, ids, kw
+    h1 = jnp.einsum("th,enh->ten", x.astype(jnp.float32), w13.astype(jnp.float32)) + b13[None]
+    a13 = calibrate_activation_scale("fp8_per_tensor", x)
+    a2 = calibrate_activation_scale("fp8_per_tensor", activate(h1, cfg))
+    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=a2)
+    return x, q13, q2, tw, ids, dict(kw, quant=quant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("t,e,k", [(1, 128, 4), (37, 8, 2), (300, 32, 4)])
+def test_gpt_oss_swigluoai_with_biases_matches_xla(rng, scheme, t, e, k):
+    """swigluoai (SwigluBias: alpha 1.702, beta 1, limit 7) with interleaved rows and both
+    biases, through fused_experts under jit, twice, against backend="xla" on the same weights."""
+    _skip_unless_available()
+    if scheme not in fic.compiled_schemes():
+        pytest.skip(f"{scheme} not compiled into this build")
+    from jax_moe import fused_experts
+
+    x, w13, w2, tw, ids, kw = _gpt_oss_problem(rng, t, e, k, 1024, 512, scheme)
+    f = jax.jit(lambda *a: fused_experts(*a, backend="flashinfer_cutlass", **kw))
+    out1, out2 = f(x, w13, w2, tw, ids), f(x, w13, w2, tw, ids)
+    ref = fused_experts(x, w13, w2, tw, ids, backend="xla", **kw)
+    assert np.isfinite(np.asarray(out1, np.float32)).all()
+    assert _rel_err(out1, ref) < (REL_TOL if scheme == "bf16" else FP8_REL_TOL)
+    np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
+
+
+@pytest.mark.gpu
+def test_router_weight_on_input_top1(rng):
+    """Llama4's top-1: expert(w * x) instead of w * expert(x) (different for a non-linear expert)."""
+    _skip_unless_available()
+    from jax_moe import fused_experts
+
+    t, e, h, i = 37, 8, 1024, 512
+    x, w13, w2, _, ids = _problem(rng, t, e, 1, h, i)
+    tw = jnp.asarray(rng.random((t, 1)) * 2 + 0.2, jnp.float32)  # not renormalized to 1
+    f = jax.jit(lambda *a: fused_experts(*a, apply_router_weight_on_input=True, backend="flashinfer_cutlass"))
+    out = f(x, w13, w2, tw, ids)
+    ref = fused_experts(x, w13, w2, tw, ids, apply_router_weight_on_input=True, backend="xla")
+    other = fused_experts(x, w13, w2, tw, ids, backend="xla")
+    assert _rel_err(out, ref) < REL_TOL
+    assert _rel_err(other, ref) > 10 * REL_TOL  # the test can tell the two apart
+
+
+@pytest.mark.gpu
+def test_slots_of_experts_owned_elsewhere_are_skipped(rng):
+    """An expert-parallel shard: this device owns experts [0, 8) of 16; slots naming the others
+    come as -1 and add nothing; tokens with no local expert get exactly zero."""
+    _skip_unless_available()
+    t, e, k, h, i = 64, 16, 4, 1024, 512
+    x, w13, w2, tw, ids = _problem(rng, t, e, k, h, i)
+    ids = ids.at[:3].set(jnp.arange(8, 8 + k, dtype=jnp.int32))  # three tokens with none local
+    local = jnp.where(ids < 8, ids, -1)
+    prep = fic.prepare(w13[:8], w2[:8], MoEConfig(8, k, h, i, expert_shard=True))
+    out = np.asarray(jax.jit(fic.apply_prepared)(x, prep, tw, local), np.float32)
+    ref = _reference(x, w13, w2, jnp.where(ids < 8, tw, 0.0), jnp.where(ids < 8, ids, 0))
+    assert np.isfinite(out).all() and (out[:3] == 0).all()
+    assert _rel_err(out, ref) < REL_TOL
+
+
 # ----------------------------------------------------------------------------- FP8 per-tensor
 
 

@@ -21,9 +21,18 @@ def gpus():
 
 
 @pytest.mark.skipif(len(gpus()) < 2, reason="needs at least 2 GPUs")
+@pytest.mark.parametrize("backend", ["xla", "flashinfer_cutlass"])
 @pytest.mark.parametrize("strategy,ragged", [("naive", None), ("all_to_all", True), ("all_to_all", False)])
 @pytest.mark.parametrize("t_local", [1, 100])
-def test_expert_parallel_on_gpus_equals_one_gpu(rng, strategy, ragged, t_local):
+def test_expert_parallel_on_gpus_equals_one_gpu(rng, strategy, ragged, t_local, backend):
+    """Each device runs its own experts (ids of other devices' experts are -1 there) with
+    ``backend``; the sum over devices equals one GPU's xla result."""
+    if backend == "flashinfer_cutlass":
+        from jax_moe.backends import flashinfer_cutlass as fic
+
+        ok, why = fic.available()
+        if not ok:
+            pytest.skip(why)
     devs = gpus()
     mesh = Mesh(np.array(devs), ("ep",))
     e, k, h, i = 64, 8, 512, 256
@@ -36,7 +45,7 @@ def test_expert_parallel_on_gpus_equals_one_gpu(rng, strategy, ragged, t_local):
     pcfg = ParallelConfig(mesh, ep_axis="ep", strategy=strategy, ragged=ragged)
     p = shard_weights(w13, w2, pcfg)
     tok = NamedSharding(mesh, P("ep"))
-    out = jax.jit(lambda x, w, ids: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg))(
+    out = jax.jit(lambda x, w, ids: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, backend=backend))(
         jax.device_put(x, tok), jax.device_put(w, tok), jax.device_put(ids, tok))
     got = np.asarray(out, np.float64)
     assert np.isfinite(got).all()

@@ -216,6 +216,42 @@ def test_prepare_repacks_once_and_calls_stay_equal(rng, monkeypatch):
         block.prepare()
 
 
+def test_prepare_hands_expert_biases_to_backends_that_take_them(rng, monkeypatch):
+    import sys
+    import types
+
+    from jax_moe import oracle
+
+    seen = {}
+
+    def prepare(w13, w2, cfg, quant=None, *, w13_bias=None, w2_bias=None):
+        seen.update(w13_bias=w13_bias, w2_bias=w2_bias)
+        return {"w13": w13, "w2": w2, "b13": w13_bias, "b2": w2_bias}
+
+    def apply_prepared(x, p, topk_weights, topk_ids):
+        from jax_moe import fused_experts
+
+        return fused_experts(x, p["w13"], p["w2"], topk_weights, topk_ids, w13_bias=p["b13"],
+                             w2_bias=p["b2"], backend="xla")
+
+    mod = types.ModuleType("jax_moe_test_biased")
+    mod.supports, mod.prepare, mod.apply_prepared = _DoublingBackend.supports, prepare, apply_prepared
+    monkeypatch.setitem(sys.modules, "jax_moe_test_biased", mod)
+    monkeypatch.setitem(oracle.MODULES, "flashinfer_cutlass", "jax_moe_test_biased")
+    block = MoEBlock(64, 32, 8, 2, rngs=nnx.Rngs(0), dtype=jnp.float32, expert_bias=True)
+    block.w13_bias = nnx.Param(jnp.asarray(rng.standard_normal((8, 64)), jnp.float32))
+    block.w2_bias = nnx.Param(jnp.asarray(rng.standard_normal((8, 64)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    before = block(x)
+    assert block.prepare() == "xla"  # this stand-in does not say it takes biases
+    mod.PREPARE_TAKES_BIASES = True
+    block2 = MoEBlock(64, 32, 8, 2, rngs=nnx.Rngs(0), dtype=jnp.float32, expert_bias=True)
+    block2.w13_bias, block2.w2_bias = block.w13_bias, block.w2_bias
+    assert block2.prepare() == "flashinfer_cutlass"
+    assert seen["w13_bias"] is not None and seen["w2_bias"] is not None
+    np.testing.assert_allclose(nnx.jit(lambda m, v: m(v))(block2, x), before, rtol=1e-5, atol=1e-5)
+
+
 def test_quantized_block_runs_jitted_and_stays_close(rng):
     block = MoEBlock(64, 32, 8, 2, rngs=nnx.Rngs(0), dtype=jnp.float32)
     x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
@@ -266,3 +302,24 @@ def test_prepare_on_hopper_picks_flashinfer_cutlass(rng, scheme):
     assert np.isfinite(after).all()
     err = np.linalg.norm(after - before) / np.linalg.norm(before)
     assert err < (5e-2 if scheme else 2e-2), err
+
+
+@pytest.mark.gpu
+def test_gpt_oss_block_with_biases_prepares_for_flashinfer_cutlass(rng):
+    """A GPT-OSS-style block (swigluoai, interleaved gate/up, biases on both GEMMs) moves to
+    the FlashInfer runner with its biases and keeps its output."""
+    from jax_moe.backends import flashinfer_cutlass as fic
+
+    ok, why = fic.available()
+    if not ok:
+        pytest.skip(why)
+    block = MoEBlock(1024, 512, 16, 4, rngs=nnx.Rngs(0), activation="swigluoai",
+                     gate_up_layout="interleaved", expert_bias=True, router_bias=True)
+    block.w13_bias = nnx.Param(jnp.asarray(rng.standard_normal((16, 1024)), jnp.float32))
+    block.w2_bias = nnx.Param(jnp.asarray(0.3 * rng.standard_normal((16, 1024)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((77, 1024)), jnp.bfloat16)
+    before = np.asarray(block(x), np.float32)
+    assert block.prepare() == "flashinfer_cutlass"
+    after = np.asarray(nnx.jit(lambda m, v: m(v))(block, x), np.float32)
+    assert np.isfinite(after).all()
+    assert np.linalg.norm(after - before) / np.linalg.norm(before) < 2e-2

@@ -2,7 +2,11 @@
 calls -- ``backend="flashinfer_cutlass"``.
 
 Scope of this build: SM90 (Hopper, ``sm_90a``); activations ``silu`` (gated), ``gelu`` (gated,
-erf form) and ``relu2`` (not gated); two schemes, each its own FFI target:
+erf form), ``swigluoai`` (GPT-OSS's, the runner's SwigluBias with per-expert alpha, beta = 1 and
+limit) and ``relu2`` (not gated); optional biases on both GEMMs (``w13_bias [E, 2I]``,
+``w2_bias [E, H]``, added before the router weight); router weight on the input for top-1
+(applied to x before the call); expert-parallel shards (ids of -1 are skipped by the runner and
+contribute nothing). Two schemes, each its own FFI target:
 
 * ``bf16``: bf16 activations x bf16 weights -> bf16.
 * ``fp8`` (vLLM's FP8 per-tensor W8A8): activations quantized to float8_e4m3fn with one
@@ -20,7 +24,8 @@ Weight layout (:func:`prepare`, once, at load time). The runner reads GEMM1's ou
 ``[I, 2I)`` the gate (w1) half, and computes ``act(gate) * up``. vLLM's ``w13`` is
 ``[gate; up]`` (w1 then w3), so the halves are swapped ("w31" order,
 :func:`jax_moe.layouts.swap_w13_to_w31`). ``w2`` is used as is (``[E, H, I]``). The alphas above
-are computed there too (:func:`jax_moe.layouts.fp8_alpha_scales`).
+are computed there too (:func:`jax_moe.layouts.fp8_alpha_scales`). ``w13_bias`` follows w13's rows
+(swapped the same way); biases are bf16 in both schemes (the runner's ``ScaleBiasType``).
 
 The native parts are ``jax_moe._jax_moe_flashinfer`` (nanobind glue) and ``libjax_moe_fi.so`` (the
 runner, its kernels and the FFI handlers), built by ``cmake/flashinfer_moe.cmake`` when
@@ -45,10 +50,11 @@ NAME = "flashinfer_cutlass"
 TARGETS = {"bf16": "jax_moe_flashinfer_cutlass_moe", "fp8": "jax_moe_flashinfer_cutlass_moe_fp8"}
 SCHEME_IDS = {"bf16": 0, "fp8": 1}
 ALIGN = {"bf16": 8, "fp8": 16}
+PREPARE_TAKES_BIASES = True  # prepare(..., w13_bias=, w2_bias=) (MoEBlock.prepare looks for it)
 
 # jax_moe activation name -> TensorRT-LLM ActivationType value (cutlass_kernels/include/common.h)
-ACTIVATION_CODES = {"silu": 3, "gelu": 4, "relu2": 6}  # Swiglu, Geglu, Relu2
-GATED = {"silu": True, "gelu": True, "relu2": False}
+ACTIVATION_CODES = {"silu": 3, "gelu": 4, "swigluoai": 5, "relu2": 6}  # Swiglu, Geglu, SwigluBias, Relu2
+GATED = {"silu": True, "gelu": True, "swigluoai": True, "relu2": False}
 
 _state = {"module": None, "error": None, "registered": False}
 
@@ -110,8 +116,6 @@ def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
         return False, why
     if scheme not in compiled_schemes():
         return False, f"scheme {scheme!r} is not compiled into this build (JAX_MOE_FI_SCHEMES)"
-    if cfg.expert_shard:
-        return False, "expert-parallel shards (ids of -1) are not wired to the runner yet"
     if cfg.activation not in ACTIVATION_CODES:
         return False, f"activation {cfg.activation!r} is not wired up (have {sorted(ACTIVATION_CODES)})"
     align = ALIGN[scheme]
@@ -134,17 +138,18 @@ def _register():
 # ----------------------------------------------------------------------------- load time
 
 
-def runner_row_order(w13, activation: str = "silu", gate_up_layout: str = "concat"):
-    """w13 [E, 2I, H] in vLLM's ``[gate; up]`` (``"concat"``) or alternating (``"interleaved"``)
-    rows -> ``[up; gate]``, any dtype. Not-gated activations (``relu2``, w13 [E, I, H]) unchanged."""
+def runner_row_order(w13, activation: str = "silu", gate_up_layout: str = "concat", axis: int = -2):
+    """w13 [E, 2I, H] (or its bias [E, 2I] with ``axis=-1``) in vLLM's ``[gate; up]``
+    (``"concat"``) or alternating (``"interleaved"``) rows -> ``[up; gate]``, any dtype.
+    Not-gated activations (``relu2``, w13 [E, I, H]) unchanged."""
     w13 = jnp.asarray(w13)
     if not GATED.get(activation, True):
         return w13
     if gate_up_layout == "interleaved":
-        w13 = undo_reorder_rows_for_gated_act_gemm(w13)  # -> [gate; up]
+        w13 = undo_reorder_rows_for_gated_act_gemm(w13, axis=axis)  # -> [gate; up]
     elif gate_up_layout != "concat":
         raise ValueError(f"unknown gate_up_layout {gate_up_layout!r}")
-    return swap_w13_to_w31(w13)  # [gate; up] -> [up; gate]
+    return swap_w13_to_w31(w13, axis=axis)  # [gate; up] -> [up; gate]
 
 
 def prepare_weights(w13, w2, activation: str = "silu", gate_up_layout: str = "concat"):
@@ -164,6 +169,8 @@ class Prepared:
     ``w13_scale [E]``; ``a13_scale []`` static input scale (None: dynamic per call);
     ``g1_alphas [E] = w13_scale * a13_scale`` (None when a13_scale is dynamic);
     ``a2_gscale [] = 1 / a2_scale``; ``g2_alphas [E] = w2_scale * a2_scale``.
+    Optional (None: absent): ``w13_bias [E, 2I]`` bf16 in w13's row order, ``w2_bias [E, H]``
+    bf16; ``swiglu [3, E]`` float32 (alpha, beta, limit per expert) for ``swigluoai``.
     """
 
     w13: jax.Array
@@ -173,18 +180,38 @@ class Prepared:
     g1_alphas: jax.Array | None = None
     a2_gscale: jax.Array | None = None
     g2_alphas: jax.Array | None = None
+    w13_bias: jax.Array | None = None
+    w2_bias: jax.Array | None = None
+    swiglu: jax.Array | None = None
     scheme: str = dataclasses.field(default="bf16", metadata=dict(static=True))
     activation: str = dataclasses.field(default="silu", metadata=dict(static=True))
 
 
-def prepare(w13, w2, cfg, quant=None) -> Prepared:
+def _extras(cfg, w13_bias, w2_bias) -> dict:
+    """The optional operands in the runner's layout: biases (bf16) and SwigluBias parameters."""
+    e = cfg.num_experts
+    out = dict(
+        w13_bias=None if w13_bias is None else runner_row_order(
+            w13_bias, cfg.activation, cfg.gate_up_layout, axis=-1).astype(jnp.bfloat16),
+        w2_bias=None if w2_bias is None else jnp.asarray(w2_bias).astype(jnp.bfloat16),
+        swiglu=None,
+    )
+    if cfg.activation == "swigluoai":  # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g)
+        out["swiglu"] = jnp.asarray(
+            np.array([cfg.swiglu_alpha, 1.0, cfg.swiglu_limit], np.float32)[:, None].repeat(e, 1))
+    return out
+
+
+def prepare(w13, w2, cfg, quant=None, *, w13_bias=None, w2_bias=None) -> Prepared:
     """vLLM-layout expert weights (as ``fused_experts`` takes them) -> :class:`Prepared`, once,
     at load time. ``cfg`` is the layer's :class:`jax_moe.config.MoEConfig`; ``quant`` None (bf16)
-    or an ``fp8`` :class:`jax_moe.QuantConfig` that :func:`supports` accepts."""
+    or an ``fp8`` :class:`jax_moe.QuantConfig` that :func:`supports` accepts; biases
+    ``w13_bias [E, 2I]`` (vLLM's row order, like w13) and ``w2_bias [E, H]`` or None."""
     scheme = scheme_of(quant)
+    extras = _extras(cfg, w13_bias, w2_bias)
     if scheme == "bf16":
         w13p, w2p = prepare_weights(w13, w2, cfg.activation, cfg.gate_up_layout)
-        return Prepared(w13p, w2p, scheme="bf16", activation=cfg.activation)
+        return Prepared(w13p, w2p, scheme="bf16", activation=cfg.activation, **extras)
     if scheme != "fp8":
         raise ValueError(f"{NAME}: scheme {scheme!r} is not built yet (have {sorted(TARGETS)})")
     if quant.act != "fp8_per_tensor" or quant.a2_scale is None:
@@ -200,6 +227,7 @@ def prepare(w13, w2, cfg, quant=None) -> Prepared:
         w2=jnp.asarray(w2).astype(jnp.float8_e4m3fn),
         w13_scale=w13_scale, a13_scale=a13, g1_alphas=None if a13 is None else g1,
         a2_gscale=jnp.float32(1.0) / a2, g2_alphas=g2, scheme="fp8", activation=cfg.activation,
+        **extras,
     )
 
 
@@ -226,12 +254,14 @@ def tactics(gemm_id: int, scheme: str = "bf16"):
 
 
 def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tactic: int = -1,
-                   gemm2_tactic: int = -1):
+                   gemm2_tactic: int = -1, apply_router_weight_on_input: bool = False):
     """``y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` on the FlashInfer
     CUTLASS runner.
 
     x [T, H] float; ``prepared`` from :func:`prepare`; topk_weights [T, k] float; topk_ids [T, k]
-    int32. Returns [T, H] bf16. ``gemm*_tactic`` index the runner's tactic lists
+    int32 in [0, E), or -1 for a slot whose expert lives elsewhere (skipped). With
+    ``apply_router_weight_on_input`` (top-1 only) ``y[t] = expert(topk_weights[t] * x[t])``.
+    Returns [T, H] bf16. ``gemm*_tactic`` index the runner's tactic lists
     (:func:`tactics`); with both at -1, a tuned pair for this shape is used if one is cached
     (:mod:`jax_moe.backends.flashinfer_tuning`, ``JAX_MOE_FI_AUTOTUNE=1`` tunes missing shapes),
     else the handler's built-in rule.
@@ -252,6 +282,14 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
                          f"(w13 must be [E, {'2I' if GATED[activation] else 'I'}, H])")
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != t:
         raise ValueError(f"topk_weights {topk_weights.shape} / topk_ids {topk_ids.shape} must be [T, k]")
+    if apply_router_weight_on_input and k != 1:
+        raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k={k}")
+    if prepared.w13_bias is not None and prepared.w13_bias.shape != (e, n1):
+        raise ValueError(f"prepared.w13_bias must be [E, {n1}], got {prepared.w13_bias.shape}")
+    if prepared.w2_bias is not None and prepared.w2_bias.shape != (e, h):
+        raise ValueError(f"prepared.w2_bias must be [E, H] = [{e}, {h}], got {prepared.w2_bias.shape}")
+    if activation == "swigluoai" and (prepared.swiglu is None or prepared.swiglu.shape != (3, e)):
+        raise ValueError("prepared.swiglu must be [3, E] float32 for swigluoai (use prepare())")
     align = ALIGN[scheme]
     if h % align or i % align:
         raise ValueError(f"H={h} and I={i} must be multiples of {align} for scheme {scheme!r}")
@@ -268,9 +306,16 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
     attrs = dict(activation=np.int64(ACTIVATION_CODES[activation]),
                  gemm1_tactic=np.int64(gemm1_tactic), gemm2_tactic=np.int64(gemm2_tactic))
     ids, tw = topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)
+    if apply_router_weight_on_input:  # Llama4 top-1: the weight scales the input, not the output
+        x = (x.astype(jnp.float32) * tw).astype(x.dtype)
+        tw = jnp.ones_like(tw)
+    empty = jnp.zeros((0,), jnp.bfloat16)
+    extras = (empty if prepared.w13_bias is None else prepared.w13_bias,
+              empty if prepared.w2_bias is None else prepared.w2_bias,
+              jnp.zeros((0,), jnp.float32) if prepared.swiglu is None else prepared.swiglu)
     if scheme == "bf16":
         out, _ = call(x.astype(jnp.bfloat16), w13.astype(jnp.bfloat16), w2.astype(jnp.bfloat16),
-                      ids, tw, **attrs)
+                      ids, tw, *extras, **attrs)
         return out
     xf = x.astype(jnp.float32)
     if prepared.a13_scale is None:  # dynamic per-tensor scale over the tokens handed over
@@ -280,7 +325,7 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
         a13, g1 = prepared.a13_scale, prepared.g1_alphas
     xq = fp8.quantize_fp8_static(xf, a13)
     out, _ = call(xq, w13, w2, ids, tw, g1.astype(jnp.float32), prepared.a2_gscale,
-                  prepared.g2_alphas, **attrs)
+                  prepared.g2_alphas, *extras, **attrs)
     return out
 
 
@@ -293,7 +338,7 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     the weights once (:func:`prepare`, or ``MoEBlock.prepare()``) and call :func:`apply_prepared`
     for speed.
     """
-    if w13_bias is not None or w2_bias is not None or apply_router_weight_on_input:
-        raise ValueError(f"{NAME} serves weights without biases or router weight on input so far")
-    out = apply_prepared(x, prepare(w13, w2, cfg, quant), topk_weights, topk_ids)
+    prepared = prepare(w13, w2, cfg, quant, w13_bias=w13_bias, w2_bias=w2_bias)
+    out = apply_prepared(x, prepared, topk_weights, topk_ids,
+                         apply_router_weight_on_input=apply_router_weight_on_input)
     return out.astype(x.dtype)
