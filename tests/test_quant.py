@@ -596,3 +596,20 @@ def test_calibrated_static_scales_reproduce_dynamic_quantization(rng):
         dynamic = QuantConfig(scheme, None, None)
         np.testing.assert_allclose(np.asarray(quantize_activation(static, x, 1)),
                                    np.asarray(quantize_activation(dynamic, x, 1)), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "fp8_block", "nvfp4", "mxfp4", "w4a8"])
+def test_quantizing_a_few_experts_at_a_time_is_exact(rng, scheme, monkeypatch):
+    """Large layers are quantized a few experts at a time (no whole float32 copy); the result
+    is bit-identical to quantizing all experts at once."""
+    import jax
+
+    from jax_moe.quant import scheme as sc
+
+    w13 = jnp.asarray(rng.standard_normal((5, 64, 256)), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((5, 256, 128)), jnp.bfloat16)
+    whole = sc.quantize_weights(scheme, w13, w2)
+    monkeypatch.setattr(sc, "_CHUNK_BYTES", 2 * 64 * 256 * 4)  # two experts of w13 at a time
+    chunked = sc.quantize_weights(scheme, w13, w2)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))

@@ -420,8 +420,7 @@ def quantize_weights(scheme: str, w13, w2, **opts):
     a13 = _opt_scale("a13_scale", opts.pop("a13_scale", None))
     a2 = _opt_scale("a2_scale", opts.pop("a2_scale", None))
     block_shape = None
-    w13 = jnp.asarray(w13, jnp.float32)
-    w2 = jnp.asarray(w2, jnp.float32)
+    w13, w2 = jnp.asarray(w13), jnp.asarray(w2)  # float32 only a few experts at a time
     for name, w in (("w13", w13), ("w2", w2)):
         if w.ndim != 3:
             raise ValueError(f"{name} must have rank 3 [E, N, K], got shape {list(w.shape)}")
@@ -432,29 +431,52 @@ def quantize_weights(scheme: str, w13, w2, **opts):
                "per_channel": fp8.quantize_fp8_per_channel}
         if mode not in fns:
             raise ValueError(f"weight_scale must be one of {list(fns)}, got {mode!r}")
-        (q13, s13), (q2, s2) = fns[mode](w13), fns[mode](w2)
+        if mode == "per_tensor":  # one amax over every expert
+            (q13, s13), (q2, s2) = fns[mode](w13.astype(jnp.float32)), fns[mode](w2.astype(jnp.float32))
+        else:
+            (q13, s13), (q2, s2) = _by_expert(fns[mode], w13), _by_expert(fns[mode], w2)
     elif scheme == "fp8_block":
         block_shape = tuple(opts.pop("block_shape", (128, 128)))
-        (q13, s13), (q2, s2) = fp8.quantize_fp8_block(w13, block_shape), fp8.quantize_fp8_block(w2, block_shape)
+        fn = lambda w: fp8.quantize_fp8_block(w, block_shape)  # noqa: E731
+        (q13, s13), (q2, s2) = _by_expert(fn, w13), _by_expert(fn, w2)
     elif scheme == "nvfp4":
-        g13 = fp4.nvfp4_global_scale(w13, per_expert=True)
-        g2 = fp4.nvfp4_global_scale(w2, per_expert=True)
         _check_k_all(scheme, w13, w2, fp4.NVFP4_BLOCK)
-        q13, s13, _ = fp4.quantize_nvfp4(w13, g13)
-        q2, s2, _ = fp4.quantize_nvfp4(w2, g2)
+
+        def fn(w):
+            g = fp4.nvfp4_global_scale(w, per_expert=True)
+            q, sf, _ = fp4.quantize_nvfp4(w, g)
+            return q, sf, g
+
+        (q13, s13, g13), (q2, s2, g2) = _by_expert(fn, w13), _by_expert(fn, w2)
     elif scheme == "mxfp4":
         _check_k_all(scheme, w13, w2, fp4.MX_BLOCK)
-        (q13, s13), (q2, s2) = fp4.quantize_mxfp4(w13), fp4.quantize_mxfp4(w2)
+        (q13, s13), (q2, s2) = _by_expert(fp4.quantize_mxfp4, w13), _by_expert(fp4.quantize_mxfp4, w2)
     else:  # w4a8
         g = int(opts.pop("group_size", int4.INT4_GROUP))
         block_shape = (1, g)
         _check_k_all(scheme, w13, w2, g)
-        (q13, s13), (q2, s2) = int4.quantize_int4(w13, g), int4.quantize_int4(w2, g)
+        fn = lambda w: int4.quantize_int4(w, g)  # noqa: E731
+        (q13, s13), (q2, s2) = _by_expert(fn, w13), _by_expert(fn, w2)
     if opts:
         raise ValueError(f"unknown option(s) for scheme {scheme!r}: {sorted(opts)}")
     cfg = QuantConfig(scheme, s13, s2, w13_global_scale=g13, w2_global_scale=g2, a13_scale=a13, a2_scale=a2,
                       act=act, block_shape=block_shape)
     return q13, q2, cfg
+
+
+_CHUNK_BYTES = 1 << 30  # float32 bytes of weights quantized at once
+
+
+def _by_expert(fn, w):
+    """``fn`` (a per-expert quantizer: every output has a leading E axis) over slices of a few
+    experts of ``w [E, N, K]``, each cast to float32 on its own, so that a large layer (DeepSeek-V3's
+    w13 is 15 GB in bf16) never needs a whole float32 copy; outputs concatenated along E."""
+    e = w.shape[0]
+    per = max(1, _CHUNK_BYTES // max(1, 4 * (w.size // max(e, 1))))
+    if per >= e:
+        return fn(w.astype(jnp.float32))
+    parts = [fn(w[s:s + per].astype(jnp.float32)) for s in range(0, e, per)]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, 0), *parts)
 
 
 def _check_k_all(scheme, w13, w2, block):
