@@ -2,6 +2,8 @@
 
     python bench/ep_bench.py                       # DeepSeek-V3 shapes, T = 64 1024 8192 per device
     python bench/ep_bench.py --tokens 64 --check   # also compare with the single-device result
+    python bench/ep_bench.py --backend flashinfer_cutlass   # experts on the FlashInfer runner
+                                                            # (weights repacked per device once)
 
 Prints, per tokens-per-device T: median step time of each strategy and the bytes each device
 sends per step (counted from the routing, not estimated): naive sends its tokens to every other
@@ -27,7 +29,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.moe_bench import timeit  # noqa: E402
 from jax_moe import fused_experts, select_experts  # noqa: E402
-from jax_moe.parallel import ParallelConfig, parallel_fused_experts, shard_weights  # noqa: E402
+from jax_moe.parallel import (  # noqa: E402
+    ParallelConfig,
+    parallel_apply_prepared,
+    parallel_fused_experts,
+    shard_prepared,
+    shard_weights,
+)
 
 
 def bytes_sent(ids: np.ndarray, ep: int, e_local: int, h: int, t_local: int) -> tuple[float, float]:
@@ -53,6 +61,8 @@ def main(argv=None):
     p.add_argument("--tokens", nargs="+", type=int, default=[64, 1024, 8192], help="tokens per device")
     p.add_argument("--check", action="store_true", help="compare with the single-device MoE")
     p.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
+    p.add_argument("--backend", default="xla", choices=["xla", "flashinfer_cutlass"],
+                   help="the local experts' backend (flashinfer_cutlass: prepared weights)")
     args = p.parse_args(argv)
 
     devs = jax.devices()
@@ -65,7 +75,10 @@ def main(argv=None):
     rows = []
     strategies = {"naive": ParallelConfig(mesh, ep_axis="ep", strategy="naive"),
                   "all_to_all": ParallelConfig(mesh, ep_axis="ep", strategy="all_to_all")}
-    placed = shard_weights(w13, w2, strategies["naive"])
+    if args.backend == "xla":
+        placed = shard_weights(w13, w2, strategies["naive"])
+    else:
+        placed = shard_prepared(w13, w2, strategies["naive"], backend=args.backend)
     tok = NamedSharding(mesh, P("ep"))
     for t_local in args.tokens:
         t = t_local * ep
@@ -75,7 +88,11 @@ def main(argv=None):
         w, ids = jax.device_put(w, tok), jax.device_put(ids, tok)
         row = {"T": t_local}
         for name, pcfg in strategies.items():
-            fn = jax.jit(lambda x, w, ids, p, pcfg=pcfg: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg))
+            if args.backend == "xla":
+                fn = jax.jit(lambda x, w, ids, p, pcfg=pcfg: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg))
+            else:
+                fn = jax.jit(lambda x, w, ids, p, pcfg=pcfg: parallel_apply_prepared(x, p, w, ids, pcfg,
+                                                                                     backend=args.backend))
             row[name] = timeit(fn, [(x, w, ids, placed)])
             if args.check:
                 ref = jax.jit(fused_experts)(jax.device_put(x, devs[0]), jax.device_put(w13, devs[0]),
@@ -92,7 +109,7 @@ def main(argv=None):
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
     ).stdout.strip() or "unknown"
     title = (f"{ep} x {devs[0].device_kind}, {datetime.date.today()}, commit {commit}: expert parallel "
-             f"E={e} H={h} I={i} k={k}, bf16, xla backend")
+             f"E={e} H={h} I={i} k={k}, bf16, {args.backend} backend")
     table = ["| T per device | naive ms | all_to_all ms | naive MB sent/device | all_to_all MB sent/device |",
              "|---|---|---|---|---|"]
     for r in rows:

@@ -158,12 +158,16 @@ def _experts(x, w13, w2, w, ids, opts, w2_bias, tp_axis):
     return y
 
 
-def _naive(x, w13, w2, w, ids, opts, w2_bias, pcfg: ParallelConfig, e_local: int):
+# Each strategy takes ``run(x_rows, weights_rows, local_ids) -> y_rows float32``: the local
+# experts (local ids, -1 for experts owned elsewhere) on the rows this device holds.
+
+
+def _naive(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
     ep = pcfg.ep_axis
     xa = jax.lax.all_gather(x, ep, tiled=True)
     wa = jax.lax.all_gather(w, ep, tiled=True)
     ida = _local_ids(jax.lax.all_gather(ids, ep, tiled=True), e_local, jax.lax.axis_index(ep))
-    y = _experts(xa, w13, w2, wa, ida, opts, w2_bias, pcfg.tp_axis)
+    y = run(xa, wa, ida)
     return jax.lax.psum_scatter(y, ep, scatter_dimension=0, tiled=True)
 
 
@@ -174,7 +178,7 @@ def _dispatch_masks(ids, e_local: int, ep_size: int):
     return owner, send
 
 
-def _all_to_all_dense(x, w13, w2, w, ids, opts, w2_bias, pcfg: ParallelConfig, e_local: int):
+def _all_to_all_dense(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
     ep, n = pcfg.ep_axis, pcfg.size(pcfg.ep_axis)
     t = x.shape[0]
     owner, send = _dispatch_masks(ids, e_local, n)
@@ -185,13 +189,12 @@ def _all_to_all_dense(x, w13, w2, w, ids, opts, w2_bias, pcfg: ParallelConfig, e
     id_recv = jax.lax.all_to_all(id_send, ep, 0, 0, tiled=True)
     w_recv = jax.lax.all_to_all(jnp.broadcast_to(w[None], (n,) + w.shape), ep, 0, 0, tiled=True)
     h = x.shape[1]
-    y = _experts(x_recv.reshape(n * t, h), w13, w2, w_recv.reshape(n * t, -1), id_recv.reshape(n * t, -1),
-                 opts, w2_bias, pcfg.tp_axis)
+    y = run(x_recv.reshape(n * t, h), w_recv.reshape(n * t, -1), id_recv.reshape(n * t, -1))
     back = jax.lax.all_to_all(y.reshape(n, t, h), ep, 0, 0, tiled=True)
     return back.sum(0)
 
 
-def _all_to_all_ragged(x, w13, w2, w, ids, opts, w2_bias, pcfg: ParallelConfig, e_local: int):
+def _all_to_all_ragged(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
     """Only the rows a device needs travel. Sender packs its rows by destination; receiver
     keeps a fixed slot of T rows per source (zero rows where nothing arrived)."""
     ep, n = pcfg.ep_axis, pcfg.size(pcfg.ep_axis)
@@ -220,13 +223,33 @@ def _all_to_all_ragged(x, w13, w2, w, ids, opts, w2_bias, pcfg: ParallelConfig, 
     x_recv = exchange(x_pack, 0)
     id_recv = exchange(id_pack.astype(jnp.int32), -1)
     w_recv = exchange(w_pack, 0)
-    y = _experts(x_recv, w13, w2, w_recv, id_recv, opts, w2_bias, pcfg.tp_axis)
+    y = run(x_recv, w_recv, id_recv)
     # reverse: slot s of my buffer goes back to source s, at the offsets it sent from
     src_starts = jax.lax.all_to_all(starts, ep, 0, 0, tiled=True)
     back = jax.lax.ragged_all_to_all(y, jnp.zeros((cap, h), y.dtype), jnp.arange(n, dtype=jnp.int32) * t,
                                      recv_counts, src_starts, counts, axis_name=ep)
     back = jnp.where(valid[:, None], back, 0.0)
     return jnp.zeros((t, h), jnp.float32).at[tok].add(back)
+
+
+def _run_strategy(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
+    """Prepare (dispatch), the local experts, finalize (combine): [T_local, H] float32."""
+    if pcfg.strategy == "none":
+        return run(x, w, ids)
+    if pcfg.strategy == "naive":
+        return _naive(x, w, ids, run, pcfg, e_local)
+    if pcfg.use_ragged():
+        return _all_to_all_ragged(x, w, ids, run, pcfg, e_local)
+    return _all_to_all_dense(x, w, ids, run, pcfg, e_local)
+
+
+def _token_shards(x, pcfg: ParallelConfig, e: int) -> None:
+    ep = pcfg.size(pcfg.ep_axis)
+    shards = int(np.prod([pcfg.size(a) for a in pcfg.token_axes])) if pcfg.token_axes else 1
+    if x.shape[0] % shards:
+        raise ValueError(f"x has T={x.shape[0]} tokens, which must be a multiple of the {shards} token shards")
+    if e % ep:
+        raise ValueError(f"the number of experts E={e} must be a multiple of the ep size {ep}")
 
 
 def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelConfig, *, w13_bias=None,
@@ -236,11 +259,7 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
     number of token shards. Returns [T, H] in x's dtype, split like x."""
     e = w13.shape[0]
     ep, tp = pcfg.size(pcfg.ep_axis), pcfg.size(pcfg.tp_axis)
-    shards = int(np.prod([pcfg.size(a) for a in pcfg.token_axes])) if pcfg.token_axes else 1
-    if x.shape[0] % shards:
-        raise ValueError(f"x has T={x.shape[0]} tokens, which must be a multiple of the {shards} token shards")
-    if e % ep:
-        raise ValueError(f"the number of experts E={e} must be a multiple of the ep size {ep}")
+    _token_shards(x, pcfg, e)
     if opts.get("apply_router_weight_on_input"):
         raise ValueError("apply_router_weight_on_input is not supported under parallel execution yet")
     # full shape checks on the global arrays, before anything is traced
@@ -256,21 +275,71 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
 
     def body(x, w13, w2, w, ids, w13_bias, w2_bias, quant):
         o = dict(opts, w13_bias=w13_bias, quant=quant, cfg=local_cfg)
-        if pcfg.strategy == "none":
-            y = _experts(x, w13, w2, w, ids, o, w2_bias, tp_ax)
-        elif pcfg.strategy == "naive":
-            y = _naive(x, w13, w2, w, ids, o, w2_bias, pcfg, e_local)
-        elif pcfg.use_ragged():
-            y = _all_to_all_ragged(x, w13, w2, w, ids, o, w2_bias, pcfg, e_local)
-        else:
-            y = _all_to_all_dense(x, w13, w2, w, ids, o, w2_bias, pcfg, e_local)
-        return y.astype(x.dtype)
+
+        def run(xr, wr, idr):
+            return _experts(xr, w13, w2, wr, idr, o, w2_bias, tp_ax)
+
+        return _run_strategy(x, w, ids, run, pcfg, e_local).astype(x.dtype)
 
     in_specs = (tok, P(ep_ax, tp_ax, None), P(ep_ax, None, tp_ax), tok, tok,
                 None if w13_bias is None else P(ep_ax, tp_ax), None if w2_bias is None else P(ep_ax, None),
                 quant_spec)
     fn = jax.shard_map(body, mesh=pcfg.mesh, in_specs=in_specs, out_specs=tok, check_vma=False)
     return fn(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, quant)
+
+
+def shard_prepared(w13, w2, pcfg: ParallelConfig, *, backend: str = "flashinfer_cutlass", activation: str = "silu",
+                   gate_up_layout: str = "concat", w13_bias=None, w2_bias=None, quant=None, **cfg_opts):
+    """Load time, for a backend with its own weight layout (``flashinfer_cutlass``): place the
+    vLLM-layout weights over ``ep`` (:func:`shard_weights`), then let every device repack only
+    its own experts (``backend.prepare`` under ``jit`` with the expert-split output sharding).
+    Returns the backend's prepared weights (global shapes, split over ``ep``) for
+    :func:`parallel_apply_prepared`. Tensor parallelism is not combined with this yet."""
+    from jax_moe import oracle
+
+    if pcfg.tp_axis is not None and pcfg.size(pcfg.tp_axis) > 1:
+        raise ValueError("shard_prepared: tensor parallelism (tp_axis) is not supported with prepared weights yet")
+    mod = oracle.module(backend)
+    e = w13.shape[0]
+    placed = shard_weights(w13, w2, pcfg, activation=activation, gate_up_layout=gate_up_layout,
+                           w13_bias=w13_bias, w2_bias=w2_bias, quant=quant)
+    x_like = jax.ShapeDtypeStruct((1, w13.shape[-1]), jnp.bfloat16 if quant is not None else w13.dtype)
+    ids_like = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    cfg = moe_config_from_arrays(x_like, placed["w13"], placed["w2"], ids_like, activation=activation,
+                                 gate_up_layout=gate_up_layout, quant=placed["quant"],
+                                 swiglu_alpha=cfg_opts.get("swiglu_alpha", 1.702),
+                                 swiglu_limit=cfg_opts.get("swiglu_limit", 7.0))
+    bias = {} if w13_bias is None and w2_bias is None else dict(w13_bias=placed["w13_bias"], w2_bias=placed["w2_bias"])
+    shape = jax.eval_shape(lambda a, b, q: mod.prepare(a, b, cfg, q, **bias), placed["w13"], placed["w2"],
+                           placed["quant"])
+    specs = mod.partition_specs(shape, pcfg.ep_axis, e)
+    shardings = jax.tree.map(lambda s: NamedSharding(pcfg.mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+    return jax.jit(lambda a, b, q: mod.prepare(a, b, cfg, q, **bias), out_shardings=shardings)(
+        placed["w13"], placed["w2"], placed["quant"])
+
+
+def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelConfig, *,
+                            backend: str = "flashinfer_cutlass", **apply_opts):
+    """``backend.apply_prepared`` over ``pcfg.mesh`` with the same prepare/finalize strategies as
+    :func:`parallel_fused_experts`. ``prepared`` from :func:`shard_prepared`; x [T, H] split
+    like the tokens. Returns [T, H] in x's dtype, split like x."""
+    from jax_moe import oracle
+
+    mod = oracle.module(backend)
+    e = prepared.w13.shape[0]
+    _token_shards(x, pcfg, e)
+    e_local = e // pcfg.size(pcfg.ep_axis)
+    tok = pcfg.token_spec
+    specs = mod.partition_specs(prepared, pcfg.ep_axis, e)
+
+    def body(x, w, ids, prep):
+        def run(xr, wr, idr):
+            return mod.apply_prepared(xr, prep, wr, idr, **apply_opts).astype(jnp.float32)
+
+        return _run_strategy(x, w, ids, run, pcfg, e_local).astype(x.dtype)
+
+    fn = jax.shard_map(body, mesh=pcfg.mesh, in_specs=(tok, tok, tok, specs), out_specs=tok, check_vma=False)
+    return fn(x, topk_weights, topk_ids, prepared)
 
 
 def parallel_fused_moe(x, w13, w2, router_logits, top_k: int, pcfg: ParallelConfig, *, routing=None, **opts):

@@ -106,3 +106,60 @@ def test_bad_parallel_configs_raise(rng):
         shard_weights(w13[:6], w2[:6], pcfg)
     with pytest.raises(ValueError, match="T=6 tokens, which must be a multiple of the 4 token shards"):
         parallel_fused_experts(x, w13, w2, w, ids, pcfg)
+
+
+# ------------------------------------------------- prepared weights (a backend's own layout)
+
+
+def _layout_backend():
+    """flashinfer_cutlass's real load-time layout (prepare, partition_specs: pure jnp) with an
+    apply_prepared that undoes the layout and runs the xla backend: the sharded-prepare plumbing,
+    testable on CPU devices. The runner itself is tested on GPUs (tests/test_gpu_parallel.py)."""
+    import types
+
+    from jax_moe.backends import flashinfer_cutlass as fic
+    from jax_moe.backends import xla
+    from jax_moe.config import MoEConfig
+
+    def apply_prepared(x, p, topk_weights, topk_ids):
+        e, h, i = p.w2.shape
+        cfg = MoEConfig(e, topk_ids.shape[1], h, i, p.activation, expert_shard=True)
+        w13 = fic.runner_row_order(p.w13.astype(jnp.float32))  # [up; gate] -> [gate; up]
+        b13 = None if p.w13_bias is None else fic.runner_row_order(p.w13_bias.astype(jnp.float32), axis=-1)
+        b2 = None if p.w2_bias is None else p.w2_bias.astype(jnp.float32)
+        if p.activation == "swigluoai":
+            assert p.swiglu.shape == (3, e)  # split with the experts
+        return xla.apply(x.astype(jnp.float32), w13, p.w2.astype(jnp.float32), topk_weights, topk_ids, cfg,
+                         w13_bias=b13, w2_bias=b2)
+
+    return types.SimpleNamespace(prepare=fic.prepare, partition_specs=fic.partition_specs,
+                                 apply_prepared=apply_prepared,
+                                 supports=lambda *a, **k: (False, "layout stand-in: never selected"))
+
+
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_prepared_weights_repacked_per_device_equal_single_device(rng, strategy, monkeypatch):
+    from jax_moe import oracle
+    from jax_moe.parallel import parallel_apply_prepared, shard_prepared
+
+    real = oracle.module
+    monkeypatch.setattr(oracle, "module", lambda name: _layout_backend() if name == "flashinfer_cutlass" else real(name))
+    pcfg = ParallelConfig(cpu_mesh((8,), ("ep",)), ep_axis="ep", strategy=strategy)
+    x, w13, w2, w, ids, b = moe(rng, 64, activation="swigluoai", bias=True)
+    b = {k: v.astype(jnp.bfloat16).astype(jnp.float32) for k, v in b.items()}  # the layout keeps biases in bf16
+    ref = fused_experts(x, w13, w2, w, ids, activation="swigluoai", **b)
+    prep = shard_prepared(w13, w2, pcfg, activation="swigluoai", **b)
+    assert prep.w13.sharding.spec[0] == "ep" and prep.swiglu.sharding.spec[1] == "ep"
+    assert len(prep.w13.addressable_shards) == 8 and prep.w13.addressable_shards[0].data.shape[0] == E // 8
+    out = jax.jit(lambda x, w, ids, p: parallel_apply_prepared(x, p, w, ids, pcfg))(x, w, ids, prep)
+    # w13/w2 are bf16 in the runner's layout: bf16 bounds against the float32 single-device MoE
+    assert rel(out, ref) < 2e-2
+
+
+def test_prepared_weights_refuse_tensor_parallelism(rng):
+    from jax_moe.parallel import shard_prepared
+
+    pcfg = ParallelConfig(cpu_mesh((4, 2), ("ep", "tp")), ep_axis="ep", tp_axis="tp")
+    x, w13, w2, w, ids, _ = moe(rng, 8)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        shard_prepared(w13, w2, pcfg)

@@ -202,6 +202,32 @@ def _extras(cfg, w13_bias, w2_bias) -> dict:
     return out
 
 
+# Which axis of each Prepared field counts experts (None: no expert axis, replicated).
+EXPERT_AXIS = dict(w13=0, w2=0, w13_scale=0, a13_scale=None, g1_alphas=0, a2_gscale=None, g2_alphas=0,
+                   w13_bias=0, w2_bias=0, swiglu=1)
+
+
+def partition_specs(prepared: Prepared, ep_axis, num_experts: int) -> Prepared:
+    """A :class:`Prepared` of ``PartitionSpec`` s splitting every expert axis over ``ep_axis``
+    (scalars replicated), for ``shard_map``/``jit`` shardings. ``prepared`` may hold
+    ``ShapeDtypeStruct`` s; a scale of shape ``[E]`` that is per tensor in another build is
+    still split, since its axis is the expert axis."""
+    from jax.sharding import PartitionSpec as P
+
+    specs = {}
+    for f in dataclasses.fields(Prepared):
+        if f.metadata.get("static"):
+            continue
+        a, ax = getattr(prepared, f.name), EXPERT_AXIS[f.name]
+        if a is None:
+            specs[f.name] = None
+        elif ax is None or a.ndim <= ax or a.shape[ax] != num_experts:
+            specs[f.name] = P()
+        else:
+            specs[f.name] = P(*[ep_axis if d == ax else None for d in range(a.ndim)])
+    return dataclasses.replace(prepared, **specs)
+
+
 def prepare(w13, w2, cfg, quant=None, *, w13_bias=None, w2_bias=None) -> Prepared:
     """vLLM-layout expert weights (as ``fused_experts`` takes them) -> :class:`Prepared`, once,
     at load time. ``cfg`` is the layer's :class:`jax_moe.config.MoEConfig`; ``quant`` None (bf16)
