@@ -276,6 +276,8 @@ def unpermute_reduce_reference(y, inverse, topk_weights, *, valid_rows=None, app
 
 def _unpermute_ref(y, inverse, weights, valid, plain_sum, out_dt):
     m = y.shape[0]
+    if weights.shape[0] == 0:
+        return jnp.zeros((0, y.shape[1]), out_dt)
     ok = (inverse >= 0) & (inverse < jnp.minimum(valid[0], m))
     row_of_slot = jnp.where(ok, inverse, m)  # row m: a zero row appended below
     y_pad = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)], axis=0)
