@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "moe_kernels.h"
 #include "sort_by_expert.h"
 
 namespace nb = nanobind;
@@ -16,8 +17,13 @@ NB_MODULE(_jax_moe_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jax_moe_sort_by_expert"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeSortByExpertCuda));
+    d["jax_moe_permute_rows"] = nb::capsule(reinterpret_cast<void*>(&JaxMoePermuteRowsCuda));
+    d["jax_moe_act_and_mul"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeActAndMulCuda));
+    d["jax_moe_unpermute_reduce"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeUnpermuteReduceCuda));
     return d;
   });
   m.def("cuda_archs", []() { return std::string(JAX_MOE_CUDA_ARCHS_STR); });
   m.attr("sort_chunk") = jax_moe::kSortChunk;
+  m.attr("fp8_max") = jax_moe::kFp8Max;
+  m.attr("fp8_min_scale") = jax_moe::kFp8MinScale;
 }

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe.permute import ExpertSort
+from jax_moe.quant.fp8 import FP8_MAX, MIN_SCALE
 
 log = logging.getLogger("jax_moe")
 
@@ -57,6 +58,10 @@ def _register(kind: str) -> bool:
         return False
     if kind == "cuda" and getattr(mod, "sort_chunk", SORT_CHUNK) != SORT_CHUNK:
         _errors[kind] = "the compiled module's sort chunk does not match jax_moe/ffi.py"
+        return False
+    if kind == "cuda" and (getattr(mod, "fp8_max", FP8_MAX), getattr(mod, "fp8_min_scale", MIN_SCALE)) != (
+            FP8_MAX, MIN_SCALE):
+        _errors[kind] = "the compiled module's FP8 constants do not match jax_moe/quant/fp8.py"
         return False
     for name, capsule in mod.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform=_PLATFORM[kind])

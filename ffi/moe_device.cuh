@@ -1,0 +1,129 @@
+// Device helpers shared by the MoE row kernels: element types, float conversions, vector access,
+// the block-wide max and FP8 E4M3 quantization with jax_moe/quant/fp8.py's exact arithmetic.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "common.h"
+#include "moe_kernels.h"
+
+namespace jax_moe {
+
+// One FP8 E4M3 byte (float8_e4m3fn: no infinities, finite max 448).
+struct Fp8 {
+  uint8_t bits;
+};
+
+__device__ __forceinline__ float ToF32(float v) { return v; }
+__device__ __forceinline__ float ToF32(__half v) { return __half2float(v); }
+__device__ __forceinline__ float ToF32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T FromF32(float v);
+template <>
+__device__ __forceinline__ float FromF32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half FromF32<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ Fp8 FromF32<Fp8>(float v) {
+  // The clip comes first, as in cast_to_fp8 (float8_e4m3fn has no infinity); the cast rounds to nearest even.
+  v = fminf(fmaxf(v, -kFp8Max), kFp8Max);
+  return Fp8{static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3))};
+}
+
+// V consecutive elements, loaded or stored as one access (the caller checks the alignment).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+template <typename T, int V>
+__device__ __forceinline__ void LoadF32(const T* p, float (&out)[V]) {
+  const Vec<T, V> in = *reinterpret_cast<const Vec<T, V>*>(p);
+#pragma unroll
+  for (int i = 0; i < V; ++i) out[i] = ToF32(in.v[i]);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void StoreF32(T* p, const float (&vals)[V]) {
+  Vec<T, V> o;
+#pragma unroll
+  for (int i = 0; i < V; ++i) o.v[i] = FromF32<T>(vals[i]);
+  *reinterpret_cast<Vec<T, V>*>(p) = o;
+}
+
+// Max over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ __forceinline__ float BlockMax(float v) {
+  __shared__ float warp_max[32];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  if (lane == 0) warp_max[warp] = v;
+  __syncthreads();
+  v = lane < warps ? warp_max[lane] : 0.0f;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+// amax -> dequantization scale, as amax_to_scale: amax * (float32(1) / float32(448)), at least FLT_MIN.
+__device__ __forceinline__ float AmaxToScale(float amax) {
+  const float rcp = 1.0f / kFp8Max;  // folded at compile time to the float32 nearest 1/448, as RCP_448
+  return fmaxf(amax * rcp, kFp8MinScale);
+}
+
+// Number of valid rows: *valid_rows clamped to [0, rows].
+__device__ __forceinline__ int64_t ValidRows(const int32_t* valid_rows, int64_t rows) {
+  const int64_t v = *valid_rows;
+  return v < 0 ? 0 : (v > rows ? rows : v);
+}
+
+// Threads per row block: enough for one vector each (a multiple of 32), at most 256.
+inline int RowThreads(int64_t vectors) {
+  const int64_t t = ((vectors + 31) / 32) * 32;
+  return static_cast<int>(t < 32 ? 32 : (t > 256 ? 256 : t));
+}
+
+inline bool Aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// The vector width: 16 bytes of In, used when the row length and every row pointer allow it (else 1).
+template <typename In>
+constexpr int kVec = 16 / sizeof(In);
+
+inline bool CanVectorize(int64_t cols, int vec, std::initializer_list<std::pair<const void*, int64_t>> ptrs) {
+  if (cols % vec != 0) return false;
+  for (auto& [p, elem_bytes] : ptrs)
+    if (!Aligned(p, vec * elem_bytes)) return false;
+  return true;
+}
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<T>{}) for the float element type T of dt (bf16, f16, f32).
+template <typename F>
+ffi::Error WithFloatType(ffi::DataType dt, const char* what, F&& f) {
+  switch (dt) {
+    case ffi::DataType::BF16:
+      return f(Tag<__nv_bfloat16>{});
+    case ffi::DataType::F16:
+      return f(Tag<__half>{});
+    case ffi::DataType::F32:
+      return f(Tag<float>{});
+    default:
+      return InvalidArgument(std::string(what) + " must be bfloat16, float16 or float32");
+  }
+}
+
+}  // namespace jax_moe

@@ -1,0 +1,98 @@
+// CUDA handler of unpermute_reduce (contract in moe_kernels.h, reference in jax_moe/kernels.py):
+// one CUDA block per token; its k slots' rows and weights are staged in shared memory, then each
+// thread sums V columns over the slots in float32. Slots whose row is at or past valid_rows (expert
+// ids outside [0, E), sorted last) are skipped, so whatever those rows hold never reaches the output.
+#include <cstdint>
+#include <limits>
+
+#include "moe_device.cuh"
+
+namespace jax_moe {
+namespace {
+
+constexpr int64_t kMaxTopK = 1024;  // shared memory: 8 bytes per slot
+
+template <typename In, typename Out, int V>
+__global__ void UnpermuteReduce(const In* y, const int32_t* inverse, const float* weights,
+                                const int32_t* valid_rows, int64_t m, int64_t h, int k, bool weighted, Out* out) {
+  extern __shared__ int32_t slot_row[];  // [k] rows, then [k] weights
+  float* slot_w = reinterpret_cast<float*>(slot_row + k);
+  const int64_t t = blockIdx.x;
+  const int64_t valid = ValidRows(valid_rows, m);
+  for (int j = threadIdx.x; j < k; j += blockDim.x) {
+    const int32_t row = inverse[t * k + j];
+    slot_row[j] = (row >= 0 && row < valid) ? row : -1;
+    slot_w[j] = weighted ? weights[t * k + j] : 1.0f;
+  }
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < h / V; c += blockDim.x) {
+    float acc[V] = {};
+    for (int j = 0; j < k; ++j) {
+      const int32_t row = slot_row[j];
+      if (row < 0) continue;
+      float v[V];
+      LoadF32<In, V>(y + int64_t(row) * h + c * V, v);
+      const float w = slot_w[j];
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += w * v[i];
+    }
+    StoreF32<Out, V>(out + t * h + c * V, acc);
+  }
+}
+
+template <typename In, typename Out, int V>
+ffi::Error Launch(cudaStream_t stream, const In* y, const int32_t* inverse, const float* weights,
+                  const int32_t* valid_rows, int64_t m, int64_t t, int64_t h, int64_t k, bool weighted, Out* out) {
+  const size_t smem = static_cast<size_t>(k) * (sizeof(int32_t) + sizeof(float));
+  UnpermuteReduce<In, Out, V><<<static_cast<unsigned>(t), RowThreads(h / V), smem, stream>>>(
+      y, inverse, weights, valid_rows, m, h, static_cast<int>(k), weighted, out);
+  JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return ffi::Error::Success();
+}
+
+ffi::Error UnpermuteReduceCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> inverse,
+                               ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> valid_rows,
+                               ffi::Result<ffi::AnyBuffer> out, int64_t weighted) {
+  const auto yd = y.dimensions();
+  const auto wd = topk_weights.dimensions();
+  if (yd.size() != 2) return InvalidArgument("unpermute_reduce: y must have rank 2 [M, H]");
+  if (wd.size() != 2) return InvalidArgument("unpermute_reduce: topk_weights must have rank 2 [T, k]");
+  const int64_t m = yd[0], h = yd[1], t = wd[0], k = wd[1];
+  if (k < 1 || k > kMaxTopK) return InvalidArgument("unpermute_reduce: k must be in [1, 1024]");
+  if (static_cast<int64_t>(inverse.element_count()) != t * k)
+    return InvalidArgument("unpermute_reduce: inverse must have T*k elements");
+  if (valid_rows.element_count() != 1) return InvalidArgument("unpermute_reduce: valid_rows must have 1 element");
+  if (m > std::numeric_limits<int32_t>::max() || t > std::numeric_limits<int32_t>::max())
+    return InvalidArgument("unpermute_reduce: more than 2^31 - 1 rows or tokens");
+  const auto od = out->dimensions();
+  if (od.size() != 2 || od[0] != t || od[1] != h) return InvalidArgument("unpermute_reduce: out must be [T, H]");
+  if (t == 0 || h == 0) return ffi::Error::Success();
+  return WithFloatType(y.element_type(), "unpermute_reduce: y", [&](auto in_tag) -> ffi::Error {
+    using In = typename decltype(in_tag)::type;
+    return WithFloatType(out->element_type(), "unpermute_reduce: out", [&](auto out_tag) -> ffi::Error {
+      using Out = typename decltype(out_tag)::type;
+      const In* src = static_cast<const In*>(y.untyped_data());
+      Out* dst = static_cast<Out*>(out->untyped_data());
+      const bool w = weighted != 0;
+      if (CanVectorize(h, kVec<In>, {{src, sizeof(In)}, {dst, sizeof(Out)}}))
+        return Launch<In, Out, kVec<In>>(stream, src, inverse.typed_data(), topk_weights.typed_data(),
+                                         valid_rows.typed_data(), m, t, h, k, w, dst);
+      return Launch<In, Out, 1>(stream, src, inverse.typed_data(), topk_weights.typed_data(), valid_rows.typed_data(),
+                                m, t, h, k, w, dst);
+    });
+  });
+}
+
+}  // namespace
+}  // namespace jax_moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteReduceCuda, jax_moe::UnpermuteReduceCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()                // y [M, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // inverse [T*k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // topk_weights [T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // valid_rows [1]
+                                  .Ret<xla::ffi::AnyBuffer>()                // out [T, H]
+                                  .Attr<int64_t>("weighted"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

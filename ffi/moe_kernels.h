@@ -1,0 +1,38 @@
+// The small kernels around a grouped-GEMM MoE (jax_moe/kernels.py holds the shape rules and the jnp
+// references they are tested against). Rows are in expert-sorted order (jax_moe/permute.py): row r
+// holds slot sorted_slots[r] = t * k + j. `valid_rows` is a [1] int32 device value, normally
+// offsets[E] of sort_by_expert: rows at or past it belong to slots whose expert id is outside
+// [0, E) (expert-parallel ids of -1, sorted last).
+//
+// jax_moe_permute_rows     x [T, H] bf16/f16/f32, sorted_slots [T*k] i32, valid_rows [1] i32,
+//                          scale [1] f32 (static) or [0]
+//                       -> rows [T*k, H] (x's dtype, or f8e4m3fn), scales [T*k] f32 (per-token) or [0].
+//                          attrs: top_k, quant (kQuant*). Row r = x[sorted_slots[r] / k]; rows >= valid_rows
+//                          are zero (their per-token scale is kFp8MinScale).
+// jax_moe_act_and_mul      h [M, 2I] bf16/f16/f32 (gate columns [0, I), up [I, 2I)), valid_rows [1] i32,
+//                          scale [1] f32 or [0]
+//                       -> out [M, I] (bf16/f16/f32, or f8e4m3fn), scales [M] f32 or [0].
+//                          attrs: activation (kAct*), quant (kQuant*). Rows >= valid_rows are zero.
+// jax_moe_unpermute_reduce y [M, H] bf16/f16/f32, inverse [T*k] i32, topk_weights [T, k] f32, valid_rows [1] i32
+//                       -> out [T, H] bf16/f16/f32. attr: weighted (0: apply_router_weight_on_input, plain sum).
+//                          out[t] = sum_j w[t, j] * y[inverse[t*k + j]] over slots with inverse < valid_rows,
+//                          accumulated in float32.
+#pragma once
+
+#include <cfloat>
+
+#include "xla/ffi/api/api.h"
+
+namespace jax_moe {
+// FP8 E4M3 per-token/static quantization (jax_moe/quant/fp8.py): scale = max(amax * (1/448), FLT_MIN),
+// q = e4m3(clip(x * (1 / scale), -448, 448)), rounded to nearest even.
+constexpr float kFp8Max = 448.0f;
+constexpr float kFp8MinScale = FLT_MIN;
+
+enum QuantMode : int { kQuantNone = 0, kQuantPerToken = 1, kQuantStatic = 2 };
+enum Activation : int { kActSilu = 0, kActGelu = 1 };
+}  // namespace jax_moe
+
+extern "C" XLA_FFI_Error* JaxMoePermuteRowsCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeActAndMulCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeUnpermuteReduceCuda(XLA_FFI_CallFrame* call_frame);

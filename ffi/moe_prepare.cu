@@ -1,0 +1,241 @@
+// CUDA handlers of permute_rows and act_and_mul (contracts in moe_kernels.h, references in
+// jax_moe/kernels.py). Both are one CUDA block per output row: the row's values are produced in
+// float32 (a gathered input row, or act(gate) * up), optionally quantized to FP8 E4M3 with a
+// per-row scale (amax pass, then a second pass that re-reads the row from cache) or a given
+// static scale. Rows at or past valid_rows are written as zeros. No allocation, no host sync.
+#include <cstdint>
+#include <limits>
+
+#include "moe_device.cuh"
+
+namespace jax_moe {
+namespace {
+
+// Row r = x[sorted_slots[r] / top_k]; a slot outside [0, T*k) makes the row invalid (zeros).
+template <typename In, int V>
+struct GatherRow {
+  const In* x;
+  const int32_t* slots;
+  int64_t cols, num_slots, top_k;
+  const In* src;
+
+  __device__ bool Begin(int64_t r) {
+    const int64_t slot = slots[r];
+    if (slot < 0 || slot >= num_slots) return false;
+    src = x + (slot / top_k) * cols;
+    return true;
+  }
+  __device__ void Load(int64_t c, float (&v)[V]) const { LoadF32<In, V>(src + c, v); }
+};
+
+__device__ __forceinline__ float Silu(float g) { return g / (1.0f + expf(-g)); }
+__device__ __forceinline__ float Gelu(float g) { return 0.5f * g * (1.0f + erff(g * 0.70710678118654752440f)); }
+
+// Row r = act(h[r, :I]) * h[r, I:], in float32.
+template <typename In, int V>
+struct GatedActRow {
+  const In* h;
+  int64_t cols;  // I
+  int activation;
+  const In* src;
+
+  __device__ bool Begin(int64_t r) {
+    src = h + r * 2 * cols;
+    return true;
+  }
+  __device__ void Load(int64_t c, float (&v)[V]) const {
+    float gate[V], up[V];
+    LoadF32<In, V>(src + c, gate);
+    LoadF32<In, V>(src + cols + c, up);
+    if (activation == kActGelu) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[i] = Gelu(gate[i]) * up[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[i] = Silu(gate[i]) * up[i];
+    }
+  }
+};
+
+// One block per row of out [rows, cols]; Op produces the row's float32 values V at a time.
+template <typename Out, int V, int Quant, typename Op>
+__global__ void RowKernel(Op op, int64_t rows, int64_t cols, const int32_t* valid_rows, const float* static_scale,
+                          Out* out, float* scales) {
+  const int64_t r = blockIdx.x;
+  Out* dst = out + r * cols;
+  const int64_t vectors = cols / V;
+  Op o = op;
+  const bool valid = r < ValidRows(valid_rows, rows) && o.Begin(r);  // uniform over the block
+  if (!valid) {
+    float zero[V] = {};
+    for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) StoreF32<Out, V>(dst + c * V, zero);
+    if (Quant == kQuantPerToken && threadIdx.x == 0) scales[r] = kFp8MinScale;
+    return;
+  }
+  float inv = 1.0f, scale = 0.0f;
+  if constexpr (Quant == kQuantPerToken) {
+    float amax = 0.0f;
+    for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
+      float v[V];
+      o.Load(c * V, v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    }
+    scale = AmaxToScale(BlockMax(amax));
+    inv = 1.0f / scale;
+  } else if constexpr (Quant == kQuantStatic) {
+    inv = 1.0f / *static_scale;
+  }
+  for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
+    float v[V];
+    o.Load(c * V, v);
+    if constexpr (Quant != kQuantNone) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[i] *= inv;
+    }
+    StoreF32<Out, V>(dst + c * V, v);
+  }
+  if (Quant == kQuantPerToken && threadIdx.x == 0) scales[r] = scale;
+}
+
+template <typename Out, int V, int Quant, typename Op>
+ffi::Error LaunchRows(cudaStream_t stream, const Op& op, int64_t rows, int64_t cols, const int32_t* valid_rows,
+                      const float* static_scale, Out* out, float* scales) {
+  if (rows == 0 || cols == 0) return ffi::Error::Success();
+  RowKernel<Out, V, Quant, Op>
+      <<<static_cast<unsigned>(rows), RowThreads(cols / V), 0, stream>>>(op, rows, cols, valid_rows, static_scale,
+                                                                          out, scales);
+  JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return ffi::Error::Success();
+}
+
+// Launches op's rows with the quant mode (and with it the output type) fixed at compile time.
+template <int V, typename Op>
+ffi::Error DispatchQuant(cudaStream_t stream, const Op& op, int64_t quant, int64_t rows, int64_t cols,
+                         const int32_t* valid_rows, const float* static_scale, ffi::Result<ffi::AnyBuffer>& out,
+                         float* scales) {
+  void* dst = out->untyped_data();
+  switch (quant) {
+    case kQuantPerToken:
+      return LaunchRows<Fp8, V, kQuantPerToken>(stream, op, rows, cols, valid_rows, static_scale,
+                                                 static_cast<Fp8*>(dst), scales);
+    case kQuantStatic:
+      return LaunchRows<Fp8, V, kQuantStatic>(stream, op, rows, cols, valid_rows, static_scale,
+                                               static_cast<Fp8*>(dst), scales);
+    default:
+      return WithFloatType(out->element_type(), "out", [&](auto tag) {
+        using Out = typename decltype(tag)::type;
+        return LaunchRows<Out, V, kQuantNone>(stream, op, rows, cols, valid_rows, static_scale,
+                                              static_cast<Out*>(dst), scales);
+      });
+  }
+}
+
+// Checks shared by both handlers: the quant mode, its output dtype, scale operand and scales result.
+ffi::Error CheckQuant(const char* name, int64_t quant, int64_t rows, ffi::DataType out_type,
+                      int64_t scale_count, int64_t scales_count) {
+  const std::string n(name);
+  if (quant != kQuantNone && quant != kQuantPerToken && quant != kQuantStatic)
+    return InvalidArgument(n + ": quant must be 0 (none), 1 (fp8 per token) or 2 (fp8 static)");
+  if (quant != kQuantNone && out_type != ffi::DataType::F8E4M3FN)
+    return InvalidArgument(n + ": a quantized output must be float8_e4m3fn");
+  if (scale_count != (quant == kQuantStatic ? 1 : 0))
+    return InvalidArgument(n + ": scale must have 1 element with quant=2 (static), 0 otherwise");
+  if (scales_count != (quant == kQuantPerToken ? rows : 0))
+    return InvalidArgument(n + ": scales must have one element per row with quant=1 (per token), 0 otherwise");
+  if (rows > std::numeric_limits<int32_t>::max()) return InvalidArgument(n + ": more than 2^31 - 1 rows");
+  return ffi::Error::Success();
+}
+
+ffi::Error PermuteRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sorted_slots,
+                           ffi::Buffer<ffi::S32> valid_rows, ffi::Buffer<ffi::F32> scale,
+                           ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> scales, int64_t top_k,
+                           int64_t quant) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return InvalidArgument("permute_rows: x must have rank 2 [T, H]");
+  const int64_t t = xd[0], h = xd[1];
+  if (top_k < 1) return InvalidArgument("permute_rows: top_k must be >= 1");
+  const int64_t n = t * top_k;
+  if (static_cast<int64_t>(sorted_slots.element_count()) != n)
+    return InvalidArgument("permute_rows: sorted_slots must have T*k elements");
+  if (valid_rows.element_count() != 1) return InvalidArgument("permute_rows: valid_rows must have 1 element");
+  const auto od = out->dimensions();
+  if (od.size() != 2 || od[0] != n || od[1] != h) return InvalidArgument("permute_rows: out must be [T*k, H]");
+  if (quant == kQuantNone && out->element_type() != x.element_type())
+    return InvalidArgument("permute_rows: without quantization out must have x's dtype");
+  if (auto err = CheckQuant("permute_rows", quant, n, out->element_type(), scale.element_count(),
+                                scales->element_count()); err.failure()) return err;
+  return WithFloatType(x.element_type(), "permute_rows: x", [&](auto tag) -> ffi::Error {
+    using In = typename decltype(tag)::type;
+    const int out_bytes = quant == kQuantNone ? sizeof(In) : 1;
+    const int32_t* slots = sorted_slots.typed_data();
+    const float* s = quant == kQuantStatic ? scale.typed_data() : nullptr;
+    float* sc = quant == kQuantPerToken ? scales->typed_data() : nullptr;
+    const In* src = static_cast<const In*>(x.untyped_data());
+    if (CanVectorize(h, kVec<In>, {{src, sizeof(In)}, {out->untyped_data(), out_bytes}})) {
+      GatherRow<In, kVec<In>> op{src, slots, h, n, top_k, nullptr};
+      return DispatchQuant<kVec<In>>(stream, op, quant, n, h, valid_rows.typed_data(), s, out, sc);
+    }
+    GatherRow<In, 1> op{src, slots, h, n, top_k, nullptr};
+    return DispatchQuant<1>(stream, op, quant, n, h, valid_rows.typed_data(), s, out, sc);
+  });
+}
+
+ffi::Error ActAndMulCuda(cudaStream_t stream, ffi::AnyBuffer h, ffi::Buffer<ffi::S32> valid_rows,
+                         ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::ResultBuffer<ffi::F32> scales, int64_t activation, int64_t quant) {
+  const auto hd = h.dimensions();
+  if (hd.size() != 2 || hd[1] % 2 != 0) return InvalidArgument("act_and_mul: h must be [M, 2I]");
+  const int64_t m = hd[0], i = hd[1] / 2;
+  if (activation != kActSilu && activation != kActGelu)
+    return InvalidArgument("act_and_mul: activation must be 0 (silu) or 1 (gelu)");
+  if (valid_rows.element_count() != 1) return InvalidArgument("act_and_mul: valid_rows must have 1 element");
+  const auto od = out->dimensions();
+  if (od.size() != 2 || od[0] != m || od[1] != i) return InvalidArgument("act_and_mul: out must be [M, I]");
+  if (auto err = CheckQuant("act_and_mul", quant, m, out->element_type(), scale.element_count(),
+                                scales->element_count()); err.failure()) return err;
+  return WithFloatType(h.element_type(), "act_and_mul: h", [&](auto tag) -> ffi::Error {
+    using In = typename decltype(tag)::type;
+    const int out_bytes = quant != kQuantNone                          ? 1
+                          : out->element_type() == ffi::DataType::F32 ? 4
+                                                                        : 2;
+    const float* s = quant == kQuantStatic ? scale.typed_data() : nullptr;
+    float* sc = quant == kQuantPerToken ? scales->typed_data() : nullptr;
+    const In* src = static_cast<const In*>(h.untyped_data());
+    const int act = static_cast<int>(activation);
+    if (CanVectorize(i, kVec<In>, {{src, sizeof(In)}, {out->untyped_data(), out_bytes}})) {
+      GatedActRow<In, kVec<In>> op{src, i, act, nullptr};
+      return DispatchQuant<kVec<In>>(stream, op, quant, m, i, valid_rows.typed_data(), s, out, sc);
+    }
+    GatedActRow<In, 1> op{src, i, act, nullptr};
+    return DispatchQuant<1>(stream, op, quant, m, i, valid_rows.typed_data(), s, out, sc);
+  });
+}
+
+}  // namespace
+}  // namespace jax_moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteRowsCuda, jax_moe::PermuteRowsCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()                // x [T, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // sorted_slots [T*k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // valid_rows [1]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // scale [1] or [0]
+                                  .Ret<xla::ffi::AnyBuffer>()                // rows [T*k, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()    // scales [T*k] or [0]
+                                  .Attr<int64_t>("top_k")
+                                  .Attr<int64_t>("quant"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeActAndMulCuda, jax_moe::ActAndMulCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()                // h [M, 2I]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // valid_rows [1]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // scale [1] or [0]
+                                  .Ret<xla::ffi::AnyBuffer>()                // out [M, I]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()    // scales [M] or [0]
+                                  .Attr<int64_t>("activation")
+                                  .Attr<int64_t>("quant"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,329 @@
+"""The small kernels around a grouped-GEMM MoE, as jittable functions: CUDA custom calls
+(``ffi/moe_prepare.cu``, ``ffi/moe_finalize.cu``) where the CUDA module is registered and the
+computation runs on a GPU, else their jnp references (``*_reference``, which the CUDA kernels
+are tested against).
+
+One forward of a grouped-GEMM backend, rows in expert-sorted order (:mod:`jax_moe.permute`)::
+
+    sort = sort_by_expert(topk_ids, E)                       # jax_moe.ffi (or jax_moe.permute)
+    valid = sort.offsets[-1]                                 # rows of local experts (EP: ids of -1 sort last)
+    ps1, ps2 = problem_sizes(sort.counts, H, I)              # [E, 3] int32 each
+    a1, s1 = permute_rows(x, sort.sorted_slots, k, valid_rows=valid, quant="fp8_per_token")
+    h = grouped_gemm(a1, w13, ps1)                           # [T*k, 2I]
+    a2, s2 = act_and_mul(h, "silu", valid_rows=valid, quant="fp8_per_token")
+    y = grouped_gemm(a2, w2, ps2)                            # [T*k, H]
+    out = unpermute_reduce(y, sort.inverse, topk_weights, valid_rows=valid)   # [T, H]
+
+``valid_rows`` (an int32 scalar, normally ``sort.offsets[-1]``; None: all rows) is the same
+convention everywhere: rows at or past it belong to slots whose expert is not on this rank.
+``permute_rows`` and ``act_and_mul`` write those rows as zeros (per-token scale: the smallest
+normal float32, as for any all-zero row), so that their outputs are fully defined whatever
+GEMM1 left in its padding rows; ``unpermute_reduce`` skips those slots (they contribute zero,
+whatever the rows hold, NaN included).
+
+FP8 is E4M3 (``float8_e4m3fn``) with :mod:`jax_moe.quant.fp8`'s arithmetic: per token,
+``scale = max(amax * (1/448), FLT_MIN)``; ``q = e4m3(clip(v * (1 / scale), -448, 448))``;
+``"fp8_static"`` takes a given per-tensor scale instead.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe import ffi
+from jax_moe.activations import activate
+from jax_moe.backends.xla import finalize
+from jax_moe.config import MoEConfig, check_dtype
+from jax_moe.quant.fp8 import quantize_fp8_per_token, quantize_fp8_static
+
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+QUANT_MODES = {None: 0, "fp8_per_token": 1, "fp8_static": 2}  # ffi/moe_kernels.h: QuantMode
+ACTIVATIONS = {"silu": 0, "gelu": 1}  # ffi/moe_kernels.h: Activation
+
+
+# ---------------------------------------------------------------- argument checks
+
+
+def _check_rank(name: str, x, rank: int, what: str) -> None:
+    if getattr(x, "ndim", None) != rank:
+        raise ValueError(f"{name} must have rank {rank} {what}, got shape {list(getattr(x, 'shape', ()))}")
+
+
+def _check_int(name: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return int(v)
+
+
+def _valid_rows(valid_rows, rows: int) -> jax.Array:
+    """``valid_rows`` (None, an int, or an int32 array of one element) as an int32 [1] array."""
+    if valid_rows is None:
+        return jnp.full((1,), rows, jnp.int32)
+    if isinstance(valid_rows, (int, np.integer)) and not isinstance(valid_rows, bool):
+        return jnp.full((1,), int(valid_rows), jnp.int32)
+    if not hasattr(valid_rows, "dtype") or np.dtype(valid_rows.dtype) != np.int32 or np.size(valid_rows) != 1:
+        raise ValueError(
+            "valid_rows must be None, an int, or an int32 array of one element (e.g. sort.offsets[-1]), "
+            f"got {getattr(valid_rows, 'dtype', type(valid_rows).__name__)} of shape "
+            f"{list(getattr(valid_rows, 'shape', ()))}"
+        )
+    return jnp.reshape(valid_rows, (1,))
+
+
+def _quant_args(quant, scale) -> tuple[int, jax.Array | None]:
+    """The quant mode's number and the static scale as a float32 [] array (or None)."""
+    if quant not in QUANT_MODES:
+        raise ValueError(f"quant must be one of {list(QUANT_MODES)}, got {quant!r}")
+    if quant == "fp8_static":
+        if scale is None:
+            raise ValueError("scale is required with quant='fp8_static'")
+        if np.size(scale) != 1:
+            raise ValueError(f"scale must have one element (per-tensor), got shape {list(np.shape(scale))}")
+        return QUANT_MODES[quant], jnp.reshape(jnp.asarray(scale, jnp.float32), ())
+    if scale is not None:
+        raise ValueError(f"scale is only taken with quant='fp8_static', not quant={quant!r}")
+    return QUANT_MODES[quant], None
+
+
+def _out_dtype(out_dtype, default, quant) -> jnp.dtype:
+    if out_dtype is None:
+        return jnp.dtype(jnp.float8_e4m3fn) if quant else jnp.dtype(default)
+    if quant:
+        raise ValueError(f"out_dtype is float8_e4m3fn with quant={quant!r}; do not pass out_dtype")
+    if jnp.dtype(out_dtype).name not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {list(FLOAT_DTYPES)}, got {jnp.dtype(out_dtype).name}")
+    return jnp.dtype(out_dtype)
+
+
+def _native(cuda, reference, *args):
+    """``cuda(*args)`` where lowered for a GPU with the CUDA module registered, else ``reference``."""
+    if ffi.has_native("cuda"):
+        return jax.lax.platform_dependent(*args, cuda=cuda, default=reference)
+    return reference(*args)
+
+
+def _row_mask(n: int, valid: jax.Array) -> jax.Array:
+    return jnp.arange(n, dtype=jnp.int32) < valid[0]
+
+
+def _quantize_rows(v: jax.Array, mode: int, scale):
+    """float32 rows [M, C] -> (q [M, C] float8_e4m3fn, scales [M] or the static [] float32)."""
+    if mode == QUANT_MODES["fp8_per_token"]:
+        q, s = quantize_fp8_per_token(v)
+        return q, s[:, 0]
+    return quantize_fp8_static(v, scale), scale
+
+
+# ---------------------------------------------------------------- problem_sizes
+
+
+def problem_sizes(counts: jax.Array, hidden_size: int, intermediate_size: int, *, gated: bool = True
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Grouped-GEMM problem sizes (M, N, K) per expert, from ``sort_by_expert``'s counts.
+
+    counts [E] int32 -> (gemm1 [E, 3] int32 = (counts, 2I or I, H), gemm2 [E, 3] int32 =
+    (counts, H, I)). Pure jnp (XLA fuses it into one tiny elementwise kernel; a custom call
+    would only stop that fusion). ``gated``: GEMM1 produces gate and up (N = 2I).
+    """
+    _check_rank("counts", counts, 1, "[E]")
+    check_dtype("counts", counts, ("int32",))
+    h = _check_int("hidden_size", hidden_size)
+    i = _check_int("intermediate_size", intermediate_size)
+    n1 = 2 * i if gated else i
+
+    def sizes(n: int, k: int) -> jax.Array:
+        const = jnp.broadcast_to(jnp.asarray([n, k], jnp.int32), (counts.shape[0], 2))
+        return jnp.concatenate([counts[:, None], const], axis=1)
+
+    return sizes(n1, h), sizes(h, i)
+
+
+# ---------------------------------------------------------------- permute_rows
+
+
+def permute_rows_reference(x, sorted_slots, top_k: int, *, valid_rows=None, quant=None, scale=None):
+    """jnp reference of :func:`permute_rows` (same arguments and results)."""
+    n = _check_permute(x, sorted_slots, top_k)
+    mode, scale = _quant_args(quant, scale)
+    return _permute_ref(x, sorted_slots, _valid_rows(valid_rows, n), top_k, mode, scale)
+
+
+def _permute_ref(x, slots, valid, top_k, mode, scale):
+    n = slots.shape[0]
+    ok = _row_mask(n, valid) & (slots >= 0) & (slots < n)
+    rows = jnp.where(ok[:, None], x[jnp.clip(slots, 0, max(n - 1, 0)) // top_k], jnp.zeros((), x.dtype))
+    if mode == 0:
+        return rows
+    return _quantize_rows(rows.astype(jnp.float32), mode, scale)
+
+
+def _check_permute(x, sorted_slots, top_k) -> int:
+    _check_rank("x", x, 2, "[T, H]")
+    check_dtype("x", x, FLOAT_DTYPES)
+    k = _check_int("top_k", top_k)
+    _check_rank("sorted_slots", sorted_slots, 1, "[T*k]")
+    check_dtype("sorted_slots", sorted_slots, ("int32",))
+    n = x.shape[0] * k
+    if sorted_slots.shape[0] != n:
+        raise ValueError(f"sorted_slots must have T*k = {n} elements, got {sorted_slots.shape[0]}")
+    return n
+
+
+def permute_rows(x: jax.Array, sorted_slots: jax.Array, top_k: int, *, valid_rows=None, quant: str | None = None,
+                 scale=None):
+    """Gather the tokens into expert-sorted rows: row r = ``x[sorted_slots[r] // top_k]``.
+
+    x [T, H] bfloat16/float16/float32; sorted_slots [T*k] int32 (``sort_by_expert``); rows at or
+    past ``valid_rows`` are zero. ``quant``: None -> rows [T*k, H] in x's dtype;
+    ``"fp8_per_token"`` -> (rows [T*k, H] float8_e4m3fn, scales [T*k] float32);
+    ``"fp8_static"`` with ``scale`` ([] float32, dequantization scale) -> (rows, scale).
+    """
+    n = _check_permute(x, sorted_slots, top_k)
+    mode, scale = _quant_args(quant, scale)
+    valid = _valid_rows(valid_rows, n)
+    k, h = int(top_k), x.shape[1]
+    out_dt = _out_dtype(None, x.dtype, quant)
+
+    def reference(x, slots, valid, scale):
+        return _permute_ref(x, slots, valid, k, mode, scale)
+
+    def cuda(x, slots, valid, scale):
+        outs = [jax.ShapeDtypeStruct((n, h), out_dt), jax.ShapeDtypeStruct((n if mode == 1 else 0,), jnp.float32)]
+        s_in = jnp.reshape(scale, (1,)) if mode == 2 else jnp.zeros((0,), jnp.float32)
+        rows, scales = jax.ffi.ffi_call("jax_moe_permute_rows", outs, vmap_method="sequential")(
+            x, slots, valid, s_in, top_k=k, quant=mode)
+        return rows if mode == 0 else (rows, scales if mode == 1 else scale)
+
+    if n == 0:
+        return reference(x, sorted_slots, valid, scale)
+    return _native(cuda, reference, x, sorted_slots, valid, scale)
+
+
+# ---------------------------------------------------------------- act_and_mul
+
+
+def act_and_mul_reference(h, activation: str = "silu", *, valid_rows=None, quant=None, scale=None, out_dtype=None):
+    """jnp reference of :func:`act_and_mul` (same arguments and results)."""
+    _check_act(h, activation)
+    mode, scale = _quant_args(quant, scale)
+    out_dt = _out_dtype(out_dtype, h.dtype, quant)
+    return _act_ref(h, _valid_rows(valid_rows, h.shape[0]), activation, mode, scale, out_dt)
+
+
+def _act_ref(h, valid, activation, mode, scale, out_dt):
+    i = h.shape[1] // 2
+    cfg = MoEConfig(num_experts=1, top_k=1, hidden_size=1, intermediate_size=i, activation=activation)
+    a = jnp.where(_row_mask(h.shape[0], valid)[:, None], activate(h, cfg), 0.0)
+    if mode == 0:
+        return a.astype(out_dt)
+    return _quantize_rows(a, mode, scale)
+
+
+def _check_act(h, activation) -> None:
+    _check_rank("h", h, 2, "[M, 2I]")
+    check_dtype("h", h, FLOAT_DTYPES)
+    if h.shape[1] < 2 or h.shape[1] % 2:
+        raise ValueError(f"h must have an even, positive number of columns [M, 2I], got shape {list(h.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+
+
+def act_and_mul(h: jax.Array, activation: str = "silu", *, valid_rows=None, quant: str | None = None, scale=None,
+                out_dtype=None):
+    """Gated activation of GEMM1's output: ``act(h[:, :I]) * h[:, I:]`` in float32.
+
+    h [M, 2I] bfloat16/float16/float32, gate columns first, then up (vLLM's w13); activation
+    ``"silu"`` or ``"gelu"`` (erf form), as :func:`jax_moe.activations.activate`. Rows at or past
+    ``valid_rows`` are zero. ``quant``: None -> out [M, I] in ``out_dtype`` (default h's dtype);
+    ``"fp8_per_token"`` -> (out [M, I] float8_e4m3fn, scales [M] float32);
+    ``"fp8_static"`` with ``scale`` ([] float32) -> (out, scale).
+    """
+    _check_act(h, activation)
+    mode, scale = _quant_args(quant, scale)
+    out_dt = _out_dtype(out_dtype, h.dtype, quant)
+    m, i = h.shape[0], h.shape[1] // 2
+    valid = _valid_rows(valid_rows, m)
+
+    def reference(h, valid, scale):
+        return _act_ref(h, valid, activation, mode, scale, out_dt)
+
+    def cuda(h, valid, scale):
+        outs = [jax.ShapeDtypeStruct((m, i), out_dt), jax.ShapeDtypeStruct((m if mode == 1 else 0,), jnp.float32)]
+        s_in = jnp.reshape(scale, (1,)) if mode == 2 else jnp.zeros((0,), jnp.float32)
+        out, scales = jax.ffi.ffi_call("jax_moe_act_and_mul", outs, vmap_method="sequential")(
+            h, valid, s_in, activation=ACTIVATIONS[activation], quant=mode)
+        return out if mode == 0 else (out, scales if mode == 1 else scale)
+
+    if m == 0:
+        return reference(h, valid, scale)
+    return _native(cuda, reference, h, valid, scale)
+
+
+# ---------------------------------------------------------------- unpermute_reduce
+
+
+def unpermute_reduce_reference(y, inverse, topk_weights, *, valid_rows=None, apply_router_weight_on_input=False,
+                               out_dtype=None):
+    """jnp reference of :func:`unpermute_reduce` (same arguments and result); the reduce is
+    :func:`jax_moe.backends.xla.finalize`."""
+    _check_unpermute(y, inverse, topk_weights)
+    out_dt = _out_dtype(out_dtype, y.dtype, None)
+    return _unpermute_ref(y, inverse, topk_weights.astype(jnp.float32), _valid_rows(valid_rows, y.shape[0]),
+                          bool(apply_router_weight_on_input), out_dt)
+
+
+def _unpermute_ref(y, inverse, weights, valid, plain_sum, out_dt):
+    m = y.shape[0]
+    if weights.shape[0] == 0:
+        return jnp.zeros((0, y.shape[1]), out_dt)
+    ok = (inverse >= 0) & (inverse < jnp.minimum(valid[0], m))
+    row_of_slot = jnp.where(ok, inverse, m)  # row m: a zero row appended below
+    y_pad = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)], axis=0)
+    return finalize(y_pad, row_of_slot, jnp.ones_like(weights) if plain_sum else weights, out_dt)
+
+
+def _check_unpermute(y, inverse, topk_weights) -> None:
+    _check_rank("y", y, 2, "[M, H]")
+    check_dtype("y", y, FLOAT_DTYPES)
+    _check_rank("topk_weights", topk_weights, 2, "[T, k]")
+    check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
+    _check_rank("inverse", inverse, 1, "[T*k]")
+    check_dtype("inverse", inverse, ("int32",))
+    t, k = topk_weights.shape
+    if inverse.shape[0] != t * k:
+        raise ValueError(f"inverse must have T*k = {t * k} elements, got {inverse.shape[0]}")
+    if not 1 <= k <= 1024:
+        raise ValueError(f"topk_weights must have k in [1, 1024] columns, got shape {list(topk_weights.shape)}")
+
+
+def unpermute_reduce(y: jax.Array, inverse: jax.Array, topk_weights: jax.Array, *, valid_rows=None,
+                     apply_router_weight_on_input: bool = False, out_dtype=None) -> jax.Array:
+    """The weighted top-k reduce back to token order, accumulated in float32:
+    ``out[t] = sum_j topk_weights[t, j] * y[inverse[t*k + j]]`` over the slots whose row is below
+    ``valid_rows`` (the others, expert ids of -1, contribute zero).
+
+    y [M, H] bfloat16/float16/float32 (GEMM2's expert-sorted rows, M normally T*k); inverse
+    [T*k] int32 (``sort_by_expert``); topk_weights [T, k] float (taken as float32).
+    ``apply_router_weight_on_input``: the weights were applied before GEMM1, so a plain sum.
+    Returns out [T, H] in ``out_dtype`` (default y's dtype).
+    """
+    _check_unpermute(y, inverse, topk_weights)
+    out_dt = _out_dtype(out_dtype, y.dtype, None)
+    t, h = topk_weights.shape[0], y.shape[1]
+    valid = _valid_rows(valid_rows, y.shape[0])
+    plain = bool(apply_router_weight_on_input)
+    weights = topk_weights.astype(jnp.float32)
+
+    def reference(y, inverse, weights, valid):
+        return _unpermute_ref(y, inverse, weights, valid, plain, out_dt)
+
+    def cuda(y, inverse, weights, valid):
+        out = jax.ShapeDtypeStruct((t, h), out_dt)
+        return jax.ffi.ffi_call("jax_moe_unpermute_reduce", out, vmap_method="sequential")(
+            y, inverse, weights, valid, weighted=int(not plain))
+
+    if t == 0 or h == 0:
+        return reference(y, inverse, weights, valid)
+    return _native(cuda, reference, y, inverse, weights, valid)

@@ -1,0 +1,517 @@
+"""jax_moe.kernels: the jnp references against independent numpy definitions and the argument
+checks (CPU, everywhere); the shape rules as lowered for CUDA (CPU); the CUDA kernels against
+the references (``gpu``)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_moe import ffi, kernels
+from jax_moe.permute import sort_by_expert
+
+FP8 = jnp.float8_e4m3fn
+TINY = np.float32(np.finfo(np.float32).tiny)
+RCP_448 = np.float32(1) / np.float32(448)
+
+# (T, k, E, H, I): T=1, T not a multiple of anything, E=256/k=8, H and I not multiples of 8
+# (scalar path), DeepSeek-V3-like rows.
+SHAPES = [(1, 1, 4, 128, 64), (1, 8, 256, 256, 128), (37, 2, 8, 203, 77), (300, 8, 256, 512, 256),
+          (999, 4, 64, 1024, 384), (2048, 8, 256, 7168, 512)]
+CPU_SHAPES = [(1, 1, 4, 16, 8), (1, 8, 256, 32, 16), (37, 2, 8, 24, 7), (129, 8, 256, 64, 40)]
+
+
+# ---------------------------------------------------------------- data
+
+
+def routing(rng, t, k, e, minus_one=False, unused=0):
+    """topk_ids [T, k] int32 with distinct experts per token (the first ``unused`` experts get no
+    token), ~20% of ids -1 with ``minus_one``; topk_weights [T, k] float32 in (0.1, 1.1)."""
+    pool = np.arange(unused, e)
+    ids = np.stack([rng.permutation(pool)[:k] for _ in range(t)]).astype(np.int32)
+    if minus_one:
+        ids[rng.random(ids.shape) < 0.2] = -1
+    return jnp.asarray(ids), jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
+
+
+def normal(rng, shape, dtype, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+
+
+def poison_rows(a, start: int):
+    """NaN in every row at or past ``start`` (what a GEMM may leave in rows it never wrote)."""
+    return a.at[start:].set(jnp.nan)
+
+
+# ---------------------------------------------------------------- numpy definitions
+
+
+def np_fp8_per_token(v):
+    """v [M, C] float32 -> (q as float32 values, scales [M]), jax_moe/quant/fp8.py's arithmetic."""
+    v = np.asarray(v, np.float32)
+    scale = np.maximum(np.abs(v).max(axis=1) * RCP_448, TINY).astype(np.float32)
+    inv = (np.float32(1) / scale).astype(np.float32)
+    q = np.clip(v * inv[:, None], -448, 448).astype(FP8).astype(np.float32)
+    return q, scale
+
+
+def np_fp8_static(v, scale):
+    inv = np.float32(1) / np.float32(scale)
+    return np.clip(np.asarray(v, np.float32) * inv, -448, 448).astype(FP8).astype(np.float32)
+
+
+def np_permute(x, slots, k, valid):
+    x, slots = np.asarray(x), np.asarray(slots)
+    out = np.zeros((slots.shape[0], x.shape[1]), x.dtype)
+    for r, s in enumerate(slots):
+        if r < valid:
+            out[r] = x[s // k]
+    return out
+
+
+def np_act(h, activation, valid):
+    h = np.asarray(h, np.float64)
+    i = h.shape[1] // 2
+    g, u = h[:, :i], h[:, i:]
+    if activation == "silu":
+        a = g / (1.0 + np.exp(-g)) * u
+    else:
+        a = 0.5 * g * (1.0 + np.vectorize(math.erf)(g / math.sqrt(2.0))) * u
+    a[valid:] = 0.0
+    return a
+
+
+def np_unpermute(y, inverse, w, valid, plain):
+    y, inverse, w = np.asarray(y, np.float64), np.asarray(inverse), np.asarray(w, np.float64)
+    t, k = w.shape
+    out = np.zeros((t, y.shape[1]))
+    for s in range(t * k):
+        row = inverse[s]
+        if 0 <= row < valid:
+            out[s // k] += (1.0 if plain else w[s // k, s % k]) * y[row]
+    return out
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.isfinite(got).all(), "non-finite values in the result"
+    den = np.linalg.norm(want)
+    return float(np.linalg.norm(got - want) / den) if den > 0 else float(np.abs(got).max(initial=0.0))
+
+
+def dequant(q, s):
+    s = np.asarray(s, np.float32)
+    return np.asarray(q, np.float32) * (s[:, None] if s.ndim else s)
+
+
+# ---------------------------------------------------------------- CPU: references vs numpy
+
+
+@pytest.mark.parametrize("t,k,e,h,i", CPU_SHAPES)
+def test_problem_sizes(rng, t, k, e, h, i):
+    ids, _ = routing(rng, t, k, e, minus_one=True, unused=1)
+    counts = sort_by_expert(ids, e).counts
+    c = np.asarray(counts)
+    g1, g2 = kernels.problem_sizes(counts, h, i)
+    np.testing.assert_array_equal(np.asarray(g1), np.stack([c, np.full(e, 2 * i), np.full(e, h)], 1))
+    np.testing.assert_array_equal(np.asarray(g2), np.stack([c, np.full(e, h), np.full(e, i)], 1))
+    g1, _ = jax.jit(lambda c: kernels.problem_sizes(c, h, i, gated=False))(counts)
+    assert g1.dtype == jnp.int32 and np.asarray(g1)[:, 1].tolist() == [i] * e
+
+
+@pytest.mark.parametrize("t,k,e,h,i", CPU_SHAPES)
+@pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_permute_rows_reference(rng, t, k, e, h, i, minus_one, dtype):
+    ids, _ = routing(rng, t, k, e, minus_one)
+    sort = sort_by_expert(ids, e)
+    valid = int(sort.offsets[-1])
+    x = normal(rng, (t, h), dtype)
+    want = np_permute(x, sort.sorted_slots, k, valid)
+    rows = kernels.permute_rows_reference(x, sort.sorted_slots, k, valid_rows=sort.offsets[-1])
+    assert rows.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(rows), want)
+    q, s = kernels.permute_rows_reference(x, sort.sorted_slots, k, valid_rows=sort.offsets[-1], quant="fp8_per_token")
+    wq, ws = np_fp8_per_token(want.astype(np.float32))
+    assert q.dtype == FP8 and s.shape == (t * k,) and s.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(s), ws)
+    np.testing.assert_array_equal(np.asarray(q, np.float32), wq)
+    assert (np.asarray(s)[valid:] == TINY).all()
+    q, s = kernels.permute_rows_reference(x, sort.sorted_slots, k, quant="fp8_static", scale=0.004)
+    np.testing.assert_array_equal(np.asarray(q, np.float32),
+                                  np_fp8_static(np_permute(x, sort.sorted_slots, k, t * k), 0.004))
+    assert float(s) == np.float32(0.004)
+
+
+@pytest.mark.parametrize("m,i", [(1, 8), (37, 7), (300, 64)])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_act_and_mul_reference(rng, m, i, activation):
+    h = normal(rng, (m, 2 * i), jnp.float32, 2.0)
+    valid = max(m - 5, 0)
+    want = np_act(h, activation, valid)
+    got = kernels.act_and_mul_reference(h, activation, valid_rows=jnp.int32(valid))
+    assert got.shape == (m, i) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    got = kernels.act_and_mul_reference(h.astype(jnp.bfloat16), activation, valid_rows=valid)
+    assert got.dtype == jnp.bfloat16 and rel_err(got, want) < 1e-2
+    q, s = kernels.act_and_mul_reference(h, activation, valid_rows=valid, quant="fp8_per_token")
+    assert q.dtype == FP8 and s.shape == (m,)
+    np.testing.assert_allclose(np.asarray(s), np_fp8_per_token(want.astype(np.float32))[1], rtol=1e-5)
+    assert rel_err(dequant(q, s), want) < 5e-2 and (np.asarray(s)[valid:] == TINY).all()
+    q, s = kernels.act_and_mul_reference(h, activation, quant="fp8_static", scale=jnp.float32(0.02))
+    assert rel_err(dequant(q, s), np.clip(np_act(h, activation, m), -448 * 0.02, 448 * 0.02)) < 5e-2
+
+
+@pytest.mark.parametrize("t,k,e,h,i", CPU_SHAPES)
+@pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
+@pytest.mark.parametrize("plain", [False, True], ids=["weighted", "weight-on-input"])
+def test_unpermute_reduce_reference(rng, t, k, e, h, i, minus_one, plain):
+    ids, w = routing(rng, t, k, e, minus_one)
+    sort = sort_by_expert(ids, e)
+    valid = int(sort.offsets[-1])
+    y = poison_rows(normal(rng, (t * k, h), jnp.float32), valid)
+    got = kernels.unpermute_reduce_reference(y, sort.inverse, w, valid_rows=sort.offsets[-1],
+                                             apply_router_weight_on_input=plain)
+    want = np_unpermute(y, sort.inverse, w, valid, plain)
+    assert got.shape == (t, h) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    got = kernels.unpermute_reduce_reference(y.astype(jnp.bfloat16), sort.inverse, w, valid_rows=valid,
+                                             apply_router_weight_on_input=plain)
+    assert got.dtype == jnp.bfloat16 and rel_err(got, want) < 1e-2
+
+
+def _grouped_gemm(rows, w, offsets):
+    """rows [M, K] @ w[expert of row].T in float32; rows past offsets[E] get expert 0 (unused)."""
+    e = w.shape[0]
+    expert = jnp.clip(jnp.searchsorted(offsets, jnp.arange(rows.shape[0]), side="right") - 1, 0, e - 1)
+    return jnp.einsum("mk,mnk->mn", rows.astype(jnp.float32), w[expert].astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def _pipeline(x, w13, w2, w, ids, activation, quant=None):
+    """The kernels chained with a jnp grouped GEMM, as a CUTLASS backend will chain them."""
+    t, k = ids.shape
+    sort = ffi_or_jnp_sort(ids, w13.shape[0])
+    valid = sort.offsets[-1]
+    a1 = kernels.permute_rows(x, sort.sorted_slots, k, valid_rows=valid, quant=quant)
+    a1 = dequant(*a1) if quant else a1
+    h1 = _grouped_gemm(jnp.asarray(a1), w13, sort.offsets)
+    a2 = kernels.act_and_mul(h1, activation, valid_rows=valid, quant=quant)
+    a2 = dequant(*a2) if quant else a2
+    y = _grouped_gemm(jnp.asarray(a2), w2, sort.offsets).astype(x.dtype)
+    return kernels.unpermute_reduce(y, sort.inverse, w, valid_rows=valid)
+
+
+def ffi_or_jnp_sort(ids, e):
+    return ffi.sort_by_expert(ids, e) if ffi.has_native("cuda") else sort_by_expert(ids, e)
+
+
+def np_moe(x, w13, w2, w, ids, activation):
+    """Per-slot MLP in float64; ids outside [0, E) contribute nothing."""
+    x, w13, w2, w, ids = (np.asarray(a, np.float64) for a in (x, w13, w2, w, ids))
+    t, k = ids.shape
+    out = np.zeros((t, x.shape[1]))
+    for tt in range(t):
+        for j in range(k):
+            e = int(ids[tt, j])
+            if 0 <= e < w13.shape[0]:
+                a = np_act((w13[e] @ x[tt])[None], activation, 1)[0]
+                out[tt] += w[tt, j] * (w2[e] @ a)
+    return out
+
+
+@pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_kernels_chain_to_the_moe(rng, minus_one, activation):
+    """permute -> GEMM1 -> act_and_mul -> GEMM2 -> unpermute_reduce is the MoE (layout conventions)."""
+    t, k, e, h, i = 23, 3, 8, 32, 16
+    ids, w = routing(rng, t, k, e, minus_one, unused=1)
+    x = normal(rng, (t, h), jnp.float32)
+    w13 = normal(rng, (e, 2 * i, h), jnp.float32, 1 / math.sqrt(h))
+    w2 = normal(rng, (e, h, i), jnp.float32, 1 / math.sqrt(i))
+    want = np_moe(x, w13, w2, w, ids, activation)
+    assert rel_err(jax.jit(_pipeline, static_argnums=5)(x, w13, w2, w, ids, activation), want) < 1e-5
+    got = _pipeline(x, w13, w2, w, ids, activation, "fp8_per_token")
+    assert rel_err(got, want) < 5e-2
+
+
+# ---------------------------------------------------------------- CPU: argument checks
+
+
+def test_bad_arguments_raise_before_lowering():
+    x, slots = jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8,), jnp.int32)
+    h, y = jnp.zeros((8, 6), jnp.bfloat16), jnp.zeros((8, 8), jnp.bfloat16)
+    w, inv = jnp.zeros((4, 2), jnp.float32), jnp.zeros((8,), jnp.int32)
+    cases = [
+        (lambda: kernels.problem_sizes(jnp.zeros((4,), jnp.float32), 8, 4), "counts must have dtype"),
+        (lambda: kernels.problem_sizes(jnp.zeros((4, 1), jnp.int32), 8, 4), "counts must have rank 1"),
+        (lambda: kernels.problem_sizes(jnp.zeros((4,), jnp.int32), 0, 4), "hidden_size must be an int"),
+        (lambda: kernels.problem_sizes(jnp.zeros((4,), jnp.int32), 8, 2.0), "intermediate_size must be an int"),
+        (lambda: kernels.permute_rows(x[0], slots, 2), "x must have rank 2"),
+        (lambda: kernels.permute_rows(x.astype(jnp.int32), slots, 2), "x must have dtype"),
+        (lambda: kernels.permute_rows(x, slots.astype(jnp.float32), 2), "sorted_slots must have dtype"),
+        (lambda: kernels.permute_rows(x, slots, 3), "sorted_slots must have T\\*k = 12"),
+        (lambda: kernels.permute_rows(x, slots, 0), "top_k must be an int >= 1"),
+        (lambda: kernels.permute_rows(x, slots, 2, quant="fp8"), "quant must be one of"),
+        (lambda: kernels.permute_rows(x, slots, 2, quant="fp8_static"), "scale is required"),
+        (lambda: kernels.permute_rows(x, slots, 2, quant="fp8_static", scale=jnp.ones(3)), "scale must have one"),
+        (lambda: kernels.permute_rows(x, slots, 2, scale=1.0), "scale is only taken"),
+        (lambda: kernels.permute_rows(x, slots, 2, valid_rows=jnp.zeros((2,), jnp.int32)), "valid_rows must be"),
+        (lambda: kernels.permute_rows(x, slots, 2, valid_rows=jnp.float32(3)), "valid_rows must be"),
+        (lambda: kernels.act_and_mul(h[:, :5], "silu"), "h must have an even"),
+        (lambda: kernels.act_and_mul(h[0], "silu"), "h must have rank 2"),
+        (lambda: kernels.act_and_mul(h, "relu2"), "activation must be one of"),
+        (lambda: kernels.act_and_mul(h, "silu", out_dtype=jnp.int8), "out_dtype must be one of"),
+        (lambda: kernels.act_and_mul(h, "silu", quant="fp8_per_token", out_dtype=jnp.bfloat16), "do not pass"),
+        (lambda: kernels.unpermute_reduce(y[0], inv, w), "y must have rank 2"),
+        (lambda: kernels.unpermute_reduce(y, inv[:7], w), "inverse must have T\\*k = 8"),
+        (lambda: kernels.unpermute_reduce(y, inv, w.astype(jnp.int32)), "topk_weights must have dtype"),
+        (lambda: kernels.unpermute_reduce(y, inv.astype(jnp.uint32), w), "inverse must have dtype"),
+        (lambda: kernels.unpermute_reduce(y, inv, w[:, :, None]), "topk_weights must have rank 2"),
+        (lambda: kernels.unpermute_reduce(y, inv, w, out_dtype=jnp.float8_e4m3fn), "out_dtype must be one of"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_empty_batch():
+    x, slots = jnp.zeros((0, 8), jnp.bfloat16), jnp.zeros((0,), jnp.int32)
+    assert kernels.permute_rows(x, slots, 2).shape == (0, 8)
+    q, s = kernels.permute_rows(x, slots, 2, quant="fp8_per_token")
+    assert q.shape == (0, 8) and s.shape == (0,)
+    assert kernels.act_and_mul(jnp.zeros((0, 8), jnp.float32), "gelu").shape == (0, 4)
+    out = kernels.unpermute_reduce(jnp.zeros((0, 8), jnp.bfloat16), slots, jnp.zeros((0, 2), jnp.float32))
+    assert out.shape == (0, 8) and out.dtype == jnp.bfloat16
+
+
+# ---------------------------------------------------------------- CPU: shape rules as lowered for CUDA
+
+
+def _custom_calls(fn, *args) -> list[str]:
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return [line for line in text.splitlines() if "stablehlo.custom_call @jax_moe_" in line]
+
+
+def test_shape_rules_lower_for_cuda(monkeypatch):
+    """With the CUDA module taken as registered, each wrapper lowers to its custom call with the
+    operand and result types the handlers check (ffi/moe_kernels.h)."""
+    monkeypatch.setattr(ffi, "has_native", lambda kind: kind == "cuda")
+    x, slots, v = jnp.ones((5, 16), jnp.bfloat16), jnp.arange(10, dtype=jnp.int32), jnp.int32(7)
+    (line,) = _custom_calls(lambda x, s, v: kernels.permute_rows(x, s, 2, valid_rows=v, quant="fp8_per_token"),
+                            x, slots, v)
+    assert "@jax_moe_permute_rows" in line and "quant = 1 : i64, top_k = 2 : i64" in line
+    assert ("(tensor<5x16xbf16>, tensor<10xi32>, tensor<1xi32>, tensor<0xf32>) -> "
+            "(tensor<10x16xf8E4M3FN>, tensor<10xf32>)") in line
+    (line,) = _custom_calls(lambda x, s: kernels.permute_rows(x, s, 2, quant="fp8_static", scale=0.5), x, slots)
+    assert "tensor<0xf32>) ->" not in line and "tensor<1xf32>) -> (tensor<10x16xf8E4M3FN>, tensor<0xf32>)" in line
+    (line,) = _custom_calls(lambda x, s: kernels.permute_rows(x, s, 2), x, slots)
+    assert "-> (tensor<10x16xbf16>, tensor<0xf32>)" in line
+    h = jnp.ones((10, 12), jnp.float32)
+    (line,) = _custom_calls(lambda h: kernels.act_and_mul(h, "gelu", out_dtype=jnp.bfloat16), h)
+    assert "@jax_moe_act_and_mul" in line and "activation = 1 : i64, quant = 0 : i64" in line
+    assert "(tensor<10x12xf32>, tensor<1xi32>, tensor<0xf32>) -> (tensor<10x6xbf16>, tensor<0xf32>)" in line
+    (line,) = _custom_calls(lambda h: kernels.act_and_mul(h, "silu", quant="fp8_per_token"), h)
+    assert "-> (tensor<10x6xf8E4M3FN>, tensor<10xf32>)" in line
+    y, w = jnp.ones((10, 16), jnp.bfloat16), jnp.ones((5, 2), jnp.bfloat16)
+    (line,) = _custom_calls(lambda y, i, w: kernels.unpermute_reduce(y, i, w, apply_router_weight_on_input=True,
+                                                                     out_dtype=jnp.float32), y, slots, w)
+    assert "@jax_moe_unpermute_reduce" in line and "weighted = 0 : i64" in line
+    assert "(tensor<10x16xbf16>, tensor<10xi32>, tensor<5x2xf32>, tensor<1xi32>) -> tensor<5x16xf32>" in line
+
+
+# ---------------------------------------------------------------- GPU: CUDA kernels vs references
+
+
+def need_cuda():
+    if not ffi.has_native("cuda"):
+        pytest.skip(f"jax_moe cuda module not available: {ffi.native_status()['cuda']}")
+
+
+def poison_memory(shapes) -> None:
+    """Fill and free device buffers of the outputs' sizes with 0xFF bytes (NaN in bf16, f16, f32
+    and float8_e4m3fn), so that the allocator likely hands that memory to the next outputs: a
+    kernel that leaves part of its output unwritten then shows NaN."""
+    bufs = [jnp.full((max(1, s.size * s.dtype.itemsize),), 0xFF, jnp.uint8) for s in jax.tree.leaves(shapes)]
+    jax.block_until_ready(bufs)
+    for b in bufs:
+        b.delete()
+
+
+def run_twice(fn, *args, target: str):
+    """jit(fn)(*args) twice on poisoned memory; checks that the CUDA custom call is what runs and
+    that both runs agree."""
+    f = jax.jit(fn)
+    assert f"@{target}" in f.lower(*args).as_text(), f"{target} is not in the lowered module"
+    shapes = jax.eval_shape(f, *args)
+    poison_memory(shapes)
+    first = f(*args)
+    poison_memory(shapes)
+    second = f(*args)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    return first
+
+
+def gpu_case(rng, t, k, e, minus_one):
+    ids, w = routing(rng, t, k, e, minus_one, unused=min(2, e - k))  # experts 0 and 1: no tokens
+    sort = ffi.sort_by_expert(ids, e)
+    return sort, w, int(sort.offsets[-1])
+
+
+def check_fp8(q, s, ref_q, ref_s, valid, scale_rtol=1e-6):
+    """FP8 rows and scales against the reference's: dequantized within 5e-2, rows past ``valid``
+    zero with the smallest scale. Returns the fraction of FP8 values equal to the reference's."""
+    q32, ref32 = np.asarray(q, np.float32), np.asarray(ref_q, np.float32)
+    assert np.isfinite(q32).all() and np.isfinite(np.asarray(s)).all()
+    assert rel_err(dequant(q, s), dequant(ref_q, ref_s)) < 5e-2
+    if np.ndim(s):
+        np.testing.assert_allclose(np.asarray(s), np.asarray(ref_s), rtol=scale_rtol)
+        assert (np.asarray(s)[valid:] == TINY).all()
+    assert (q32[valid:] == 0).all()
+    return float(np.mean(q32 == ref32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e,h,i", SHAPES)
+@pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_cuda_permute_rows(rng, t, k, e, h, i, minus_one, dtype):
+    need_cuda()
+    sort, _, valid = gpu_case(rng, t, k, e, minus_one)
+    x = normal(rng, (t, h), dtype, 3.0)
+    v = sort.offsets[-1]
+    rows = run_twice(lambda x, s, v: kernels.permute_rows(x, s, k, valid_rows=v), x, sort.sorted_slots, v,
+                     target="jax_moe_permute_rows")
+    ref = kernels.permute_rows_reference(x, sort.sorted_slots, k, valid_rows=v)
+    assert rows.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(rows, np.float32), np.asarray(ref, np.float32))
+    q, s = run_twice(lambda x, s, v: kernels.permute_rows(x, s, k, valid_rows=v, quant="fp8_per_token"),
+                     x, sort.sorted_slots, v, target="jax_moe_permute_rows")
+    same = check_fp8(q, s, *kernels.permute_rows_reference(x, sort.sorted_slots, k, valid_rows=v,
+                                                           quant="fp8_per_token"), valid)
+    assert same > 0.999, f"only {same:.4f} of the FP8 bytes equal the reference's"
+    scale = jnp.float32(0.01)
+    q, s = run_twice(lambda x, s: kernels.permute_rows(x, s, k, quant="fp8_static", scale=scale),
+                     x, sort.sorted_slots, target="jax_moe_permute_rows")
+    check_fp8(q, s, *kernels.permute_rows_reference(x, sort.sorted_slots, k, quant="fp8_static", scale=scale),
+              t * k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e,h,i", SHAPES)
+@pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_act_and_mul(rng, t, k, e, h, i, minus_one, activation, dtype):
+    need_cuda()
+    sort, _, valid = gpu_case(rng, t, k, e, minus_one)
+    v = sort.offsets[-1]
+    hin = poison_rows(normal(rng, (t * k, 2 * i), dtype, 2.0), valid)
+    for out_dtype in (None, jnp.float32, jnp.bfloat16):
+        out = run_twice(lambda h, v: kernels.act_and_mul(h, activation, valid_rows=v, out_dtype=out_dtype), hin, v,
+                        target="jax_moe_act_and_mul")
+        ref = kernels.act_and_mul_reference(hin, activation, valid_rows=v, out_dtype=out_dtype)
+        assert out.dtype == ref.dtype
+        # XLA's exp/erf and CUDA's expf/erff differ in the last bits
+        assert rel_err(out, ref) < (1e-2 if ref.dtype == jnp.bfloat16 else 1e-4)
+        assert (np.asarray(out, np.float32)[valid:] == 0).all()
+    q, s = run_twice(lambda h, v: kernels.act_and_mul(h, activation, valid_rows=v, quant="fp8_per_token"), hin, v,
+                     target="jax_moe_act_and_mul")
+    check_fp8(q, s, *kernels.act_and_mul_reference(hin, activation, valid_rows=v, quant="fp8_per_token"), valid,
+              scale_rtol=1e-4)
+    scale = jnp.float32(0.02)
+    q, s = run_twice(lambda h, v: kernels.act_and_mul(h, activation, valid_rows=v, quant="fp8_static", scale=scale),
+                     hin, v, target="jax_moe_act_and_mul")
+    check_fp8(q, s, *kernels.act_and_mul_reference(hin, activation, valid_rows=v, quant="fp8_static", scale=scale),
+              valid)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e,h,i", SHAPES)
+@pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
+@pytest.mark.parametrize("plain", [False, True], ids=["weighted", "weight-on-input"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_cuda_unpermute_reduce(rng, t, k, e, h, i, minus_one, plain, dtype):
+    need_cuda()
+    sort, w, valid = gpu_case(rng, t, k, e, minus_one)
+    v = sort.offsets[-1]
+    y = poison_rows(normal(rng, (t * k, h), dtype), valid)
+    for out_dtype in (None, jnp.float32, jnp.bfloat16):
+        out = run_twice(lambda y, i, w, v: kernels.unpermute_reduce(y, i, w, valid_rows=v, out_dtype=out_dtype,
+                                                                    apply_router_weight_on_input=plain),
+                        y, sort.inverse, w, v, target="jax_moe_unpermute_reduce")
+        ref = kernels.unpermute_reduce_reference(y, sort.inverse, w, valid_rows=v, out_dtype=out_dtype,
+                                                 apply_router_weight_on_input=plain)
+        assert out.dtype == ref.dtype and out.shape == (t, h)
+        # float32: the reference's reduce is an einsum, which may run in TF32 on the GPU
+        assert rel_err(out, ref) < (2e-3 if ref.dtype == jnp.float32 else 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
+def test_cuda_kernels_chain_to_the_moe(rng, minus_one):
+    need_cuda()
+    t, k, e, h, i = 77, 4, 16, 256, 128
+    ids, w = routing(rng, t, k, e, minus_one, unused=1)
+    x = normal(rng, (t, h), jnp.float32)
+    w13 = normal(rng, (e, 2 * i, h), jnp.float32, 1 / math.sqrt(h))
+    w2 = normal(rng, (e, h, i), jnp.float32, 1 / math.sqrt(i))
+    want = np_moe(x, w13, w2, w, ids, "silu")
+    assert rel_err(jax.jit(_pipeline, static_argnums=5)(x, w13, w2, w, ids, "silu"), want) < 1e-4
+    assert rel_err(_pipeline(x.astype(jnp.bfloat16), w13, w2, w, ids, "silu"), want) < 2e-2
+    assert rel_err(_pipeline(x, w13, w2, w, ids, "gelu", "fp8_per_token"), np_moe(x, w13, w2, w, ids, "gelu")) < 5e-2
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_under_command_buffers():
+    """The handlers declare command-buffer compatibility: run them with XLA's command buffers forced
+    on, fresh inputs each round, against the references."""
+    need_cuda()
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import numpy as np, jax, jax.numpy as jnp
+        from jax_moe import ffi, kernels as K
+        rng = np.random.default_rng(7)
+        t, k, e, h, i = 333, 8, 64, 512, 192
+
+        def step(x, ids, w, hin, y):
+            s = ffi.sort_by_expert(ids, e)
+            v = s.offsets[-1]
+            return (K.permute_rows(x, s.sorted_slots, k, valid_rows=v, quant="fp8_per_token"),
+                    K.act_and_mul(hin, "silu", valid_rows=v),
+                    K.unpermute_reduce(y, s.inverse, w, valid_rows=v))
+
+        def ref(x, ids, w, hin, y):
+            s = ffi.sort_by_expert(ids, e)
+            v = s.offsets[-1]
+            return (K.permute_rows_reference(x, s.sorted_slots, k, valid_rows=v, quant="fp8_per_token"),
+                    K.act_and_mul_reference(hin, "silu", valid_rows=v),
+                    K.unpermute_reduce_reference(y, s.inverse, w, valid_rows=v))
+
+        f = jax.jit(step)
+        for _ in range(3):
+            ids = np.argsort(-rng.standard_normal((t, e)), axis=1)[:, :k].astype(np.int32)
+            ids[rng.random(ids.shape) < 0.1] = -1
+            args = (jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16), jnp.asarray(ids),
+                    jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32),
+                    jnp.asarray(rng.standard_normal((t * k, 2 * i)), jnp.bfloat16),
+                    jnp.asarray(rng.standard_normal((t * k, h)), jnp.bfloat16))
+            (q, s), a, out = f(*args)
+            (rq, rs), ra, rout = ref(*args)
+            deq = lambda q, s: np.asarray(q, np.float32) * np.asarray(s)[:, None]
+            for got, want, tol in ((deq(q, s), deq(rq, rs), 5e-2), (a, ra, 1e-2), (out, rout, 1e-2)):
+                got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+                err = np.linalg.norm(got - want) / np.linalg.norm(want)
+                assert np.isfinite(got).all() and err < tol, err
+        print("OK")
+    """)
+    env = dict(__import__("os").environ,
+               XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
