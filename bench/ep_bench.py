@@ -38,9 +38,10 @@ from jax_moe.parallel import (  # noqa: E402
 )
 
 
-def bytes_sent(ids: np.ndarray, ep: int, e_local: int, h: int, t_local: int) -> tuple[float, float]:
-    """Mean bytes one device sends per step: (naive, all_to_all)."""
-    naive = (ep - 1) * t_local * (2 * h + 8 * ids.shape[1]) + (ep - 1) * t_local * 4 * h
+def bytes_sent(ids: np.ndarray, ep: int, e_local: int, h: int, t_local: int, xb: int = 2) -> tuple[float, float]:
+    """Mean bytes one device sends per step: (naive, all_to_all); ``xb`` bytes per token value
+    on the wire (2 for bf16, 1 when FP8 tokens are quantized before dispatch)."""
+    naive = (ep - 1) * t_local * (xb * h + 8 * ids.shape[1]) + (ep - 1) * t_local * 4 * h
     owner = ids // e_local  # [T, k]
     a2a = 0.0
     for src in range(ep):
@@ -48,7 +49,7 @@ def bytes_sent(ids: np.ndarray, ep: int, e_local: int, h: int, t_local: int) -> 
         for dst in range(ep):
             if dst != src:
                 rows = (mine == dst).any(1).sum()
-                a2a += rows * (2 * h + 8 * ids.shape[1] + 4 * h)
+                a2a += rows * (xb * h + 8 * ids.shape[1] + 4 * h)
     return naive, a2a / ep
 
 
@@ -61,6 +62,8 @@ def main(argv=None):
     p.add_argument("--tokens", nargs="+", type=int, default=[64, 1024, 8192], help="tokens per device")
     p.add_argument("--check", action="store_true", help="compare with the single-device MoE")
     p.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
+    p.add_argument("--scheme", default="bf16", choices=["bf16", "fp8"],
+                   help="fp8: FP8 per-tensor weights (flashinfer_cutlass quantizes tokens before dispatch)")
     p.add_argument("--backend", default="xla", choices=["xla", "flashinfer_cutlass"],
                    help="the local experts' backend (flashinfer_cutlass: prepared weights)")
     args = p.parse_args(argv)
@@ -75,10 +78,15 @@ def main(argv=None):
     rows = []
     strategies = {"naive": ParallelConfig(mesh, ep_axis="ep", strategy="naive"),
                   "all_to_all": ParallelConfig(mesh, ep_axis="ep", strategy="all_to_all")}
+    quant = None
+    if args.scheme == "fp8":
+        from jax_moe.quant.scheme import quantize_weights
+
+        w13, w2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a2_scale=0.02)
     if args.backend == "xla":
-        placed = shard_weights(w13, w2, strategies["naive"])
+        placed = shard_weights(w13, w2, strategies["naive"], quant=quant)
     else:
-        placed = shard_prepared(w13, w2, strategies["naive"], backend=args.backend)
+        placed = shard_prepared(w13, w2, strategies["naive"], backend=args.backend, quant=quant)
     tok = NamedSharding(mesh, P("ep"))
     for t_local in args.tokens:
         t = t_local * ep
@@ -89,19 +97,21 @@ def main(argv=None):
         row = {"T": t_local}
         for name, pcfg in strategies.items():
             if args.backend == "xla":
-                fn = jax.jit(lambda x, w, ids, p, pcfg=pcfg: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg))
+                fn = jax.jit(lambda x, w, ids, p, pcfg=pcfg: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg,
+                                                                                    quant=p["quant"]))
             else:
                 fn = jax.jit(lambda x, w, ids, p, pcfg=pcfg: parallel_apply_prepared(x, p, w, ids, pcfg,
                                                                                      backend=args.backend))
             row[name] = timeit(fn, [(x, w, ids, placed)])
             if args.check:
-                ref = jax.jit(fused_experts)(jax.device_put(x, devs[0]), jax.device_put(w13, devs[0]),
-                                             jax.device_put(w2, devs[0]), jax.device_put(w, devs[0]),
-                                             jax.device_put(ids, devs[0]))
+                ref = jax.jit(lambda *a: fused_experts(*a, quant=quant))(
+                    jax.device_put(x, devs[0]), jax.device_put(w13, devs[0]), jax.device_put(w2, devs[0]),
+                    jax.device_put(w, devs[0]), jax.device_put(ids, devs[0]))
                 out = np.asarray(fn(x, w, ids, placed), np.float64)
                 r = np.asarray(ref, np.float64)
                 row[name + "_err"] = float(np.linalg.norm(out - r) / np.linalg.norm(r))
-        row["naive_bytes"], row["a2a_bytes"] = bytes_sent(np.asarray(ids), ep, e // ep, h, t_local)
+        row["naive_bytes"], row["a2a_bytes"] = bytes_sent(np.asarray(ids), ep, e // ep, h, t_local,
+                                                          1 if args.scheme == "fp8" and args.backend != "xla" else 2)
         rows.append(row)
         print(row, flush=True)
 
@@ -109,7 +119,7 @@ def main(argv=None):
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
     ).stdout.strip() or "unknown"
     title = (f"{ep} x {devs[0].device_kind}, {datetime.date.today()}, commit {commit}: expert parallel "
-             f"E={e} H={h} I={i} k={k}, bf16, {args.backend} backend")
+             f"E={e} H={h} I={i} k={k}, {args.scheme}, {args.backend} backend")
     table = ["| T per device | naive ms | all_to_all ms | naive MB sent/device | all_to_all MB sent/device |",
              "|---|---|---|---|---|"]
     for r in rows:

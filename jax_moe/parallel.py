@@ -322,7 +322,9 @@ def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelC
                             backend: str = "flashinfer_cutlass", **apply_opts):
     """``backend.apply_prepared`` over ``pcfg.mesh`` with the same prepare/finalize strategies as
     :func:`parallel_fused_experts`. ``prepared`` from :func:`shard_prepared`; x [T, H] split
-    like the tokens. Returns [T, H] in x's dtype, split like x."""
+    like the tokens. With FP8 prepared weights the tokens are quantized before the dispatch
+    (one byte per value on the wire; the per-tensor scale is shared by all devices). Returns
+    [T, H] in x's dtype, split like x."""
     from jax_moe import oracle
 
     mod = oracle.module(backend)
@@ -332,11 +334,26 @@ def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelC
     tok = pcfg.token_spec
     specs = mod.partition_specs(prepared, pcfg.ep_axis, e)
 
-    def body(x, w, ids, prep):
-        def run(xr, wr, idr):
-            return mod.apply_prepared(xr, prep, wr, idr, **apply_opts).astype(jnp.float32)
+    # FP8 input: quantize before dispatch (the seeds' order), so that 1-byte rows travel; the
+    # dynamic scale is the max over every device's tokens, as on one device.
+    quantize_first = (pcfg.strategy != "none" and getattr(prepared, "scheme", None) == "fp8"
+                      and hasattr(mod, "quantize_input") and not apply_opts.get("apply_router_weight_on_input"))
 
-        return _run_strategy(x, w, ids, run, pcfg, e_local).astype(x.dtype)
+    def body(x, w, ids, prep):
+        if not quantize_first:
+            def run(xr, wr, idr):
+                return mod.apply_prepared(xr, prep, wr, idr, **apply_opts).astype(jnp.float32)
+
+            return _run_strategy(x, w, ids, run, pcfg, e_local).astype(x.dtype)
+        amax = jax.lax.pmax(jnp.max(jnp.abs(x.astype(jnp.float32))), pcfg.token_axes)
+        scale = mod.input_scale(x, prep, amax)
+        payload = jax.lax.bitcast_convert_type(mod.quantize_input(x, prep, scale), jnp.uint8)
+
+        def run_q(xr, wr, idr):
+            xq = jax.lax.bitcast_convert_type(xr, jnp.float8_e4m3fn)
+            return mod.apply_prepared(xq, prep, wr, idr, x_scale=scale, **apply_opts).astype(jnp.float32)
+
+        return _run_strategy(payload, w, ids, run_q, pcfg, e_local).astype(x.dtype)
 
     fn = jax.shard_map(body, mesh=pcfg.mesh, in_specs=(tok, tok, tok, specs), out_specs=tok, check_vma=False)
     return fn(x, topk_weights, topk_ids, prepared)

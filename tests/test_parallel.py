@@ -163,3 +163,44 @@ def test_prepared_weights_refuse_tensor_parallelism(rng):
     x, w13, w2, w, ids, _ = moe(rng, 8)
     with pytest.raises(ValueError, match="tensor parallelism"):
         shard_prepared(w13, w2, pcfg)
+
+
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_fp8_tokens_are_quantized_before_dispatch(rng, strategy, monkeypatch):
+    """FP8 prepared weights: every device quantizes its own tokens with the scale of all tokens
+    (max over devices, as one device would compute it), one-byte rows travel, and the result
+    equals the single-device xla MoE on the same quantized weights."""
+    import types
+
+    from jax_moe import oracle
+    from jax_moe.backends import flashinfer_cutlass as fic
+    from jax_moe.backends import xla
+    from jax_moe.config import MoEConfig
+    from jax_moe.parallel import parallel_apply_prepared, shard_prepared
+
+    x, w13, w2, w, ids, _ = moe(rng, 64)
+    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a2_scale=0.05)
+    seen = []
+
+    def apply_prepared(xq, p, topk_weights, topk_ids, x_scale=None):
+        seen.append(xq.dtype)
+        assert xq.dtype == jnp.float8_e4m3fn and x_scale is not None
+        e, h, i = p.w2.shape
+        cfg = MoEConfig(e, topk_ids.shape[1], h, i, expert_shard=True)
+        local = quant.replace(w13_scale=p.w13_scale, w2_scale=p.g2_alphas * p.a2_gscale, a13_scale=x_scale)
+        return xla.apply(xq.astype(jnp.float32) * x_scale, fic.runner_row_order(p.w13), p.w2, topk_weights,
+                         topk_ids, cfg, quant=local)
+
+    fake = types.SimpleNamespace(prepare=fic.prepare, partition_specs=fic.partition_specs, input_scale=fic.input_scale,
+                                 quantize_input=fic.quantize_input, apply_prepared=apply_prepared,
+                                 supports=lambda *a, **k: (False, "layout stand-in: never selected"))
+    real = oracle.module
+    monkeypatch.setattr(oracle, "module", lambda name: fake if name == "flashinfer_cutlass" else real(name))
+    pcfg = ParallelConfig(cpu_mesh((8,), ("ep",)), ep_axis="ep", strategy=strategy, ragged=False)
+    ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
+    prep = shard_prepared(q13, q2, pcfg, quant=quant)
+    f = jax.jit(lambda x, w, ids, p: parallel_apply_prepared(x, p, w, ids, pcfg))
+    out = f(x, w, ids, prep)
+    assert seen and rel(out, ref) < 1e-4
+    moved = str(jax.make_jaxpr(f)(x, w, ids, prep))
+    assert ("all_gather" in moved or "all_to_all" in moved) and "u8[" in moved

@@ -279,14 +279,34 @@ def tactics(gemm_id: int, scheme: str = "bf16"):
     return list(mod.tactics(gemm_id, SCHEME_IDS[scheme]))
 
 
+def input_scale(x, prepared: Prepared, amax=None):
+    """The per-tensor FP8 scale the ``fp8`` scheme quantizes ``x [T, H]`` with: the static
+    ``a13_scale``, else ``amax / 448`` of ``amax`` (default ``max |x|``; expert parallelism
+    passes the max over every device's tokens). float32 []."""
+    if prepared.a13_scale is not None:
+        return prepared.a13_scale
+    if amax is None:
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    return fp8.amax_to_scale(amax)
+
+
+def quantize_input(x, prepared: Prepared, scale):
+    """x [T, H] float -> float8_e4m3fn with ``scale`` (:func:`input_scale`): what the ``fp8``
+    scheme feeds GEMM1. Expert parallelism quantizes before dispatch with it and hands the
+    result to :func:`apply_prepared` with ``x_scale=scale``."""
+    return fp8.quantize_fp8_static(x.astype(jnp.float32), scale)
+
+
 def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tactic: int = -1,
-                   gemm2_tactic: int = -1, apply_router_weight_on_input: bool = False):
+                   gemm2_tactic: int = -1, apply_router_weight_on_input: bool = False, x_scale=None):
     """``y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` on the FlashInfer
     CUTLASS runner.
 
     x [T, H] float; ``prepared`` from :func:`prepare`; topk_weights [T, k] float; topk_ids [T, k]
     int32 in [0, E), or -1 for a slot whose expert lives elsewhere (skipped). With
     ``apply_router_weight_on_input`` (top-1 only) ``y[t] = expert(topk_weights[t] * x[t])``.
+    Scheme ``fp8`` also takes x already quantized (float8_e4m3fn, :func:`quantize_input`) with
+    its per-tensor ``x_scale`` []; a float x with ``x_scale`` is quantized with that scale.
     Returns [T, H] bf16. ``gemm*_tactic`` index the runner's tactic lists
     (:func:`tactics`); with both at -1, a tuned pair for this shape is used if one is cached
     (:mod:`jax_moe.backends.flashinfer_tuning`, ``JAX_MOE_FI_AUTOTUNE=1`` tunes missing shapes),
@@ -310,6 +330,13 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
         raise ValueError(f"topk_weights {topk_weights.shape} / topk_ids {topk_ids.shape} must be [T, k]")
     if apply_router_weight_on_input and k != 1:
         raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k={k}")
+    pre_quantized = x.dtype == jnp.float8_e4m3fn
+    if pre_quantized and (scheme != "fp8" or x_scale is None):
+        raise ValueError("x is float8_e4m3fn: only scheme 'fp8' takes a pre-quantized x, with its x_scale")
+    if pre_quantized and apply_router_weight_on_input:
+        raise ValueError("apply_router_weight_on_input needs a float x (the weight scales x before quantization)")
+    if x_scale is not None and scheme != "fp8":
+        raise ValueError(f"x_scale is for scheme 'fp8', not {scheme!r}")
     if prepared.w13_bias is not None and prepared.w13_bias.shape != (e, n1):
         raise ValueError(f"prepared.w13_bias must be [E, {n1}], got {prepared.w13_bias.shape}")
     if prepared.w2_bias is not None and prepared.w2_bias.shape != (e, h):
@@ -343,13 +370,9 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
         out, _ = call(x.astype(jnp.bfloat16), w13.astype(jnp.bfloat16), w2.astype(jnp.bfloat16),
                       ids, tw, *extras, **attrs)
         return out
-    xf = x.astype(jnp.float32)
-    if prepared.a13_scale is None:  # dynamic per-tensor scale over the tokens handed over
-        a13 = fp8.amax_to_scale(jnp.max(jnp.abs(xf)))
-        g1 = prepared.w13_scale * a13
-    else:
-        a13, g1 = prepared.a13_scale, prepared.g1_alphas
-    xq = fp8.quantize_fp8_static(xf, a13)
+    a13 = input_scale(x, prepared) if x_scale is None else jnp.asarray(x_scale, jnp.float32)
+    g1 = prepared.g1_alphas if prepared.a13_scale is not None and x_scale is None else prepared.w13_scale * a13
+    xq = x if pre_quantized else quantize_input(x, prepared, a13)
     out, _ = call(xq, w13, w2, ids, tw, g1.astype(jnp.float32), prepared.a2_gscale,
                   prepared.g2_alphas, *extras, **attrs)
     return out
