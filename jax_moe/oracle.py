@@ -27,6 +27,7 @@ log = logging.getLogger("jax_moe")
 # backends with a Python module of their own: supports(cfg, quant, device) and apply(...)
 MODULES: dict[str, str] = {
     "flashinfer_cutlass": "jax_moe.backends.flashinfer_cutlass",
+    "cutlass": "jax_moe.backends.cutlass",
     "xla": "jax_moe.backends.xla",
 }
 # every backend name the oracle knows; those without a module answer from backends/unavailable.py
@@ -113,9 +114,13 @@ def select_backend(cfg: MoEConfig, quant=None, *, backend: str | None = None, de
     for name in order_for(quant):
         mod, ok, reason = probe(name, cfg, quant, device)
         if ok and name not in (AUTO_PREPARED if prepared else AUTO):
-            ok, reason = False, ("can serve this, but repacks the weights on every call through "
-                                 "fused_experts: used when forced (backend=) or for weights prepared "
-                                 "at load time (MoEBlock.prepare())")
+            if getattr(mod, "NEEDS_REPACK", True):
+                ok, reason = False, ("can serve this, but repacks the weights on every call through "
+                                     "fused_experts: used when forced (backend=) or for weights prepared "
+                                     "at load time (MoEBlock.prepare())")
+            else:
+                ok, reason = False, ("can serve this, but is not picked automatically until its GPU tests "
+                                     "pass on hardware: used when forced (backend=)")
         if ok:
             for r in refused:
                 if r not in _logged:

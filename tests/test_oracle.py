@@ -30,14 +30,14 @@ REASONS = [
     (H100, "nvfp4", "marlin", "not provided: weight-only 4-bit on SM80/SM90"),
     (H100, "fp8_block", "flashinfer_cutlass", "scheme 'fp8_block' is not built yet"),
     (H100, "nvfp4", "flashinfer_cutlass", "scheme 'nvfp4' is not built yet"),
-    (H100, "bf16", "cutlass", "jax_moe's own CUTLASS grouped GEMMs are not in this build yet"),
+    (H100, "fp8", "cutlass", "scheme 'fp8' is not built yet (have bf16)"),
     (B200, "nvfp4", "flashinfer_trtllm", "the TRT-LLM gen MoE FFI handlers are not in this build yet"),
     (B200, "nvfp4", "flashinfer_cutedsl", "the CuteDSL masked grouped GEMM is not in this build yet"),
     (B200, "fp8", "flashinfer_cutedsl", "does not serve scheme 'fp8' (serves nvfp4)"),  # asked directly
     (B200, "bf16", "flashinfer_cutlass", "needs SM90 (this build compiles sm_90a only); this device is SM100"),
     (B200, "mxfp4", "marlin", "needs SM80/SM86/SM89/SM90; this device is SM100"),
     (RTX5090, "nvfp4", "flashinfer_trtllm", "needs SM100/SM103; this device is SM120"),
-    (A100, "w4a8", "cutlass", "needs SM90/SM100/SM103; this device is SM80"),
+    (A100, "w4a8", "cutlass", "needs SM90 (this build compiles sm_90a only); this device is SM80"),
     (A100, "mxfp4", "marlin", "not provided"),
     (CPU, "bf16", "flashinfer_cutlass", "needs SM90 (this build compiles sm_90a only); this device is cpu"),
 ]

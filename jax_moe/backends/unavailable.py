@@ -5,7 +5,6 @@ gives on every device: the hardware it needs first, then what is missing in this
 | -------------------- | --------------------- | -------------------------------- | ------------------------------- |
 | flashinfer_trtllm    | SM100 (B200/GB200)    | fp8, fp8_block, nvfp4, mxfp4     | FFI handlers not written yet    |
 | flashinfer_cutedsl   | SM100                 | nvfp4                            | not written yet                 |
-| cutlass (jax_moe's)  | SM90 (SM100 for FP4)  | bf16, fp8, nvfp4, w4a8           | not written yet (issue 5)       |
 | marlin               | SM80+ (weight-only)   | nvfp4/mxfp4/w4a8 weights, bf16 x | not provided: on SM80/SM90 the FlashInfer CUTLASS mixed-input GEMMs are to serve weight-only 4-bit |
 """
 
@@ -18,8 +17,6 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[str, ...], str]] = {
     "flashinfer_trtllm": ((100, 103), ("fp8", "fp8_block", "nvfp4", "mxfp4"),
                           "the TRT-LLM gen MoE FFI handlers are not in this build yet"),
     "flashinfer_cutedsl": ((100, 103), ("nvfp4",), "the CuteDSL masked grouped GEMM is not in this build yet"),
-    "cutlass": ((90, 100, 103), ("bf16", "fp8", "nvfp4", "w4a8"),
-                "jax_moe's own CUTLASS grouped GEMMs are not in this build yet"),
     "marlin": ((80, 86, 89, 90), ("nvfp4", "mxfp4", "w4a8"),
                "not provided: weight-only 4-bit on SM80/SM90 is to be served by flashinfer_cutlass's "
                "mixed-input GEMMs"),
