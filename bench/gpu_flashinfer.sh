@@ -23,15 +23,17 @@ fi
 if [[ " $steps " == *" build "* ]]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
   export JAX_MOE_WITH_FLASHINFER=ON CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
-  if [ -z "${JAX_MOE_FI_PREBUILT:-}" ]; then
+  if [ -f .fi/fi_src.tar.xz ]; then  # FlashInfer's sources: its MoE runner and the CUTLASS headers
     mkdir -p /tmp/fisrc && tar xJf .fi/fi_src.tar.xz -C /tmp/fisrc
     export FLASHINFER_SRC_DIR=/tmp/fisrc/flashinfer
+  elif [ -z "${JAX_MOE_FI_PREBUILT:-}" ]; then
+    echo "needs .fi/fi_src.tar.xz (bench/pack_flashinfer_src.sh) or JAX_MOE_FI_PREBUILT"; exit 1
   fi
   start=$(date +%s)
   python3 -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 \
     || { grep -E "error|FAILED" "$out/build.log" | head -30; tail -5 "$out/build.log"; exit 1; }
   echo "build (CPU + CUDA + FlashInfer modules, $(nproc) cores${JAX_MOE_FI_PREBUILT:+, prebuilt FlashInfer library}): $(( $(date +%s) - start )) s" | tee -a "$out/gpu.txt"
-  grep -E "jax_moe: FlashInfer" "$out/build.log" | sed 's/^ *//' | tee -a "$out/gpu.txt"
+  grep -E "jax_moe: (FlashInfer|CUTLASS|building)" "$out/build.log" | sed 's/^ *//' | tee -a "$out/gpu.txt"
 fi
 if [[ " $steps " == *" pack "* ]]; then
   lib=$(find build -name libjax_moe_fi.so -not -path "*/prebuilt/*" | head -1)
