@@ -12,6 +12,7 @@
 # Tiles: one TU per CUTLASS instantiation (ffi/cutlass_grouped_gemm_tile<N>.cu, see CutlassTile in
 # ffi/cutlass_grouped_gemm.h), so they compile in parallel (~1 min each on one core).
 include_guard(GLOBAL)
+include("${CMAKE_CURRENT_LIST_DIR}/find_flashinfer.cmake")
 
 option(JAX_MOE_WITH_CUTLASS "Build jax_moe's CUTLASS SM90 grouped GEMM (needs CUTLASS headers and 90a)" ON)
 set(CUTLASS_DIR "" CACHE PATH "A CUTLASS checkout (include/ and tools/util/include/) for jax_moe's CUTLASS kernels")
@@ -23,17 +24,7 @@ function(jax_moe_find_cutlass out_inc out_util)
   elseif(DEFINED ENV{CUTLASS_DIR} AND NOT "$ENV{CUTLASS_DIR}" STREQUAL "")
     list(APPEND _cands "$ENV{CUTLASS_DIR}")
   endif()
-  set(_fi "")
-  if(FLASHINFER_SRC_DIR)
-    set(_fi "${FLASHINFER_SRC_DIR}")
-  elseif(DEFINED ENV{FLASHINFER_SRC_DIR} AND NOT "$ENV{FLASHINFER_SRC_DIR}" STREQUAL "")
-    set(_fi "$ENV{FLASHINFER_SRC_DIR}")
-  else()
-    execute_process(
-      COMMAND "${Python_EXECUTABLE}" -c
-        "import importlib.util as u; s = u.find_spec('flashinfer'); print(list(s.submodule_search_locations)[0] if s and s.submodule_search_locations else '')"
-      OUTPUT_VARIABLE _fi OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-  endif()
+  jax_moe_find_flashinfer_dir(_fi)
   if(_fi)
     list(APPEND _cands "${_fi}/data/cutlass")
   endif()

@@ -132,17 +132,8 @@ if(NOT Python_EXECUTABLE)
   find_package(Python 3.10 COMPONENTS Interpreter Development.Module REQUIRED)
 endif()
 
-set(_fi_dir "")
-if(FLASHINFER_SRC_DIR)
-  set(_fi_dir "${FLASHINFER_SRC_DIR}")
-elseif(DEFINED ENV{FLASHINFER_SRC_DIR} AND NOT "$ENV{FLASHINFER_SRC_DIR}" STREQUAL "")
-  set(_fi_dir "$ENV{FLASHINFER_SRC_DIR}")
-else()
-  execute_process(
-    COMMAND "${Python_EXECUTABLE}" -c
-      "import importlib.util as u; s = u.find_spec('flashinfer'); print(list(s.submodule_search_locations)[0] if s and s.submodule_search_locations else '')"
-    OUTPUT_VARIABLE _fi_dir OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-endif()
+include("${CMAKE_CURRENT_LIST_DIR}/find_flashinfer.cmake")
+jax_moe_find_flashinfer_dir(_fi_dir)
 get_filename_component(_fi_dir "${_fi_dir}" ABSOLUTE)
 set(_fi_csrc "${_fi_dir}/data/csrc")
 set(_fi_runner_cuh "${_fi_csrc}/fused_moe/cutlass_backend/cutlass_fused_moe_kernels.cuh")

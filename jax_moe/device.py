@@ -35,3 +35,14 @@ def device_info(device=None) -> DeviceInfo:
         major, minor = str(cap).split(".")[:2]
         capability = (int(major), int(minor))
     return DeviceInfo(device.platform, capability)
+
+
+def sm90_module_ready(module, error: str | None, device=None) -> tuple[bool, str]:
+    """Whether a native module built for ``sm_90a`` only can run on ``device``: (False, why) when
+    the device is not SM90 or the module did not load (``error`` says why); (True, "") otherwise."""
+    dev = device_info(device)
+    if dev.sm != 90:
+        return False, f"needs SM90 (this build compiles sm_90a only); this device is {dev.describe()}"
+    if module is None:
+        return False, error or "the native module is not loaded"
+    return True, ""

@@ -81,13 +81,11 @@ def compiled_schemes() -> tuple[str, ...]:
 
 def available(device=None) -> tuple[bool, str]:
     """Whether the custom calls can run on ``device`` (default: JAX's default device), and why not."""
-    from jax_moe.device import device_info
+    from jax_moe.device import sm90_module_ready
 
-    dev = device_info(device)
-    if dev.sm != 90:
-        return False, f"needs SM90 (this build compiles sm_90a only); this device is {dev.describe()}"
-    if _module() is None:
-        return False, _state["error"]
+    ok, why = sm90_module_ready(_module(), _state["error"], device)
+    if not ok:
+        return False, why
     return True, f"FlashInfer CUTLASS fused MoE (SM90; {', '.join(compiled_schemes())})"
 
 
