@@ -99,7 +99,9 @@ def fused_experts(
 
 def run_experts(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, backend: str | None = None, **options):
     """The oracle's backend on already-checked arguments (``options`` as the backends' ``apply``)."""
-    impl = oracle.select_backend(cfg, options.get("quant"), backend=backend).module
+    quant = options.get("quant")
+    features = oracle.call_features(dtype=w13.dtype if quant is None else None, **options)
+    impl = oracle.select_backend(cfg, quant, backend=backend, features=features).module
     return impl.apply(x, w13, w2, topk_weights, topk_ids, cfg, **options)
 
 

@@ -150,14 +150,14 @@ class MoEBlock(nnx.Module):
             raise ValueError(f"this MoEBlock is already prepared for {self.prepared_backend!r}")
         quant = None if self.quant is None else self.quant.get_value()
         forced = backend or self.backend
-        sel = oracle.select_backend(self.config, quant, backend=forced, device=device, prepared=True)
         has_bias = self.w13_bias is not None or self.w2_bias is not None
-        takes_bias = getattr(sel.module, "PREPARE_TAKES_BIASES", False)
-        if not hasattr(sel.module, "prepare") or (has_bias and not takes_bias and forced is None):
-            self.prepared_backend = "xla" if has_bias and forced is None else sel.name
-            return self.prepared_backend
-        if has_bias and not takes_bias:
-            raise ValueError(f"backend {sel.name!r} does not take expert biases (w13_bias/w2_bias) yet")
+        features = oracle.call_features(dtype=self.dtype if quant is None else None,
+                                        w13_bias=self.w13_bias, w2_bias=self.w2_bias)
+        sel = oracle.select_backend(self.config, quant, backend=forced, device=device, prepared=True,
+                                    features=features)
+        if not hasattr(sel.module, "prepare"):
+            self.prepared_backend = sel.name
+            return sel.name
         biases = {}
         if has_bias:
             biases = dict(w13_bias=None if self.w13_bias is None else self.w13_bias.get_value(),

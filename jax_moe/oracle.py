@@ -42,7 +42,7 @@ SCHEME_ORDER: dict[str, tuple[str, ...]] = {
     "mxfp4": ("flashinfer_trtllm", "flashinfer_cutlass", "marlin", "xla"),
     "w4a8": ("flashinfer_cutlass", "cutlass", "xla"),
 }
-AUTO: frozenset[str] = frozenset({"xla"})
+AUTO: frozenset[str] = frozenset({"cutlass", "xla"})
 AUTO_PREPARED: frozenset[str] = AUTO | {"flashinfer_cutlass"}
 ENV = "JAX_MOE_BACKEND"
 FLASHINFER_ENV = "JAX_MOE_FLASHINFER_MOE_BACKEND"
@@ -77,14 +77,54 @@ class Selection:
     reasons: tuple[tuple[str, str], ...]
 
 
-def probe(name: str, cfg: MoEConfig, quant=None, device=None) -> tuple[object, bool, str]:
-    """(module or None, supported, reason) of backend ``name`` for this config on ``device``."""
+# What a call may need beyond its MoEConfig and QuantConfig; a backend module lists what it takes
+# in ``FEATURES`` (none listed: no biases, no router weight on input; no "dtype:" entry: any dtype).
+FEATURE_TEXT = {"bias": "expert biases (w13_bias/w2_bias)",
+                "router_weight_on_input": "apply_router_weight_on_input"}
+
+
+def call_features(*, dtype=None, w13_bias=None, w2_bias=None, apply_router_weight_on_input=False,
+                  **_) -> frozenset:
+    """The features one call needs: ``"bias"``, ``"router_weight_on_input"``, ``"dtype:<name>"``
+    (the unquantized weights' dtype)."""
+    need = set()
+    if w13_bias is not None or w2_bias is not None:
+        need.add("bias")
+    if apply_router_weight_on_input:
+        need.add("router_weight_on_input")
+    if dtype is not None:
+        import numpy as np
+
+        need.add(f"dtype:{np.dtype(dtype).name}")
+    return frozenset(need)
+
+
+def _missing_feature(mod, features) -> str | None:
+    have = frozenset(getattr(mod, "FEATURES", ()))
+    any_dtype = not any(f.startswith("dtype:") for f in have)
+    for f in sorted(features):
+        if f in have or (f.startswith("dtype:") and any_dtype):
+            continue
+        if f.startswith("dtype:"):
+            dts = sorted(h[6:] for h in have if h.startswith("dtype:"))
+            return f"takes {', '.join(dts)} weights, not {f[6:]}"
+        return f"does not take {FEATURE_TEXT.get(f, f)} yet"
+    return None
+
+
+def probe(name: str, cfg: MoEConfig, quant=None, device=None, features=frozenset()) -> tuple[object, bool, str]:
+    """(module or None, supported, reason) of backend ``name`` for this config on ``device``, for a
+    call needing ``features`` (:func:`call_features`)."""
     if name not in MODULES:
         from jax_moe.backends.unavailable import refusal
 
         return (None, *refusal(name, cfg, quant, device))
     mod = module(name)
     ok, reason = mod.supports(cfg, quant, device)
+    if ok:
+        missing = _missing_feature(mod, features)
+        if missing:
+            ok, reason = False, missing
     return mod, ok, reason
 
 
@@ -97,22 +137,23 @@ def module(name: str):
 
 
 def select_backend(cfg: MoEConfig, quant=None, *, backend: str | None = None, device=None,
-                   prepared: bool = False) -> Selection:
+                   prepared: bool = False, features=frozenset()) -> Selection:
     """Pick a backend for ``cfg`` (and ``quant``) on ``device`` (default: JAX's default device).
 
     ``prepared``: the caller repacks the weights once for the chosen backend (its ``prepare``),
-    so backends that need a repack are eligible without being forced (:data:`AUTO_PREPARED`)."""
+    so backends that need a repack are eligible without being forced (:data:`AUTO_PREPARED`).
+    ``features``: what the call needs beyond the configs (:func:`call_features`)."""
     forced = backend or os.environ.get(ENV) or None
     if forced is not None:
         if forced not in BACKENDS:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {forced!r}")
-        mod, ok, reason = probe(forced, cfg, quant, device)
+        mod, ok, reason = probe(forced, cfg, quant, device, features)
         if not ok:
             raise ValueError(f"backend {forced!r} cannot serve this MoE: {reason}")
         return Selection(forced, mod, ())
     refused = []
     for name in order_for(quant):
-        mod, ok, reason = probe(name, cfg, quant, device)
+        mod, ok, reason = probe(name, cfg, quant, device, features)
         if ok and name not in (AUTO_PREPARED if prepared else AUTO):
             if getattr(mod, "NEEDS_REPACK", True):
                 ok, reason = False, ("can serve this, but repacks the weights on every call through "

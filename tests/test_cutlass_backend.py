@@ -1,6 +1,8 @@
 """jax_moe's CUTLASS backend (backends/cutlass.py): shape rules, ValueErrors, the jnp reference and
 the oracle's refusals on CPU; the SM90 grouped GEMM and the whole MoE against references on a GPU."""
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -180,7 +182,23 @@ def test_oracle_refusal_without_the_module(monkeypatch):
 def test_oracle_module_row_and_order():
     assert oracle.MODULES["cutlass"] == "jax_moe.backends.cutlass"
     assert oracle.SCHEME_ORDER["bf16"] == ("flashinfer_cutlass", "cutlass", "xla")
-    assert "cutlass" not in oracle.AUTO
+    assert "cutlass" in oracle.AUTO  # its GPU tests pass on H100/H200, and it needs no repack
+
+
+@pytest.mark.parametrize("call,reason", [
+    (dict(w13_bias=np.zeros((8, 64), np.float32)), "does not take expert biases"),
+    (dict(dtype=np.float32), "takes bfloat16 weights, not float32"),
+])
+def test_oracle_passes_over_cutlass_for_what_it_does_not_take(call, reason, monkeypatch):
+    """What the call needs beyond the config (biases, the weights' dtype) is part of the choice:
+    the oracle refuses cutlass with the reason and falls back, instead of failing at apply."""
+    monkeypatch.setattr(cb, "supports", lambda *a, **k: (True, "ok"))
+    monkeypatch.setattr(oracle, "module", lambda name: importlib.import_module(oracle.MODULES[name]))
+    feats = oracle.call_features(**call)
+    sel = oracle.select_backend(_cfg(), device=H100, features=feats)
+    assert sel.name == "xla" and any(n == "cutlass" and reason in r for n, r in sel.reasons), sel.reasons
+    assert oracle.select_backend(_cfg(), device=H100, features=oracle.call_features(dtype=np.dtype("bfloat16"))
+                                 ).name in ("cutlass", "flashinfer_cutlass")
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -290,3 +308,25 @@ def test_under_command_buffers():
                XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_fused_experts_picks_cutlass_on_hopper_and_falls_back_for_biases(rng):
+    """On SM90 with the module built, bf16 fused_experts runs on cutlass without being forced
+    (the oracle says so), matches xla, and a call with biases goes to a backend that takes them."""
+    _skip_unless_available()
+    t, e, k, h, i = 77, 16, 4, 1024, 512
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
+    w = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
+    ids = jnp.asarray(np.argsort(-rng.standard_normal((t, e)), axis=1)[:, :k], jnp.int32)
+    cfg = MoEConfig(e, k, h, i)
+    assert oracle.select_backend(cfg, features=oracle.call_features(dtype=w13.dtype)).name == "cutlass"
+    out = jax.jit(fused_experts)(x, w13, w2, w, ids)
+    ref = fused_experts(x, w13, w2, w, ids, backend="xla")
+    got, want = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(got).all() and np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+    b2 = jnp.asarray(rng.standard_normal((e, h)), jnp.float32)
+    biased = fused_experts(x, w13, w2, w, ids, w2_bias=b2)  # no ValueError: not on cutlass
+    assert np.isfinite(np.asarray(biased, np.float32)).all()

@@ -244,7 +244,7 @@ def test_prepare_hands_expert_biases_to_backends_that_take_them(rng, monkeypatch
     x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
     before = block(x)
     assert block.prepare() == "xla"  # this stand-in does not say it takes biases
-    mod.PREPARE_TAKES_BIASES = True
+    mod.FEATURES = frozenset({"bias"})
     block2 = MoEBlock(64, 32, 8, 2, rngs=nnx.Rngs(0), dtype=jnp.float32, expert_bias=True)
     block2.w13_bias, block2.w2_bias = block.w13_bias, block.w2_bias
     assert block2.prepare() == "flashinfer_cutlass"

@@ -40,6 +40,7 @@ from jax_moe import kernels
 log = logging.getLogger("jax_moe")
 
 NAME = "cutlass"
+FEATURES = frozenset({"router_weight_on_input", "dtype:bfloat16"})  # oracle.call_features
 TARGET = "jax_moe_cutlass_grouped_gemm"
 # tile name -> CutlassTile in ffi/cutlass_grouped_gemm.h (one CUTLASS instantiation each)
 TILES: dict[str, int] = {"coop_128x128": 0, "pingpong_64x128": 1}

@@ -50,7 +50,8 @@ NAME = "flashinfer_cutlass"
 TARGETS = {"bf16": "jax_moe_flashinfer_cutlass_moe", "fp8": "jax_moe_flashinfer_cutlass_moe_fp8"}
 SCHEME_IDS = {"bf16": 0, "fp8": 1}
 ALIGN = {"bf16": 8, "fp8": 16}
-PREPARE_TAKES_BIASES = True  # prepare(..., w13_bias=, w2_bias=) (MoEBlock.prepare looks for it)
+# apply/prepare take biases (prepare(..., w13_bias=, w2_bias=)) and router weight on input; any dtype
+FEATURES = frozenset({"bias", "router_weight_on_input"})
 
 # jax_moe activation name -> TensorRT-LLM ActivationType value (cutlass_kernels/include/common.h)
 ACTIVATION_CODES = {"silu": 3, "gelu": 4, "swigluoai": 5, "relu2": 6}  # Swiglu, Geglu, SwigluBias, Relu2

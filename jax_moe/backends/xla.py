@@ -38,6 +38,7 @@ from jax_moe.quant.scheme import dequantize_experts, dequantize_weights, quantiz
 
 STRATEGIES = ("gather", "blocked", "dense", "ragged_dot")
 NAME = "xla"
+FEATURES = frozenset({"bias", "router_weight_on_input"})  # every dtype (oracle.call_features)
 STEP_WEIGHT_BYTES = 256 << 20
 GATHER_WEIGHT_BYTES = 2 << 30
 GATHER_MAX_SLOTS = 64
