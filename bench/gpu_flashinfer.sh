@@ -8,7 +8,10 @@
 #          skip the kernel build on a fresh machine, e.g. a multi-GPU one)
 #   relink the same install against the libjax_moe_fi.so just built, as a prebuilt library
 #          (JAX_MOE_FI_PREBUILT; timed, separate build dir), then the FlashInfer tests
-#   test   python -m jax_moe.info (bf16, fp8) and every GPU test (pytest -m gpu)
+#   test   python -m jax_moe.info (bf16, fp8) and every GPU test (pytest -m gpu), or PYTEST_ARGS's
+#          selection: the whole GPU suite now outlasts one 10-minute device command, so split it, e.g.
+#          PYTEST_ARGS="tests/test_flashinfer_cutlass.py tests/test_nn.py tests/test_gpu_xla.py" (~6 min)
+#          then PYTEST_ARGS="tests/test_moe_kernels.py tests/test_cutlass_backend.py tests/test_ffi_sort.py"
 #   bench  bench/moe_bench.py --write for each scheme in BENCH_SCHEMES (default "bf16 fp8"),
 #          with BENCH_ARGS, each under BENCH_TIMEOUT seconds
 # Logs go to ${OUT:-/tmp/jax_moe_gpu}; a short summary is printed.
