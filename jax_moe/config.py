@@ -80,6 +80,12 @@ def check_shape(name: str, x, shape: Sequence[int | None], what: str = "") -> No
         raise ValueError(f"{name} must have shape {want}{extra}, got {list(got)}")
 
 
+def check_rank(name: str, x, rank: int, what: str) -> None:
+    """Raise ValueError unless ``x`` has rank ``rank`` (``what`` names the expected shape)."""
+    if getattr(x, "ndim", None) != rank:
+        raise ValueError(f"{name} must have rank {rank} {what}, got shape {list(getattr(x, 'shape', ()))}")
+
+
 def check_dtype(name: str, x, allowed: Sequence[str]) -> None:
     """Raise ValueError unless ``x.dtype`` is one of ``allowed`` (dtype names)."""
     dt = np.dtype(x.dtype).name

@@ -8,23 +8,18 @@ import jax
 import numpy as np
 
 from jax_moe import oracle
-from jax_moe.config import ACTIVATIONS, FLOAT_DTYPES, MoEConfig, check_dtype, check_shape
+from jax_moe.config import ACTIVATIONS, FLOAT_DTYPES, MoEConfig, check_dtype, check_rank, check_shape
 from jax_moe.routing import select_experts
-
-
-def _rank(name: str, x, rank: int, what: str) -> None:
-    if getattr(x, "ndim", None) != rank:
-        raise ValueError(f"{name} must have rank {rank} {what}, got shape {list(getattr(x, 'shape', ()))}")
 
 
 def moe_config_from_arrays(
     x, w13, w2, topk_ids, *, activation: str, gate_up_layout: str, quant, swiglu_alpha: float, swiglu_limit: float
 ) -> MoEConfig:
     """Check the shapes and dtypes of the data arguments and derive the layer's :class:`MoEConfig`."""
-    _rank("x", x, 2, "[T, H]")
-    _rank("w13", w13, 3, "[E, 2I, H]")
-    _rank("w2", w2, 3, "[E, H, I]")
-    _rank("topk_ids", topk_ids, 2, "[T, k]")
+    check_rank("x", x, 2, "[T, H]")
+    check_rank("w13", w13, 3, "[E, 2I, H]")
+    check_rank("w2", w2, 3, "[E, H, I]")
+    check_rank("topk_ids", topk_ids, 2, "[T, k]")
     check_dtype("x", x, FLOAT_DTYPES)
     check_dtype("topk_ids", topk_ids, ("int32",))
     t, h = x.shape

@@ -35,20 +35,14 @@ import numpy as np
 from jax_moe import ffi
 from jax_moe.activations import activate
 from jax_moe.backends.xla import finalize
-from jax_moe.config import MoEConfig, check_dtype
+from jax_moe.config import FLOAT_DTYPES, MoEConfig, check_dtype, check_rank
 from jax_moe.quant.fp8 import quantize_fp8_per_token, quantize_fp8_static
 
-FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 QUANT_MODES = {None: 0, "fp8_per_token": 1, "fp8_static": 2}  # ffi/moe_kernels.h: QuantMode
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # ffi/moe_kernels.h: Activation
 
 
 # ---------------------------------------------------------------- argument checks
-
-
-def _check_rank(name: str, x, rank: int, what: str) -> None:
-    if getattr(x, "ndim", None) != rank:
-        raise ValueError(f"{name} must have rank {rank} {what}, got shape {list(getattr(x, 'shape', ()))}")
 
 
 def _check_int(name: str, v, minimum: int = 1) -> int:
@@ -127,7 +121,7 @@ def problem_sizes(counts: jax.Array, hidden_size: int, intermediate_size: int, *
     (counts, H, I)). Pure jnp (XLA fuses it into one tiny elementwise kernel; a custom call
     would only stop that fusion). ``gated``: GEMM1 produces gate and up (N = 2I).
     """
-    _check_rank("counts", counts, 1, "[E]")
+    check_rank("counts", counts, 1, "[E]")
     check_dtype("counts", counts, ("int32",))
     h = _check_int("hidden_size", hidden_size)
     i = _check_int("intermediate_size", intermediate_size)
@@ -160,10 +154,10 @@ def _permute_ref(x, slots, valid, top_k, mode, scale):
 
 
 def _check_permute(x, sorted_slots, top_k) -> int:
-    _check_rank("x", x, 2, "[T, H]")
+    check_rank("x", x, 2, "[T, H]")
     check_dtype("x", x, FLOAT_DTYPES)
     k = _check_int("top_k", top_k)
-    _check_rank("sorted_slots", sorted_slots, 1, "[T*k]")
+    check_rank("sorted_slots", sorted_slots, 1, "[T*k]")
     check_dtype("sorted_slots", sorted_slots, ("int32",))
     n = x.shape[0] * k
     if sorted_slots.shape[0] != n:
@@ -222,7 +216,7 @@ def _act_ref(h, valid, activation, mode, scale, out_dt):
 
 
 def _check_act(h, activation) -> None:
-    _check_rank("h", h, 2, "[M, 2I]")
+    check_rank("h", h, 2, "[M, 2I]")
     check_dtype("h", h, FLOAT_DTYPES)
     if h.shape[1] < 2 or h.shape[1] % 2:
         raise ValueError(f"h must have an even, positive number of columns [M, 2I], got shape {list(h.shape)}")
@@ -285,11 +279,11 @@ def _unpermute_ref(y, inverse, weights, valid, plain_sum, out_dt):
 
 
 def _check_unpermute(y, inverse, topk_weights) -> None:
-    _check_rank("y", y, 2, "[M, H]")
+    check_rank("y", y, 2, "[M, H]")
     check_dtype("y", y, FLOAT_DTYPES)
-    _check_rank("topk_weights", topk_weights, 2, "[T, k]")
+    check_rank("topk_weights", topk_weights, 2, "[T, k]")
     check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
-    _check_rank("inverse", inverse, 1, "[T*k]")
+    check_rank("inverse", inverse, 1, "[T*k]")
     check_dtype("inverse", inverse, ("int32",))
     t, k = topk_weights.shape
     if inverse.shape[0] != t * k:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe import kernels
+from jax_moe.config import check_rank
 
 log = logging.getLogger("jax_moe")
 
@@ -133,8 +134,7 @@ def pick_tile(rows: int, num_groups: int) -> str:
 def _check_gemm(a, b, offsets, tile) -> str:
     """Checks :func:`grouped_gemm`'s arguments (ValueError) and resolves ``tile``."""
     for name, x, rank, what in (("a", a, 2, "[M, K]"), ("b", b, 3, "[E, N, K]"), ("offsets", offsets, 1, "[E+1]")):
-        if getattr(x, "ndim", None) != rank:
-            raise ValueError(f"{name} must have rank {rank} {what}, got shape {list(getattr(x, 'shape', ()))}")
+        check_rank(name, x, rank, what)
     for name, x in (("a", a), ("b", b)):
         if jnp.dtype(x.dtype) != jnp.bfloat16:
             raise ValueError(f"{name} must be bfloat16 (this build's grouped GEMM is bf16 only), got "
