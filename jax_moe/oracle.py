@@ -155,13 +155,9 @@ def select_backend(cfg: MoEConfig, quant=None, *, backend: str | None = None, de
     for name in order_for(quant):
         mod, ok, reason = probe(name, cfg, quant, device, features)
         if ok and name not in (AUTO_PREPARED if prepared else AUTO):
-            if getattr(mod, "NEEDS_REPACK", True):
-                ok, reason = False, ("can serve this, but repacks the weights on every call through "
-                                     "fused_experts: used when forced (backend=) or for weights prepared "
-                                     "at load time (MoEBlock.prepare())")
-            else:
-                ok, reason = False, ("can serve this, but is not picked automatically until its GPU tests "
-                                     "pass on hardware: used when forced (backend=)")
+            ok, reason = False, ("can serve this, but repacks the weights on every call through "
+                                 "fused_experts: used when forced (backend=) or for weights prepared "
+                                 "at load time (MoEBlock.prepare())")
         if ok:
             for r in refused:
                 if r not in _logged:

@@ -50,7 +50,7 @@ class ParallelConfig:
     tp_axis: str | None = None
     dp_axis: str | None = None
     strategy: str = "naive"
-    ragged: bool | None = None  # all_to_all: ragged_all_to_all exchange (default off, see above)
+    ragged: bool = False  # all_to_all: the ragged_all_to_all exchange (see above)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -73,9 +73,6 @@ class ParallelConfig:
     def token_spec(self) -> P:
         axes = self.token_axes
         return P(axes if axes else None)
-
-    def use_ragged(self) -> bool:
-        return bool(self.ragged)
 
 
 # ------------------------------------------------------------------------- load time
@@ -238,7 +235,7 @@ def _run_strategy(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
         return run(x, w, ids)
     if pcfg.strategy == "naive":
         return _naive(x, w, ids, run, pcfg, e_local)
-    if pcfg.use_ragged():
+    if pcfg.ragged:
         return _all_to_all_ragged(x, w, ids, run, pcfg, e_local)
     return _all_to_all_dense(x, w, ids, run, pcfg, e_local)
 
@@ -310,12 +307,14 @@ def shard_prepared(w13, w2, pcfg: ParallelConfig, *, backend: str = "flashinfer_
                                  swiglu_alpha=cfg_opts.get("swiglu_alpha", 1.702),
                                  swiglu_limit=cfg_opts.get("swiglu_limit", 7.0))
     bias = {} if w13_bias is None and w2_bias is None else dict(w13_bias=placed["w13_bias"], w2_bias=placed["w2_bias"])
-    shape = jax.eval_shape(lambda a, b, q: mod.prepare(a, b, cfg, q, **bias), placed["w13"], placed["w2"],
-                           placed["quant"])
-    specs = mod.partition_specs(shape, pcfg.ep_axis, e)
+    args = (placed["w13"], placed["w2"], placed["quant"])
+
+    def prepare(a, b, q):
+        return mod.prepare(a, b, cfg, q, **bias)
+
+    specs = mod.partition_specs(jax.eval_shape(prepare, *args), pcfg.ep_axis, e)
     shardings = jax.tree.map(lambda s: NamedSharding(pcfg.mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
-    return jax.jit(lambda a, b, q: mod.prepare(a, b, cfg, q, **bias), out_shardings=shardings)(
-        placed["w13"], placed["w2"], placed["quant"])
+    return jax.jit(prepare, out_shardings=shardings)(*args)
 
 
 def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelConfig, *,
@@ -347,7 +346,7 @@ def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelC
             return _run_strategy(x, w, ids, run, pcfg, e_local).astype(x.dtype)
         amax = jax.lax.pmax(jnp.max(jnp.abs(x.astype(jnp.float32))), pcfg.token_axes)
         scale = mod.input_scale(x, prep, amax)
-        payload = jax.lax.bitcast_convert_type(mod.quantize_input(x, prep, scale), jnp.uint8)
+        payload = jax.lax.bitcast_convert_type(mod.quantize_input(x, scale), jnp.uint8)
 
         def run_q(xr, wr, idr):
             xq = jax.lax.bitcast_convert_type(xr, jnp.float8_e4m3fn)

@@ -49,7 +49,6 @@ TILE_ENV = "JAX_MOE_CUTLASS_TILE"
 ALIGN = 8  # K and N multiples of 8 bf16 elements (16-byte TMA rows); ffi: kCutlassAlign
 ACTIVATIONS = ("silu", "gelu", "relu2")
 DECODE_ROWS_PER_EXPERT = 64  # at most this many rows per expert on average: the 64-row pingpong tile
-NEEDS_REPACK = False  # the oracle: weights are used as vLLM stores them
 
 _state: dict = {"module": None, "error": None, "registered": False}
 

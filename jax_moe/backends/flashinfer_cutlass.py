@@ -170,18 +170,20 @@ class Prepared:
     ``a2_gscale [] = 1 / a2_scale``; ``g2_alphas [E] = w2_scale * a2_scale``.
     Optional (None: absent): ``w13_bias [E, 2I]`` bf16 in w13's row order, ``w2_bias [E, H]``
     bf16; ``swiglu [3, E]`` float32 (alpha, beta, limit per expert) for ``swigluoai``.
+    Each array field's ``expert_axis`` metadata names its expert axis (None: no expert axis),
+    which :func:`partition_specs` splits over expert parallelism.
     """
 
-    w13: jax.Array
-    w2: jax.Array
-    w13_scale: jax.Array | None = None
-    a13_scale: jax.Array | None = None
-    g1_alphas: jax.Array | None = None
-    a2_gscale: jax.Array | None = None
-    g2_alphas: jax.Array | None = None
-    w13_bias: jax.Array | None = None
-    w2_bias: jax.Array | None = None
-    swiglu: jax.Array | None = None
+    w13: jax.Array = dataclasses.field(metadata=dict(expert_axis=0))
+    w2: jax.Array = dataclasses.field(metadata=dict(expert_axis=0))
+    w13_scale: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
+    a13_scale: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=None))
+    g1_alphas: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
+    a2_gscale: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=None))
+    g2_alphas: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
+    w13_bias: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
+    w2_bias: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
+    swiglu: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=1))
     scheme: str = dataclasses.field(default="bf16", metadata=dict(static=True))
     activation: str = dataclasses.field(default="silu", metadata=dict(static=True))
 
@@ -201,11 +203,6 @@ def _extras(cfg, w13_bias, w2_bias) -> dict:
     return out
 
 
-# Which axis of each Prepared field counts experts (None: no expert axis, replicated).
-EXPERT_AXIS = dict(w13=0, w2=0, w13_scale=0, a13_scale=None, g1_alphas=0, a2_gscale=None, g2_alphas=0,
-                   w13_bias=0, w2_bias=0, swiglu=1)
-
-
 def partition_specs(prepared: Prepared, ep_axis, num_experts: int) -> Prepared:
     """A :class:`Prepared` of ``PartitionSpec`` s splitting every expert axis over ``ep_axis``
     (scalars replicated), for ``shard_map``/``jit`` shardings. ``prepared`` may hold
@@ -217,7 +214,7 @@ def partition_specs(prepared: Prepared, ep_axis, num_experts: int) -> Prepared:
     for f in dataclasses.fields(Prepared):
         if f.metadata.get("static"):
             continue
-        a, ax = getattr(prepared, f.name), EXPERT_AXIS[f.name]
+        a, ax = getattr(prepared, f.name), f.metadata["expert_axis"]
         if a is None:
             specs[f.name] = None
         elif ax is None or a.ndim <= ax or a.shape[ax] != num_experts:
@@ -289,7 +286,7 @@ def input_scale(x, prepared: Prepared, amax=None):
     return fp8.amax_to_scale(amax)
 
 
-def quantize_input(x, prepared: Prepared, scale):
+def quantize_input(x, scale):
     """x [T, H] float -> float8_e4m3fn with ``scale`` (:func:`input_scale`): what the ``fp8``
     scheme feeds GEMM1. Expert parallelism quantizes before dispatch with it and hands the
     result to :func:`apply_prepared` with ``x_scale=scale``."""
@@ -371,7 +368,7 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
         return out
     a13 = input_scale(x, prepared) if x_scale is None else jnp.asarray(x_scale, jnp.float32)
     g1 = prepared.g1_alphas if prepared.a13_scale is not None and x_scale is None else prepared.w13_scale * a13
-    xq = x if pre_quantized else quantize_input(x, prepared, a13)
+    xq = x if pre_quantized else quantize_input(x, a13)
     out, _ = call(xq, w13, w2, ids, tw, g1.astype(jnp.float32), prepared.a2_gscale,
                   prepared.g2_alphas, *extras, **attrs)
     return out
