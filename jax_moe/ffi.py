@@ -26,7 +26,7 @@ _registered: set[str] = set()
 SORT_CHUNK = 256  # slots per CUDA block of sort_by_expert (ffi/sort_by_expert.h: kSortChunk)
 
 
-def _gpu_backend() -> bool:
+def gpu_backend() -> bool:
     try:
         return any(d.platform == "gpu" for d in jax.devices())
     except RuntimeError:
@@ -41,7 +41,7 @@ def _load(kind: str):
     except ImportError as err:
         _errors[kind] = f"{_MODULES[kind]} is not built or cannot load ({err})"
         # said once; loudly only where it matters (a GPU without the CUDA kernels)
-        level = logging.WARNING if kind == "cuda" and _gpu_backend() else logging.INFO
+        level = logging.WARNING if kind == "cuda" and gpu_backend() else logging.INFO
         log.log(level, "jax_moe: %s; the pure-JAX paths are used instead", _errors[kind])
     return _loaded.get(kind)
 
@@ -53,7 +53,7 @@ def _register(kind: str) -> bool:
     mod = _load(kind)
     if mod is None:
         return False
-    if kind == "cuda" and not _gpu_backend():
+    if kind == "cuda" and not gpu_backend():
         _errors.setdefault(kind, f"built for {mod.cuda_archs()}, but this JAX has no GPU backend")
         return False
     if kind == "cuda" and getattr(mod, "sort_chunk", SORT_CHUNK) != SORT_CHUNK:

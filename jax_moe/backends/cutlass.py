@@ -86,7 +86,9 @@ def _register() -> bool:
     if _state["registered"]:
         return True
     mod = _module()
-    if mod is None or not any(d.platform == "gpu" for d in _devices()):
+    from jax_moe.ffi import gpu_backend  # noqa: PLC0415
+
+    if mod is None or not gpu_backend():
         return False
     if getattr(mod, "align", ALIGN) != ALIGN or getattr(mod, "num_tiles", len(TILES)) != len(TILES):
         _state["error"] = "the compiled module's tile list or alignment does not match jax_moe/backends/cutlass.py"
@@ -96,13 +98,6 @@ def _register() -> bool:
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     _state["registered"] = True
     return True
-
-
-def _devices():
-    try:
-        return jax.devices()
-    except RuntimeError:
-        return []
 
 
 @functools.lru_cache(maxsize=None)
