@@ -70,7 +70,7 @@
 #include "xla/ffi/api/ffi.h"
 // clang-format off
 #include "jax_moe_fi_kernels.h"
-#include "moe_kernels.h"
+#include "tensorrt_llm/kernels/cutlass_kernels/include/moe_kernels.h"  // FlashInfer's, by its full path
 // clang-format on
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic warning "-Wmissing-field-initializers"

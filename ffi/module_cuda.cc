@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "moe_kernels.h"
+#include "moe_prepare_finalize.h"
 #include "sort_by_expert.h"
 
 namespace nb = nanobind;

@@ -12,7 +12,7 @@
 #include <utility>
 
 #include "common.h"
-#include "moe_kernels.h"
+#include "moe_prepare_finalize.h"
 
 namespace jax_moe {
 

@@ -1,4 +1,4 @@
-// CUDA handler of unpermute_reduce (contract in moe_kernels.h, reference in jax_moe/kernels.py):
+// CUDA handler of unpermute_reduce (contract in moe_prepare_finalize.h, reference in jax_moe/kernels.py):
 // one CUDA block per token; its k slots' rows and weights are staged in shared memory, then each
 // thread sums V columns over the slots in float32. Slots whose row is at or past valid_rows (expert
 // ids outside [0, E), sorted last) are skipped, so whatever those rows hold never reaches the output.

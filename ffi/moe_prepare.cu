@@ -1,4 +1,4 @@
-// CUDA handlers of permute_rows and act_and_mul (contracts in moe_kernels.h, references in
+// CUDA handlers of permute_rows and act_and_mul (contracts in moe_prepare_finalize.h, references in
 // jax_moe/kernels.py). Both are one CUDA block per output row: the row's values are produced in
 // float32 (a gathered input row, or act(gate) * up), optionally quantized to FP8 E4M3 with a
 // per-row scale (amax pass, then a second pass that re-reads the row from cache) or a given
