@@ -7,8 +7,10 @@
 
 Prints, per tokens-per-device T: median step time of each strategy and the bytes each device
 sends per step (counted from the routing, not estimated): naive sends its tokens to every other
-device and reduce-scatters float32 partials; all-to-all sends each token once to each other
-device that owns one of its experts, and the partial outputs back.
+device and reduce-scatters float32 partials; all_to_all (the default, capacity-padded) sends a
+fixed [ep, T, H] buffer, zero rows included, and gets float32 partials back the same way;
+all_to_all ragged (``jax.lax.ragged_all_to_all``) sends each token once to each other device that
+owns one of its experts, and the partial outputs back.
 """
 
 from __future__ import annotations
@@ -38,10 +40,13 @@ from jax_moe.parallel import (  # noqa: E402
 )
 
 
-def bytes_sent(ids: np.ndarray, ep: int, e_local: int, h: int, t_local: int, xb: int = 2) -> tuple[float, float]:
-    """Mean bytes one device sends per step: (naive, all_to_all); ``xb`` bytes per token value
-    on the wire (2 for bf16, 1 when FP8 tokens are quantized before dispatch)."""
-    naive = (ep - 1) * t_local * (xb * h + 8 * ids.shape[1]) + (ep - 1) * t_local * 4 * h
+def bytes_sent(ids: np.ndarray, ep: int, e_local: int, h: int, t_local: int, xb: int = 2) -> dict[str, float]:
+    """Mean bytes one device sends per step, per strategy; ``xb`` bytes per token value on the
+    wire (2 for bf16, 1 when FP8 tokens are quantized before dispatch). Every strategy sends
+    each row with its k ids (int32) and k weights (float32) and gets float32 partials back."""
+    row = xb * h + 8 * ids.shape[1] + 4 * h
+    naive = (ep - 1) * t_local * row
+    padded = (ep - 1) * t_local * row  # the same volume: a fixed T-row slot per destination
     owner = ids // e_local  # [T, k]
     a2a = 0.0
     for src in range(ep):
@@ -49,8 +54,8 @@ def bytes_sent(ids: np.ndarray, ep: int, e_local: int, h: int, t_local: int, xb:
         for dst in range(ep):
             if dst != src:
                 rows = (mine == dst).any(1).sum()
-                a2a += rows * (xb * h + 8 * ids.shape[1] + 4 * h)
-    return naive, a2a / ep
+                a2a += rows * row
+    return {"naive": naive, "all_to_all": padded, "all_to_all_ragged": a2a / ep}
 
 
 def main(argv=None):
@@ -64,8 +69,9 @@ def main(argv=None):
     p.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     p.add_argument("--scheme", default="bf16", choices=["bf16", "fp8"],
                    help="fp8: FP8 per-tensor weights (flashinfer_cutlass quantizes tokens before dispatch)")
-    p.add_argument("--backend", default="xla", choices=["xla", "flashinfer_cutlass"],
+    p.add_argument("--backend", default="xla", choices=["xla", "cutlass", "flashinfer_cutlass"],
                    help="the local experts' backend (flashinfer_cutlass: prepared weights)")
+    p.add_argument("--no-ragged", action="store_true", help="skip the ragged_all_to_all exchange (GPU only)")
     args = p.parse_args(argv)
 
     devs = jax.devices()
@@ -78,12 +84,15 @@ def main(argv=None):
     rows = []
     strategies = {"naive": ParallelConfig(mesh, ep_axis="ep", strategy="naive"),
                   "all_to_all": ParallelConfig(mesh, ep_axis="ep", strategy="all_to_all")}
+    if not args.no_ragged and devs[0].platform == "gpu":  # XLA:CPU has no ragged-all-to-all
+        strategies["all_to_all_ragged"] = ParallelConfig(mesh, ep_axis="ep", strategy="all_to_all", ragged=True)
     quant = None
     if args.scheme == "fp8":
         from jax_moe.quant.scheme import quantize_weights
 
         w13, w2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a2_scale=0.02)
-    if args.backend == "xla":
+    prepared = args.backend == "flashinfer_cutlass"
+    if not prepared:
         placed = shard_weights(w13, w2, strategies["naive"], quant=quant)
     else:
         placed = shard_prepared(w13, w2, strategies["naive"], backend=args.backend, quant=quant)
@@ -96,9 +105,9 @@ def main(argv=None):
         w, ids = jax.device_put(w, tok), jax.device_put(ids, tok)
         row = {"T": t_local}
         for name, pcfg in strategies.items():
-            if args.backend == "xla":
-                fn = jax.jit(lambda x, w, ids, p, pcfg=pcfg: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg,
-                                                                                    quant=p["quant"]))
+            if not prepared:
+                fn = jax.jit(lambda x, w, ids, p, pcfg=pcfg: parallel_fused_experts(
+                    x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"], backend=args.backend))
             else:
                 fn = jax.jit(lambda x, w, ids, p, pcfg=pcfg: parallel_apply_prepared(x, p, w, ids, pcfg,
                                                                                      backend=args.backend))
@@ -110,8 +119,8 @@ def main(argv=None):
                 out = np.asarray(fn(x, w, ids, placed), np.float64)
                 r = np.asarray(ref, np.float64)
                 row[name + "_err"] = float(np.linalg.norm(out - r) / np.linalg.norm(r))
-        row["naive_bytes"], row["a2a_bytes"] = bytes_sent(np.asarray(ids), ep, e // ep, h, t_local,
-                                                          1 if args.scheme == "fp8" and args.backend != "xla" else 2)
+        row["bytes"] = bytes_sent(np.asarray(ids), ep, e // ep, h, t_local,
+                                  1 if args.scheme == "fp8" and prepared else 2)
         rows.append(row)
         print(row, flush=True)
 
@@ -120,11 +129,13 @@ def main(argv=None):
     ).stdout.strip() or "unknown"
     title = (f"{ep} x {devs[0].device_kind}, {datetime.date.today()}, commit {commit}: expert parallel "
              f"E={e} H={h} I={i} k={k}, {args.scheme}, {args.backend} backend")
-    table = ["| T per device | naive ms | all_to_all ms | naive MB sent/device | all_to_all MB sent/device |",
-             "|---|---|---|---|---|"]
+    names = list(strategies)
+    table = ["| T per device | " + " | ".join(f"{n} ms" for n in names) + " | "
+             + " | ".join(f"{n} MB sent/device" for n in names) + " |",
+             "|---" * (1 + 2 * len(names)) + "|"]
     for r in rows:
-        table.append(f"| {r['T']} | {r['naive']:.2f} | {r['all_to_all']:.2f} | {r['naive_bytes'] / 1e6:.1f} | "
-                     f"{r['a2a_bytes'] / 1e6:.1f} |")
+        table.append(f"| {r['T']} | " + " | ".join(f"{r[n]:.2f}" for n in names) + " | "
+                     + " | ".join(f"{r['bytes'][n] / 1e6:.1f}" for n in names) + " |")
     text = "\n".join(table)
     print("\n" + title + "\n" + text)
     if args.write:
