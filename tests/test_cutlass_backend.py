@@ -423,6 +423,26 @@ def test_oracle_picks_cutlass_for_fp8_on_hopper(rng, mode, monkeypatch):
     assert oracle.select_backend(_cfg(), quant, device=H100).name == "cutlass"
 
 
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_moe_bench_has_a_cutlass_column_for_bf16_and_fp8(scheme, monkeypatch):
+    """bench/moe_bench.py times every backend the oracle finds for the scheme: cutlass on a
+    (simulated) Hopper with the module, on the stored weights (no prepare)."""
+    import os
+
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench import moe_bench
+
+    _simulate_module(monkeypatch)
+    real = cb.supports
+    monkeypatch.setattr(cb, "supports", lambda cfg, quant=None, device=None: real(cfg, quant, H100))
+    m = moe_bench.MODELS["tiny"]
+    w13 = jnp.ones((m.e, 2 * m.i, m.h), jnp.bfloat16) * 0.01
+    w2 = jnp.ones((m.e, m.h, m.i), jnp.bfloat16) * 0.01
+    _, _, quant = moe_bench.quantized(scheme, w13, w2, m)
+    impls = moe_bench.implementations(MoEConfig(m.e, m.k, m.h, m.i), quant)
+    assert "cutlass" in impls and impls["cutlass"][0]  # runs on the scheme's weights
+
+
 def test_fp8_supports_reasons(rng, monkeypatch):
     _simulate_module(monkeypatch)
     _, _, _, _, _, quant = _fp8_moe_problem(rng, 4, 8, 2, 64, 32, "per_token")
