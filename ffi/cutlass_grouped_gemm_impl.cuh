@@ -278,22 +278,27 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   return ffi::Error::Success();
 }
 
-// The tile configurations of cutlass_grouped_gemm.h: the CTA's M x N, a K tile of 128 bytes per row.
-template <int Kind, int Tile>
-struct TileConfig;
-template <int Kind>
-struct TileConfig<Kind, kTileCoop128x128> {
-  using KTile = Int<128 / sizeof(ElementAB<Kind>)>;
-  using type = GroupedGemm<Kind, Shape<_128, _128, KTile>, Shape<_1, _1, _1>,
-                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                           cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+// The tile configurations of cutlass_grouped_gemm.h: the CTA's rows and schedules per tile; every tile is
+// 128 columns wide with a K tile of 128 bytes per row (64 bf16, 128 fp8 elements), cluster 1x1x1.
+template <int Tile>
+struct TileSchedule;
+template <>
+struct TileSchedule<kTileCoop128x128> {
+  using Rows = _128;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
-template <int Kind>
-struct TileConfig<Kind, kTilePingpong64x128> {
-  using KTile = Int<128 / sizeof(ElementAB<Kind>)>;
-  using type = GroupedGemm<Kind, Shape<_64, _128, KTile>, Shape<_1, _1, _1>,
-                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                           cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+template <>
+struct TileSchedule<kTilePingpong64x128> {
+  using Rows = _64;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+template <int Kind, int Tile>
+struct TileConfig {
+  using S = TileSchedule<Tile>;
+  using type = GroupedGemm<Kind, Shape<typename S::Rows, _128, Int<128 / sizeof(ElementAB<Kind>)>>,
+                           Shape<_1, _1, _1>, typename S::Kernel, typename S::Epilogue>;
 };
 
 #define JAX_MOE_INSTANTIATE_CUTLASS_GEMM(KIND, TILE)                                  \
