@@ -463,24 +463,40 @@ def _skip_unless_available():
         pytest.skip(why)
 
 
-GEMM_CASES = [  # (counts per expert, N, K)
+GEMM_CASES = [  # (counts per expert, N, K); fp8 rounds K up to its alignment (16)
     ([1], 128, 64),                                   # M_total = 1
     ([5, 0, 17, 0, 0, 3, 64, 1], 256, 128),           # empty experts
-    ([0, 0, 0, 2], 64, 64),                           # leading empty experts
-    ([129, 300, 7, 0], 384, 512),                     # more rows than a tile
-    ([1, 2, 3, 4, 5, 6, 7, 8], 200, 136),             # N, K multiples of 8, not of the tile
+    ([0, 0, 0, 2], 64, 64),                           # leading empty experts; below fp8's K tile
+    ([129, 300, 7, 0], 384, 512),                     # more rows than a tile, several K tiles
+    ([1, 2, 3, 4, 5, 6, 7, 8], 200, 136),             # N, K not multiples of the tile (fp8: K=144)
 ]
+GEMM_TOL = {"bf16": REL_TOL, "fp8": FP8_GEMM_TOL}
+
+
+def _kind_problem(rng, kind, counts, n, k):
+    """(a, b, offsets, scale arguments, the definition) of a grouped GEMM of ``kind``."""
+    if kind == "bf16":
+        a, b, off = _gemm_problem(rng, counts, n, k)
+        return a, b, off, {}, _loop_reference(a, b, off)
+    a, b, off, row, col = _fp8_gemm_problem(rng, counts, n, k)
+    return a, b, off, dict(a_scale=row, b_scale=col), _fp8_loop_reference(a, b, off, row, col)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(cb.KINDS))
 @pytest.mark.parametrize("tile", sorted(cb.TILES))
 @pytest.mark.parametrize("case", range(len(GEMM_CASES)))
-def test_grouped_gemm_vs_reference(rng, tile, case):
+def test_grouped_gemm_vs_definition(rng, kind, tile, case):
+    """Each kernel against its definition (bf16: float32 loop; fp8: float64 loop with the per-row
+    and per-channel scales of the epilogue) and against its jnp reference."""
     _skip_unless_available()
     counts, n, k = GEMM_CASES[case]
-    a, b, off = _gemm_problem(rng, counts, n, k)
-    out = jax.jit(lambda a, b, o: cb.grouped_gemm(a, b, o, tile=tile))(a, b, off)
-    assert _rel_err(out, _loop_reference(a, b, off)) < REL_TOL
+    k = -(-k // cb.ALIGN_K[kind]) * cb.ALIGN_K[kind]
+    a, b, off, scales, want = _kind_problem(rng, kind, counts, n, k)
+    out = jax.jit(lambda a, b, o, s: cb.grouped_gemm(a, b, o, tile=tile, **s))(a, b, off, scales)
+    assert out.dtype == jnp.bfloat16 and out.shape == (a.shape[0], n)
+    assert _rel_err(out, want) < GEMM_TOL[kind]
+    assert _rel_err(out, cb.grouped_gemm_reference(a, b, off, **scales)) < GEMM_TOL[kind]
 
 
 @pytest.mark.gpu
@@ -530,37 +546,34 @@ def test_backend_activations_tiles_and_ep_ids(rng, activation):
         assert _rel_err(out, ref) < REL_TOL
 
 
-@pytest.mark.gpu
-def test_under_command_buffers():
-    """The grouped GEMM declares command-buffer compatibility: run the backend with XLA's command
-    buffers forced on, fresh inputs each round, against the xla backend."""
-    _skip_unless_available()
-    import subprocess
-    import sys
-    import textwrap
+CUTLASS_COMMAND_BUFFER_CASES = {  # scheme -> (cases_code for the conftest fixture, tolerance)
+    "bf16": ("""
+        def weights(e, h, i):
+            return (jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16),
+                    jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16))
+        cases = [(77, 4, *weights(16, 512, 256), None), (3, 8, *weights(64, 256, 128), None)]
+    """, REL_TOL),
+    "fp8": ("""
+        def weights(e, h, i):
+            return (jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.float32),
+                    jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.float32))
+        cases = [(t, k, *quantize_weights("fp8", *weights(e, h, i), **opts)) for t, e, k, h, i, opts in (
+            (77, 16, 4, 512, 256, dict(a13_scale=0.01, a2_scale=0.005)),              # static per tensor
+            (3, 64, 8, 256, 128, dict(weight_scale="per_tensor")),                      # dynamic per tensor
+            (40, 32, 2, 256, 128, dict(act="fp8_per_token", weight_scale="per_channel")))]
+    """, FP8_REL_TOL),
+}
 
-    script = textwrap.dedent("""
-        import numpy as np, jax, jax.numpy as jnp
-        from jax_moe import fused_experts
-        rng = np.random.default_rng(5)
-        for t, e, k, h, i in ((77, 16, 4, 512, 256), (3, 64, 8, 256, 128)):
-            w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)
-            w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
-            f = jax.jit(lambda x, tw, ids: fused_experts(x, w13, w2, tw, ids, backend="cutlass"))
-            for _ in range(3):
-                x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-                ids = jnp.asarray(np.argsort(-rng.standard_normal((t, e)), axis=1)[:, :k], jnp.int32)
-                tw = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
-                out = np.asarray(f(x, tw, ids), np.float32)
-                ref = np.asarray(fused_experts(x, w13, w2, tw, ids, backend="xla"), np.float32)
-                err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-                assert np.isfinite(out).all() and err < 2e-2, err
-        print("OK")
-    """)
-    env = dict(__import__("os").environ,
-               XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", sorted(CUTLASS_COMMAND_BUFFER_CASES))
+def test_under_command_buffers(scheme, command_buffer_check):
+    """Both grouped GEMMs declare command-buffer compatibility: the backend (bf16; FP8 with static,
+    dynamic and per-token scales) with XLA's command buffers forced on, fresh inputs each round,
+    against the xla backend."""
+    _skip_unless_available()
+    cases_code, tol = CUTLASS_COMMAND_BUFFER_CASES[scheme]
+    assert command_buffer_check("cutlass", cases_code, tol) == (2 if scheme == "bf16" else 3)
 
 
 @pytest.mark.gpu
@@ -586,32 +599,6 @@ def test_fused_experts_picks_cutlass_on_hopper_and_falls_back_for_biases(rng):
 
 
 # ----------------------------------------------------------------------------- FP8 on a GPU
-
-
-FP8_GEMM_CASES = [  # (counts per expert, N, K): K a multiple of 16, N of 8
-    ([1], 128, 128),                                  # M_total = 1
-    ([5, 0, 17, 0, 0, 3, 64, 1], 256, 128),           # empty experts
-    ([0, 0, 0, 2], 64, 64),                           # leading empty experts, K below the K tile
-    ([129, 300, 7, 0], 384, 512),                     # more rows than a tile, several K tiles
-    ([1, 2, 3, 4, 5, 6, 7, 8], 200, 144),             # N, K not multiples of the tile
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tile", sorted(cb.TILES))
-@pytest.mark.parametrize("case", range(len(FP8_GEMM_CASES)))
-def test_fp8_grouped_gemm_vs_float64_definition(rng, tile, case):
-    """The FP8 kernel (per-row and per-channel scales in the epilogue) against the float64 definition."""
-    _skip_unless_available()
-    counts, n, k = FP8_GEMM_CASES[case]
-    a, b, off, row, col = _fp8_gemm_problem(rng, counts, n, k)
-    f = jax.jit(lambda a, b, o, r, c: cb.grouped_gemm(a, b, o, a_scale=r, b_scale=c, tile=tile))
-    out = f(a, b, off, row, col)
-    assert out.dtype == jnp.bfloat16 and out.shape == (a.shape[0], n)
-    want = _fp8_loop_reference(a, b, off, row, col)
-    assert _rel_err(out, want) < FP8_GEMM_TOL
-    ref = cb.grouped_gemm_reference(a, b, off, a_scale=row, b_scale=col)
-    assert _rel_err(out, ref) < FP8_GEMM_TOL
 
 
 @pytest.mark.gpu
@@ -677,43 +664,6 @@ def test_fp8_router_weight_on_input(rng):
     out = jax.jit(lambda x: cb.apply(x, q13, q2, tw, ids, cfg, quant=quant, apply_router_weight_on_input=True))(x)
     ref = xla.apply(x, q13, q2, tw, ids, cfg, quant=quant, apply_router_weight_on_input=True)
     assert _rel_err(out, ref) < FP8_REL_TOL
-
-
-@pytest.mark.gpu
-def test_fp8_under_command_buffers():
-    """The FP8 grouped GEMM declares command-buffer compatibility too: the FP8 backend (static,
-    dynamic and per-token scales) with XLA's command buffers forced on, fresh inputs each round."""
-    _skip_unless_available()
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent("""
-        import numpy as np, jax, jax.numpy as jnp
-        from jax_moe import fused_experts
-        from jax_moe.quant.scheme import quantize_weights
-        rng = np.random.default_rng(7)
-        for t, e, k, h, i, opts in ((77, 16, 4, 512, 256, dict(a13_scale=0.01, a2_scale=0.005)),
-                                    (3, 64, 8, 256, 128, dict(weight_scale="per_tensor")),
-                                    (40, 32, 2, 256, 128, dict(act="fp8_per_token", weight_scale="per_channel"))):
-            w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.float32)
-            w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.float32)
-            q13, q2, quant = quantize_weights("fp8", w13, w2, **opts)
-            f = jax.jit(lambda x, tw, ids: fused_experts(x, q13, q2, tw, ids, quant=quant, backend="cutlass"))
-            for _ in range(3):
-                x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-                ids = jnp.asarray(np.argsort(-rng.standard_normal((t, e)), axis=1)[:, :k], jnp.int32)
-                tw = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
-                out = np.asarray(f(x, tw, ids), np.float32)
-                ref = np.asarray(fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla"), np.float32)
-                err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-                assert np.isfinite(out).all() and err < 5e-2, err
-        print("OK")
-    """)
-    env = dict(__import__("os").environ,
-               XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
 @pytest.mark.gpu
