@@ -14,8 +14,10 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
   bf16 weights (the baseline of the speedup column, whatever the scheme).
 - ``dense``: the dense jnp reference (bf16 only; per-slot gathered weights; skipped where it
   cannot fit).
-- every compiled backend the oracle finds on this machine (e.g. ``flashinfer_cutlass``), on
-  weights prepared once before timing (its ``prepare``), as ``MoEBlock.prepare()`` does.
+- every compiled backend the oracle finds on this machine for the scheme (e.g.
+  ``flashinfer_cutlass`` and ``cutlass``, for bf16 and for ``--scheme fp8``), on weights prepared
+  once before timing (its ``prepare``, as ``MoEBlock.prepare()`` does; ``cutlass`` needs none and
+  runs on the stored weights).
 
 The floor counts weight bytes at the scheme's width (FP8: 1 byte) and FLOPs at the measured bf16
 matmul peak (x2 for FP8, the Hopper ratio).

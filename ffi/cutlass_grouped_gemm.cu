@@ -1,8 +1,10 @@
-// XLA FFI handler of jax_moe_cutlass_grouped_gemm (contract in cutlass_grouped_gemm.h): decode and check
-// the buffers on the host from their static shapes (CUTLASS's can_implement cannot see the per-group
-// sizes, which live on the device), zero the rows no expert owns, and hand the call to the tile's TU.
-// No allocation, no host sync, no device-to-host copy: safe inside a CUDA graph.
+// XLA FFI handlers of jax_moe_cutlass_grouped_gemm and jax_moe_cutlass_grouped_gemm_fp8 (contract in
+// cutlass_grouped_gemm.h): decode and check the buffers on the host from their static shapes (CUTLASS's
+// can_implement cannot see the per-group sizes, which live on the device), zero the rows no expert owns,
+// and hand the call to the (kind, tile)'s instantiation. No allocation, no host sync, no device-to-host
+// copy: safe inside a CUDA graph.
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <cuda_runtime.h>
@@ -39,15 +41,29 @@ int SmCount(int device) {
   return sms;
 }
 
-ffi::Error GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> offsets,
-                           ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace, int64_t tile) {
-  const std::string n_("cutlass_grouped_gemm: ");
+using RunFn = ffi::Error (*)(const GroupedGemmCall&);
+using BytesFn = size_t (*)(int64_t, int);
+template <int Kind>
+constexpr RunFn kRun[kNumCutlassTiles] = {cutlass_gg::Run<Kind, kTileCoop128x128>,
+                                          cutlass_gg::Run<Kind, kTilePingpong64x128>};
+template <int Kind>
+constexpr BytesFn kBytes[kNumCutlassTiles] = {cutlass_gg::WorkspaceBytes<Kind, kTileCoop128x128>,
+                                              cutlass_gg::WorkspaceBytes<Kind, kTilePingpong64x128>};
+
+std::string Name(int kind) { return kind == kGemmFp8 ? "cutlass_grouped_gemm_fp8: " : "cutlass_grouped_gemm: "; }
+
+// Checks what both targets share (a, b, offsets, d, workspace, tile) and fills call's shapes and pointers.
+std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> offsets,
+                                        ffi::Result<ffi::AnyBuffer>& d, ffi::Result<ffi::AnyBuffer>& workspace,
+                                        int64_t tile, GroupedGemmCall& call) {
+  const std::string n_ = Name(kind);
   if (tile < 0 || tile >= kNumCutlassTiles)
     return InvalidArgument(n_ + "tile must be in [0, " + std::to_string(kNumCutlassTiles) + "), got " +
                            std::to_string(tile));
-  if (a.element_type() != ffi::DataType::BF16 || b.element_type() != ffi::DataType::BF16 ||
-      d->element_type() != ffi::DataType::BF16)
-    return InvalidArgument(n_ + "a, b and d must be bfloat16");
+  const auto ab = kind == kGemmFp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16;
+  if (a.element_type() != ab || b.element_type() != ab)
+    return InvalidArgument(n_ + (kind == kGemmFp8 ? "a and b must be float8_e4m3fn" : "a and b must be bfloat16"));
+  if (d->element_type() != ffi::DataType::BF16) return InvalidArgument(n_ + "d must be bfloat16");
   if (workspace->element_type() != ffi::DataType::U8) return InvalidArgument(n_ + "workspace must be uint8");
   const auto ad = a.dimensions(), bd = b.dimensions(), dd = d->dimensions();
   if (ad.size() != 2) return InvalidArgument(n_ + "a must have rank 2 [M, K]");
@@ -58,41 +74,73 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   if (offsets.dimensions().size() != 1 || offsets.dimensions()[0] != groups + 1)
     return InvalidArgument(n_ + "offsets must be [E + 1] int32");
   if (dd.size() != 2 || dd[0] != m || dd[1] != n) return InvalidArgument(n_ + "d must be [M, N]");
-  if (k < kCutlassAlign || k % kCutlassAlign || n < kCutlassAlign || n % kCutlassAlign)
-    return InvalidArgument(n_ + "K and N must be positive multiples of 8 (16-byte rows for TMA), got K=" +
-                           std::to_string(k) + ", N=" + std::to_string(n));
+  const int64_t align_k = CutlassAlignK(kind);
+  if (k < align_k || k % align_k || n < kCutlassAlignN || n % kCutlassAlignN)
+    return InvalidArgument(n_ + "K must be a positive multiple of " + std::to_string(align_k) + " and N of " +
+                           std::to_string(kCutlassAlignN) + " (16-byte rows for TMA), got K=" + std::to_string(k) +
+                           ", N=" + std::to_string(n));
   if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX || groups > INT32_MAX)
     return InvalidArgument(n_ + "dimensions must fit in int32");
-  if (m == 0) return ffi::Error::Success();
+  call.a = a.untyped_data();
+  call.b = b.untyped_data();
+  call.offsets = offsets.typed_data();
+  call.d = d->untyped_data();
+  call.workspace = workspace->untyped_data();
+  call.workspace_bytes = workspace->size_bytes();
+  call.groups = groups;
+  call.m = m;
+  call.n = n;
+  call.k = k;
+  return std::nullopt;
+}
 
-  int device = 0;
-  JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  const int sms = SmCount(device);
-  if (sms <= 0) return ffi::Error(ffi::ErrorCode::kInternal, "jax_moe: cannot read the SM count");
-
+// Zeros the unowned rows and runs the (kind, tile) instantiation on a checked call.
+template <int Kind>
+ffi::Error Launch(GroupedGemmCall& call, int64_t tile) {
+  if (call.m == 0) return ffi::Error::Success();
+  JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&call.device));
+  call.sm_count = SmCount(call.device);
+  if (call.sm_count <= 0) return ffi::Error(ffi::ErrorCode::kInternal, "jax_moe: cannot read the SM count");
   constexpr int kZeroBlocks = 132;
-  ZeroUnownedRows<<<kZeroBlocks, 128, 0, stream>>>(offsets.typed_data(), groups, m, n,
-                                                   static_cast<uint4*>(d->untyped_data()));
+  ZeroUnownedRows<<<kZeroBlocks, 128, 0, call.stream>>>(call.offsets, call.groups, call.m, call.n,
+                                                        static_cast<uint4*>(call.d));
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return kRun<Kind>[tile](call);
+}
 
-  GroupedGemmCall call{stream, a.untyped_data(), b.untyped_data(), offsets.typed_data(), d->untyped_data(),
-                       workspace->untyped_data(), workspace->size_bytes(), groups, m, n, k, device, sms};
-  switch (tile) {
-    case kTileCoop128x128:
-      return cutlass_gg::Run<kTileCoop128x128>(call);
-    default:
-      return cutlass_gg::Run<kTilePingpong64x128>(call);
-  }
+ffi::Error GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> offsets,
+                           ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace, int64_t tile) {
+  GroupedGemmCall call{};
+  call.stream = stream;
+  if (auto err = CheckOperands(kGemmBf16, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
+  return Launch<kGemmBf16>(call, tile);
+}
+
+ffi::Error GroupedGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> offsets,
+                              ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::F32> col_scale,
+                              ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace, int64_t tile) {
+  GroupedGemmCall call{};
+  call.stream = stream;
+  if (auto err = CheckOperands(kGemmFp8, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
+  const auto rd = row_scale.dimensions(), cd = col_scale.dimensions();
+  if (rd.size() != 1 || rd[0] != call.m)
+    return InvalidArgument(Name(kGemmFp8) + "row_scale must be [M] float32 (one scale per row of a)");
+  if (cd.size() != 2 || cd[0] != call.groups || cd[1] != call.n)
+    return InvalidArgument(Name(kGemmFp8) + "col_scale must be [E, N] float32 (one scale per output channel)");
+  call.row_scale = row_scale.typed_data();
+  call.col_scale = col_scale.typed_data();
+  return Launch<kGemmFp8>(call, tile);
 }
 
 }  // namespace
 
-size_t CutlassGroupedGemmWorkspaceBytes(int64_t num_groups, int tile, int sm_count) {
-  switch (tile) {
-    case kTileCoop128x128:
-      return cutlass_gg::WorkspaceBytes<kTileCoop128x128>(num_groups, sm_count);
-    case kTilePingpong64x128:
-      return cutlass_gg::WorkspaceBytes<kTilePingpong64x128>(num_groups, sm_count);
+size_t CutlassGroupedGemmWorkspaceBytes(int64_t num_groups, int tile, int sm_count, int kind) {
+  if (tile < 0 || tile >= kNumCutlassTiles) return 0;
+  switch (kind) {
+    case kGemmBf16:
+      return kBytes<kGemmBf16>[tile](num_groups, sm_count);
+    case kGemmFp8:
+      return kBytes<kGemmFp8>[tile](num_groups, sm_count);
     default:
       return 0;
   }
@@ -112,6 +160,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCutlassGroupedGemm, jax_moe::GroupedGemmCuda
                                   .Arg<xla::ffi::AnyBuffer>()              // a [M, K] bf16
                                   .Arg<xla::ffi::AnyBuffer>()              // b [E, N, K] bf16
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offsets [E + 1]
+                                  .Ret<xla::ffi::AnyBuffer>()              // d [M, N] bf16
+                                  .Ret<xla::ffi::AnyBuffer>()              // workspace [W] uint8
+                                  .Attr<int64_t>("tile"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCutlassGroupedGemmFp8, jax_moe::GroupedGemmFp8Cuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // a [M, K] float8_e4m3fn
+                                  .Arg<xla::ffi::AnyBuffer>()              // b [E, N, K] float8_e4m3fn
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offsets [E + 1]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // row_scale [M]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // col_scale [E, N]
                                   .Ret<xla::ffi::AnyBuffer>()              // d [M, N] bf16
                                   .Ret<xla::ffi::AnyBuffer>()              // workspace [W] uint8
                                   .Attr<int64_t>("tile"),

@@ -1,6 +1,7 @@
-// jax_moe's own SM90 grouped GEMM (CUTLASS 3.x pointer-array kernel), the XLA FFI target
-// jax_moe_cutlass_grouped_gemm (jax_moe/backends/cutlass.py holds its shape rule and jnp reference):
+// jax_moe's own SM90 grouped GEMMs (CUTLASS 3.x pointer-array kernels), two XLA FFI targets
+// (jax_moe/backends/cutlass.py holds their shape rules and jnp references):
 //
+// jax_moe_cutlass_grouped_gemm (bf16):
 //   a [M, K] bf16        expert-sorted activation rows; expert e owns rows [offsets[e], offsets[e+1])
 //   b [E, N, K] bf16     expert weights, K contiguous (vLLM's w13 [E, 2I, H] and w2 [E, H, I] as they are)
 //   offsets [E+1] int32  nondecreasing row offsets on device (sort_by_expert's offsets)
@@ -8,10 +9,22 @@
 //                        outside [offsets[0], offsets[E]) are written as zeros
 //    workspace [W] uint8 scratch (its contents are meaningless): the per-group problem shapes, pointers
 //                        and strides, built on device from offsets (no host sync), then CUTLASS's own
-//                        workspace (TMA descriptors per SM). W = WorkspaceBytes(E, tile, sm_count).
-// attr tile: a CutlassTile below. K and N must be multiples of 8 (16-byte TMA rows); E >= 1.
-// Offsets are clamped to [0, M] on device, so no value of them makes the kernel touch memory outside
-// the buffers; a decreasing pair gives that expert zero rows.
+//                        workspace (TMA descriptors per SM). W = WorkspaceBytes(E, tile, sm_count, kind).
+//
+// jax_moe_cutlass_grouped_gemm_fp8 (FP8 E4M3 x E4M3 -> bf16, scales in the epilogue):
+//   a [M, K] float8_e4m3fn, b [E, N, K] float8_e4m3fn, offsets as above, and
+//   row_scale [M] float32    a's dequantization scale per row (per token; a per-tensor scale broadcast)
+//   col_scale [E, N] float32 b's dequantization scale per output channel of each expert (per-tensor or
+//                            per-expert scales broadcast)
+// -> d [M, N] bf16       d[r, n] = (a[r] @ b[e]^T)[n] * row_scale[r] * col_scale[e, n], accumulated in
+//                        float32 (CUTLASS's FP8 mainloop promotes the tensor-core partial sums into
+//                        float32 registers every 4 MMAs: no "fast accumulation"); rows outside as above
+//    workspace [W] uint8 as above (two more pointer arrays: the groups' scale vectors)
+//
+// attr tile: a CutlassTile below. E >= 1. K must be a multiple of CutlassAlignK(kind) (16-byte TMA rows of
+// a and b), N a multiple of kCutlassAlignN (16-byte bf16 rows of d). Offsets are clamped to [0, M] on
+// device, so no value of them makes the kernel touch memory outside the buffers; a decreasing pair
+// gives that expert zero rows.
 #pragma once
 
 #include <cstddef>
@@ -21,18 +34,29 @@
 
 namespace jax_moe {
 
-// Tile configurations (one CUTLASS instantiation each; keep this list short: compile time).
+// Tile configurations (one CUTLASS instantiation per kind and tile; keep this list short: compile time).
+// bf16 uses a K tile of 64, fp8 a K tile of 128 (the same 128 bytes per smem row).
 enum CutlassTile : int {
-  kTileCoop128x128 = 0,     // 128x128x64, cooperative (2 consumer warpgroups), cluster 1x1x1: prefill
-  kTilePingpong64x128 = 1,  // 64x128x64, pingpong, cluster 1x1x1: decode (few rows per expert)
+  kTileCoop128x128 = 0,     // 128x128 (x64 bf16, x128 fp8), cooperative (2 consumer warpgroups): prefill
+  kTilePingpong64x128 = 1,  // 64x128 (x64 bf16, x128 fp8), pingpong: decode (few rows per expert)
   kNumCutlassTiles = 2,
 };
 
-constexpr int kCutlassAlign = 8;  // elements of bf16 per 16 bytes: K and N must be multiples of it
+// Operand types: one FFI target each.
+enum CutlassGemmKind : int {
+  kGemmBf16 = 0,  // bf16 x bf16 -> bf16
+  kGemmFp8 = 1,   // e4m3 x e4m3 -> bf16, row and column scales in the epilogue
+  kNumCutlassGemmKinds = 2,
+};
 
-// Bytes of the workspace result for E groups with this tile on a device with sm_count SMs
-// (0 when the tile is unknown). Host only; no CUDA call.
-size_t CutlassGroupedGemmWorkspaceBytes(int64_t num_groups, int tile, int sm_count);
+constexpr int kCutlassAlignN = 8;      // bf16 elements per 16 bytes: N (d's rows) must be a multiple of it
+constexpr int kCutlassAlignKBf16 = 8;  // K of bf16 a and b: 16-byte rows
+constexpr int kCutlassAlignKFp8 = 16;  // K of fp8 a and b: 16-byte rows
+constexpr int CutlassAlignK(int kind) { return kind == kGemmFp8 ? kCutlassAlignKFp8 : kCutlassAlignKBf16; }
+
+// Bytes of the workspace result for E groups with this kind and tile on a device with sm_count SMs
+// (0 when the kind or tile is unknown). Host only; no CUDA call.
+size_t CutlassGroupedGemmWorkspaceBytes(int64_t num_groups, int tile, int sm_count, int kind);
 
 // SMs of the current CUDA device (cached per device), 0 if it cannot be read.
 int CutlassCurrentSmCount();
@@ -40,3 +64,4 @@ int CutlassCurrentSmCount();
 }  // namespace jax_moe
 
 extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemm(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemmFp8(XLA_FFI_CallFrame* call_frame);

@@ -1,11 +1,14 @@
-// The CUTLASS side of jax_moe_cutlass_grouped_gemm (contract in cutlass_grouped_gemm.h): one SM90
-// pointer-array grouped GEMM type per tile configuration, the device kernel that fills its per-group
-// argument arrays from the expert offsets, and the host launch. Included by one small TU per tile
-// (cutlass_grouped_gemm_tile*.cu) so that the tiles compile in parallel; the FFI handler
-// (cutlass_grouped_gemm.cu) sees only GroupedGemmCall and the two functions declared at the end.
+// The CUTLASS side of the grouped GEMM FFI targets (contract in cutlass_grouped_gemm.h): one SM90
+// pointer-array grouped GEMM type per (kind, tile), the device kernel that fills its per-group argument
+// arrays from the expert offsets, and the host launch. Included by ffi/cutlass_grouped_gemm_tile.cu, which
+// CMake compiles once per (kind, tile) (cmake/cutlass_gemm.cmake) so that the instantiations compile in
+// parallel; the FFI handlers (cutlass_grouped_gemm.cu) see only GroupedGemmCall and Run/WorkspaceBytes.
 //
 // Layouts, in CUTLASS's terms: A row-major [M_e, K]; B "column-major" (K, N), i.e. our [N, K] rows with
-// K contiguous; D row-major [M_e, N]; no C operand (ElementC = void: D = acc, beta never read).
+// K contiguous; D row-major [M_e, N]; no C operand (ElementC = void, beta never read).
+// Epilogues: bf16, D = acc. fp8, an epilogue visitor tree D = bf16((acc * col_scale[n]) * row_scale[m])
+// whose two broadcast vectors are per group too (arrays of pointers, like A, B and D): row_scale + lo
+// (the group's rows) and col_scale + g * N (the group's expert).
 #pragma once
 
 #include <cstddef>
@@ -21,6 +24,9 @@
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_compute_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_load_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/dispatch_policy.hpp"
@@ -34,10 +40,12 @@ namespace jax_moe {
 // One call's operands, decoded and checked by the handler.
 struct GroupedGemmCall {
   cudaStream_t stream;
-  const void* a;          // [m, k] bf16
-  const void* b;          // [groups, n, k] bf16
-  const int32_t* offsets; // [groups + 1] int32, device
-  void* d;                // [m, n] bf16
+  const void* a;            // [m, k] bf16 or e4m3
+  const void* b;            // [groups, n, k], a's type
+  const int32_t* offsets;   // [groups + 1] int32, device
+  const float* row_scale;   // [m] (fp8; nullptr for bf16)
+  const float* col_scale;   // [groups, n] (fp8; nullptr for bf16)
+  void* d;                  // [m, n] bf16
   void* workspace;
   size_t workspace_bytes;
   int64_t groups, m, n, k;
@@ -50,46 +58,72 @@ constexpr size_t kArrayAlign = 256;  // every array of the workspace starts on t
 
 inline size_t RoundUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-// Bytes of the per-group arrays (shapes, 3 pointer arrays, 3 stride arrays), each rounded up.
-inline size_t GroupArrayBytes(int64_t groups, size_t shape_bytes, size_t stride_bytes) {
-  const size_t g = static_cast<size_t>(groups);
-  return RoundUp(g * shape_bytes, kArrayAlign) + 3 * RoundUp(g * sizeof(void*), kArrayAlign) +
-         3 * RoundUp(g * stride_bytes, kArrayAlign);
-}
-
-// Defined, one tile per TU, by JAX_MOE_INSTANTIATE_CUTLASS_TILE below.
-template <int Tile>
+// Defined, one (kind, tile) per TU, by JAX_MOE_INSTANTIATE_CUTLASS_GEMM below.
+template <int Kind, int Tile>
 size_t WorkspaceBytes(int64_t groups, int sm_count);
-template <int Tile>
+template <int Kind, int Tile>
 ffi::Error Run(const GroupedGemmCall& call);
-template <>
-size_t WorkspaceBytes<kTileCoop128x128>(int64_t groups, int sm_count);
-template <>
-size_t WorkspaceBytes<kTilePingpong64x128>(int64_t groups, int sm_count);
-template <>
-ffi::Error Run<kTileCoop128x128>(const GroupedGemmCall& call);
-template <>
-ffi::Error Run<kTilePingpong64x128>(const GroupedGemmCall& call);
+
+#define JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, TILE)                   \
+  template <>                                                      \
+  size_t WorkspaceBytes<KIND, TILE>(int64_t groups, int sm_count); \
+  template <>                                                      \
+  ffi::Error Run<KIND, TILE>(const GroupedGemmCall& call);
+JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16, kTileCoop128x128)
+JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16, kTilePingpong64x128)
+JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmFp8, kTileCoop128x128)
+JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmFp8, kTilePingpong64x128)
+#undef JAX_MOE_DECLARE_CUTLASS_GEMM
 
 #ifdef JAX_MOE_CUTLASS_IMPL
 using namespace cute;
 
-template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
-struct GroupedGemmBf16 {
+// The epilogue's fusion: what D is made of.
+template <int Kind, class TileShape>
+struct Fusion;
+template <class TileShape>
+struct Fusion<kGemmBf16, TileShape> {  // D = acc
+  using type = cutlass::epilogue::fusion::LinearCombination<cutlass::bfloat16_t, float, void, float>;
+};
+template <class TileShape>
+struct Fusion<kGemmFp8, TileShape> {  // D = (acc * col_scale[n]) * row_scale[m], both vectors per group
+  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+  // Alignment 1: a group's row_scale + lo starts at any float, so no vector loads of the broadcast vectors.
+  using RowScale = cutlass::epilogue::fusion::Sm90ColBroadcast<  // one value per row m, broadcast along N
+      0, TileShape, float*, float, Stride<_1, _0, _0>, 1>;
+  using ColScale = cutlass::epilogue::fusion::Sm90RowBroadcast<  // one value per column n, broadcast along M
+      0, TileShape, float*, float, Stride<_0, _1, _0>, 1>;
+  using AccTimesCol = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>, ColScale,
+      cutlass::epilogue::fusion::Sm90AccFetch>;
+  using type = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, cutlass::bfloat16_t, float, kRound>, RowScale,
+      AccTimesCol>;
+};
+
+template <int Kind>
+using ElementAB = std::conditional_t<Kind == kGemmFp8, cutlass::float_e4m3_t, cutlass::bfloat16_t>;
+
+template <int Kind, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+struct GroupedGemm {
+  static constexpr bool kScaled = Kind == kGemmFp8;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
-  using Element = cutlass::bfloat16_t;
+  using Element = ElementAB<Kind>;
+  using ElementD = cutlass::bfloat16_t;
   using Acc = float;
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;
-  static_assert(kAlign == kCutlassAlign, "cutlass_grouped_gemm.h's alignment must match the TMA's");
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+  static_assert(kAlign == CutlassAlignK(Kind), "cutlass_grouped_gemm.h's K alignment must match the TMA's");
+  static_assert(kAlignD == kCutlassAlignN, "cutlass_grouped_gemm.h's N alignment must match the TMA's");
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, Acc, Acc,
-      void, cutlass::layout::RowMajor*, kAlign,         // no C operand
-      Element, cutlass::layout::RowMajor*, kAlign,      // D [M_e, N]
-      EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<Element, Acc, void, Acc>>::CollectiveOp;
+      void, cutlass::layout::RowMajor*, kAlignD,        // no C operand
+      ElementD, cutlass::layout::RowMajor*, kAlignD,    // D [M_e, N]
+      EpilogueSchedule, typename Fusion<Kind, TileShape>::type>::CollectiveOp;
 
+  // FP8 with these (non-FastAccum) schedules gets CUTLASS's FP8 mainloop: float32 promotion every 4 MMAs.
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, cutlass::layout::RowMajor*, kAlign,      // A [M_e, K]
@@ -109,37 +143,42 @@ struct GroupedGemmBf16 {
   static_assert(std::is_same_v<StrideA, Stride<int64_t, Int<1>, Int<0>>>);
   static_assert(std::is_same_v<StrideB, Stride<int64_t, Int<1>, Int<0>>>);
   static_assert(std::is_same_v<StrideD, Stride<int64_t, Int<1>, Int<0>>>);
-  static_assert(sizeof(StrideA) == sizeof(int64_t));
 
-  // The per-group arrays, carved out of the front of the XLA workspace.
+  // The per-group arrays, carved out of the front of the XLA workspace (prow/pcol: fp8 only).
   struct Arrays {
     Shape3* shapes;
     const Element** pa;
     const Element** pb;
-    Element** pd;
+    ElementD** pd;
+    const float** prow;
+    const float** pcol;
     StrideA* sa;
     StrideB* sb;
     StrideD* sd;
     void* cutlass_workspace;
   };
 
-  static Arrays Carve(void* base, int64_t groups) {
-    char* p = static_cast<char*>(base);
+  // The arrays at base (an address, or 0 to measure: cutlass_workspace is then the front's size).
+  static Arrays Carve(uintptr_t base, int64_t groups) {
     const size_t g = static_cast<size_t>(groups);
     auto take = [&](size_t bytes) {
-      char* out = p;
-      p += RoundUp(bytes, kArrayAlign);
-      return out;
+      const uintptr_t out = base;
+      base += RoundUp(bytes, kArrayAlign);
+      return reinterpret_cast<void*>(out);
     };
-    Arrays r;
-    r.shapes = reinterpret_cast<Shape3*>(take(g * sizeof(Shape3)));
-    r.pa = reinterpret_cast<const Element**>(take(g * sizeof(void*)));
-    r.pb = reinterpret_cast<const Element**>(take(g * sizeof(void*)));
-    r.pd = reinterpret_cast<Element**>(take(g * sizeof(void*)));
-    r.sa = reinterpret_cast<StrideA*>(take(g * sizeof(StrideA)));
-    r.sb = reinterpret_cast<StrideB*>(take(g * sizeof(StrideB)));
-    r.sd = reinterpret_cast<StrideD*>(take(g * sizeof(StrideD)));
-    r.cutlass_workspace = p;
+    Arrays r{};
+    r.shapes = static_cast<Shape3*>(take(g * sizeof(Shape3)));
+    r.pa = static_cast<const Element**>(take(g * sizeof(void*)));
+    r.pb = static_cast<const Element**>(take(g * sizeof(void*)));
+    r.pd = static_cast<ElementD**>(take(g * sizeof(void*)));
+    if constexpr (kScaled) {
+      r.prow = static_cast<const float**>(take(g * sizeof(void*)));
+      r.pcol = static_cast<const float**>(take(g * sizeof(void*)));
+    }
+    r.sa = static_cast<StrideA*>(take(g * sizeof(StrideA)));
+    r.sb = static_cast<StrideB*>(take(g * sizeof(StrideB)));
+    r.sd = static_cast<StrideD*>(take(g * sizeof(StrideD)));
+    r.cutlass_workspace = take(0);
     return r;
   }
 
@@ -155,8 +194,14 @@ struct GroupedGemmBf16 {
     args.mainloop.dA = arr.sa;
     args.mainloop.ptr_B = arr.pb;
     args.mainloop.dB = arr.sb;
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
+    if constexpr (kScaled) {
+      auto& t = args.epilogue.thread;  // Sm90EVT arguments: children first, then the node's own
+      t.op_0.ptr_col = arr.prow;       // RowScale
+      t.op_1.op_0.ptr_row = arr.pcol;  // AccTimesCol's ColScale
+    } else {
+      args.epilogue.thread.alpha = 1.0f;
+      args.epilogue.thread.beta = 0.0f;
+    }
     args.epilogue.ptr_C = nullptr;
     args.epilogue.dC = nullptr;
     args.epilogue.ptr_D = arr.pd;
@@ -166,17 +211,18 @@ struct GroupedGemmBf16 {
   }
 
   static size_t WorkspaceBytes(int64_t groups, int sm_count) {
-    const size_t front = GroupArrayBytes(groups, sizeof(Shape3), sizeof(StrideA));
-    Arrays none{};
-    return front + Gemm::get_workspace_size(MakeArguments(none, groups, 0, sm_count));
+    const Arrays sized = Carve(0, groups);
+    const size_t front = reinterpret_cast<uintptr_t>(sized.cutlass_workspace);
+    return front + Gemm::get_workspace_size(MakeArguments(Arrays{}, groups, 0, sm_count));
   }
 };
 
-// Thread g fills group g's entries: rows [lo, hi) of a and d, expert g's weights.
+// Thread g fills group g's entries: rows [lo, hi) of a and d (and row_scale), expert g's weights (and
+// col_scale row).
 template <class G>
 __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, int64_t groups, int64_t m, int n,
                                 int k, const typename G::Element* a, const typename G::Element* b,
-                                typename G::Element* d) {
+                                typename G::ElementD* d, const float* row_scale, const float* col_scale) {
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= groups) return;
   int64_t lo = offsets[g], hi = offsets[g + 1];
@@ -186,6 +232,10 @@ __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, 
   arr.pa[g] = a + lo * k;
   arr.pb[g] = b + g * static_cast<int64_t>(n) * k;
   arr.pd[g] = d + lo * n;
+  if constexpr (G::kScaled) {
+    arr.prow[g] = row_scale + lo;
+    arr.pcol[g] = col_scale + g * static_cast<int64_t>(n);
+  }
   typename G::StrideA sa{};
   typename G::StrideB sb{};
   typename G::StrideD sd{};
@@ -209,12 +259,13 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
     return InvalidArgument("cutlass_grouped_gemm: workspace has " + std::to_string(c.workspace_bytes) +
                            " bytes, this device needs " + std::to_string(need) +
                            " (sized for another GPU? see jax_moe.backends.cutlass.workspace_size)");
-  const auto arr = G::Carve(c.workspace, c.groups);
+  const auto arr = G::Carve(reinterpret_cast<uintptr_t>(c.workspace), c.groups);
   using E = typename G::Element;
+  using D = typename G::ElementD;
   constexpr int kThreads = 128;
   FillGroupArrays<G><<<static_cast<unsigned>((c.groups + kThreads - 1) / kThreads), kThreads, 0, c.stream>>>(
       arr, c.offsets, c.groups, c.m, static_cast<int>(c.n), static_cast<int>(c.k), static_cast<const E*>(c.a),
-      static_cast<const E*>(c.b), static_cast<E*>(c.d));
+      static_cast<const E*>(c.b), static_cast<D*>(c.d), c.row_scale, c.col_scale);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   typename G::Gemm gemm;
@@ -227,30 +278,37 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   return ffi::Error::Success();
 }
 
-// The tile configurations of cutlass_grouped_gemm.h.
+// The tile configurations of cutlass_grouped_gemm.h: the CTA's rows and schedules per tile; every tile is
+// 128 columns wide with a K tile of 128 bytes per row (64 bf16, 128 fp8 elements), cluster 1x1x1.
 template <int Tile>
-struct TileConfig;
+struct TileSchedule;
 template <>
-struct TileConfig<kTileCoop128x128> {
-  using type = GroupedGemmBf16<Shape<_128, _128, _64>, Shape<_1, _1, _1>,
-                               cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+struct TileSchedule<kTileCoop128x128> {
+  using Rows = _128;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 template <>
-struct TileConfig<kTilePingpong64x128> {
-  using type = GroupedGemmBf16<Shape<_64, _128, _64>, Shape<_1, _1, _1>,
-                               cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                               cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+struct TileSchedule<kTilePingpong64x128> {
+  using Rows = _64;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+template <int Kind, int Tile>
+struct TileConfig {
+  using S = TileSchedule<Tile>;
+  using type = GroupedGemm<Kind, Shape<typename S::Rows, _128, Int<128 / sizeof(ElementAB<Kind>)>>,
+                           Shape<_1, _1, _1>, typename S::Kernel, typename S::Epilogue>;
 };
 
-#define JAX_MOE_INSTANTIATE_CUTLASS_TILE(TILE)                                          \
-  template <>                                                                           \
-  size_t WorkspaceBytes<TILE>(int64_t groups, int sm_count) {                           \
-    return TileConfig<TILE>::type::WorkspaceBytes(groups, sm_count);                    \
-  }                                                                                     \
-  template <>                                                                           \
-  ffi::Error Run<TILE>(const GroupedGemmCall& call) {                                   \
-    return RunGemm<TileConfig<TILE>::type>(call);                                       \
+#define JAX_MOE_INSTANTIATE_CUTLASS_GEMM(KIND, TILE)                                  \
+  template <>                                                                         \
+  size_t WorkspaceBytes<KIND, TILE>(int64_t groups, int sm_count) {                   \
+    return TileConfig<KIND, TILE>::type::WorkspaceBytes(groups, sm_count);            \
+  }                                                                                   \
+  template <>                                                                         \
+  ffi::Error Run<KIND, TILE>(const GroupedGemmCall& call) {                           \
+    return RunGemm<TileConfig<KIND, TILE>::type>(call);                               \
   }
 #endif  // JAX_MOE_CUTLASS_IMPL
 

@@ -39,3 +39,47 @@ def rng(request):
         return np.random.default_rng(zlib.crc32(node_id.encode()))
 
     return make(request.node.nodeid)
+
+
+_COMMAND_BUFFER_SCRIPT = """
+import numpy as np, jax, jax.numpy as jnp
+from jax_moe import fused_experts
+from jax_moe.quant.scheme import quantize_weights
+rng = np.random.default_rng({seed})
+{cases_code}
+for t, k, w13, w2, quant in cases:
+    e, h = w13.shape[0], w13.shape[2]
+    f = jax.jit(lambda x, tw, ids: fused_experts(x, w13, w2, tw, ids, quant=quant, backend={backend!r}))
+    for _ in range(3):
+        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+        ids = jnp.asarray(np.argsort(-rng.standard_normal((t, e)), axis=1)[:, :k], jnp.int32)
+        tw = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
+        out = np.asarray(f(x, tw, ids), np.float32)
+        ref = np.asarray(fused_experts(x, w13, w2, tw, ids, quant=quant, backend="xla"), np.float32)
+        err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+        assert np.isfinite(out).all() and err < {tol}, err
+print("OK", len(cases))
+"""
+
+
+@pytest.fixture
+def command_buffer_check():
+    """``check(backend, cases_code, tol)``: in a fresh process with XLA's command buffers forced on
+    (custom calls included), ``fused_experts(..., backend=backend)`` under ``jax.jit`` on fresh
+    inputs, three rounds per case, against ``backend="xla"`` within relative error ``tol``.
+    ``cases_code`` is Python that defines ``cases``, a list of ``(T, k, w13, w2, quant)`` (it may use
+    ``rng``, ``np``, ``jnp`` and ``quantize_weights``). Returns the number of cases run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    def check(backend: str, cases_code: str, tol: float, seed: int = 5) -> int:
+        script = _COMMAND_BUFFER_SCRIPT.format(seed=seed, cases_code=textwrap.dedent(cases_code), backend=backend,
+                                               tol=tol)
+        env = dict(os.environ,
+                   XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+        return int(out.stdout.split("OK")[-1].split()[0])
+
+    return check

@@ -14,6 +14,17 @@ A100, H100, B200, RTX5090 = (DeviceInfo("gpu", c) for c in ((8, 0), (9, 0), (10,
 CPU = DeviceInfo("cpu")
 
 
+@pytest.fixture(autouse=True)
+def _without_the_cutlass_module(monkeypatch):
+    """The tables here are those of a build without jax_moe's CUTLASS module (what CI has), whatever
+    this checkout built: on a simulated SM90 device a locally built module would otherwise serve
+    bf16 and fp8. tests/test_cutlass_backend.py simulates the module's presence."""
+    from jax_moe.backends import cutlass as cb
+
+    monkeypatch.setitem(cb._state, "module", None)
+    monkeypatch.setitem(cb._state, "error", "simulated: jax_moe._jax_moe_cutlass is not built")
+
+
 def scheme(name, **changes):
     """The scheme's most common serving form (jax_moe.info's stand-in), with ``changes``."""
     if name == "bf16":
@@ -30,7 +41,8 @@ REASONS = [
     (H100, "nvfp4", "marlin", "not provided: weight-only 4-bit on SM80/SM90"),
     (H100, "fp8_block", "flashinfer_cutlass", "scheme 'fp8_block' is not built yet"),
     (H100, "nvfp4", "flashinfer_cutlass", "scheme 'nvfp4' is not built yet"),
-    (H100, "fp8", "cutlass", "scheme 'fp8' is not built yet (have bf16)"),
+    (H100, "w4a8", "cutlass", "scheme 'w4a8' is not built yet (have bf16, fp8)"),
+    (H100, "fp8", "cutlass", "simulated: jax_moe._jax_moe_cutlass is not built"),
     (B200, "nvfp4", "flashinfer_trtllm", "the TRT-LLM gen MoE FFI handlers are not in this build yet"),
     (B200, "nvfp4", "flashinfer_cutedsl", "the CuteDSL masked grouped GEMM is not in this build yet"),
     (B200, "fp8", "flashinfer_cutedsl", "does not serve scheme 'fp8' (serves nvfp4)"),  # asked directly

@@ -13,16 +13,36 @@ One forward, every stage a custom call on the expert-sorted rows (:mod:`jax_moe.
 -1) sort last and are skipped. The weights are used as vLLM stores them (``w13 [E, 2I, H]`` gate
 rows then up rows, ``w2 [E, H, I]``, K contiguous): no repack, no per-call weight pass.
 
-:func:`grouped_gemm` is the SM90 CUTLASS pointer-array grouped GEMM of
-``ffi/cutlass_grouped_gemm*.cu`` (bf16 x bf16 -> bf16, float32 accumulation), in the nanobind
-module ``jax_moe._jax_moe_cutlass`` (``cmake/cutlass_gemm.cmake``). Its per-group arguments are
-built on the device from the offsets, so the call never waits for the GPU and is safe in a CUDA
-graph. Its workspace is a second, discarded ``uint8`` result, sized at trace time
-(:func:`workspace_size`). The tile configuration (:data:`TILES`) is picked at trace time from
-the rows per expert (:func:`pick_tile`); ``tile=`` or ``JAX_MOE_CUTLASS_TILE`` overrides it.
+FP8 (``quant=QuantConfig("fp8", ...)``: float8_e4m3fn weights with per-tensor ``[]``, per-expert
+``[E]`` or per-channel ``[E, N, 1]`` scales) runs the same pipeline on FP8 rows, each GEMM's
+dequantization in its epilogue (``d = acc * a_scale[row] * b_scale[expert, col]``)::
 
-Scope of this build: bf16 only (FP8 scales in the epilogue to come); activations ``silu`` and
-``gelu`` (gated, gate/up rows concatenated) and ``relu2``; no biases; SM90 (``sm_90a``).
+    a1, s1 = permute_rows(x, ..., quant="fp8_per_token" | "fp8_static", scale=a13)   # fused quantization
+    h = grouped_gemm(a1, w13, sort.offsets, a_scale=s1, b_scale=w13_scale)          # bf16
+    a2, s2 = act_and_mul(h, activation, ..., quant="fp8_per_token" | "fp8_static", scale=a2)
+    y = grouped_gemm(a2, w2, sort.offsets, a_scale=s2, b_scale=w2_scale)
+
+Activation scales mean what they mean on the ``xla`` backend (:func:`jax_moe.quant.quantize_activation`):
+``fp8_per_token`` is one dynamic scale per row; ``fp8_per_tensor`` takes the static ``a13_scale`` /
+``a2_scale`` (the max over experts when given per expert), or, when None, the dynamic
+``amax / 448`` of the tensor handed over: all of ``x`` for GEMM1 (as xla quantizes x before routing),
+and all routed rows of the activation for GEMM2 (an extra float32 pass over the activation, then a
+jnp quantization; the fused path serves static and per-token scales). ``relu2`` quantizes in jnp.
+What differs from ``xla``: GEMM1's output is rounded to bf16 before the activation (xla keeps
+float32), so a few FP8 values of the GEMM2 input land one step apart; the tests bound the effect.
+
+:func:`grouped_gemm` is the SM90 CUTLASS pointer-array grouped GEMM of
+``ffi/cutlass_grouped_gemm*`` (bf16 x bf16 -> bf16, or e4m3 x e4m3 -> bf16 with the scales in an
+epilogue visitor tree; float32 accumulation), in the nanobind module ``jax_moe._jax_moe_cutlass``
+(``cmake/cutlass_gemm.cmake``). Its per-group arguments are built on the device from the offsets,
+so the call never waits for the GPU and is safe in a CUDA graph. Its workspace is a second,
+discarded ``uint8`` result, sized at trace time (:func:`workspace_size`). The tile configuration
+(:data:`TILES`) is picked at trace time from the rows per expert (:func:`pick_tile`); ``tile=`` or
+``JAX_MOE_CUTLASS_TILE`` overrides it.
+
+Scope of this build: bf16, and FP8 W8A8 (``act`` ``fp8_per_tensor`` static or dynamic, or
+``fp8_per_token``; not ``bf16`` activations on FP8 weights); activations ``silu`` and ``gelu``
+(gated, gate/up rows concatenated) and ``relu2``; no biases; SM90 (``sm_90a``).
 """
 
 from __future__ import annotations
@@ -37,17 +57,27 @@ import numpy as np
 
 from jax_moe import kernels
 from jax_moe.config import check_rank
+from jax_moe.quant import fp8
 
 log = logging.getLogger("jax_moe")
 
 NAME = "cutlass"
-FEATURES = frozenset({"router_weight_on_input", "dtype:bfloat16"})  # oracle.call_features
-TARGET = "jax_moe_cutlass_grouped_gemm"
-# tile name -> CutlassTile in ffi/cutlass_grouped_gemm.h (one CUTLASS instantiation each)
+# oracle.call_features: "dtype:" names the unquantized weights' dtype (bf16 here); with quant= the
+# call carries no dtype feature and supports() decides from the QuantConfig (scheme "fp8").
+FEATURES = frozenset({"router_weight_on_input", "dtype:bfloat16"})
+# kind -> (CutlassGemmKind in ffi/cutlass_grouped_gemm.h, FFI target, dtype of a and b)
+KINDS: dict[str, tuple[int, str, str]] = {
+    "bf16": (0, "jax_moe_cutlass_grouped_gemm", "bfloat16"),
+    "fp8": (1, "jax_moe_cutlass_grouped_gemm_fp8", "float8_e4m3fn"),
+}
+# tile name -> CutlassTile in ffi/cutlass_grouped_gemm.h (one CUTLASS instantiation per kind; the K
+# tile is 128 bytes: 64 for bf16, 128 for fp8)
 TILES: dict[str, int] = {"coop_128x128": 0, "pingpong_64x128": 1}
 TILE_ENV = "JAX_MOE_CUTLASS_TILE"
-ALIGN = 8  # K and N multiples of 8 bf16 elements (16-byte TMA rows); ffi: kCutlassAlign
+ALIGN_N = 8  # N: 16-byte bf16 rows of d; ffi: kCutlassAlignN
+ALIGN_K = {"bf16": 8, "fp8": 16}  # K: 16-byte rows of a and b; ffi: kCutlassAlignKBf16, kCutlassAlignKFp8
 ACTIVATIONS = ("silu", "gelu", "relu2")
+FP8_ACTS = ("fp8_per_tensor", "fp8_per_token")  # QuantConfig.act values the FP8 path serves
 DECODE_ROWS_PER_EXPERT = 64  # at most this many rows per expert on average: the 64-row pingpong tile
 
 _state: dict = {"module": None, "error": None, "registered": False}
@@ -72,17 +102,24 @@ def _module():
 
 
 def available(device=None) -> tuple[bool, str]:
-    """Whether the custom call can run on ``device`` (default: JAX's default device), and why not."""
+    """Whether the custom calls can run on ``device`` (default: JAX's default device), and why not."""
     from jax_moe.device import sm90_module_ready
 
     ok, why = sm90_module_ready(_module(), _state["error"], device)
     if not ok:
         return False, why
-    return True, "jax_moe CUTLASS grouped GEMM (SM90, bf16)"
+    return True, "jax_moe CUTLASS grouped GEMMs (SM90, bf16 and fp8)"
+
+
+def _constants_match(mod) -> bool:
+    """The compiled module's tile and kind counts and alignments are this file's."""
+    want = {"num_tiles": len(TILES), "num_kinds": len(KINDS), "align_n": ALIGN_N,
+            "align_k_bf16": ALIGN_K["bf16"], "align_k_fp8": ALIGN_K["fp8"]}
+    return all(getattr(mod, name, None) == value for name, value in want.items())
 
 
 def _register() -> bool:
-    """Register the FFI target once; False where the module or a GPU backend is missing."""
+    """Register the FFI targets once; False where the module or a GPU backend is missing."""
     if _state["registered"]:
         return True
     mod = _module()
@@ -90,8 +127,9 @@ def _register() -> bool:
 
     if mod is None or not gpu_backend():
         return False
-    if getattr(mod, "align", ALIGN) != ALIGN or getattr(mod, "num_tiles", len(TILES)) != len(TILES):
-        _state["error"] = "the compiled module's tile list or alignment does not match jax_moe/backends/cutlass.py"
+    if not _constants_match(mod):
+        _state["error"] = ("the compiled module's tiles, kinds or alignments do not match "
+                           "jax_moe/backends/cutlass.py (rebuild it)")
         _state["module"] = None
         return False
     for name, capsule in mod.registrations().items():
@@ -101,13 +139,14 @@ def _register() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def workspace_size(num_groups: int, tile: str) -> int:
-    """Bytes of the grouped GEMM's workspace result for ``num_groups`` experts and ``tile`` on the
-    current CUDA device (its SM count sets CUTLASS's share: TMA descriptors per SM)."""
+def workspace_size(num_groups: int, tile: str, kind: str = "bf16") -> int:
+    """Bytes of the grouped GEMM's workspace result for ``num_groups`` experts, ``tile`` and
+    ``kind`` (``"bf16"`` or ``"fp8"``) on the current CUDA device (its SM count sets CUTLASS's
+    share: TMA descriptors per SM)."""
     mod = _module()
     if mod is None:
         raise RuntimeError(_state["error"])
-    return int(mod.workspace_size(int(num_groups), TILES[tile]))
+    return int(mod.workspace_size(int(num_groups), TILES[tile], kind=KINDS[kind][0]))
 
 
 # ----------------------------------------------------------------------------- grouped GEMM
@@ -125,16 +164,33 @@ def pick_tile(rows: int, num_groups: int) -> str:
     return "pingpong_64x128" if rows <= DECODE_ROWS_PER_EXPERT * num_groups else "coop_128x128"
 
 
-def _check_gemm(a, b, offsets, tile) -> str:
-    """Checks :func:`grouped_gemm`'s arguments (ValueError) and resolves ``tile``."""
+def _dtype_name(x) -> str:
+    return jnp.dtype(x.dtype).name
+
+
+def _check_scale(name: str, s, shapes: dict[tuple, str]) -> None:
+    """``s`` is a float32 array of one of ``shapes`` (shape -> what it means), else ValueError."""
+    if not hasattr(s, "shape") or not hasattr(s, "dtype"):
+        raise ValueError(f"{name} must be a float32 array, got {type(s).__name__}")
+    if _dtype_name(s) != "float32":
+        raise ValueError(f"{name} must be float32, got {_dtype_name(s)}")
+    if tuple(s.shape) not in shapes:
+        want = ", ".join(f"{list(k)} ({v})" for k, v in shapes.items())
+        raise ValueError(f"{name} must have shape {want}; got {list(s.shape)}")
+
+
+def _check_gemm(a, b, offsets, a_scale, b_scale, tile) -> tuple[str, str]:
+    """Checks :func:`grouped_gemm`'s arguments (ValueError) and resolves (kind, tile)."""
     for name, x, rank, what in (("a", a, 2, "[M, K]"), ("b", b, 3, "[E, N, K]"), ("offsets", offsets, 1, "[E+1]")):
         check_rank(name, x, rank, what)
-    for name, x in (("a", a), ("b", b)):
-        if jnp.dtype(x.dtype) != jnp.bfloat16:
-            raise ValueError(f"{name} must be bfloat16 (this build's grouped GEMM is bf16 only), got "
-                             f"{jnp.dtype(x.dtype).name}")
+    kinds = {dt: kind for kind, (_, _, dt) in KINDS.items()}
+    if _dtype_name(a) not in kinds:
+        raise ValueError(f"a must be bfloat16, or float8_e4m3fn (with a_scale and b_scale), got {_dtype_name(a)}")
+    kind = kinds[_dtype_name(a)]
+    if _dtype_name(b) != _dtype_name(a):
+        raise ValueError(f"b must have a's dtype {_dtype_name(a)}, got {_dtype_name(b)}")
     if jnp.dtype(offsets.dtype) != jnp.int32:
-        raise ValueError(f"offsets must be int32, got {jnp.dtype(offsets.dtype).name}")
+        raise ValueError(f"offsets must be int32, got {_dtype_name(offsets)}")
     m, k = a.shape
     e, n, k2 = b.shape
     if k2 != k:
@@ -143,31 +199,55 @@ def _check_gemm(a, b, offsets, tile) -> str:
         raise ValueError("b must hold at least one expert")
     if offsets.shape[0] != e + 1:
         raise ValueError(f"offsets must have E + 1 = {e + 1} elements, got {offsets.shape[0]}")
-    if k < ALIGN or k % ALIGN or n < ALIGN or n % ALIGN:
-        raise ValueError(f"K and N must be positive multiples of {ALIGN} (16-byte rows), got K={k}, N={n}")
+    ak = ALIGN_K[kind]
+    if k < ak or k % ak or n < ALIGN_N or n % ALIGN_N:
+        raise ValueError(f"{kind}: K must be a positive multiple of {ak} and N of {ALIGN_N} (16-byte rows), "
+                         f"got K={k}, N={n}")
     if max(m, n, k) >= 2**31:
         raise ValueError(f"dimensions must fit in int32, got M={m}, N={n}, K={k}")
+    if kind == "bf16":
+        for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
+            if s is not None:
+                raise ValueError(f"{name} is only taken with float8_e4m3fn a and b (bf16 has no scales)")
+    else:
+        for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
+            if s is None:
+                raise ValueError(f"{name} is required with float8_e4m3fn a and b")
+        _check_scale("a_scale", a_scale, {(): "per tensor", (1,): "per tensor", (m,): "per row [M]"})
+        _check_scale("b_scale", b_scale, {(): "per tensor", (e,): "per expert [E]", (e, n): "per channel [E, N]",
+                                          (e, n, 1): "per channel [E, N, 1]"})
     if tile is None or tile == "auto":
-        return pick_tile(m, e)
+        return kind, pick_tile(m, e)
     if tile not in TILES:
         raise ValueError(f"tile must be 'auto' or one of {sorted(TILES)}, got {tile!r}")
-    return tile
+    return kind, tile
 
 
-def grouped_gemm_shape(a, b, offsets) -> jax.ShapeDtypeStruct:
-    """The shape rule: a [M, K], b [E, N, K], offsets [E+1] -> d [M, N] bfloat16 (no data read)."""
-    _check_gemm(a, b, offsets, "auto")
+def _row_col_scales(a_scale, b_scale, m: int, e: int, n: int):
+    """The kernel's scale operands: row [M] and col [E, N] float32, broadcast from any accepted form."""
+    row = jnp.broadcast_to(jnp.reshape(a_scale, (-1,)), (m,))
+    b = jnp.reshape(b_scale, (-1, n) if b_scale.ndim >= 2 else (-1, 1))
+    return row, jnp.broadcast_to(b, (e, n))
+
+
+def grouped_gemm_shape(a, b, offsets, *, a_scale=None, b_scale=None) -> jax.ShapeDtypeStruct:
+    """The shape rule: a [M, K], b [E, N, K], offsets [E+1] (and the scales, for fp8) ->
+    d [M, N] bfloat16 (no data read)."""
+    _check_gemm(a, b, offsets, a_scale, b_scale, "auto")
     return jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), jnp.bfloat16)
 
 
-def grouped_gemm_reference(a, b, offsets, *, tile=None) -> jax.Array:
+def grouped_gemm_reference(a, b, offsets, *, a_scale=None, b_scale=None, tile=None) -> jax.Array:
     """jnp reference of :func:`grouped_gemm` (same arguments and result; ``tile`` is checked and
-    ignored): ``jax.lax.ragged_dot`` in float32 over the clamped offsets, zero rows outside them."""
-    _check_gemm(a, b, offsets, tile)
-    return _reference(a, b, offsets)
+    ignored): ``jax.lax.ragged_dot`` in float32 over the clamped offsets, then the scales, zero
+    rows outside the offsets."""
+    kind, _ = _check_gemm(a, b, offsets, a_scale, b_scale, tile)
+    if kind == "bf16":
+        return _reference(a, b, offsets, None, None)
+    return _reference(a, b, offsets, *_row_col_scales(a_scale, b_scale, a.shape[0], b.shape[0], b.shape[1]))
 
 
-def _reference(a, b, offsets):
+def _reference(a, b, offsets, row, col):
     m = a.shape[0]
     e = b.shape[0]
     off = jnp.clip(offsets, 0, m)
@@ -177,38 +257,74 @@ def _reference(a, b, offsets):
     owned = (rows >= lo) & (rows < hi)
     sizes = jnp.diff(off).at[0].add(lo).at[e - 1].add(m - hi)  # unowned rows ride along, zeroed
     a0 = jnp.where(owned[:, None], a, jnp.zeros((), a.dtype))
-    d = jax.lax.ragged_dot(a0, jnp.swapaxes(b, 1, 2), sizes.astype(jnp.int32),
+    if row is None:
+        d = jax.lax.ragged_dot(a0, jnp.swapaxes(b, 1, 2), sizes.astype(jnp.int32),
+                               preferred_element_type=jnp.float32)
+        return d.astype(jnp.bfloat16)
+    # fp8: exact products in float32, then the epilogue's (acc * col) * row
+    d = jax.lax.ragged_dot(a0.astype(jnp.float32), jnp.swapaxes(b, 1, 2).astype(jnp.float32),
+                           sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)
-    return d.astype(jnp.bfloat16)
+    expert = jnp.clip(jnp.searchsorted(off, rows, side="right") - 1, 0, e - 1)
+    d = d * col[expert] * row[:, None]
+    return jnp.where(owned[:, None], d, 0.0).astype(jnp.bfloat16)
 
 
-def grouped_gemm(a: jax.Array, b: jax.Array, offsets: jax.Array, *, tile: str | None = "auto") -> jax.Array:
+def grouped_gemm(a: jax.Array, b: jax.Array, offsets: jax.Array, *, a_scale=None, b_scale=None,
+                 tile: str | None = "auto") -> jax.Array:
     """Per expert e, ``d[r] = a[r] @ b[e].T`` for the rows ``offsets[e] <= r < offsets[e+1]``.
 
-    a [M, K] bfloat16 (expert-sorted rows); b [E, N, K] bfloat16 (K contiguous: vLLM's w13 and
-    w2 as they are); offsets [E+1] int32, nondecreasing (``sort_by_expert``'s offsets; clamped to
-    [0, M]). Returns d [M, N] bfloat16 (float32 accumulation), zero outside
-    ``[offsets[0], offsets[E])``. K and N must be multiples of 8. ``tile``: ``"auto"``
-    (:func:`pick_tile`, at trace time) or a name in :data:`TILES`. Runs the CUTLASS kernel where
-    lowered for a GPU with ``jax_moe._jax_moe_cutlass`` loaded, else :func:`grouped_gemm_reference`.
+    a [M, K] (expert-sorted rows); b [E, N, K] (K contiguous: vLLM's w13 and w2 as they are);
+    offsets [E+1] int32, nondecreasing (``sort_by_expert``'s offsets; clamped to [0, M]).
+
+    - bfloat16 a and b: ``d = a @ b[e].T``; K and N multiples of 8.
+    - float8_e4m3fn a and b, with dequantization scales (float32): ``d[r, n] = (a[r] @ b[e].T)[n]
+      * a_scale[r] * b_scale[e, n]``; ``a_scale`` [] or [1] (per tensor) or [M] (per row/token),
+      ``b_scale`` [] (per tensor), [E] (per expert), [E, N] or [E, N, 1] (per channel), broadcast
+      here to the kernel's [M] and [E, N]. K a multiple of 16, N of 8.
+
+    Returns d [M, N] bfloat16 (float32 accumulation), zero outside ``[offsets[0], offsets[E])``.
+    ``tile``: ``"auto"`` (:func:`pick_tile`, at trace time) or a name in :data:`TILES`. Runs the
+    CUTLASS kernel where lowered for a GPU with ``jax_moe._jax_moe_cutlass`` loaded, else
+    :func:`grouped_gemm_reference`.
     """
-    tile = _check_gemm(a, b, offsets, tile)
+    kind, tile = _check_gemm(a, b, offsets, a_scale, b_scale, tile)
     m, n, e = a.shape[0], b.shape[1], b.shape[0]
     if m == 0:
         return jnp.zeros((0, n), jnp.bfloat16)
+    scales = () if kind == "bf16" else _row_col_scales(a_scale, b_scale, m, e, n)
     if not _register():
-        return _reference(a, b, offsets)
+        return _reference(a, b, offsets, *(scales or (None, None)))
+    target = KINDS[kind][1]
 
-    def cuda(a, b, offsets):
+    def cuda(a, b, offsets, *scales):
         outs = (jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
-                jax.ShapeDtypeStruct((workspace_size(e, tile),), jnp.uint8))
-        d, _ = jax.ffi.ffi_call(TARGET, outs, vmap_method="sequential")(a, b, offsets, tile=np.int64(TILES[tile]))
+                jax.ShapeDtypeStruct((workspace_size(e, tile, kind),), jnp.uint8))
+        d, _ = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(a, b, offsets, *scales,
+                                                                         tile=np.int64(TILES[tile]))
         return d
 
-    return jax.lax.platform_dependent(a, b, offsets, cuda=cuda, default=_reference)
+    def default(a, b, offsets, *scales):
+        return _reference(a, b, offsets, *(scales or (None, None)))
+
+    return jax.lax.platform_dependent(a, b, offsets, *scales, cuda=cuda, default=default)
 
 
 # ----------------------------------------------------------------------------- the backend
+
+
+def _quant_refusal(quant, h: int, i: int) -> str | None:
+    """Why this build cannot serve ``quant`` (None when it can): scheme, activation format, K alignment."""
+    if quant is None:
+        return None
+    if quant.scheme != "fp8":
+        return f"scheme {quant.scheme!r} is not built yet (have bf16, fp8)"
+    if quant.act not in FP8_ACTS:
+        return (f"act {quant.act!r} on FP8 weights is not built (have {', '.join(FP8_ACTS)}: "
+                "the grouped GEMM is FP8 x FP8)")
+    if h % ALIGN_K["fp8"] or i % ALIGN_K["fp8"]:
+        return f"FP8 needs hidden and intermediate sizes that are multiples of {ALIGN_K['fp8']} (16-byte rows)"
+    return None
 
 
 def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
@@ -219,9 +335,8 @@ def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
     dev = device_info(device)
     if dev.sm != 90:
         return False, f"needs SM90 (this build compiles sm_90a only); this device is {dev.describe()}"
-    scheme = "bf16" if quant is None else quant.scheme
-    if scheme != "bf16":
-        return False, f"scheme {scheme!r} is not built yet (have bf16)"
+    if quant is not None and quant.scheme != "fp8":
+        return False, _quant_refusal(quant, cfg.hidden_size, cfg.intermediate_size)
     ok, why = available(dev)
     if not ok:
         return False, why
@@ -229,42 +344,77 @@ def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
         return False, f"activation {cfg.activation!r} is not wired up (have {', '.join(ACTIVATIONS)})"
     if cfg.gate_up_layout != "concat":
         return False, f"gate_up_layout {cfg.gate_up_layout!r} is not wired up (have 'concat': gate rows, then up)"
-    if cfg.hidden_size % ALIGN or cfg.intermediate_size % ALIGN:
-        return False, f"hidden and intermediate sizes must be multiples of {ALIGN} (16-byte rows)"
+    if cfg.hidden_size % ALIGN_N or cfg.intermediate_size % ALIGN_N:
+        return False, f"hidden and intermediate sizes must be multiples of {ALIGN_N} (16-byte rows)"
+    refusal = _quant_refusal(quant, cfg.hidden_size, cfg.intermediate_size)
+    if refusal:
+        return False, refusal
     return True, "ok"
 
 
-def _relu2_rows(h, valid):
+def _relu2_rows(h, valid, dtype):
     """relu(h)^2 in float32, rows at or past ``valid[0]`` zero (act_and_mul's convention)."""
     rows = jnp.arange(h.shape[0], dtype=jnp.int32) < valid[0]
     r = jnp.maximum(h.astype(jnp.float32), 0.0)
-    return jnp.where(rows[:, None], r * r, 0.0).astype(jnp.bfloat16)
+    return jnp.where(rows[:, None], r * r, 0.0).astype(dtype)
 
 
-def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None, w2_bias=None,
-          apply_router_weight_on_input: bool = False, tile: str | None = "auto") -> jax.Array:
-    """``y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` on jax_moe's CUTLASS
-    grouped GEMMs (the oracle's entry point; ``fused_experts`` checks the shapes first).
+def _per_tensor_scale(static, x):
+    """``fp8_per_tensor``'s scale for x: the static one (max over experts when [E], as the xla
+    backend without expert ids), or the dynamic ``amax(x) / 448``."""
+    if static is not None:
+        return jnp.max(jnp.asarray(static, jnp.float32))
+    return fp8.amax_to_scale(jnp.max(jnp.abs(x.astype(jnp.float32))))
 
-    x [T, H] float (computed in bf16); w13 [E, 2I, H] bfloat16 (gate rows, then up; [E, I, H]
-    for relu2); w2 [E, H, I] bfloat16; topk_weights [T, k] float; topk_ids [T, k] int32 in
-    [0, E), or outside it (-1: an expert on another rank) for a skipped slot. With
-    ``apply_router_weight_on_input`` (top-1) the weight scales x and the experts' outputs are
-    summed. ``tile``: both GEMMs' tile (:func:`grouped_gemm`). Returns [T, H] in x's dtype.
-    Raises ValueError for what this build does not take: quantized weights, biases, other
-    activations, non-bf16 weights.
-    """
-    if quant is not None:
-        raise ValueError(f"{NAME}: scheme {quant.scheme!r} is not built yet (bf16 only)")
+
+def _quantize_rows(v, act: str, static):
+    """float32 rows [M, C] -> (q float8_e4m3fn, a_scale [M] or []) in jnp, as the kernels do."""
+    if act == "fp8_per_token":
+        q, s = fp8.quantize_fp8_per_token(v)
+        return q, s[:, 0]
+    s = _per_tensor_scale(static, v)
+    return fp8.quantize_fp8_static(v, s), s
+
+
+def _fp8_gemm1_input(xin, sort, k, valid, quant):
+    """GEMM1's FP8 rows and scales: quantization fused into the gather (the scale of a dynamic
+    per-tensor act is taken over all of xin first, as the xla backend does)."""
+    if quant.act == "fp8_per_token":
+        return kernels.permute_rows(xin, sort.sorted_slots, k, valid_rows=valid, quant="fp8_per_token")
+    return kernels.permute_rows(xin, sort.sorted_slots, k, valid_rows=valid, quant="fp8_static",
+                                scale=_per_tensor_scale(quant.a13_scale, xin))
+
+
+def _fp8_gemm2_input(h1, cfg, valid, quant):
+    """GEMM2's FP8 rows and scales: fused into act_and_mul for per-token and static scales; a
+    dynamic per-tensor scale needs the whole activation first (float32 pass, jnp quantization)."""
+    fused = quant.act == "fp8_per_token" or quant.a2_scale is not None
+    if cfg.gated and fused:
+        mode = "fp8_per_token" if quant.act == "fp8_per_token" else "fp8_static"
+        scale = None if mode == "fp8_per_token" else _per_tensor_scale(quant.a2_scale, None)
+        return kernels.act_and_mul(h1, cfg.activation, valid_rows=valid, quant=mode, scale=scale)
+    if cfg.gated:
+        a = kernels.act_and_mul(h1, cfg.activation, valid_rows=valid, out_dtype=jnp.float32)
+    else:
+        a = _relu2_rows(h1, valid, jnp.float32)
+    return _quantize_rows(a, quant.act, quant.a2_scale)
+
+
+def _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bias,
+                 apply_router_weight_on_input, tile) -> None:
+    """ValueError for what this build does not take (quant schemes, biases, activations, dtypes, shapes)."""
     if w13_bias is not None or w2_bias is not None:
         raise ValueError(f"{NAME}: GEMM biases are not supported yet (use backend='flashinfer_cutlass' or 'xla')")
     if cfg.activation not in ACTIVATIONS:
         raise ValueError(f"{NAME}: activation {cfg.activation!r} is not wired up (have {', '.join(ACTIVATIONS)})")
     if cfg.gate_up_layout != "concat":
         raise ValueError(f"{NAME}: gate_up_layout {cfg.gate_up_layout!r} is not wired up (have 'concat')")
+    want = "bfloat16" if quant is None else "float8_e4m3fn"
     for name, w in (("w13", w13), ("w2", w2)):
-        if jnp.dtype(w.dtype) != jnp.bfloat16:
-            raise ValueError(f"{NAME}: {name} must be bfloat16 (this build is bf16 only), got {jnp.dtype(w.dtype).name}")
+        if _dtype_name(w) != want:
+            raise ValueError(f"{NAME}: {name} must be {want} "
+                             f"({'bf16 weights' if quant is None else 'FP8 weights with quant='}), "
+                             f"got {_dtype_name(w)}")
     t, h = x.shape
     e, n1, h2 = w13.shape
     e2, h3, i = w2.shape
@@ -276,10 +426,33 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
         raise ValueError(f"{NAME}: topk_weights {topk_weights.shape} / topk_ids {topk_ids.shape} must be [T, k]")
     if apply_router_weight_on_input and k != 1:
         raise ValueError(f"{NAME}: apply_router_weight_on_input needs top_k == 1, got top_k={k}")
-    if h % ALIGN or i % ALIGN:
-        raise ValueError(f"{NAME}: H={h} and I={i} must be multiples of {ALIGN}")
+    if h % ALIGN_N or i % ALIGN_N:
+        raise ValueError(f"{NAME}: H={h} and I={i} must be multiples of {ALIGN_N}")
+    refusal = _quant_refusal(quant, h, i)
+    if refusal:
+        raise ValueError(f"{NAME}: {refusal}")
     if tile not in (None, "auto") and tile not in TILES:
         raise ValueError(f"{NAME}: tile must be 'auto' or one of {sorted(TILES)}, got {tile!r}")
+
+
+def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None, w2_bias=None,
+          apply_router_weight_on_input: bool = False, tile: str | None = "auto") -> jax.Array:
+    """``y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` on jax_moe's CUTLASS
+    grouped GEMMs (the oracle's entry point; ``fused_experts`` checks the shapes first).
+
+    x [T, H] float; w13 [E, 2I, H] (gate rows, then up; [E, I, H] for relu2); w2 [E, H, I]:
+    bfloat16 (x computed in bf16), or float8_e4m3fn with ``quant`` a ``QuantConfig("fp8", ...)``
+    (x quantized from its own dtype; see the module note for the scales). topk_weights [T, k]
+    float; topk_ids [T, k] int32 in [0, E), or outside it (-1: an expert on another rank) for a
+    skipped slot. With ``apply_router_weight_on_input`` (top-1) the weight scales x and the
+    experts' outputs are summed. ``tile``: both GEMMs' tile (:func:`grouped_gemm`). Returns
+    [T, H] in x's dtype. Raises ValueError for what this build does not take: other schemes or
+    activation formats, biases, other activations, other weight dtypes.
+    """
+    _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bias,
+                 apply_router_weight_on_input, tile)
+    t, h = x.shape
+    e, k = w13.shape[0], topk_ids.shape[1]
     if t == 0:
         return jnp.zeros((0, h), x.dtype)
     if tile in (None, "auto"):
@@ -288,12 +461,25 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     from jax_moe import ffi  # noqa: PLC0415
 
     tw = topk_weights.astype(jnp.float32)
-    xin = x.astype(jnp.float32) * tw if apply_router_weight_on_input else x
     sort = ffi.sort_by_expert(topk_ids.astype(jnp.int32), e)
     valid = sort.offsets[e:]  # [1]: rows of experts in [0, E)
-    a1 = kernels.permute_rows(xin.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid)
-    h1 = grouped_gemm(a1, w13, sort.offsets, tile=tile)
-    a2 = kernels.act_and_mul(h1, cfg.activation, valid_rows=valid) if cfg.gated else _relu2_rows(h1, valid)
-    y = grouped_gemm(a2, w2, sort.offsets, tile=tile)
+    if quant is None:
+        xin = x.astype(jnp.float32) * tw if apply_router_weight_on_input else x
+        a1 = kernels.permute_rows(xin.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid)
+        h1 = grouped_gemm(a1, w13, sort.offsets, tile=tile)
+        if cfg.gated:
+            a2 = kernels.act_and_mul(h1, cfg.activation, valid_rows=valid)
+        else:
+            a2 = _relu2_rows(h1, valid, jnp.bfloat16)
+        y = grouped_gemm(a2, w2, sort.offsets, tile=tile)
+    else:
+        # as the xla backend: the router weight scales x in x's dtype, then x is quantized
+        xin = (x.astype(jnp.float32) * tw).astype(x.dtype) if apply_router_weight_on_input else x
+        a1, s1 = _fp8_gemm1_input(xin, sort, k, valid, quant)
+        h1 = grouped_gemm(a1, w13, sort.offsets, a_scale=s1, b_scale=jnp.asarray(quant.w13_scale, jnp.float32),
+                          tile=tile)
+        a2, s2 = _fp8_gemm2_input(h1, cfg, valid, quant)
+        y = grouped_gemm(a2, w2, sort.offsets, a_scale=s2, b_scale=jnp.asarray(quant.w2_scale, jnp.float32),
+                         tile=tile)
     return kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid,
                                     apply_router_weight_on_input=apply_router_weight_on_input, out_dtype=x.dtype)

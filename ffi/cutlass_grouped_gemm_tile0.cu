@@ -1,7 +1,0 @@
-// CUTLASS tile kTileCoop128x128 of jax_moe_cutlass_grouped_gemm (one instantiation per TU: compile time).
-#define JAX_MOE_CUTLASS_IMPL
-#include "cutlass_grouped_gemm_impl.cuh"
-
-namespace jax_moe::cutlass_gg {
-JAX_MOE_INSTANTIATE_CUTLASS_TILE(kTileCoop128x128)
-}  // namespace jax_moe::cutlass_gg
