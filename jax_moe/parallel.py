@@ -123,15 +123,24 @@ def shard_weights(w13, w2, pcfg: ParallelConfig, *, activation: str = "silu", ga
         quant=None,
     )
     if quant is not None:
-        out["quant"] = jax.tree.map(lambda a: put(a, _expert_spec(a, e, ep_ax)), quant)
+        out["quant"] = jax.tree.map(put, quant, _quant_specs(quant, e, ep_ax))
     return out
 
 
-def _expert_spec(a, num_experts: int, ep_axis) -> P:
-    """Scales with a leading expert axis are split like the experts; others are replicated."""
-    if getattr(a, "ndim", 0) >= 1 and a.shape[0] == num_experts:
+# activation scales are one scale for all experts (their max, jax_moe.quant.scheme): never split
+_ACTIVATION_SCALES = ("a13_scale", "a2_scale")
+
+
+def _quant_specs(quant, num_experts: int, ep_axis):
+    """A QuantConfig of PartitionSpecs: weight scales with a leading expert axis are split like
+    the experts; activation scales (a13/a2, [] or [E]) and scalars are replicated."""
+
+    def spec(path, a):
+        if path[-1].name in _ACTIVATION_SCALES or getattr(a, "ndim", 0) < 1 or a.shape[0] != num_experts:
+            return P()
         return P(ep_axis, *([None] * (a.ndim - 1)))
-    return P()
+
+    return jax.tree_util.tree_map_with_path(spec, quant)
 
 
 # ------------------------------------------------------------------------- run time
@@ -268,7 +277,7 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
                                     expert_shard=ep > 1)
     ep_ax, tp_ax = pcfg.ep_axis, pcfg.tp_axis
     tok = pcfg.token_spec
-    quant_spec = None if quant is None else jax.tree.map(lambda a: _expert_spec(a, e, ep_ax), quant)
+    quant_spec = None if quant is None else _quant_specs(quant, e, ep_ax)
 
     def body(x, w13, w2, w, ids, w13_bias, w2_bias, quant):
         o = dict(opts, w13_bias=w13_bias, quant=quant, cfg=local_cfg)

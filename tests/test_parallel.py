@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jax_moe import fused_experts, select_experts
 from jax_moe.parallel import ParallelConfig, parallel_fused_experts, shard_weights, tp_row_order
@@ -78,6 +79,20 @@ def test_quantized_weights_under_expert_parallelism(rng):
     p = shard_weights(q13, q2, pcfg, quant=quant)
     out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"])
     assert rel(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-3
+
+
+def test_per_expert_activation_scales_stay_whole_under_expert_parallelism(rng):
+    """Static [E] activation scales mean one scale for all experts (their max): every device must
+    see all E of them, not only its own experts' (shard_weights replicates a13/a2 scales)."""
+    pcfg = ParallelConfig(cpu_mesh((4,), ("ep",)), ep_axis="ep")
+    x, w13, w2, w, ids, _ = moe(rng, 32)
+    a13 = jnp.asarray(np.linspace(1e-3, 2e-2, E), jnp.float32)
+    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a13_scale=a13,
+                                      a2_scale=jnp.full((E,), 0.01, jnp.float32))
+    p = shard_weights(q13, q2, pcfg, quant=quant)
+    assert p["quant"].a13_scale.sharding.spec == P() and p["quant"].w13_scale.sharding.spec == P("ep")
+    out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"])
+    assert rel(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-5
 
 
 def test_no_ep_with_tensor_and_data_parallelism(rng):
