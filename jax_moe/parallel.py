@@ -108,7 +108,9 @@ def shard_weights(w13, w2, pcfg: ParallelConfig, *, activation: str = "silu", ga
     if inter % tp:
         raise ValueError(f"the intermediate size I={inter} must be a multiple of the tp size {tp}")
     if quant is not None and tp > 1:
-        raise ValueError("tensor parallelism over quantized weights is not supported yet; use ep/dp")
+        why = _tp_quant_refusal(quant)
+        if why:
+            raise ValueError(f"tensor parallelism over these quantized weights is not supported yet: {why}")
     order = tp_row_order(rows, tp, gate_up_layout, gated)
     ep_ax, tp_ax = pcfg.ep_axis, pcfg.tp_axis
 
@@ -125,6 +127,23 @@ def shard_weights(w13, w2, pcfg: ParallelConfig, *, activation: str = "silu", ga
     if quant is not None:
         out["quant"] = jax.tree.map(put, quant, _quant_specs(quant, e, ep_ax))
     return out
+
+
+def _tp_quant_refusal(quant) -> str | None:
+    """Why ``quant`` cannot be split over ``tp`` (None: it can). Splitting I is exact when no
+    scale runs along N or K (per-tensor or per-expert weight scales) and GEMM2's input is
+    quantized without looking at its whole row (a static scale, or not quantized)."""
+    from jax_moe.quant.scheme import STATIC_ACTS
+
+    for name in ("w13_scale", "w2_scale"):
+        a = getattr(quant, name)
+        if jnp.ndim(a) > 1:
+            return (f"{name} has shape {list(jnp.shape(a))}: scales along N or K would have to be split "
+                    "with the weights (only per-tensor or per-expert weight scales are)")
+    if quant.act != "bf16" and not (quant.act in STATIC_ACTS and quant.a2_scale is not None):
+        return (f"act={quant.act!r} quantizes GEMM2's input with a scale over its whole row or tensor, "
+                "which tp splits; give a static a2_scale (fp8_per_tensor, nvfp4) or use act='bf16'")
+    return None
 
 
 # activation scales are one scale for all experts (their max, jax_moe.quant.scheme): never split
@@ -152,25 +171,36 @@ def _local_ids(ids, e_local: int, rank):
     return jnp.where((local >= 0) & (local < e_local), local, -1).astype(jnp.int32)
 
 
+def _once_over_tp(bias, tp_axis):
+    """A bias added by every ``tp`` shard's partial output, kept on shard 0 only (the outputs
+    are summed over ``tp``)."""
+    if tp_axis is None or bias is None:
+        return bias
+    return jnp.where(jax.lax.axis_index(tp_axis) == 0, bias, jnp.zeros((), bias.dtype))
+
+
 def _experts(x, w13, w2, w, ids, opts, w2_bias, tp_axis):
-    """Local experts on local rows; the w2 bias counted once across ``tp``; summed over ``tp``."""
-    if tp_axis is not None and w2_bias is not None:
-        w2_bias = jnp.where(jax.lax.axis_index(tp_axis) == 0, w2_bias, 0.0)
+    """Local experts on local rows (this device's ``tp`` part of I; summed by the caller)."""
     opts = dict(opts)
     cfg = opts.pop("cfg")
-    y = run_experts(x, w13, w2, w, ids, cfg, w2_bias=w2_bias, **opts).astype(jnp.float32)
-    if tp_axis is not None:
-        y = jax.lax.psum(y, tp_axis)
-    return y
+    y = run_experts(x, w13, w2, w, ids, cfg, w2_bias=_once_over_tp(w2_bias, tp_axis), **opts)
+    return y.astype(jnp.float32)
 
 
 # Each strategy takes ``run(x_rows, weights_rows, local_ids) -> y_rows float32``: the local
-# experts (local ids, -1 for experts owned elsewhere) on the rows this device holds.
+# experts (local ids, -1 for experts owned elsewhere) on the rows this device holds. ``x`` is
+# one [T, ...] array or a tuple of them (a quantized payload and its scales): every array
+# travels with its token.
+
+
+def _rows(mask, a):
+    """``mask`` [..., T] broadcast against ``a`` [..., T, ...]."""
+    return mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
 
 
 def _naive(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
     ep = pcfg.ep_axis
-    xa = jax.lax.all_gather(x, ep, tiled=True)
+    xa = jax.tree.map(lambda a: jax.lax.all_gather(a, ep, tiled=True), x)
     wa = jax.lax.all_gather(w, ep, tiled=True)
     ida = _local_ids(jax.lax.all_gather(ids, ep, tiled=True), e_local, jax.lax.axis_index(ep))
     y = run(xa, wa, ida)
@@ -186,17 +216,17 @@ def _dispatch_masks(ids, e_local: int, ep_size: int):
 
 def _all_to_all_dense(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
     ep, n = pcfg.ep_axis, pcfg.size(pcfg.ep_axis)
-    t = x.shape[0]
+    t = ids.shape[0]
     owner, send = _dispatch_masks(ids, e_local, n)
     dest = jnp.arange(n)[:, None, None]
-    x_send = jnp.where(send[:, :, None], x[None], 0).astype(x.dtype)  # [ep, T, H]
+
+    def exchange(a):  # [ep, T, ...] -> rows from every source, [ep * T, ...]
+        return jax.lax.all_to_all(a, ep, 0, 0, tiled=True).reshape((n * t,) + a.shape[2:])
+
+    x_recv = jax.tree.map(lambda a: exchange(jnp.where(_rows(send, a[None]), a[None], 0).astype(a.dtype)), x)
     id_send = jnp.where(owner[None] == dest, ids[None] - dest * e_local, -1).astype(jnp.int32)
-    x_recv = jax.lax.all_to_all(x_send, ep, 0, 0, tiled=True)
-    id_recv = jax.lax.all_to_all(id_send, ep, 0, 0, tiled=True)
-    w_recv = jax.lax.all_to_all(jnp.broadcast_to(w[None], (n,) + w.shape), ep, 0, 0, tiled=True)
-    h = x.shape[1]
-    y = run(x_recv.reshape(n * t, h), w_recv.reshape(n * t, -1), id_recv.reshape(n * t, -1))
-    back = jax.lax.all_to_all(y.reshape(n, t, h), ep, 0, 0, tiled=True)
+    y = run(x_recv, exchange(jnp.broadcast_to(w[None], (n,) + w.shape)), exchange(id_send))
+    back = jax.lax.all_to_all(y.reshape(n, t, y.shape[-1]), ep, 0, 0, tiled=True)
     return back.sum(0)
 
 
@@ -204,7 +234,7 @@ def _all_to_all_ragged(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
     """Only the rows a device needs travel. Sender packs its rows by destination; receiver
     keeps a fixed slot of T rows per source (zero rows where nothing arrived)."""
     ep, n = pcfg.ep_axis, pcfg.size(pcfg.ep_axis)
-    t, h = x.shape
+    t = ids.shape[0]
     me = jax.lax.axis_index(ep)
     owner, send = _dispatch_masks(ids, e_local, n)
     counts = send.sum(1).astype(jnp.int32)  # rows for each destination
@@ -215,21 +245,18 @@ def _all_to_all_ragged(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
     order = jnp.argsort(~flat, stable=True)[:cap]
     valid = jnp.arange(cap) < counts.sum()
     dest, tok = order // t, order % t
-    x_pack = jnp.where(valid[:, None], x[tok], 0).astype(x.dtype)
     id_pack = jnp.where(valid[:, None] & (owner[tok] == dest[:, None]), ids[tok] - dest[:, None] * e_local, -1)
-    w_pack = w[tok]
 
     recv_counts = jax.lax.all_to_all(counts, ep, 0, 0, tiled=True)  # rows each source sends me
     out_offsets = jnp.full((n,), me * t, jnp.int32)  # my rows land in slot `me` of every receiver
 
-    def exchange(a, fill):
+    def exchange(a, fill=0):
         buf = jnp.full((n * t,) + a.shape[1:], fill, a.dtype)
         return jax.lax.ragged_all_to_all(a, buf, starts, counts, out_offsets, recv_counts, axis_name=ep)
 
-    x_recv = exchange(x_pack, 0)
-    id_recv = exchange(id_pack.astype(jnp.int32), -1)
-    w_recv = exchange(w_pack, 0)
-    y = run(x_recv, w_recv, id_recv)
+    x_recv = jax.tree.map(lambda a: exchange(jnp.where(_rows(valid, a[tok]), a[tok], 0).astype(a.dtype)), x)
+    y = run(x_recv, exchange(w[tok]), exchange(id_pack.astype(jnp.int32), -1))
+    h = y.shape[-1]
     # reverse: slot s of my buffer goes back to source s, at the offsets it sent from
     src_starts = jax.lax.all_to_all(starts, ep, 0, 0, tiled=True)
     back = jax.lax.ragged_all_to_all(y, jnp.zeros((cap, h), y.dtype), jnp.arange(n, dtype=jnp.int32) * t,
@@ -239,14 +266,18 @@ def _all_to_all_ragged(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
 
 
 def _run_strategy(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
-    """Prepare (dispatch), the local experts, finalize (combine): [T_local, H] float32."""
+    """Prepare (dispatch), the local experts, finalize (combine), and the sum over ``tp`` of the
+    devices' parts of I (after the combine: T_local rows, not the dispatched ones): [T_local, H]
+    float32."""
     if pcfg.strategy == "none":
-        return run(x, w, ids)
-    if pcfg.strategy == "naive":
-        return _naive(x, w, ids, run, pcfg, e_local)
-    if pcfg.ragged:
-        return _all_to_all_ragged(x, w, ids, run, pcfg, e_local)
-    return _all_to_all_dense(x, w, ids, run, pcfg, e_local)
+        y = run(x, w, ids)
+    elif pcfg.strategy == "naive":
+        y = _naive(x, w, ids, run, pcfg, e_local)
+    elif pcfg.ragged:
+        y = _all_to_all_ragged(x, w, ids, run, pcfg, e_local)
+    else:
+        y = _all_to_all_dense(x, w, ids, run, pcfg, e_local)
+    return y if pcfg.tp_axis is None else jax.lax.psum(y, pcfg.tp_axis)
 
 
 def _token_shards(x, pcfg: ParallelConfig, e: int) -> None:

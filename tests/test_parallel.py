@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_moe import fused_experts, select_experts
 from jax_moe.parallel import ParallelConfig, parallel_fused_experts, shard_weights, tp_row_order
-from jax_moe.quant.scheme import quantize_weights
+from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
 
 E, K, H, I = 16, 4, 32, 32
 
@@ -93,6 +93,34 @@ def test_per_expert_activation_scales_stay_whole_under_expert_parallelism(rng):
     assert p["quant"].a13_scale.sharding.spec == P() and p["quant"].w13_scale.sharding.spec == P("ep")
     out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"])
     assert rel(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_fp8_weights_split_over_tensor_parallelism(rng, strategy):
+    """Per-expert FP8 weight scales and static activation scales: splitting I over tp changes
+    nothing in the quantization, so (ep=4, tp=2) equals one device on the same quantized weights.
+    (A dynamic a13_scale would be the max over the rows each device receives.)"""
+    pcfg = ParallelConfig(cpu_mesh((4, 2), ("ep", "tp")), ep_axis="ep", tp_axis="tp", strategy=strategy)
+    x, w13, w2, w, ids, _ = moe(rng, 32)
+    a13 = calibrate_activation_scale("fp8_per_tensor", x)
+    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=0.01)
+    p = shard_weights(q13, q2, pcfg, quant=quant)
+    out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"])
+    assert rel(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-5
+
+
+@pytest.mark.parametrize("scheme,opts,match", [
+    ("fp8", dict(act="fp8_per_tensor"), "act='fp8_per_tensor' quantizes GEMM2's input"),
+    ("fp8", dict(act="fp8_per_token"), "act='fp8_per_token'"),
+    ("fp8", dict(weight_scale="per_channel", act="bf16"), r"w13_scale has shape \[16, 64, 1\]"),
+    ("nvfp4", dict(act="bf16"), "scales along N or K"),
+])
+def test_tensor_parallelism_refuses_quantization_it_would_change(rng, scheme, opts, match):
+    pcfg = ParallelConfig(cpu_mesh((4, 2), ("ep", "tp")), ep_axis="ep", tp_axis="tp")
+    _, w13, w2, _, _, _ = moe(rng, 8)
+    q13, q2, quant = quantize_weights(scheme, w13, w2, **opts)
+    with pytest.raises(ValueError, match=match):
+        shard_weights(q13, q2, pcfg, quant=quant)
 
 
 def test_no_ep_with_tensor_and_data_parallelism(rng):
