@@ -325,45 +325,94 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
     return fn(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, quant)
 
 
+def _local_shape(a, spec: P, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    """The block of global array ``a`` that one device holds under ``spec``."""
+    shape = list(a.shape)
+    for d, names in enumerate(tuple(spec)):
+        for name in (names,) if isinstance(names, str) else (names or ()):
+            shape[d] //= mesh.shape[name]
+    return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
+
+
+def _pad_intermediate(w13, w2, w13_bias, inter_padded: int, gated: bool, gate_up_layout: str):
+    """Zero-pad one device's block from its I to ``inter_padded``: w13's gate and up halves
+    each (or its rows, not gated), w2's columns, the w13 bias like w13. The padded units add
+    ``act(0) * 0 = 0`` through zero w2 columns: the result is unchanged."""
+    from jax_moe.layouts.common import pad_axis, pad_gate_up
+
+    if inter_padded == w2.shape[-1]:
+        return w13, w2, w13_bias
+
+    def pad13(a, axis):
+        if gated:
+            return pad_gate_up(a, inter_padded, axis=axis, layout=gate_up_layout)
+        return pad_axis(a, inter_padded, axis)
+
+    return (pad13(w13, -2), pad_axis(w2, inter_padded, -1),
+            None if w13_bias is None else pad13(w13_bias, -1))
+
+
 def shard_prepared(w13, w2, pcfg: ParallelConfig, *, backend: str = "flashinfer_cutlass", activation: str = "silu",
                    gate_up_layout: str = "concat", w13_bias=None, w2_bias=None, quant=None, **cfg_opts):
     """Load time, for a backend with its own weight layout (``flashinfer_cutlass``): place the
-    vLLM-layout weights over ``ep`` (:func:`shard_weights`), then let every device repack only
-    its own experts (``backend.prepare`` under ``jit`` with the expert-split output sharding).
-    Returns the backend's prepared weights (global shapes, split over ``ep``) for
-    :func:`parallel_apply_prepared`. Tensor parallelism is not combined with this yet."""
-    from jax_moe import oracle
+    vLLM-layout weights over ``ep`` and ``tp`` (:func:`shard_weights`: w13's rows in
+    :func:`tp_row_order`, so a device's block is its gate rows then its up rows; w2 split along
+    I), then let every device repack only its own block (``backend.prepare`` per device under
+    ``shard_map``). A device's I (``I / tp``) is zero-padded to ``backend.alignment(quant)``
+    where it falls short (the padded units contribute exactly zero).
 
-    if pcfg.tp_axis is not None and pcfg.size(pcfg.tp_axis) > 1:
-        raise ValueError("shard_prepared: tensor parallelism (tp_axis) is not supported with prepared weights yet")
+    Returns the backend's prepared weights for :func:`parallel_apply_prepared`: global arrays
+    split over ``ep`` along their expert axes and over ``tp`` along their I axes (the fields'
+    ``tp_axis`` metadata); with ``tp`` > 1 a global array is the concatenation of the devices'
+    blocks, meaningful only split that way."""
+    from jax_moe import oracle
+    from jax_moe.config import ACTIVATIONS
+    from jax_moe.layouts.common import round_up
+
     mod = oracle.module(backend)
-    e = w13.shape[0]
+    e, rows, h = w13.shape
+    ep, tp = pcfg.size(pcfg.ep_axis), pcfg.size(pcfg.tp_axis)
     placed = shard_weights(w13, w2, pcfg, activation=activation, gate_up_layout=gate_up_layout,
                            w13_bias=w13_bias, w2_bias=w2_bias, quant=quant)
-    x_like = jax.ShapeDtypeStruct((1, w13.shape[-1]), jnp.bfloat16 if quant is not None else w13.dtype)
+    x_like = jax.ShapeDtypeStruct((1, h), jnp.bfloat16 if quant is not None else w13.dtype)
     ids_like = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     cfg = moe_config_from_arrays(x_like, placed["w13"], placed["w2"], ids_like, activation=activation,
                                  gate_up_layout=gate_up_layout, quant=placed["quant"],
                                  swiglu_alpha=cfg_opts.get("swiglu_alpha", 1.702),
                                  swiglu_limit=cfg_opts.get("swiglu_limit", 7.0))
-    bias = {} if w13_bias is None and w2_bias is None else dict(w13_bias=placed["w13_bias"], w2_bias=placed["w2_bias"])
-    args = (placed["w13"], placed["w2"], placed["quant"])
+    align = mod.alignment(quant)
+    if h % align:
+        raise ValueError(f"shard_prepared: {backend} needs H={h} to be a multiple of {align} "
+                         f"({'bf16' if quant is None else quant.scheme}); H is not split, so it cannot be padded here")
+    gated = ACTIVATIONS[activation]
+    inter_padded = round_up(cfg.intermediate_size // tp, align)
+    local_cfg = dataclasses.replace(cfg, num_experts=e // ep, intermediate_size=inter_padded)
+    with_bias = w13_bias is not None or w2_bias is not None
 
-    def prepare(a, b, q):
-        return mod.prepare(a, b, cfg, q, **bias)
+    def prepare(w13, w2, w13_bias, w2_bias, quant):
+        w13, w2, w13_bias = _pad_intermediate(w13, w2, w13_bias, inter_padded, gated, gate_up_layout)
+        bias = dict(w13_bias=w13_bias, w2_bias=w2_bias) if with_bias else {}
+        return mod.prepare(w13, w2, local_cfg, quant, **bias)
 
-    specs = mod.partition_specs(jax.eval_shape(prepare, *args), pcfg.ep_axis, e)
-    shardings = jax.tree.map(lambda s: NamedSharding(pcfg.mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
-    return jax.jit(prepare, out_shardings=shardings)(*args)
+    ep_ax, tp_ax = pcfg.ep_axis, pcfg.tp_axis
+    args = (placed["w13"], placed["w2"], placed["w13_bias"], placed["w2_bias"], placed["quant"])
+    in_specs = (P(ep_ax, tp_ax, None), P(ep_ax, None, tp_ax), P(ep_ax, tp_ax), P(ep_ax, None),
+                None if quant is None else _quant_specs(quant, e, ep_ax))
+    in_specs = tuple(None if a is None else sp for a, sp in zip(args, in_specs))
+    local = jax.tree.map(lambda a, sp: _local_shape(a, sp, pcfg.mesh), args, in_specs)
+    out_specs = mod.partition_specs(jax.eval_shape(prepare, *local), ep_ax, e // ep, tp_ax)
+    fn = jax.shard_map(prepare, mesh=pcfg.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.jit(fn)(*args)
 
 
 def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelConfig, *,
                             backend: str = "flashinfer_cutlass", **apply_opts):
     """``backend.apply_prepared`` over ``pcfg.mesh`` with the same prepare/finalize strategies as
     :func:`parallel_fused_experts`. ``prepared`` from :func:`shard_prepared`; x [T, H] split
-    like the tokens. With FP8 prepared weights the tokens are quantized before the dispatch
-    (one byte per value on the wire; the per-tensor scale is shared by all devices). Returns
-    [T, H] in x's dtype, split like x."""
+    like the tokens. Every device runs its own (ep, tp) block; the partial outputs are summed
+    over ``tp`` (a w2 bias counted once). With FP8 prepared weights the tokens are quantized
+    before the dispatch (one byte per value on the wire; the per-tensor scale is shared by all
+    devices). Returns [T, H] in x's dtype, split like x."""
     from jax_moe import oracle
 
     mod = oracle.module(backend)
@@ -371,7 +420,7 @@ def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelC
     _token_shards(x, pcfg, e)
     e_local = e // pcfg.size(pcfg.ep_axis)
     tok = pcfg.token_spec
-    specs = mod.partition_specs(prepared, pcfg.ep_axis, e)
+    specs = mod.partition_specs(prepared, pcfg.ep_axis, e, pcfg.tp_axis)
 
     # FP8 input: quantize before dispatch (the seeds' order), so that 1-byte rows travel; the
     # dynamic scale is the max over every device's tokens, as on one device.
@@ -379,6 +428,7 @@ def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelC
                       and hasattr(mod, "quantize_input") and not apply_opts.get("apply_router_weight_on_input"))
 
     def body(x, w, ids, prep):
+        prep = dataclasses.replace(prep, w2_bias=_once_over_tp(prep.w2_bias, pcfg.tp_axis))
         if not quantize_first:
             def run(xr, wr, idr):
                 return mod.apply_prepared(xr, prep, wr, idr, **apply_opts).astype(jnp.float32)
