@@ -34,7 +34,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_moe import oracle
 from jax_moe.experts import moe_config_from_arrays, run_experts
+from jax_moe.layouts.scales import block_scale_interleave
+from jax_moe.quant import fp4, fp8
+from jax_moe.quant.scheme import nvfp4_activation_global_scale
 from jax_moe.routing import select_experts
 
 STRATEGIES = ("none", "naive", "all_to_all")
@@ -293,7 +297,14 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
                            w2_bias=None, quant=None, **opts):
     """:func:`jax_moe.fused_experts` over ``pcfg.mesh``. Weights as placed by :func:`shard_weights`
     (global shapes; w13's rows in :func:`tp_row_order`); x [T, H] with T a multiple of the
-    number of token shards. Returns [T, H] in x's dtype, split like x."""
+    number of token shards. Returns [T, H] in x's dtype, split like x.
+
+    NVFP4 activations (``quant.act == "nvfp4"``) under ``naive``/``all_to_all`` with a backend
+    that takes them quantized (its ``PREQUANTIZED_INPUT``) are quantized before the dispatch, as
+    vLLM's prepare does: packed E2M1 (H/2 bytes) and linear e4m3 block scales (H/16 bytes) travel
+    instead of the float row, and the scales are swizzled after the exchange for a backend that
+    reads 128x4 tiles. The global scale is the static ``a13_scale``, or, when None, ``amax / (448 * 6)``
+    of every device's tokens; either way each token's quantization is what one device does."""
     e = w13.shape[0]
     ep, tp = pcfg.size(pcfg.ep_axis), pcfg.size(pcfg.tp_axis)
     _token_shards(x, pcfg, e)
@@ -309,20 +320,48 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
     ep_ax, tp_ax = pcfg.ep_axis, pcfg.tp_axis
     tok = pcfg.token_spec
     quant_spec = None if quant is None else _quant_specs(quant, e, ep_ax)
+    scale_layout = None
+    if quant is not None and quant.act == "nvfp4" and pcfg.strategy != "none":
+        features = oracle.call_features(dtype=None, w13_bias=w13_bias, w2_bias=w2_bias, **opts)
+        chosen = oracle.select_backend(local_cfg, quant, backend=opts.get("backend"), features=features)
+        scale_layout = getattr(chosen.module, "PREQUANTIZED_INPUT", {}).get(quant.act)
+        opts["backend"] = chosen.name  # the backend whose input format the dispatch produces
 
     def body(x, w13, w2, w, ids, w13_bias, w2_bias, quant):
         o = dict(opts, w13_bias=w13_bias, quant=quant, cfg=local_cfg)
+        if scale_layout is None:
+            def run(xr, wr, idr):
+                return _experts(xr, w13, w2, wr, idr, o, w2_bias, tp_ax)
 
-        def run(xr, wr, idr):
-            return _experts(xr, w13, w2, wr, idr, o, w2_bias, tp_ax)
+            return _run_strategy(x, w, ids, run, pcfg, e_local).astype(x.dtype)
+        o["quant"], payload = _quantize_nvfp4_before_dispatch(x, quant, pcfg)
 
-        return _run_strategy(x, w, ids, run, pcfg, e_local).astype(x.dtype)
+        def run_q(xr, wr, idr):
+            packed, sf = xr
+            sf = jax.lax.bitcast_convert_type(sf, jnp.float8_e4m3fn)
+            if scale_layout == "128x4":
+                sf = block_scale_interleave(sf)
+            return _experts(packed, w13, w2, wr, idr, dict(o, x_scale=sf), w2_bias, tp_ax)
+
+        return _run_strategy(payload, w, ids, run_q, pcfg, e_local).astype(x.dtype)
 
     in_specs = (tok, P(ep_ax, tp_ax, None), P(ep_ax, None, tp_ax), tok, tok,
                 None if w13_bias is None else P(ep_ax, tp_ax), None if w2_bias is None else P(ep_ax, None),
                 quant_spec)
     fn = jax.shard_map(body, mesh=pcfg.mesh, in_specs=in_specs, out_specs=tok, check_vma=False)
     return fn(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, quant)
+
+
+def _quantize_nvfp4_before_dispatch(x, quant, pcfg: ParallelConfig):
+    """This device's tokens x [T, H] -> (quant with the stage-1 scale fixed, (packed [T, H/2]
+    uint8, block scales [T, H/16] as uint8, linear)). A dynamic scale (``a13_scale`` None) is
+    taken over every device's tokens, as one device takes it over all of them."""
+    x = x.astype(jnp.float32)
+    if quant.a13_scale is None:
+        amax = jax.lax.pmax(jnp.max(jnp.abs(x)), pcfg.token_axes)
+        quant = quant.replace(a13_scale=fp8.amax_to_scale(amax, fp8.FP8_MAX * fp4.E2M1_MAX))
+    packed, sf, _ = fp4.quantize_nvfp4(x, nvfp4_activation_global_scale(quant, 1))
+    return quant, (packed, jax.lax.bitcast_convert_type(sf, jnp.uint8))
 
 
 def _local_shape(a, spec: P, mesh: Mesh) -> jax.ShapeDtypeStruct:
@@ -365,7 +404,6 @@ def shard_prepared(w13, w2, pcfg: ParallelConfig, *, backend: str = "flashinfer_
     split over ``ep`` along their expert axes and over ``tp`` along their I axes (the fields'
     ``tp_axis`` metadata); with ``tp`` > 1 a global array is the concatenation of the devices'
     blocks, meaningful only split that way."""
-    from jax_moe import oracle
     from jax_moe.config import ACTIVATIONS
     from jax_moe.layouts.common import round_up
 
@@ -413,8 +451,6 @@ def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelC
     over ``tp`` (a w2 bias counted once). With FP8 prepared weights the tokens are quantized
     before the dispatch (one byte per value on the wire; the per-tensor scale is shared by all
     devices). Returns [T, H] in x's dtype, split like x."""
-    from jax_moe import oracle
-
     mod = oracle.module(backend)
     e = prepared.w13.shape[0]
     _token_shards(x, pcfg, e)

@@ -350,3 +350,90 @@ def test_fp8_tokens_are_quantized_before_dispatch(rng, strategy, shape, names, a
     assert seen and rel(out, ref) < 1e-4
     moved = str(jax.make_jaxpr(f)(x, w, ids, prep))
     assert ("all_gather" in moved or "all_to_all" in moved) and "u8[" in moved
+
+
+# ------------------------------------------------- NVFP4 activations quantized before the dispatch
+
+
+def _nvfp4_moe(rng, t, dynamic=False):
+    x, w13, w2, w, ids, _ = moe(rng, t)
+    a13 = None if dynamic else calibrate_activation_scale("nvfp4", x)
+    q13, q2, quant = quantize_weights("nvfp4", w13, w2, act="nvfp4", a13_scale=a13, a2_scale=0.02)
+    return x, q13, q2, w, ids, quant
+
+
+def _run_parallel(pcfg, x, q13, q2, w, ids, quant, **opts):
+    p = shard_weights(q13, q2, pcfg, quant=quant)
+    f = jax.jit(lambda x, w, ids, p: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"],
+                                                             **opts))
+    return f(x, w, ids, p), str(jax.make_jaxpr(f)(x, w, ids, p))
+
+
+NVFP4_MESHES = [MESHES[0], MESHES[2]]  # tp is refused for NVFP4 weights (scales along K)
+
+
+@pytest.mark.parametrize("one_device", [False, True], ids=["routed", "all-on-device-0"])
+@pytest.mark.parametrize("shape,names,axes", NVFP4_MESHES, ids=["ep8", "dp2-ep4"])
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_nvfp4_tokens_are_quantized_before_dispatch(rng, strategy, shape, names, axes, one_device):
+    """NVFP4 activations with a static global scale: each device quantizes its own tokens
+    (packed E2M1 + linear e4m3 block scales, uint8 on the wire, as vLLM's naive EP prepare does)
+    and the xla backend dequantizes what arrives. Per-token block quantization with a fixed
+    global scale commutes with the exchange, so the result is one device's, also when every
+    token's experts live on device 0 and the other devices receive nothing."""
+    pcfg = ParallelConfig(cpu_mesh(shape, names), strategy=strategy, **axes)
+    x, q13, q2, w, ids, quant = _nvfp4_moe(rng, 64)
+    if one_device:  # experts 0..1 (device 0 of ep=8) or 0..3 (ep=4)
+        ids = jnp.tile(jnp.arange(K, dtype=jnp.int32) % (E // pcfg.size("ep")), (64, 1))
+    ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
+    out, moved = _run_parallel(pcfg, x, q13, q2, w, ids, quant)
+    assert out.dtype == x.dtype
+    assert rel(out, ref) < 1e-5
+    exchange = "all_gather" if strategy == "naive" else "all_to_all"
+    sent = [ln.split("=")[0] for ln in moved.splitlines() if exchange in ln]  # the exchanges' results
+    assert any(f"u8[" in ln and f",{H // 2}]" in ln for ln in sent), "the packed E2M1 rows travel"
+    assert any(f"u8[" in ln and f",{H // 16}]" in ln for ln in sent), "their block scales travel"
+    float_rows = [ln for ln in sent if "f32[" in ln and f",{H}]" in ln]
+    assert len(float_rows) == (0 if strategy == "naive" else 1), "only the combine moves float rows"
+
+
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_nvfp4_dynamic_scale_is_taken_over_every_devices_tokens(rng, strategy):
+    """Without a13_scale the global scale comes from the amax of all tokens (a pmax before the
+    dispatch), as one device computes it over its whole batch (up to an ulp of the scale)."""
+    pcfg = ParallelConfig(cpu_mesh((2, 4), ("dp", "ep")), dp_axis="dp", ep_axis="ep", strategy=strategy)
+    x, q13, q2, w, ids, quant = _nvfp4_moe(rng, 64, dynamic=True)
+    x = x.at[3].multiply(8.0)  # one device's token sets the scale for all
+    ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
+    out, _ = _run_parallel(pcfg, x, q13, q2, w, ids, quant)
+    assert rel(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_nvfp4_scales_swizzled_after_the_exchange_for_a_backend_that_reads_tiles(rng, strategy, monkeypatch):
+    """A backend whose PREQUANTIZED_INPUT says "128x4" gets the received rows' block scales in
+    FlashInfer's 128x4 tiles (block_scale_interleave after the exchange; the linear scales are
+    what travels)."""
+    import types
+
+    from jax_moe import oracle
+    from jax_moe.backends import xla
+    from jax_moe.layouts.scales import block_scale_deinterleave
+
+    seen = []
+
+    def apply(x, w13, w2, w, ids, cfg, *, x_scale=None, **kw):
+        rows = x.shape[0]
+        seen.append(x_scale.shape)
+        assert x.dtype == jnp.uint8 and x_scale.shape == (-(-rows // 128), -(-(H // 16) // 4), 32, 4, 4)
+        return xla.apply(x, w13, w2, w, ids, cfg, x_scale=block_scale_deinterleave(x_scale, rows, H // 16), **kw)
+
+    tiles = types.SimpleNamespace(PREQUANTIZED_INPUT={"nvfp4": "128x4"}, FEATURES=xla.FEATURES, apply=apply,
+                                  supports=lambda *a, **k: (True, "ok"))
+    real = oracle.module
+    monkeypatch.setattr(oracle, "module", lambda name: tiles if name == "cutlass" else real(name))
+    pcfg = ParallelConfig(cpu_mesh((8,), ("ep",)), ep_axis="ep", strategy=strategy)
+    x, q13, q2, w, ids, quant = _nvfp4_moe(rng, 64)
+    ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
+    out, _ = _run_parallel(pcfg, x, q13, q2, w, ids, quant, backend="cutlass")
+    assert seen and rel(out, ref) < 1e-5

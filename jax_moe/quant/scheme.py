@@ -80,6 +80,7 @@ __all__ = [
     "dequantize_weights",
     "dequantize_experts",
     "quantize_activation",
+    "nvfp4_activation_global_scale",
     "quantize_weights",
     "calibrate_activation_scale",
 ]
@@ -374,9 +375,22 @@ def quantize_activation(quant: QuantConfig, x, stage: int, *, expert_ids=None):
     if act == "mxfp8":
         return fp4.dequantize_mxfp8(*fp4.quantize_mxfp8(x))
     if act == "nvfp4":
-        gs = fp4.nvfp4_global_scale(x) if static is None else 1.0 / static
+        gs = nvfp4_activation_global_scale(quant, stage, x, expert_ids=expert_ids)
         return fp4.dequantize_nvfp4(*fp4.quantize_nvfp4(x, gs))
     raise ValueError(f"act {act!r} is not known")  # unreachable: __post_init__ checks act
+
+
+def nvfp4_activation_global_scale(quant: QuantConfig, stage: int, x=None, *, expert_ids=None):
+    """The quantization-side global scale of NVFP4 activations (``act='nvfp4'``) at ``stage``
+    (1: GEMM1's input, 2: GEMM2's): ``1 / a_scale`` for a static scale (an [E] scale's max over
+    experts, or each row's expert's with ``expert_ids``, as :func:`quantize_activation`), else
+    ``448 * 6 / amax(x)`` over the x handed over. float32 [] (or ``expert_ids``' shape)."""
+    static = _static_scale(quant.a13_scale if stage == 1 else quant.a2_scale, x, expert_ids)
+    if static is not None:
+        return 1.0 / static
+    if x is None:
+        raise ValueError(f"stage {stage} has no static scale: the dynamic NVFP4 global scale needs x")
+    return fp4.nvfp4_global_scale(x)
 
 
 def calibrate_activation_scale(act: str, x, per_expert: bool = False):
