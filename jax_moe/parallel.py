@@ -8,8 +8,14 @@ Layout on a mesh with (some of) the axes ``dp``, ``ep``, ``tp``:
 - experts are split over ``ep``: device r of the group owns global experts
   ``[r * E/ep, (r + 1) * E/ep)`` (the expert map of the seeds: global id -> local id or -1);
 - the intermediate size is split over ``tp``: w13 column-parallel, w2 row-parallel, the output
-  summed over ``tp``. :func:`shard_weights` reorders w13's rows once, at load time, so that a
-  contiguous split of its 2I rows gives every device its own gate rows then its own up rows.
+  summed over ``tp`` (after the combine, on each device's own tokens; a w2 bias counted once).
+  :func:`shard_weights` reorders w13's rows once, at load time, so that a contiguous split of
+  its 2I rows gives every device its own gate rows then its own up rows. Quantized weights
+  split over ``tp`` only where that changes no scale (per-tensor or per-expert weight scales,
+  a static scale at GEMM2's input).
+
+Weights in a backend's own layout (``flashinfer_cutlass``): :func:`shard_prepared` lets every
+device repack only its own (ep, tp) block; :func:`parallel_apply_prepared` runs them.
 
 Prepare/finalize strategies (``ParallelConfig.strategy``):
 
@@ -22,6 +28,12 @@ Prepare/finalize strategies (``ParallelConfig.strategy``):
   GPU implementation measured 44 ms for 16 MB/device where the padded all-to-all took 0.9 ms:
   2 x H200, jax 0.11.2, bench/ep_parts.py; not on CPU). The reverse exchange brings the
   partial outputs back, summed in float32.
+
+Quantization before the dispatch (the seeds' order): with FP8 prepared weights and with NVFP4
+activations (``act="nvfp4"``, for a backend listing it in ``PREQUANTIZED_INPUT``) every device
+quantizes its own tokens and the quantized bytes travel (NVFP4: packed E2M1 and the linear
+block scales, swizzled to 128x4 tiles after the exchange for a backend that reads those). A
+dynamic scale is the max over every device's tokens, so each token is quantized as on one device.
 """
 
 from __future__ import annotations

@@ -157,7 +157,8 @@ class QuantConfig:
     def validate(self, E: int, H: int, I: int, gated: bool, *, w13=None, w2=None) -> None:
         """Check every field (and the stored weights, when given) against a layer of E experts,
         hidden size H, intermediate size I. Raises ValueError naming the offending field.
-        NaN/inf/non-positive scales are looked for only when the scales are concrete (not traced).
+        NaN/inf/non-positive scales are looked for only when the scales are concrete (not traced,
+        and held by this process).
         """
         rows = 2 * I if gated else I
         for which, n, k in (("w13", rows, H), ("w2", H, I)):
@@ -244,8 +245,9 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def _concrete(x):
-    """x as a numpy array, or None when it is traced (abstract) and cannot be inspected."""
-    if isinstance(x, jax.core.Tracer):
+    """x as a numpy array, or None when it cannot be inspected here: traced (abstract), or a
+    global array with parts in other processes (multi-host; each process checks what it loads)."""
+    if isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and not x.is_fully_addressable):
         return None
     try:
         return np.asarray(x)
