@@ -128,21 +128,19 @@ def shard_weights(w13, w2, pcfg: ParallelConfig, *, activation: str = "silu", ga
         if why:
             raise ValueError(f"tensor parallelism over these quantized weights is not supported yet: {why}")
     order = tp_row_order(rows, tp, gate_up_layout, gated)
+    arrays = dict(w13=w13[:, order], w2=w2, w13_bias=None if w13_bias is None else w13_bias[:, order],
+                  w2_bias=w2_bias, quant=quant)
+    specs = _weight_specs(pcfg, quant, e)
+    return {k: None if a is None else jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(pcfg.mesh, s)),
+                                                   a, specs[k])
+            for k, a in arrays.items()}
+
+
+def _weight_specs(pcfg: ParallelConfig, quant, num_experts: int) -> dict:
+    """How :func:`shard_weights` splits each weight: experts over ``ep``, I over ``tp``."""
     ep_ax, tp_ax = pcfg.ep_axis, pcfg.tp_axis
-
-    def put(a, spec):
-        return None if a is None else jax.device_put(a, NamedSharding(pcfg.mesh, spec))
-
-    out = dict(
-        w13=put(w13[:, order], P(ep_ax, tp_ax, None)),
-        w2=put(w2, P(ep_ax, None, tp_ax)),
-        w13_bias=put(None if w13_bias is None else w13_bias[:, order], P(ep_ax, tp_ax)),
-        w2_bias=put(w2_bias, P(ep_ax, None)),
-        quant=None,
-    )
-    if quant is not None:
-        out["quant"] = jax.tree.map(put, quant, _quant_specs(quant, e, ep_ax))
-    return out
+    return dict(w13=P(ep_ax, tp_ax, None), w2=P(ep_ax, None, tp_ax), w13_bias=P(ep_ax, tp_ax), w2_bias=P(ep_ax, None),
+                quant=None if quant is None else _quant_specs(quant, num_experts, ep_ax))
 
 
 def _tp_quant_refusal(quant) -> str | None:
@@ -331,7 +329,6 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
                                     expert_shard=ep > 1)
     ep_ax, tp_ax = pcfg.ep_axis, pcfg.tp_axis
     tok = pcfg.token_spec
-    quant_spec = None if quant is None else _quant_specs(quant, e, ep_ax)
     scale_layout = None
     if quant is not None and quant.act == "nvfp4" and pcfg.strategy != "none":
         features = oracle.call_features(dtype=None, w13_bias=w13_bias, w2_bias=w2_bias, **opts)
@@ -357,9 +354,9 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
 
         return _run_strategy(payload, w, ids, run_q, pcfg, e_local).astype(x.dtype)
 
-    in_specs = (tok, P(ep_ax, tp_ax, None), P(ep_ax, None, tp_ax), tok, tok,
-                None if w13_bias is None else P(ep_ax, tp_ax), None if w2_bias is None else P(ep_ax, None),
-                quant_spec)
+    ws = _weight_specs(pcfg, quant, e)
+    in_specs = (tok, ws["w13"], ws["w2"], tok, tok, None if w13_bias is None else ws["w13_bias"],
+                None if w2_bias is None else ws["w2_bias"], ws["quant"])
     fn = jax.shard_map(body, mesh=pcfg.mesh, in_specs=in_specs, out_specs=tok, check_vma=False)
     return fn(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, quant)
 
@@ -374,15 +371,6 @@ def _quantize_nvfp4_before_dispatch(x, quant, pcfg: ParallelConfig):
         quant = quant.replace(a13_scale=fp8.amax_to_scale(amax, fp8.FP8_MAX * fp4.E2M1_MAX))
     packed, sf, _ = fp4.quantize_nvfp4(x, nvfp4_activation_global_scale(quant, 1))
     return quant, (packed, jax.lax.bitcast_convert_type(sf, jnp.uint8))
-
-
-def _local_shape(a, spec: P, mesh: Mesh) -> jax.ShapeDtypeStruct:
-    """The block of global array ``a`` that one device holds under ``spec``."""
-    shape = list(a.shape)
-    for d, names in enumerate(tuple(spec)):
-        for name in (names,) if isinstance(names, str) else (names or ()):
-            shape[d] //= mesh.shape[name]
-    return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
 
 
 def _pad_intermediate(w13, w2, w13_bias, inter_padded: int, gated: bool, gate_up_layout: str):
@@ -444,13 +432,13 @@ def shard_prepared(w13, w2, pcfg: ParallelConfig, *, backend: str = "flashinfer_
         bias = dict(w13_bias=w13_bias, w2_bias=w2_bias) if with_bias else {}
         return mod.prepare(w13, w2, local_cfg, quant, **bias)
 
-    ep_ax, tp_ax = pcfg.ep_axis, pcfg.tp_axis
-    args = (placed["w13"], placed["w2"], placed["w13_bias"], placed["w2_bias"], placed["quant"])
-    in_specs = (P(ep_ax, tp_ax, None), P(ep_ax, None, tp_ax), P(ep_ax, tp_ax), P(ep_ax, None),
-                None if quant is None else _quant_specs(quant, e, ep_ax))
-    in_specs = tuple(None if a is None else sp for a, sp in zip(args, in_specs))
-    local = jax.tree.map(lambda a, sp: _local_shape(a, sp, pcfg.mesh), args, in_specs)
-    out_specs = mod.partition_specs(jax.eval_shape(prepare, *local), ep_ax, e // ep, tp_ax)
+    names = ("w13", "w2", "w13_bias", "w2_bias", "quant")
+    args = tuple(placed[k] for k in names)
+    ws = _weight_specs(pcfg, quant, e)
+    in_specs = tuple(None if placed[k] is None else ws[k] for k in names)
+    local = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(NamedSharding(pcfg.mesh, s).shard_shape(a.shape), a.dtype),
+                         args, in_specs)
+    out_specs = mod.partition_specs(jax.eval_shape(prepare, *local), pcfg.ep_axis, e // ep, pcfg.tp_axis)
     fn = jax.shard_map(prepare, mesh=pcfg.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     return jax.jit(fn)(*args)
 
