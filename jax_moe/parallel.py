@@ -8,8 +8,14 @@ Layout on a mesh with (some of) the axes ``dp``, ``ep``, ``tp``:
 - experts are split over ``ep``: device r of the group owns global experts
   ``[r * E/ep, (r + 1) * E/ep)`` (the expert map of the seeds: global id -> local id or -1);
 - the intermediate size is split over ``tp``: w13 column-parallel, w2 row-parallel, the output
-  summed over ``tp``. :func:`shard_weights` reorders w13's rows once, at load time, so that a
-  contiguous split of its 2I rows gives every device its own gate rows then its own up rows.
+  summed over ``tp`` (after the combine, on each device's own tokens; a w2 bias counted once).
+  :func:`shard_weights` reorders w13's rows once, at load time, so that a contiguous split of
+  its 2I rows gives every device its own gate rows then its own up rows. Quantized weights
+  split over ``tp`` only where that changes no scale (per-tensor or per-expert weight scales,
+  a static scale at GEMM2's input).
+
+Weights in a backend's own layout (``flashinfer_cutlass``): :func:`shard_prepared` lets every
+device repack only its own (ep, tp) block; :func:`parallel_apply_prepared` runs them.
 
 Prepare/finalize strategies (``ParallelConfig.strategy``):
 
@@ -22,6 +28,12 @@ Prepare/finalize strategies (``ParallelConfig.strategy``):
   GPU implementation measured 44 ms for 16 MB/device where the padded all-to-all took 0.9 ms:
   2 x H200, jax 0.11.2, bench/ep_parts.py; not on CPU). The reverse exchange brings the
   partial outputs back, summed in float32.
+
+Quantization before the dispatch (the seeds' order): with FP8 prepared weights and with NVFP4
+activations (``act="nvfp4"``, for a backend listing it in ``PREQUANTIZED_INPUT``) every device
+quantizes its own tokens and the quantized bytes travel (NVFP4: packed E2M1 and the linear
+block scales, swizzled to 128x4 tiles after the exchange for a backend that reads those). A
+dynamic scale is the max over every device's tokens, so each token is quantized as on one device.
 """
 
 from __future__ import annotations
@@ -34,7 +46,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_moe import oracle
 from jax_moe.experts import moe_config_from_arrays, run_experts
+from jax_moe.layouts.scales import block_scale_interleave
+from jax_moe.quant import fp4, fp8
+from jax_moe.quant.scheme import nvfp4_activation_global_scale
 from jax_moe.routing import select_experts
 
 STRATEGIES = ("none", "naive", "all_to_all")
@@ -108,30 +124,56 @@ def shard_weights(w13, w2, pcfg: ParallelConfig, *, activation: str = "silu", ga
     if inter % tp:
         raise ValueError(f"the intermediate size I={inter} must be a multiple of the tp size {tp}")
     if quant is not None and tp > 1:
-        raise ValueError("tensor parallelism over quantized weights is not supported yet; use ep/dp")
+        why = _tp_quant_refusal(quant)
+        if why:
+            raise ValueError(f"tensor parallelism over these quantized weights is not supported yet: {why}")
     order = tp_row_order(rows, tp, gate_up_layout, gated)
+    arrays = dict(w13=w13[:, order], w2=w2, w13_bias=None if w13_bias is None else w13_bias[:, order],
+                  w2_bias=w2_bias, quant=quant)
+    specs = _weight_specs(pcfg, quant, e)
+    return {k: None if a is None else jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(pcfg.mesh, s)),
+                                                   a, specs[k])
+            for k, a in arrays.items()}
+
+
+def _weight_specs(pcfg: ParallelConfig, quant, num_experts: int) -> dict:
+    """How :func:`shard_weights` splits each weight: experts over ``ep``, I over ``tp``."""
     ep_ax, tp_ax = pcfg.ep_axis, pcfg.tp_axis
-
-    def put(a, spec):
-        return None if a is None else jax.device_put(a, NamedSharding(pcfg.mesh, spec))
-
-    out = dict(
-        w13=put(w13[:, order], P(ep_ax, tp_ax, None)),
-        w2=put(w2, P(ep_ax, None, tp_ax)),
-        w13_bias=put(None if w13_bias is None else w13_bias[:, order], P(ep_ax, tp_ax)),
-        w2_bias=put(w2_bias, P(ep_ax, None)),
-        quant=None,
-    )
-    if quant is not None:
-        out["quant"] = jax.tree.map(lambda a: put(a, _expert_spec(a, e, ep_ax)), quant)
-    return out
+    return dict(w13=P(ep_ax, tp_ax, None), w2=P(ep_ax, None, tp_ax), w13_bias=P(ep_ax, tp_ax), w2_bias=P(ep_ax, None),
+                quant=None if quant is None else _quant_specs(quant, num_experts, ep_ax))
 
 
-def _expert_spec(a, num_experts: int, ep_axis) -> P:
-    """Scales with a leading expert axis are split like the experts; others are replicated."""
-    if getattr(a, "ndim", 0) >= 1 and a.shape[0] == num_experts:
+def _tp_quant_refusal(quant) -> str | None:
+    """Why ``quant`` cannot be split over ``tp`` (None: it can). Splitting I is exact when no
+    scale runs along N or K (per-tensor or per-expert weight scales) and GEMM2's input is
+    quantized without looking at its whole row (a static scale, or not quantized)."""
+    from jax_moe.quant.scheme import STATIC_ACTS
+
+    for name in ("w13_scale", "w2_scale"):
+        a = getattr(quant, name)
+        if jnp.ndim(a) > 1:
+            return (f"{name} has shape {list(jnp.shape(a))}: scales along N or K would have to be split "
+                    "with the weights (only per-tensor or per-expert weight scales are)")
+    if quant.act != "bf16" and not (quant.act in STATIC_ACTS and quant.a2_scale is not None):
+        return (f"act={quant.act!r} quantizes GEMM2's input with a scale over its whole row or tensor, "
+                "which tp splits; give a static a2_scale (fp8_per_tensor, nvfp4) or use act='bf16'")
+    return None
+
+
+# activation scales are one scale for all experts (their max, jax_moe.quant.scheme): never split
+_ACTIVATION_SCALES = ("a13_scale", "a2_scale")
+
+
+def _quant_specs(quant, num_experts: int, ep_axis):
+    """A QuantConfig of PartitionSpecs: weight scales with a leading expert axis are split like
+    the experts; activation scales (a13/a2, [] or [E]) and scalars are replicated."""
+
+    def spec(path, a):
+        if path[-1].name in _ACTIVATION_SCALES or getattr(a, "ndim", 0) < 1 or a.shape[0] != num_experts:
+            return P()
         return P(ep_axis, *([None] * (a.ndim - 1)))
-    return P()
+
+    return jax.tree_util.tree_map_with_path(spec, quant)
 
 
 # ------------------------------------------------------------------------- run time
@@ -143,25 +185,36 @@ def _local_ids(ids, e_local: int, rank):
     return jnp.where((local >= 0) & (local < e_local), local, -1).astype(jnp.int32)
 
 
+def _once_over_tp(bias, tp_axis):
+    """A bias added by every ``tp`` shard's partial output, kept on shard 0 only (the outputs
+    are summed over ``tp``)."""
+    if tp_axis is None or bias is None:
+        return bias
+    return jnp.where(jax.lax.axis_index(tp_axis) == 0, bias, jnp.zeros((), bias.dtype))
+
+
 def _experts(x, w13, w2, w, ids, opts, w2_bias, tp_axis):
-    """Local experts on local rows; the w2 bias counted once across ``tp``; summed over ``tp``."""
-    if tp_axis is not None and w2_bias is not None:
-        w2_bias = jnp.where(jax.lax.axis_index(tp_axis) == 0, w2_bias, 0.0)
+    """Local experts on local rows (this device's ``tp`` part of I; summed by the caller)."""
     opts = dict(opts)
     cfg = opts.pop("cfg")
-    y = run_experts(x, w13, w2, w, ids, cfg, w2_bias=w2_bias, **opts).astype(jnp.float32)
-    if tp_axis is not None:
-        y = jax.lax.psum(y, tp_axis)
-    return y
+    y = run_experts(x, w13, w2, w, ids, cfg, w2_bias=_once_over_tp(w2_bias, tp_axis), **opts)
+    return y.astype(jnp.float32)
 
 
 # Each strategy takes ``run(x_rows, weights_rows, local_ids) -> y_rows float32``: the local
-# experts (local ids, -1 for experts owned elsewhere) on the rows this device holds.
+# experts (local ids, -1 for experts owned elsewhere) on the rows this device holds. ``x`` is
+# one [T, ...] array or a tuple of them (a quantized payload and its scales): every array
+# travels with its token.
+
+
+def _rows(mask, a):
+    """``mask`` [..., T] broadcast against ``a`` [..., T, ...]."""
+    return mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
 
 
 def _naive(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
     ep = pcfg.ep_axis
-    xa = jax.lax.all_gather(x, ep, tiled=True)
+    xa = jax.tree.map(lambda a: jax.lax.all_gather(a, ep, tiled=True), x)
     wa = jax.lax.all_gather(w, ep, tiled=True)
     ida = _local_ids(jax.lax.all_gather(ids, ep, tiled=True), e_local, jax.lax.axis_index(ep))
     y = run(xa, wa, ida)
@@ -177,17 +230,17 @@ def _dispatch_masks(ids, e_local: int, ep_size: int):
 
 def _all_to_all_dense(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
     ep, n = pcfg.ep_axis, pcfg.size(pcfg.ep_axis)
-    t = x.shape[0]
+    t = ids.shape[0]
     owner, send = _dispatch_masks(ids, e_local, n)
     dest = jnp.arange(n)[:, None, None]
-    x_send = jnp.where(send[:, :, None], x[None], 0).astype(x.dtype)  # [ep, T, H]
+
+    def exchange(a):  # [ep, T, ...] -> rows from every source, [ep * T, ...]
+        return jax.lax.all_to_all(a, ep, 0, 0, tiled=True).reshape((n * t,) + a.shape[2:])
+
+    x_recv = jax.tree.map(lambda a: exchange(jnp.where(_rows(send, a[None]), a[None], 0).astype(a.dtype)), x)
     id_send = jnp.where(owner[None] == dest, ids[None] - dest * e_local, -1).astype(jnp.int32)
-    x_recv = jax.lax.all_to_all(x_send, ep, 0, 0, tiled=True)
-    id_recv = jax.lax.all_to_all(id_send, ep, 0, 0, tiled=True)
-    w_recv = jax.lax.all_to_all(jnp.broadcast_to(w[None], (n,) + w.shape), ep, 0, 0, tiled=True)
-    h = x.shape[1]
-    y = run(x_recv.reshape(n * t, h), w_recv.reshape(n * t, -1), id_recv.reshape(n * t, -1))
-    back = jax.lax.all_to_all(y.reshape(n, t, h), ep, 0, 0, tiled=True)
+    y = run(x_recv, exchange(jnp.broadcast_to(w[None], (n,) + w.shape)), exchange(id_send))
+    back = jax.lax.all_to_all(y.reshape(n, t, y.shape[-1]), ep, 0, 0, tiled=True)
     return back.sum(0)
 
 
@@ -195,7 +248,7 @@ def _all_to_all_ragged(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
     """Only the rows a device needs travel. Sender packs its rows by destination; receiver
     keeps a fixed slot of T rows per source (zero rows where nothing arrived)."""
     ep, n = pcfg.ep_axis, pcfg.size(pcfg.ep_axis)
-    t, h = x.shape
+    t = ids.shape[0]
     me = jax.lax.axis_index(ep)
     owner, send = _dispatch_masks(ids, e_local, n)
     counts = send.sum(1).astype(jnp.int32)  # rows for each destination
@@ -206,21 +259,18 @@ def _all_to_all_ragged(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
     order = jnp.argsort(~flat, stable=True)[:cap]
     valid = jnp.arange(cap) < counts.sum()
     dest, tok = order // t, order % t
-    x_pack = jnp.where(valid[:, None], x[tok], 0).astype(x.dtype)
     id_pack = jnp.where(valid[:, None] & (owner[tok] == dest[:, None]), ids[tok] - dest[:, None] * e_local, -1)
-    w_pack = w[tok]
 
     recv_counts = jax.lax.all_to_all(counts, ep, 0, 0, tiled=True)  # rows each source sends me
     out_offsets = jnp.full((n,), me * t, jnp.int32)  # my rows land in slot `me` of every receiver
 
-    def exchange(a, fill):
+    def exchange(a, fill=0):
         buf = jnp.full((n * t,) + a.shape[1:], fill, a.dtype)
         return jax.lax.ragged_all_to_all(a, buf, starts, counts, out_offsets, recv_counts, axis_name=ep)
 
-    x_recv = exchange(x_pack, 0)
-    id_recv = exchange(id_pack.astype(jnp.int32), -1)
-    w_recv = exchange(w_pack, 0)
-    y = run(x_recv, w_recv, id_recv)
+    x_recv = jax.tree.map(lambda a: exchange(jnp.where(_rows(valid, a[tok]), a[tok], 0).astype(a.dtype)), x)
+    y = run(x_recv, exchange(w[tok]), exchange(id_pack.astype(jnp.int32), -1))
+    h = y.shape[-1]
     # reverse: slot s of my buffer goes back to source s, at the offsets it sent from
     src_starts = jax.lax.all_to_all(starts, ep, 0, 0, tiled=True)
     back = jax.lax.ragged_all_to_all(y, jnp.zeros((cap, h), y.dtype), jnp.arange(n, dtype=jnp.int32) * t,
@@ -230,14 +280,18 @@ def _all_to_all_ragged(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
 
 
 def _run_strategy(x, w, ids, run, pcfg: ParallelConfig, e_local: int):
-    """Prepare (dispatch), the local experts, finalize (combine): [T_local, H] float32."""
+    """Prepare (dispatch), the local experts, finalize (combine), and the sum over ``tp`` of the
+    devices' parts of I (after the combine: T_local rows, not the dispatched ones): [T_local, H]
+    float32."""
     if pcfg.strategy == "none":
-        return run(x, w, ids)
-    if pcfg.strategy == "naive":
-        return _naive(x, w, ids, run, pcfg, e_local)
-    if pcfg.ragged:
-        return _all_to_all_ragged(x, w, ids, run, pcfg, e_local)
-    return _all_to_all_dense(x, w, ids, run, pcfg, e_local)
+        y = run(x, w, ids)
+    elif pcfg.strategy == "naive":
+        y = _naive(x, w, ids, run, pcfg, e_local)
+    elif pcfg.ragged:
+        y = _all_to_all_ragged(x, w, ids, run, pcfg, e_local)
+    else:
+        y = _all_to_all_dense(x, w, ids, run, pcfg, e_local)
+    return y if pcfg.tp_axis is None else jax.lax.psum(y, pcfg.tp_axis)
 
 
 def _token_shards(x, pcfg: ParallelConfig, e: int) -> None:
@@ -253,7 +307,14 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
                            w2_bias=None, quant=None, **opts):
     """:func:`jax_moe.fused_experts` over ``pcfg.mesh``. Weights as placed by :func:`shard_weights`
     (global shapes; w13's rows in :func:`tp_row_order`); x [T, H] with T a multiple of the
-    number of token shards. Returns [T, H] in x's dtype, split like x."""
+    number of token shards. Returns [T, H] in x's dtype, split like x.
+
+    NVFP4 activations (``quant.act == "nvfp4"``) under ``naive``/``all_to_all`` with a backend
+    that takes them quantized (its ``PREQUANTIZED_INPUT``) are quantized before the dispatch, as
+    vLLM's prepare does: packed E2M1 (H/2 bytes) and linear e4m3 block scales (H/16 bytes) travel
+    instead of the float row, and the scales are swizzled after the exchange for a backend that
+    reads 128x4 tiles. The global scale is the static ``a13_scale``, or, when None, ``amax / (448 * 6)``
+    of every device's tokens; either way each token's quantization is what one device does."""
     e = w13.shape[0]
     ep, tp = pcfg.size(pcfg.ep_axis), pcfg.size(pcfg.tp_axis)
     _token_shards(x, pcfg, e)
@@ -268,70 +329,134 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
                                     expert_shard=ep > 1)
     ep_ax, tp_ax = pcfg.ep_axis, pcfg.tp_axis
     tok = pcfg.token_spec
-    quant_spec = None if quant is None else jax.tree.map(lambda a: _expert_spec(a, e, ep_ax), quant)
+    scale_layout = None
+    if quant is not None and quant.act == "nvfp4" and pcfg.strategy != "none":
+        features = oracle.call_features(dtype=None, w13_bias=w13_bias, w2_bias=w2_bias, **opts)
+        chosen = oracle.select_backend(local_cfg, quant, backend=opts.get("backend"), features=features)
+        scale_layout = getattr(chosen.module, "PREQUANTIZED_INPUT", {}).get(quant.act)
+        opts["backend"] = chosen.name  # the backend whose input format the dispatch produces
 
     def body(x, w13, w2, w, ids, w13_bias, w2_bias, quant):
         o = dict(opts, w13_bias=w13_bias, quant=quant, cfg=local_cfg)
+        if scale_layout is None:
+            def run(xr, wr, idr):
+                return _experts(xr, w13, w2, wr, idr, o, w2_bias, tp_ax)
 
-        def run(xr, wr, idr):
-            return _experts(xr, w13, w2, wr, idr, o, w2_bias, tp_ax)
+            return _run_strategy(x, w, ids, run, pcfg, e_local).astype(x.dtype)
+        o["quant"], payload = _quantize_nvfp4_before_dispatch(x, quant, pcfg)
 
-        return _run_strategy(x, w, ids, run, pcfg, e_local).astype(x.dtype)
+        def run_q(xr, wr, idr):
+            packed, sf = xr
+            sf = jax.lax.bitcast_convert_type(sf, jnp.float8_e4m3fn)
+            if scale_layout == "128x4":
+                sf = block_scale_interleave(sf)
+            return _experts(packed, w13, w2, wr, idr, dict(o, x_scale=sf), w2_bias, tp_ax)
 
-    in_specs = (tok, P(ep_ax, tp_ax, None), P(ep_ax, None, tp_ax), tok, tok,
-                None if w13_bias is None else P(ep_ax, tp_ax), None if w2_bias is None else P(ep_ax, None),
-                quant_spec)
+        return _run_strategy(payload, w, ids, run_q, pcfg, e_local).astype(x.dtype)
+
+    ws = _weight_specs(pcfg, quant, e)
+    in_specs = (tok, ws["w13"], ws["w2"], tok, tok, None if w13_bias is None else ws["w13_bias"],
+                None if w2_bias is None else ws["w2_bias"], ws["quant"])
     fn = jax.shard_map(body, mesh=pcfg.mesh, in_specs=in_specs, out_specs=tok, check_vma=False)
     return fn(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, quant)
+
+
+def _quantize_nvfp4_before_dispatch(x, quant, pcfg: ParallelConfig):
+    """This device's tokens x [T, H] -> (quant with the stage-1 scale fixed, (packed [T, H/2]
+    uint8, block scales [T, H/16] as uint8, linear)). A dynamic scale (``a13_scale`` None) is
+    taken over every device's tokens, as one device takes it over all of them."""
+    x = x.astype(jnp.float32)
+    if quant.a13_scale is None:
+        amax = jax.lax.pmax(jnp.max(jnp.abs(x)), pcfg.token_axes)
+        quant = quant.replace(a13_scale=fp8.amax_to_scale(amax, fp8.FP8_MAX * fp4.E2M1_MAX))
+    packed, sf, _ = fp4.quantize_nvfp4(x, nvfp4_activation_global_scale(quant, 1))
+    return quant, (packed, jax.lax.bitcast_convert_type(sf, jnp.uint8))
+
+
+def _pad_intermediate(w13, w2, w13_bias, inter_padded: int, gated: bool, gate_up_layout: str):
+    """Zero-pad one device's block from its I to ``inter_padded``: w13's gate and up halves
+    each (or its rows, not gated), w2's columns, the w13 bias like w13. The padded units add
+    ``act(0) * 0 = 0`` through zero w2 columns: the result is unchanged."""
+    from jax_moe.layouts.common import pad_axis, pad_gate_up
+
+    if inter_padded == w2.shape[-1]:
+        return w13, w2, w13_bias
+
+    def pad13(a, axis):
+        if gated:
+            return pad_gate_up(a, inter_padded, axis=axis, layout=gate_up_layout)
+        return pad_axis(a, inter_padded, axis)
+
+    return (pad13(w13, -2), pad_axis(w2, inter_padded, -1),
+            None if w13_bias is None else pad13(w13_bias, -1))
 
 
 def shard_prepared(w13, w2, pcfg: ParallelConfig, *, backend: str = "flashinfer_cutlass", activation: str = "silu",
                    gate_up_layout: str = "concat", w13_bias=None, w2_bias=None, quant=None, **cfg_opts):
     """Load time, for a backend with its own weight layout (``flashinfer_cutlass``): place the
-    vLLM-layout weights over ``ep`` (:func:`shard_weights`), then let every device repack only
-    its own experts (``backend.prepare`` under ``jit`` with the expert-split output sharding).
-    Returns the backend's prepared weights (global shapes, split over ``ep``) for
-    :func:`parallel_apply_prepared`. Tensor parallelism is not combined with this yet."""
-    from jax_moe import oracle
+    vLLM-layout weights over ``ep`` and ``tp`` (:func:`shard_weights`: w13's rows in
+    :func:`tp_row_order`, so a device's block is its gate rows then its up rows; w2 split along
+    I), then let every device repack only its own block (``backend.prepare`` per device under
+    ``shard_map``). A device's I (``I / tp``) is zero-padded to ``backend.alignment(quant)``
+    where it falls short (the padded units contribute exactly zero).
 
-    if pcfg.tp_axis is not None and pcfg.size(pcfg.tp_axis) > 1:
-        raise ValueError("shard_prepared: tensor parallelism (tp_axis) is not supported with prepared weights yet")
+    Returns the backend's prepared weights for :func:`parallel_apply_prepared`: global arrays
+    split over ``ep`` along their expert axes and over ``tp`` along their I axes (the fields'
+    ``tp_axis`` metadata); with ``tp`` > 1 a global array is the concatenation of the devices'
+    blocks, meaningful only split that way."""
+    from jax_moe.config import ACTIVATIONS
+    from jax_moe.layouts.common import round_up
+
     mod = oracle.module(backend)
-    e = w13.shape[0]
+    e, rows, h = w13.shape
+    ep, tp = pcfg.size(pcfg.ep_axis), pcfg.size(pcfg.tp_axis)
     placed = shard_weights(w13, w2, pcfg, activation=activation, gate_up_layout=gate_up_layout,
                            w13_bias=w13_bias, w2_bias=w2_bias, quant=quant)
-    x_like = jax.ShapeDtypeStruct((1, w13.shape[-1]), jnp.bfloat16 if quant is not None else w13.dtype)
+    x_like = jax.ShapeDtypeStruct((1, h), jnp.bfloat16 if quant is not None else w13.dtype)
     ids_like = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     cfg = moe_config_from_arrays(x_like, placed["w13"], placed["w2"], ids_like, activation=activation,
                                  gate_up_layout=gate_up_layout, quant=placed["quant"],
                                  swiglu_alpha=cfg_opts.get("swiglu_alpha", 1.702),
                                  swiglu_limit=cfg_opts.get("swiglu_limit", 7.0))
-    bias = {} if w13_bias is None and w2_bias is None else dict(w13_bias=placed["w13_bias"], w2_bias=placed["w2_bias"])
-    args = (placed["w13"], placed["w2"], placed["quant"])
+    align = mod.alignment(quant)
+    if h % align:
+        raise ValueError(f"shard_prepared: {backend} needs H={h} to be a multiple of {align} "
+                         f"({'bf16' if quant is None else quant.scheme}); H is not split, so it cannot be padded here")
+    gated = ACTIVATIONS[activation]
+    inter_padded = round_up(cfg.intermediate_size // tp, align)
+    local_cfg = dataclasses.replace(cfg, num_experts=e // ep, intermediate_size=inter_padded)
+    with_bias = w13_bias is not None or w2_bias is not None
 
-    def prepare(a, b, q):
-        return mod.prepare(a, b, cfg, q, **bias)
+    def prepare(w13, w2, w13_bias, w2_bias, quant):
+        w13, w2, w13_bias = _pad_intermediate(w13, w2, w13_bias, inter_padded, gated, gate_up_layout)
+        bias = dict(w13_bias=w13_bias, w2_bias=w2_bias) if with_bias else {}
+        return mod.prepare(w13, w2, local_cfg, quant, **bias)
 
-    specs = mod.partition_specs(jax.eval_shape(prepare, *args), pcfg.ep_axis, e)
-    shardings = jax.tree.map(lambda s: NamedSharding(pcfg.mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
-    return jax.jit(prepare, out_shardings=shardings)(*args)
+    names = ("w13", "w2", "w13_bias", "w2_bias", "quant")
+    args = tuple(placed[k] for k in names)
+    ws = _weight_specs(pcfg, quant, e)
+    in_specs = tuple(None if placed[k] is None else ws[k] for k in names)
+    local = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(NamedSharding(pcfg.mesh, s).shard_shape(a.shape), a.dtype),
+                         args, in_specs)
+    out_specs = mod.partition_specs(jax.eval_shape(prepare, *local), pcfg.ep_axis, e // ep, pcfg.tp_axis)
+    fn = jax.shard_map(prepare, mesh=pcfg.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.jit(fn)(*args)
 
 
 def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelConfig, *,
                             backend: str = "flashinfer_cutlass", **apply_opts):
     """``backend.apply_prepared`` over ``pcfg.mesh`` with the same prepare/finalize strategies as
     :func:`parallel_fused_experts`. ``prepared`` from :func:`shard_prepared`; x [T, H] split
-    like the tokens. With FP8 prepared weights the tokens are quantized before the dispatch
-    (one byte per value on the wire; the per-tensor scale is shared by all devices). Returns
-    [T, H] in x's dtype, split like x."""
-    from jax_moe import oracle
-
+    like the tokens. Every device runs its own (ep, tp) block; the partial outputs are summed
+    over ``tp`` (a w2 bias counted once). With FP8 prepared weights the tokens are quantized
+    before the dispatch (one byte per value on the wire; the per-tensor scale is shared by all
+    devices). Returns [T, H] in x's dtype, split like x."""
     mod = oracle.module(backend)
     e = prepared.w13.shape[0]
     _token_shards(x, pcfg, e)
     e_local = e // pcfg.size(pcfg.ep_axis)
     tok = pcfg.token_spec
-    specs = mod.partition_specs(prepared, pcfg.ep_axis, e)
+    specs = mod.partition_specs(prepared, pcfg.ep_axis, e, pcfg.tp_axis)
 
     # FP8 input: quantize before dispatch (the seeds' order), so that 1-byte rows travel; the
     # dynamic scale is the max over every device's tokens, as on one device.
@@ -339,6 +464,7 @@ def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelC
                       and hasattr(mod, "quantize_input") and not apply_opts.get("apply_router_weight_on_input"))
 
     def body(x, w, ids, prep):
+        prep = dataclasses.replace(prep, w2_bias=_once_over_tp(prep.w2_bias, pcfg.tp_axis))
         if not quantize_first:
             def run(xr, wr, idr):
                 return mod.apply_prepared(xr, prep, wr, idr, **apply_opts).astype(jnp.float32)

@@ -77,6 +77,51 @@ def test_static_activation_scales(rng):
     assert rel(out, moe_reference(x, q13, q2, w, ids, cfg, quant=quant)) < 1e-3
 
 
+def _nvfp4_static(rng, per_expert=False):
+    cfg, x, w13, w2, w, ids = _moe(rng)
+    a13 = calibrate_activation_scale("nvfp4", x)
+    if per_expert:  # [E]: one scale for all experts, their max
+        a13 = a13 * jnp.linspace(0.5, 1.0, E, dtype=jnp.float32)
+    q13, q2, quant = quantize_weights("nvfp4", w13, w2, a13_scale=a13, a2_scale=0.02)
+    return cfg, x, q13, q2, w, ids, quant
+
+
+@pytest.mark.parametrize("per_expert", [False, True], ids=["a13[]", "a13[E]"])
+@pytest.mark.parametrize("strategy", ["gather", "blocked", "dense", "ragged_dot"])
+def test_nvfp4_input_quantized_beforehand_gives_the_same_result(rng, strategy, per_expert):
+    """xla.apply takes x already quantized to NVFP4 (packed E2M1 + linear e4m3 block scales,
+    global scale 1 / a13_scale), as expert parallelism sends it: the same result, bit for bit,
+    as quantizing the float x inside."""
+    from jax_moe.quant import quantize_nvfp4
+    from jax_moe.quant.scheme import nvfp4_activation_global_scale
+
+    assert xla.PREQUANTIZED_INPUT["nvfp4"] == "linear"
+    cfg, x, q13, q2, w, ids, quant = _nvfp4_static(rng, per_expert)
+    packed, sf, _ = quantize_nvfp4(x, nvfp4_activation_global_scale(quant, 1))
+    assert packed.shape == (T, H // 2) and sf.shape == (T, H // 16)
+    got = xla.apply(packed, q13, q2, w, ids, cfg, quant=quant, x_scale=sf, strategy=strategy)
+    want = xla.apply(x, q13, q2, w, ids, cfg, quant=quant, strategy=strategy)
+    assert got.dtype == jnp.float32 and got.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_nvfp4_input_quantized_beforehand_is_checked(rng):
+    from jax_moe.quant import quantize_nvfp4
+
+    cfg, x, q13, q2, w, ids, quant = _nvfp4_static(rng)
+    packed, sf, _ = quantize_nvfp4(x, 1.0 / quant.a13_scale)
+    with pytest.raises(ValueError, match="needs quant.a13_scale"):
+        xla.apply(packed, q13, q2, w, ids, cfg, quant=quant.replace(a13_scale=None), x_scale=sf)
+    with pytest.raises(ValueError, match=r"x_scale must be \[T, H/16\]"):
+        xla.apply(packed, q13, q2, w, ids, cfg, quant=quant, x_scale=sf.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"must be \[T, H/2\]"):
+        xla.apply(x, q13, q2, w, ids, cfg, quant=quant, x_scale=sf)
+    with pytest.raises(ValueError, match="act in"):
+        xla.apply(packed, q13, q2, w, ids, cfg, quant=quant.replace(act="bf16"), x_scale=sf)
+    with pytest.raises(ValueError, match="apply_router_weight_on_input needs a float x"):
+        xla.apply(packed, q13, q2, w, ids, cfg, quant=quant, x_scale=sf, apply_router_weight_on_input=True)
+
+
 def test_quantized_weights_as_a_jit_argument(rng):
     cfg, x, w13, w2, w, ids = _moe(rng)
     q13, q2, quant = quantize_weights("mxfp4", w13, w2)

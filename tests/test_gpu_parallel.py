@@ -20,19 +20,26 @@ def gpus():
         return []
 
 
+def skip_unless_available(backend):
+    """Skip (with the backend's own reason) where ``backend``'s custom calls cannot run."""
+    if backend == "xla":
+        return
+    from jax_moe import oracle
+
+    ok, why = oracle.module(backend).available()
+    if not ok:
+        pytest.skip(why)
+
+
 @pytest.mark.skipif(len(gpus()) < 2, reason="needs at least 2 GPUs")
-@pytest.mark.parametrize("backend", ["xla", "flashinfer_cutlass"])
+@pytest.mark.parametrize("backend", ["xla", "flashinfer_cutlass", "cutlass"])
 @pytest.mark.parametrize("strategy,ragged", [("naive", None), ("all_to_all", True), ("all_to_all", False)])
 @pytest.mark.parametrize("t_local", [1, 100])
 def test_expert_parallel_on_gpus_equals_one_gpu(rng, strategy, ragged, t_local, backend):
     """Each device runs its own experts (ids of other devices' experts are -1 there) with
-    ``backend``; the sum over devices equals one GPU's xla result."""
-    if backend == "flashinfer_cutlass":
-        from jax_moe.backends import flashinfer_cutlass as fic
-
-        ok, why = fic.available()
-        if not ok:
-            pytest.skip(why)
+    ``backend``; the sum over devices equals one GPU's xla result. (``cutlass`` skips slots
+    whose id is outside [0, E_local): the -1 of experts owned elsewhere.)"""
+    skip_unless_available(backend)
     devs = gpus()
     mesh = Mesh(np.array(devs), ("ep",))
     e, k, h, i = 64, 8, 512, 256
@@ -41,7 +48,7 @@ def test_expert_parallel_on_gpus_equals_one_gpu(rng, strategy, ragged, t_local, 
     w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)
     w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
     w, ids = select_experts(jnp.asarray(rng.standard_normal((t, e)), jnp.float32), k)
-    ref = np.asarray(fused_experts(x, w13, w2, w, ids), np.float64)
+    ref = np.asarray(fused_experts(x, w13, w2, w, ids, backend="xla"), np.float64)
     pcfg = ParallelConfig(mesh, ep_axis="ep", strategy=strategy, ragged=ragged)
     p = shard_weights(w13, w2, pcfg)
     tok = NamedSharding(mesh, P("ep"))
@@ -52,37 +59,53 @@ def test_expert_parallel_on_gpus_equals_one_gpu(rng, strategy, ragged, t_local, 
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
 
 
+def _prepared_runs():
+    """(mesh shape, axis names, ParallelConfig axes, strategy, I) over the GPUs there are: ep
+    over all of them; tp=2 alone (also with I=200: 100 per GPU, padded to the runner's
+    multiple); ep=1 x tp=2 under both EP strategies; ep=2 x tp=2 where 4 GPUs exist."""
+    n = max(2, len(gpus()))
+    ep, tp, ep_tp = (("ep",), dict(ep_axis="ep")), (("tp",), dict(tp_axis="tp")), \
+        (("ep", "tp"), dict(ep_axis="ep", tp_axis="tp"))
+    runs = [((n,), *ep, st, 512) for st in ("naive", "all_to_all")]
+    runs += [((2,), *tp, "none", 512), ((2,), *tp, "none", 200)]
+    runs += [((1, 2), *ep_tp, st, 512) for st in ("naive", "all_to_all")]
+    if len(gpus()) >= 4:
+        runs += [((2, 2), *ep_tp, st, 512) for st in ("naive", "all_to_all")]
+    return [pytest.param(*r, id=f"{'x'.join(map(str, r[0]))}-{'-'.join(r[1])}-{r[3]}-I{r[4]}") for r in runs]
+
+
 @pytest.mark.skipif(len(gpus()) < 2, reason="needs at least 2 GPUs")
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
-@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
-def test_flashinfer_prepared_weights_over_expert_parallel_gpus(rng, scheme, strategy):
-    """Load time: every GPU repacks only its own experts into the runner's layout
-    (shard_prepared); run time: the runner on each GPU's experts, under both strategies; equals
-    one GPU's xla result on the same (quantized) weights."""
+@pytest.mark.parametrize("shape,names,axes,strategy,inter", _prepared_runs())
+def test_flashinfer_prepared_weights_over_gpus(rng, scheme, shape, names, axes, strategy, inter):
+    """Load time: every GPU repacks only its own (ep, tp) block into the runner's layout
+    (shard_prepared: its experts, I / tp of each, zero-padded to the runner's multiple where it
+    falls short). Run time: the runner on each GPU's block under the strategy, the partial
+    outputs summed over tp. Equals one GPU's xla result on the same (quantized) weights, and
+    is deterministic."""
     from jax_moe.backends import flashinfer_cutlass as fic
     from jax_moe.parallel import parallel_apply_prepared, shard_prepared
     from jax_moe.quant.scheme import quantize_weights
 
-    ok, why = fic.available()
-    if not ok:
-        pytest.skip(why)
+    skip_unless_available("flashinfer_cutlass")
     if scheme not in fic.compiled_schemes():
         pytest.skip(f"{scheme} not compiled")
-    devs = gpus()
-    mesh = Mesh(np.array(devs), ("ep",))
-    e, k, h, i, t = 64, 8, 1024, 512, 96 * len(devs)
+    mesh = Mesh(np.array(gpus()[:int(np.prod(shape))]).reshape(shape), names)
+    pcfg = ParallelConfig(mesh, strategy=strategy, **axes)
+    ep, tp = pcfg.size(pcfg.ep_axis), pcfg.size(pcfg.tp_axis)
+    e, k, h, t = 64, 8, 1024, 96 * ep
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)
-    w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
+    w13 = jnp.asarray(rng.standard_normal((e, 2 * inter, h)) / np.sqrt(h), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((e, h, inter)) / np.sqrt(inter), jnp.bfloat16)
     quant = None
     if scheme == "fp8":
         w13, w2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a2_scale=0.02)
     w, ids = select_experts(jnp.asarray(rng.standard_normal((t, e)), jnp.float32), k)
     ref = np.asarray(fused_experts(x, w13, w2, w, ids, quant=quant, backend="xla"), np.float64)
-    pcfg = ParallelConfig(mesh, ep_axis="ep", strategy=strategy)
     prep = shard_prepared(w13, w2, pcfg, quant=quant)
-    assert prep.w13.addressable_shards[0].data.shape[0] == e // len(devs)
-    tok = NamedSharding(mesh, P("ep"))
+    i_local = -(-(inter // tp) // fic.alignment(quant)) * fic.alignment(quant)
+    assert prep.w13.addressable_shards[0].data.shape == (e // ep, 2 * i_local, h)
+    tok = NamedSharding(mesh, pcfg.token_spec)
     f = jax.jit(lambda x, w, ids, p: parallel_apply_prepared(x, p, w, ids, pcfg))
     args = (jax.device_put(x, tok), jax.device_put(w, tok), jax.device_put(ids, tok), prep)
     out1, out2 = np.asarray(f(*args), np.float64), np.asarray(f(*args), np.float64)

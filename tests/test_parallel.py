@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jax_moe import fused_experts, select_experts
 from jax_moe.parallel import ParallelConfig, parallel_fused_experts, shard_weights, tp_row_order
-from jax_moe.quant.scheme import quantize_weights
+from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
 
 E, K, H, I = 16, 4, 32, 32
 
@@ -80,6 +81,69 @@ def test_quantized_weights_under_expert_parallelism(rng):
     assert rel(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-3
 
 
+@pytest.mark.parametrize("one_device", [False, True], ids=["routed", "all-on-device-0"])
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_cutlass_backend_skips_the_ids_of_other_devices_experts(rng, strategy, one_device, monkeypatch):
+    """backend='cutlass' under EP: each device gets -1 for slots whose expert lives elsewhere
+    (every slot, on devices whose experts no token picked) and skips them. The custom calls'
+    jnp references run here (cutlass.supports is told yes on CPU); tests/test_gpu_parallel.py
+    runs the kernels."""
+    from jax_moe.backends import cutlass
+
+    monkeypatch.setattr(cutlass, "supports", lambda *a, **k: (True, "ok"))
+    pcfg = ParallelConfig(cpu_mesh((4,), ("ep",)), ep_axis="ep", strategy=strategy)
+    x, w13, w2, w, ids, _ = moe(rng, 32)
+    x, w13, w2 = (a.astype(jnp.bfloat16) for a in (x, w13, w2))
+    if one_device:  # experts 0..3: device 0's
+        ids = jnp.tile(jnp.arange(K, dtype=jnp.int32), (32, 1))
+    ref = fused_experts(x, w13, w2, w, ids, backend="xla")
+    p = shard_weights(w13, w2, pcfg)
+    out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, backend="cutlass")
+    assert rel(out, ref) < 2e-2
+
+
+def test_per_expert_activation_scales_stay_whole_under_expert_parallelism(rng):
+    """Static [E] activation scales mean one scale for all experts (their max): every device must
+    see all E of them, not only its own experts' (shard_weights replicates a13/a2 scales)."""
+    pcfg = ParallelConfig(cpu_mesh((4,), ("ep",)), ep_axis="ep")
+    x, w13, w2, w, ids, _ = moe(rng, 32)
+    a13 = jnp.asarray(np.linspace(1e-3, 2e-2, E), jnp.float32)
+    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a13_scale=a13,
+                                      a2_scale=jnp.full((E,), 0.01, jnp.float32))
+    p = shard_weights(q13, q2, pcfg, quant=quant)
+    assert p["quant"].a13_scale.sharding.spec == P() and p["quant"].w13_scale.sharding.spec == P("ep")
+    out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"])
+    assert rel(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_fp8_weights_split_over_tensor_parallelism(rng, strategy):
+    """Per-expert FP8 weight scales and static activation scales: splitting I over tp changes
+    nothing in the quantization, so (ep=4, tp=2) equals one device on the same quantized weights.
+    (A dynamic a13_scale would be the max over the rows each device receives.)"""
+    pcfg = ParallelConfig(cpu_mesh((4, 2), ("ep", "tp")), ep_axis="ep", tp_axis="tp", strategy=strategy)
+    x, w13, w2, w, ids, _ = moe(rng, 32)
+    a13 = calibrate_activation_scale("fp8_per_tensor", x)
+    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=0.01)
+    p = shard_weights(q13, q2, pcfg, quant=quant)
+    out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"])
+    assert rel(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-5
+
+
+@pytest.mark.parametrize("scheme,opts,match", [
+    ("fp8", dict(act="fp8_per_tensor"), "act='fp8_per_tensor' quantizes GEMM2's input"),
+    ("fp8", dict(act="fp8_per_token"), "act='fp8_per_token'"),
+    ("fp8", dict(weight_scale="per_channel", act="bf16"), r"w13_scale has shape \[16, 64, 1\]"),
+    ("nvfp4", dict(act="bf16"), "scales along N or K"),
+])
+def test_tensor_parallelism_refuses_quantization_it_would_change(rng, scheme, opts, match):
+    pcfg = ParallelConfig(cpu_mesh((4, 2), ("ep", "tp")), ep_axis="ep", tp_axis="tp")
+    _, w13, w2, _, _, _ = moe(rng, 8)
+    q13, q2, quant = quantize_weights(scheme, w13, w2, **opts)
+    with pytest.raises(ValueError, match=match):
+        shard_weights(q13, q2, pcfg, quant=quant)
+
+
 def test_no_ep_with_tensor_and_data_parallelism(rng):
     pcfg = ParallelConfig(cpu_mesh((2, 4), ("dp", "tp")), tp_axis="tp", dp_axis="dp", strategy="none")
     x, w13, w2, w, ids, _ = moe(rng, 16)
@@ -133,46 +197,128 @@ def _layout_backend():
                          w13_bias=b13, w2_bias=b2)
 
     return types.SimpleNamespace(prepare=fic.prepare, partition_specs=fic.partition_specs,
-                                 apply_prepared=apply_prepared,
+                                 alignment=fic.alignment, apply_prepared=apply_prepared,
                                  supports=lambda *a, **k: (False, "layout stand-in: never selected"))
 
 
-@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
-def test_prepared_weights_repacked_per_device_equal_single_device(rng, strategy, monkeypatch):
+PREPARED_MESHES = [((8,), ("ep",), dict(ep_axis="ep")),
+                   ((4, 2), ("ep", "tp"), dict(ep_axis="ep", tp_axis="tp")),
+                   ((2,), ("tp",), dict(tp_axis="tp"))]
+PREPARED_IDS = ["ep8", "ep4-tp2", "tp2"]
+PREPARED_RUNS = [pytest.param(*m, st, id=f"{i}-{st}") for m, i in zip(PREPARED_MESHES, PREPARED_IDS)
+                 for st in (("naive", "all_to_all") if "ep_axis" in m[2] else ("none",))]
+
+
+def _pcfg(shape, names, axes, strategy):
+    return ParallelConfig(cpu_mesh(shape, names), strategy=strategy, **axes)
+
+
+def _with_layout_backend(monkeypatch, backend):
     from jax_moe import oracle
-    from jax_moe.parallel import parallel_apply_prepared, shard_prepared
 
     real = oracle.module
-    monkeypatch.setattr(oracle, "module", lambda name: _layout_backend() if name == "flashinfer_cutlass" else real(name))
-    pcfg = ParallelConfig(cpu_mesh((8,), ("ep",)), ep_axis="ep", strategy=strategy)
+    monkeypatch.setattr(oracle, "module", lambda name: backend if name == "flashinfer_cutlass" else real(name))
+
+
+@pytest.mark.parametrize("inter", [I, 24], ids=["I32", "I24-padded"])
+@pytest.mark.parametrize("shape,names,axes,strategy", PREPARED_RUNS)
+def test_prepared_weights_repacked_per_device_equal_single_device(rng, strategy, shape, names, axes, inter,
+                                                                  monkeypatch):
+    """Every device repacks its own (ep, tp) block and runs it; the partial outputs summed over
+    tp (w2's bias once) equal one device. I=24 over tp=2 gives 12 per device, zero-padded to the
+    runner's multiple of 8: the padded units add nothing."""
+    from jax_moe.parallel import parallel_apply_prepared, shard_prepared
+
+    _with_layout_backend(monkeypatch, _layout_backend())
+    pcfg = _pcfg(shape, names, axes, strategy)
     x, w13, w2, w, ids, b = moe(rng, 64, activation="swigluoai", bias=True)
+    w13 = jnp.concatenate([w13[:, :inter], w13[:, I:I + inter]], 1)  # gate rows, up rows
+    w2, b["w13_bias"] = w2[..., :inter], jnp.concatenate([b["w13_bias"][:, :inter], b["w13_bias"][:, I:I + inter]], 1)
     b = {k: v.astype(jnp.bfloat16).astype(jnp.float32) for k, v in b.items()}  # the layout keeps biases in bf16
     ref = fused_experts(x, w13, w2, w, ids, activation="swigluoai", **b)
     prep = shard_prepared(w13, w2, pcfg, activation="swigluoai", **b)
-    assert prep.w13.sharding.spec[0] == "ep" and prep.swiglu.sharding.spec[1] == "ep"
-    assert len(prep.w13.addressable_shards) == 8 and prep.w13.addressable_shards[0].data.shape[0] == E // 8
+    ep, tp = pcfg.size(pcfg.ep_axis), pcfg.size(pcfg.tp_axis)
+    assert _spec(prep.w13) == (pcfg.ep_axis, pcfg.tp_axis, None)
+    assert _spec(prep.w2) == (pcfg.ep_axis, None, pcfg.tp_axis)
+    assert _spec(prep.swiglu) == (None, pcfg.ep_axis)
+    i_local = -(-(inter // tp) // 8) * 8
+    assert prep.w13.addressable_shards[0].data.shape == (E // ep, 2 * i_local, H)
     out = jax.jit(lambda x, w, ids, p: parallel_apply_prepared(x, p, w, ids, pcfg))(x, w, ids, prep)
     # w13/w2 are bf16 in the runner's layout: bf16 bounds against the float32 single-device MoE
     assert rel(out, ref) < 2e-2
 
 
-def test_prepared_weights_refuse_tensor_parallelism(rng):
+def _spec(arr):
+    """arr's PartitionSpec with one entry per axis."""
+    spec = tuple(arr.sharding.spec)
+    return spec + (None,) * (arr.ndim - len(spec))
+
+
+def _device_block(arr, device):
+    """The block of ``arr`` that ``device`` holds."""
+    return next(np.asarray(s.data.astype(jnp.float32)) for s in arr.addressable_shards if s.device == device)
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("shape,names,axes", PREPARED_MESHES[1:], ids=PREPARED_IDS[1:])
+def test_each_device_holds_the_prepare_of_its_own_slice(rng, scheme, shape, names, axes):
+    """Device (r, s) of an (ep, tp) mesh holds exactly ``prepare`` of experts
+    [r*E/ep, (r+1)*E/ep), gate and up rows [s*I/tp, (s+1)*I/tp) of w13 and the same columns of w2,
+    with its experts' weight scales and every expert's activation scales."""
+    from jax_moe.backends import flashinfer_cutlass as fic
+    from jax_moe.config import MoEConfig
+    from jax_moe.parallel import shard_prepared
+
+    pcfg = _pcfg(shape, names, axes, "naive" if "ep_axis" in axes else "none")
+    _, w13, w2, _, _, b = moe(rng, 8, activation="swigluoai", bias=True)
+    quant = None
+    if scheme == "fp8":
+        a13 = jnp.asarray(np.linspace(0.01, 0.02, E), jnp.float32)
+        w13, w2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=0.05)
+    prep = shard_prepared(w13, w2, pcfg, activation="swigluoai", quant=quant, **b)
+    ep, tp = pcfg.size(pcfg.ep_axis), pcfg.size(pcfg.tp_axis)
+    el, il = E // ep, I // tp
+    mesh = pcfg.mesh
+    for pos, device in np.ndenumerate(mesh.devices):
+        coord = dict(zip(mesh.axis_names, pos))
+        r, s = coord.get("ep", 0), coord.get("tp", 0)
+        experts, cols = slice(r * el, (r + 1) * el), np.r_[s * il:(s + 1) * il]
+        rows = np.r_[cols, I + cols]
+        local_quant = None if quant is None else quant.replace(w13_scale=quant.w13_scale[experts],
+                                                               w2_scale=quant.w2_scale[experts])
+        want = fic.prepare(w13[experts][:, rows], w2[experts][..., cols], MoEConfig(el, 1, H, il, "swigluoai"),
+                           local_quant, w13_bias=b["w13_bias"][experts][:, rows], w2_bias=b["w2_bias"][experts])
+        for name in ("w13", "w2", "w13_scale", "a13_scale", "g1_alphas", "a2_gscale", "g2_alphas", "w13_bias",
+                     "w2_bias", "swiglu"):
+            got, ref = getattr(prep, name), getattr(want, name)
+            assert (got is None) == (ref is None), name
+            if ref is not None:
+                np.testing.assert_array_equal(_device_block(got, device), np.asarray(ref.astype(jnp.float32)),
+                                              err_msg=f"{name} on device {coord}")
+
+
+def test_prepared_weights_refuse_what_cannot_be_split(rng):
     from jax_moe.parallel import shard_prepared
 
     pcfg = ParallelConfig(cpu_mesh((4, 2), ("ep", "tp")), ep_axis="ep", tp_axis="tp")
-    x, w13, w2, w, ids, _ = moe(rng, 8)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        shard_prepared(w13, w2, pcfg)
+    _, w13, w2, _, _, _ = moe(rng, 8)
+    with pytest.raises(ValueError, match="I=31 must be a multiple of the tp size 2"):
+        shard_prepared(jnp.concatenate([w13[:, :31], w13[:, I:I + 31]], 1), w2[..., :31], pcfg)
+    with pytest.raises(ValueError, match="needs H=36 to be a multiple of 8"):
+        shard_prepared(jnp.pad(w13, ((0, 0), (0, 0), (0, 4))), jnp.pad(w2, ((0, 0), (0, 4), (0, 0))), pcfg)
+    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor")
+    with pytest.raises(ValueError, match="give a static a2_scale"):
+        shard_prepared(q13, q2, pcfg, quant=quant)
 
 
+@pytest.mark.parametrize("shape,names,axes", PREPARED_MESHES[:2], ids=PREPARED_IDS[:2])
 @pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
-def test_fp8_tokens_are_quantized_before_dispatch(rng, strategy, monkeypatch):
+def test_fp8_tokens_are_quantized_before_dispatch(rng, strategy, shape, names, axes, monkeypatch):
     """FP8 prepared weights: every device quantizes its own tokens with the scale of all tokens
     (max over devices, as one device would compute it), one-byte rows travel, and the result
-    equals the single-device xla MoE on the same quantized weights."""
+    equals the single-device xla MoE on the same quantized weights (also with I split over tp)."""
     import types
 
-    from jax_moe import oracle
     from jax_moe.backends import flashinfer_cutlass as fic
     from jax_moe.backends import xla
     from jax_moe.config import MoEConfig
@@ -191,12 +337,12 @@ def test_fp8_tokens_are_quantized_before_dispatch(rng, strategy, monkeypatch):
         return xla.apply(xq.astype(jnp.float32) * x_scale, fic.runner_row_order(p.w13), p.w2, topk_weights,
                          topk_ids, cfg, quant=local)
 
-    fake = types.SimpleNamespace(prepare=fic.prepare, partition_specs=fic.partition_specs, input_scale=fic.input_scale,
-                                 quantize_input=fic.quantize_input, apply_prepared=apply_prepared,
+    fake = types.SimpleNamespace(prepare=fic.prepare, partition_specs=fic.partition_specs, alignment=fic.alignment,
+                                 input_scale=fic.input_scale, quantize_input=fic.quantize_input,
+                                 apply_prepared=apply_prepared,
                                  supports=lambda *a, **k: (False, "layout stand-in: never selected"))
-    real = oracle.module
-    monkeypatch.setattr(oracle, "module", lambda name: fake if name == "flashinfer_cutlass" else real(name))
-    pcfg = ParallelConfig(cpu_mesh((8,), ("ep",)), ep_axis="ep", strategy=strategy, ragged=False)
+    _with_layout_backend(monkeypatch, fake)
+    pcfg = _pcfg(shape, names, axes, strategy)
     ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
     prep = shard_prepared(q13, q2, pcfg, quant=quant)
     f = jax.jit(lambda x, w, ids, p: parallel_apply_prepared(x, p, w, ids, pcfg))
@@ -204,3 +350,90 @@ def test_fp8_tokens_are_quantized_before_dispatch(rng, strategy, monkeypatch):
     assert seen and rel(out, ref) < 1e-4
     moved = str(jax.make_jaxpr(f)(x, w, ids, prep))
     assert ("all_gather" in moved or "all_to_all" in moved) and "u8[" in moved
+
+
+# ------------------------------------------------- NVFP4 activations quantized before the dispatch
+
+
+def _nvfp4_moe(rng, t, dynamic=False):
+    x, w13, w2, w, ids, _ = moe(rng, t)
+    a13 = None if dynamic else calibrate_activation_scale("nvfp4", x)
+    q13, q2, quant = quantize_weights("nvfp4", w13, w2, act="nvfp4", a13_scale=a13, a2_scale=0.02)
+    return x, q13, q2, w, ids, quant
+
+
+def _run_parallel(pcfg, x, q13, q2, w, ids, quant, **opts):
+    p = shard_weights(q13, q2, pcfg, quant=quant)
+    f = jax.jit(lambda x, w, ids, p: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"],
+                                                             **opts))
+    return f(x, w, ids, p), str(jax.make_jaxpr(f)(x, w, ids, p))
+
+
+NVFP4_MESHES = [MESHES[0], MESHES[2]]  # tp is refused for NVFP4 weights (scales along K)
+
+
+@pytest.mark.parametrize("one_device", [False, True], ids=["routed", "all-on-device-0"])
+@pytest.mark.parametrize("shape,names,axes", NVFP4_MESHES, ids=["ep8", "dp2-ep4"])
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_nvfp4_tokens_are_quantized_before_dispatch(rng, strategy, shape, names, axes, one_device):
+    """NVFP4 activations with a static global scale: each device quantizes its own tokens
+    (packed E2M1 + linear e4m3 block scales, uint8 on the wire, as vLLM's naive EP prepare does)
+    and the xla backend dequantizes what arrives. Per-token block quantization with a fixed
+    global scale commutes with the exchange, so the result is one device's, also when every
+    token's experts live on device 0 and the other devices receive nothing."""
+    pcfg = ParallelConfig(cpu_mesh(shape, names), strategy=strategy, **axes)
+    x, q13, q2, w, ids, quant = _nvfp4_moe(rng, 64)
+    if one_device:  # experts 0..1 (device 0 of ep=8) or 0..3 (ep=4)
+        ids = jnp.tile(jnp.arange(K, dtype=jnp.int32) % (E // pcfg.size("ep")), (64, 1))
+    ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
+    out, moved = _run_parallel(pcfg, x, q13, q2, w, ids, quant)
+    assert out.dtype == x.dtype
+    assert rel(out, ref) < 1e-5
+    exchange = "all_gather" if strategy == "naive" else "all_to_all"
+    sent = [ln.split("=")[0] for ln in moved.splitlines() if exchange in ln]  # the exchanges' results
+    assert any(f"u8[" in ln and f",{H // 2}]" in ln for ln in sent), "the packed E2M1 rows travel"
+    assert any(f"u8[" in ln and f",{H // 16}]" in ln for ln in sent), "their block scales travel"
+    float_rows = [ln for ln in sent if "f32[" in ln and f",{H}]" in ln]
+    assert len(float_rows) == (0 if strategy == "naive" else 1), "only the combine moves float rows"
+
+
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_nvfp4_dynamic_scale_is_taken_over_every_devices_tokens(rng, strategy):
+    """Without a13_scale the global scale comes from the amax of all tokens (a pmax before the
+    dispatch), as one device computes it over its whole batch (up to an ulp of the scale)."""
+    pcfg = ParallelConfig(cpu_mesh((2, 4), ("dp", "ep")), dp_axis="dp", ep_axis="ep", strategy=strategy)
+    x, q13, q2, w, ids, quant = _nvfp4_moe(rng, 64, dynamic=True)
+    x = x.at[3].multiply(8.0)  # one device's token sets the scale for all
+    ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
+    out, _ = _run_parallel(pcfg, x, q13, q2, w, ids, quant)
+    assert rel(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_nvfp4_scales_swizzled_after_the_exchange_for_a_backend_that_reads_tiles(rng, strategy, monkeypatch):
+    """A backend whose PREQUANTIZED_INPUT says "128x4" gets the received rows' block scales in
+    FlashInfer's 128x4 tiles (block_scale_interleave after the exchange; the linear scales are
+    what travels)."""
+    import types
+
+    from jax_moe import oracle
+    from jax_moe.backends import xla
+    from jax_moe.layouts.scales import block_scale_deinterleave
+
+    seen = []
+
+    def apply(x, w13, w2, w, ids, cfg, *, x_scale=None, **kw):
+        rows = x.shape[0]
+        seen.append(x_scale.shape)
+        assert x.dtype == jnp.uint8 and x_scale.shape == (-(-rows // 128), -(-(H // 16) // 4), 32, 4, 4)
+        return xla.apply(x, w13, w2, w, ids, cfg, x_scale=block_scale_deinterleave(x_scale, rows, H // 16), **kw)
+
+    tiles = types.SimpleNamespace(PREQUANTIZED_INPUT={"nvfp4": "128x4"}, FEATURES=xla.FEATURES, apply=apply,
+                                  supports=lambda *a, **k: (True, "ok"))
+    real = oracle.module
+    monkeypatch.setattr(oracle, "module", lambda name: tiles if name == "cutlass" else real(name))
+    pcfg = ParallelConfig(cpu_mesh((8,), ("ep",)), ep_axis="ep", strategy=strategy)
+    x, q13, q2, w, ids, quant = _nvfp4_moe(rng, 64)
+    ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
+    out, _ = _run_parallel(pcfg, x, q13, q2, w, ids, quant, backend="cutlass")
+    assert seen and rel(out, ref) < 1e-5

@@ -117,7 +117,7 @@ def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
         return False, f"scheme {scheme!r} is not compiled into this build (JAX_MOE_FI_SCHEMES)"
     if cfg.activation not in ACTIVATION_CODES:
         return False, f"activation {cfg.activation!r} is not wired up (have {sorted(ACTIVATION_CODES)})"
-    align = ALIGN[scheme]
+    align = alignment(quant)
     if cfg.hidden_size % align or cfg.intermediate_size % align:
         return False, f"hidden and intermediate sizes must be multiples of {align} for {scheme}"
     return True, "ok"
@@ -171,17 +171,20 @@ class Prepared:
     Optional (None: absent): ``w13_bias [E, 2I]`` bf16 in w13's row order, ``w2_bias [E, H]``
     bf16; ``swiglu [3, E]`` float32 (alpha, beta, limit per expert) for ``swigluoai``.
     Each array field's ``expert_axis`` metadata names its expert axis (None: no expert axis),
-    which :func:`partition_specs` splits over expert parallelism.
+    which :func:`partition_specs` splits over expert parallelism, and ``tp_axis`` (absent: none)
+    the axis that runs along the intermediate size I, split over tensor parallelism: then every
+    device holds a whole :class:`Prepared` of its own I slice (w13 ``[up_s; gate_s]``, w2's
+    columns of that slice), and the global array is the concatenation of those blocks.
     """
 
-    w13: jax.Array = dataclasses.field(metadata=dict(expert_axis=0))
-    w2: jax.Array = dataclasses.field(metadata=dict(expert_axis=0))
+    w13: jax.Array = dataclasses.field(metadata=dict(expert_axis=0, tp_axis=1))
+    w2: jax.Array = dataclasses.field(metadata=dict(expert_axis=0, tp_axis=2))
     w13_scale: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
     a13_scale: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=None))
     g1_alphas: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
     a2_gscale: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=None))
     g2_alphas: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
-    w13_bias: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
+    w13_bias: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0, tp_axis=1))
     w2_bias: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
     swiglu: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=1))
     scheme: str = dataclasses.field(default="bf16", metadata=dict(static=True))
@@ -203,25 +206,34 @@ def _extras(cfg, w13_bias, w2_bias) -> dict:
     return out
 
 
-def partition_specs(prepared: Prepared, ep_axis, num_experts: int) -> Prepared:
+def partition_specs(prepared: Prepared, ep_axis, num_experts: int, tp_axis=None) -> Prepared:
     """A :class:`Prepared` of ``PartitionSpec`` s splitting every expert axis over ``ep_axis``
-    (scalars replicated), for ``shard_map``/``jit`` shardings. ``prepared`` may hold
-    ``ShapeDtypeStruct`` s; a scale of shape ``[E]`` that is per tensor in another build is
-    still split, since its axis is the expert axis."""
+    and every intermediate-size axis over ``tp_axis`` (scalars replicated), for
+    ``shard_map``/``jit`` shardings. ``prepared`` may hold ``ShapeDtypeStruct`` s; a scale of
+    shape ``[E]`` that is per tensor in another build is still split, since its axis is the
+    expert axis."""
     from jax.sharding import PartitionSpec as P
 
     specs = {}
     for f in dataclasses.fields(Prepared):
         if f.metadata.get("static"):
             continue
-        a, ax = getattr(prepared, f.name), f.metadata["expert_axis"]
+        a, ax, tp_ax = getattr(prepared, f.name), f.metadata["expert_axis"], f.metadata.get("tp_axis")
         if a is None:
             specs[f.name] = None
-        elif ax is None or a.ndim <= ax or a.shape[ax] != num_experts:
-            specs[f.name] = P()
-        else:
-            specs[f.name] = P(*[ep_axis if d == ax else None for d in range(a.ndim)])
+            continue
+        names = [None] * a.ndim
+        if ax is not None and a.ndim > ax and a.shape[ax] == num_experts:
+            names[ax] = ep_axis
+        if tp_ax is not None and tp_axis is not None:
+            names[tp_ax] = tp_axis
+        specs[f.name] = P(*names)
     return dataclasses.replace(prepared, **specs)
+
+
+def alignment(quant=None) -> int:
+    """H and I must be multiples of this for ``quant``'s scheme (16-byte rows)."""
+    return ALIGN[scheme_of(quant)]
 
 
 def prepare(w13, w2, cfg, quant=None, *, w13_bias=None, w2_bias=None) -> Prepared:

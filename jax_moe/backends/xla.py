@@ -34,11 +34,21 @@ import jax.numpy as jnp
 from jax_moe.activations import activate
 from jax_moe.config import MoEConfig
 from jax_moe.permute import sort_by_expert
-from jax_moe.quant.scheme import dequantize_experts, dequantize_weights, quantize_activation
+from jax_moe.quant import fp4
+from jax_moe.quant.scheme import (
+    dequantize_experts,
+    dequantize_weights,
+    nvfp4_activation_global_scale,
+    quantize_activation,
+)
 
 STRATEGIES = ("gather", "blocked", "dense", "ragged_dot")
 NAME = "xla"
 FEATURES = frozenset({"bias", "router_weight_on_input"})  # every dtype (oracle.call_features)
+# act -> layout of the block scales :func:`apply` takes with an x quantized beforehand
+# ("linear": row-major [T, H/16]; a backend reading FlashInfer's 128x4 tiles would say "128x4",
+# jax_moe.layouts.block_scale_interleave). jax_moe.parallel quantizes x before the dispatch for these.
+PREQUANTIZED_INPUT = {"nvfp4": "linear"}
 STEP_WEIGHT_BYTES = 256 << 20
 GATHER_WEIGHT_BYTES = 2 << 30
 GATHER_MAX_SLOTS = 64
@@ -239,6 +249,27 @@ def _dense_experts(xq, topk_weights, topk_ids, cfg, w13, w2, quant, w13_bias, w2
     return jnp.einsum("eth,te->th", y, combine, precision=jax.lax.Precision.HIGHEST)
 
 
+def _prequantized_input(x, x_scale, cfg: MoEConfig, quant, apply_router_weight_on_input: bool):
+    """NVFP4 x [T, H/2] uint8 + block scales [T, H/16] -> the float32 x GEMM1 sees: exactly
+    ``quantize_activation(quant, x_float, 1)`` of the x they were quantized from."""
+    h = cfg.hidden_size
+    if quant is None or quant.act not in PREQUANTIZED_INPUT:
+        raise ValueError(f"x_scale is for a pre-quantized x with act in {sorted(PREQUANTIZED_INPUT)}, got "
+                         f"quant={'None' if quant is None else repr(quant.act)}")
+    if quant.a13_scale is None:
+        raise ValueError("a pre-quantized NVFP4 x needs quant.a13_scale (its global scale is 1 / a13_scale)")
+    if apply_router_weight_on_input:
+        raise ValueError("apply_router_weight_on_input needs a float x (the weight scales x before quantization)")
+    t = x.shape[0]
+    if x.dtype != jnp.uint8 or x.shape != (t, h // 2):
+        raise ValueError(f"a pre-quantized NVFP4 x must be [T, H/2] = [{t}, {h // 2}] uint8 (packed E2M1), "
+                         f"got {list(x.shape)} {jnp.dtype(x.dtype).name}")
+    if x_scale.dtype != jnp.float8_e4m3fn or x_scale.shape != (t, h // fp4.NVFP4_BLOCK):
+        raise ValueError(f"x_scale must be [T, H/16] = [{t}, {h // fp4.NVFP4_BLOCK}] float8_e4m3fn (linear "
+                         f"layout), got {list(x_scale.shape)} {jnp.dtype(x_scale.dtype).name}")
+    return fp4.dequantize_nvfp4(x, x_scale, nvfp4_activation_global_scale(quant, 1))
+
+
 def finalize(y_rows: jax.Array, row_of_slot: jax.Array, topk_weights: jax.Array, out_dtype) -> jax.Array:
     """Weighted top-k reduce: ``out[t] = sum_j w[t, j] * y_rows[row_of_slot[t*k + j]]`` in float32."""
     t, k = topk_weights.shape
@@ -261,30 +292,42 @@ def apply(
     strategy: str | None = None,
     block_size: int | None = None,
     blocks_per_step: int | None = None,
+    x_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Experts + finalize for already-routed tokens. Arguments as :func:`jax_moe.fused_experts`
-    (validated there). Returns ``[T, H]`` in ``x.dtype``."""
+    (validated there). Returns ``[T, H]`` in ``x.dtype``.
+
+    ``x_scale``: x arrives quantized (:data:`PREQUANTIZED_INPUT`; expert parallelism quantizes
+    before the dispatch): with ``quant.act == "nvfp4"``, x [T, H/2] uint8 (packed E2M1) and
+    x_scale [T, H/16] float8_e4m3fn (linear layout), :func:`jax_moe.quant.quantize_nvfp4` of the
+    float x with the global scale ``1 / quant.a13_scale``
+    (:func:`jax_moe.quant.scheme.nvfp4_activation_global_scale`). They are dequantized, which
+    gives exactly what quantizing the float x here would; the result is then float32."""
     t, k = topk_ids.shape
+    out_dtype = x.dtype if x_scale is None else jnp.float32
     if t == 0:
-        return jnp.zeros((0, cfg.hidden_size), x.dtype)
+        return jnp.zeros((0, cfg.hidden_size), out_dtype)
     if strategy is None:
         strategy = "ragged_dot" if needs_whole_gemm2_input(quant) else pick_strategy(t, cfg)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     weights = topk_weights.astype(jnp.float32)
-    xin = x
-    if apply_router_weight_on_input:
-        xin = (x.astype(jnp.float32) * weights[:, :1]).astype(x.dtype)
-        weights = jnp.ones_like(weights)
-    if quant is not None:
-        xin = quantize_activation(quant, xin.astype(jnp.float32), 1)
+    if x_scale is not None:
+        xin = _prequantized_input(x, x_scale, cfg, quant, apply_router_weight_on_input)
+    else:
+        xin = x
+        if apply_router_weight_on_input:
+            xin = (x.astype(jnp.float32) * weights[:, :1]).astype(x.dtype)
+            weights = jnp.ones_like(weights)
+        if quant is not None:
+            xin = quantize_activation(quant, xin.astype(jnp.float32), 1)
 
     if strategy == "gather":
         y, row_of_slot = _gather_experts(xin, topk_ids, cfg, w13, w2, quant, w13_bias, w2_bias)
-        return finalize(y, row_of_slot, weights, x.dtype)
+        return finalize(y, row_of_slot, weights, out_dtype)
     if strategy == "dense":
         out = _dense_experts(xin, weights, topk_ids, cfg, w13, w2, quant, w13_bias, w2_bias)
-        return out.astype(x.dtype)
+        return out.astype(out_dtype)
     sort = sort_by_expert(topk_ids, cfg.num_experts)
     if strategy == "ragged_dot":
         y, row_of_slot = _ragged_experts(xin, sort, cfg, w13, w2, quant, w13_bias, w2_bias)
@@ -292,4 +335,4 @@ def apply(
         b = block_size or pick_block_size(t, k, cfg.num_experts)
         g = blocks_per_step or pick_blocks_per_step(cfg)
         y, row_of_slot = _blocked_experts(xin, sort, cfg, w13, w2, quant, w13_bias, w2_bias, b, g)
-    return finalize(y, row_of_slot, weights, x.dtype)
+    return finalize(y, row_of_slot, weights, out_dtype)

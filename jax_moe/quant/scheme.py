@@ -80,6 +80,7 @@ __all__ = [
     "dequantize_weights",
     "dequantize_experts",
     "quantize_activation",
+    "nvfp4_activation_global_scale",
     "quantize_weights",
     "calibrate_activation_scale",
 ]
@@ -156,7 +157,8 @@ class QuantConfig:
     def validate(self, E: int, H: int, I: int, gated: bool, *, w13=None, w2=None) -> None:
         """Check every field (and the stored weights, when given) against a layer of E experts,
         hidden size H, intermediate size I. Raises ValueError naming the offending field.
-        NaN/inf/non-positive scales are looked for only when the scales are concrete (not traced).
+        NaN/inf/non-positive scales are looked for only when the scales are concrete (not traced,
+        and held by this process).
         """
         rows = 2 * I if gated else I
         for which, n, k in (("w13", rows, H), ("w2", H, I)):
@@ -243,8 +245,9 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def _concrete(x):
-    """x as a numpy array, or None when it is traced (abstract) and cannot be inspected."""
-    if isinstance(x, jax.core.Tracer):
+    """x as a numpy array, or None when it cannot be inspected here: traced (abstract), or a
+    global array with parts in other processes (multi-host; each process checks what it loads)."""
+    if isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and not x.is_fully_addressable):
         return None
     try:
         return np.asarray(x)
@@ -374,9 +377,22 @@ def quantize_activation(quant: QuantConfig, x, stage: int, *, expert_ids=None):
     if act == "mxfp8":
         return fp4.dequantize_mxfp8(*fp4.quantize_mxfp8(x))
     if act == "nvfp4":
-        gs = fp4.nvfp4_global_scale(x) if static is None else 1.0 / static
+        gs = nvfp4_activation_global_scale(quant, stage, x, expert_ids=expert_ids)
         return fp4.dequantize_nvfp4(*fp4.quantize_nvfp4(x, gs))
     raise ValueError(f"act {act!r} is not known")  # unreachable: __post_init__ checks act
+
+
+def nvfp4_activation_global_scale(quant: QuantConfig, stage: int, x=None, *, expert_ids=None):
+    """The quantization-side global scale of NVFP4 activations (``act='nvfp4'``) at ``stage``
+    (1: GEMM1's input, 2: GEMM2's): ``1 / a_scale`` for a static scale (an [E] scale's max over
+    experts, or each row's expert's with ``expert_ids``, as :func:`quantize_activation`), else
+    ``448 * 6 / amax(x)`` over the x handed over. float32 [] (or ``expert_ids``' shape)."""
+    static = _static_scale(quant.a13_scale if stage == 1 else quant.a2_scale, x, expert_ids)
+    if static is not None:
+        return 1.0 / static
+    if x is None:
+        raise ValueError(f"stage {stage} has no static scale: the dynamic NVFP4 global scale needs x")
+    return fp4.nvfp4_global_scale(x)
 
 
 def calibrate_activation_scale(act: str, x, per_expert: bool = False):
