@@ -19,9 +19,10 @@ contribute nothing). Three schemes, each its own FFI target:
 * ``mxfp4`` (W4A16, GPT-OSS; ``QuantConfig(scheme="mxfp4", act="bf16")``): bf16 activations x
   MXFP4 weights (E2M1 codes, one E8M0 scale per 32 along K) -> bf16, on the runner's SM90
   mixed-input grouped GEMMs (FlashInfer's ``isWFP4A16Quant`` runner,
-  ``CutlassMoeFCRunner<bf16, Fp4Type>`` with ``QuantParams::GroupWise(32, ...)``): the weights
-  are converted to bf16 in registers and the scales applied after the MMA. This is what serves
-  weight-only MXFP4 on Hopper (vLLM's Marlin row is not built).
+  ``CutlassMoeFCRunner<bf16, Fp4Type>`` with ``QuantParams::GroupWise(32, ...)``): the kernel
+  converts the 4-bit weights to bf16 in registers (CUTLASS's mixed-input mainloop, scale mode
+  kPostMma) and multiplies bf16 x bf16. This is what serves weight-only MXFP4 on Hopper (vLLM's
+  Marlin row is not built).
 
 Routing happens before: the calls take top-k ids and weights.
 
