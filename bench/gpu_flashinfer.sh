@@ -3,16 +3,18 @@
 # (bench/pack_flashinfer_src.sh; carried to the machine) for a source build, or JAX_MOE_FI_PREBUILT
 # pointing at a libjax_moe_fi.so built before (or JAX_MOE_FI_PREBUILT_XZ at an xz-packed one, as
 # the pack step writes it). Steps (STEPS, default "build test bench"):
-#   build  pip install -e . with the FlashInfer module (timed; ninja -j$(nproc))
+#   build  pip install -e . with the FlashInfer module (timed; ninja -j$(nproc)), for the schemes in
+#          JAX_MOE_FI_SCHEMES (default "bf16;fp8"; "bf16;fp8;mxfp4" adds W4A16 MXFP4)
 #   pack   xz the built libjax_moe_fi.so into $OUT (carry it back in as JAX_MOE_FI_PREBUILT_XZ to
 #          skip the kernel build on a fresh machine, e.g. a multi-GPU one)
 #   relink the same install against the libjax_moe_fi.so just built, as a prebuilt library
 #          (JAX_MOE_FI_PREBUILT; timed, separate build dir), then the FlashInfer tests
-#   test   python -m jax_moe.info (bf16, fp8) and every GPU test (pytest -m gpu), or PYTEST_ARGS's
+#   test   python -m jax_moe.info (bf16, fp8, mxfp4) and every GPU test (pytest -m gpu), or PYTEST_ARGS's
 #          selection: the whole GPU suite now outlasts one 10-minute device command, so split it, e.g.
 #          PYTEST_ARGS="tests/test_flashinfer_cutlass.py tests/test_nn.py tests/test_gpu_xla.py" (~6 min)
 #          then PYTEST_ARGS="tests/test_moe_kernels.py tests/test_cutlass_backend.py tests/test_ffi_sort.py"
-#   bench  bench/moe_bench.py --write for each scheme in BENCH_SCHEMES (default "bf16 fp8"),
+#   bench  bench/moe_bench.py --write for each scheme in BENCH_SCHEMES (default "bf16 fp8"; mxfp4 too,
+#          e.g. BENCH_SCHEMES=mxfp4 BENCH_ARGS="--models gptoss"),
 #          with BENCH_ARGS, each under BENCH_TIMEOUT seconds
 # Logs go to ${OUT:-/tmp/jax_moe_gpu}; a short summary is printed.
 set -uo pipefail
@@ -54,7 +56,7 @@ if [[ " $steps " == *" relink "* ]]; then
     | filter | tail -2 | tee -a "$out/gpu.txt"
 fi
 if [[ " $steps " == *" test "* ]]; then
-  for s in bf16 fp8; do python3 -m jax_moe.info --scheme "$s" 2>&1 | filter; done | tee "$out/info.txt"
+  for s in bf16 fp8 mxfp4; do python3 -m jax_moe.info --scheme "$s" 2>&1 | filter; done | tee "$out/info.txt"
   python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | filter > "$out/pytest_gpu.log"
   grep -E "passed|failed|error" "$out/pytest_gpu.log" | tail -15
 fi

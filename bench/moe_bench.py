@@ -3,13 +3,14 @@
     python bench/moe_bench.py                 # GPU: the four model shapes; CPU: a small demo
     python bench/moe_bench.py --models qwen3 --tokens 1 64 1024 --write
     python bench/moe_bench.py --scheme fp8    # FP8 per-tensor weights and activations
+    python bench/moe_bench.py --scheme mxfp4 --models gptoss   # MXFP4 weights, bf16 activations
 
 Columns: each implementation's median time (ms), its speedup over the plain sort +
 ``jax.lax.ragged_dot`` MoE, and the floor ``max(bytes / bandwidth, FLOPs / peak)`` with the
 bandwidth and bf16 matmul peak measured in the same run. Implementations:
 
-- ``xla``: jax_moe's pure-JAX backend (blocked experts) on the scheme's weights (FP8: dequantized
-  in the graph, as the reference does).
+- ``xla``: jax_moe's pure-JAX backend (blocked experts) on the scheme's weights (FP8, MXFP4:
+  dequantized in the graph, as the reference does).
 - ``ragged_dot``: the plain sort + ``jax.lax.ragged_dot`` MoE JAX users write today, always on
   bf16 weights (the baseline of the speedup column, whatever the scheme).
 - ``dense``: the dense jnp reference (bf16 only; per-slot gathered weights; skipped where it
@@ -19,8 +20,9 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
   once before timing (its ``prepare``, as ``MoEBlock.prepare()`` does; ``cutlass`` needs none and
   runs on the stored weights).
 
-The floor counts weight bytes at the scheme's width (FP8: 1 byte) and FLOPs at the measured bf16
-matmul peak (x2 for FP8, the Hopper ratio).
+The floor counts weight bytes at the scheme's width (FP8: 1 byte; MXFP4: half a byte plus one
+E8M0 byte per 32) and FLOPs at the measured bf16 matmul peak (x2 for FP8, the Hopper ratio;
+MXFP4 weights are multiplied in bf16).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights  # noqa: E402
 from jax_moe.routing import select_experts  # noqa: E402
 
-SCHEMES = {"bf16": 2, "fp8": 1}  # bytes per weight
+SCHEMES = {"bf16": 2, "fp8": 1, "mxfp4": 0.5 + 1 / 32}  # bytes per weight (MXFP4: with its scales)
 
 @dataclasses.dataclass(frozen=True)
 class Model:
@@ -144,6 +146,8 @@ def quantized(scheme: str, w13, w2, m: Model):
     activation scales calibrated on a random batch, as a checkpoint's would be."""
     if scheme == "bf16":
         return w13, w2, None
+    if scheme == "mxfp4":  # W4A16: bf16 activations, nothing to calibrate
+        return quantize_weights(scheme, w13, w2)
     x = jax.random.normal(jax.random.key(7), (256, m.h), jnp.float32)
     a13 = calibrate_activation_scale("fp8_per_tensor", x)
     h1 = jnp.einsum("th,nh->tn", x, w13[0].astype(jnp.float32))

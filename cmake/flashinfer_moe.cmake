@@ -1,8 +1,10 @@
 # cmake/flashinfer_moe.cmake -- builds FlashInfer's CUTLASS fused-MoE runner (TensorRT-LLM's
 # CutlassMoeFCRunner) for SM90 behind thin XLA FFI handlers (ffi/flashinfer_cutlass_moe.cu), for the
 # quant schemes in JAX_MOE_FI_SCHEMES:
-#   bf16  BF16 activations x BF16 weights -> BF16
-#   fp8   FP8 E4M3 activations (per-tensor scale) x FP8 E4M3 weights (per-tensor/expert) -> BF16
+#   bf16   BF16 activations x BF16 weights -> BF16
+#   fp8    FP8 E4M3 activations (per-tensor scale) x FP8 E4M3 weights (per-tensor/expert) -> BF16
+#   mxfp4  BF16 activations x MXFP4 weights (E2M1, E8M0 scale per 32) -> BF16: W4A16 (GPT-OSS) on
+#          the SM90 mixed-input grouped GEMMs; opt-in (JAX_MOE_FI_SCHEMES="bf16;fp8;mxfp4")
 # Two artifacts, installed side by side in jax_moe/:
 #   libjax_moe_fi.so           kernels, runner, FFI handlers, host queries; no Python in it, so it
 #                              can be built once on any machine with nvcc and reused
@@ -31,10 +33,12 @@
 #       fused_moe/cutlass_backend/cutlass_fused_moe_kernels.cuh (routing/permute, activation,
 #       finalize kernels and the runner's host logic). One TU: that header also defines plain
 #       functions. bf16: <bf16, bf16>; fp8: <fp8, fp8, bf16 out, fp8 in, bf16 backbone> (the input
-#       arrives quantized, as in FlashInfer's binding).
+#       arrives quantized, as in FlashInfer's binding); mxfp4: <bf16, Fp4Type> (FlashInfer's
+#       isWFP4A16Quant runner; Fp4Type is cutlass::float_e2m1_t under COMPILE_HOPPER_TMA_GEMMS).
 #   gemm_runner_<scheme>.cu -- `template class MoeGemmRunner<T, W, bf16>;` over
 #       moe_gemm/moe_gemm_template_dispatch.h: tactic lists, the SM90 TMA dispatch, and the
-#       SM80/SM89-style grouped GEMMs it compiles inline (the slowest TUs, ~4 min on one core).
+#       SM80/SM89-style grouped GEMMs it compiles inline (the slowest TUs, ~4 min on one core;
+#       mxfp4's has no SM80 kernels and only names the mixed-input launchers: under a minute).
 #   sm90_<scheme>_moe_gemm_*.cu -- INSTANTIATE_TMA_WARP_SPECIALIZED_MOE_GEMM(Sm90, T, W, bf16, void,
 #       EpilogueOpDefault, FUSION, M, N, K, CM, CN, 1, false, false, false, SWAP_AB) from
 #       moe_gemm/launchers/moe_gemm_tma_ws_launcher.inl, grouped ~2 per TU. K is 128 bytes (64
@@ -47,13 +51,33 @@
 #       these types. Which are compiled is chosen with the cache variables below; the others get
 #       throwing stubs (stubs.cu) so the library still links, and the handler only ever selects
 #       compiled tactics (it reads the generated jax_moe_fi_kernels.h).
+#   sm90_mxfp4_moe_gemm_*.cu (scheme mxfp4) -- `template void sm90_generic_mixed_moe_gemm_kernelLauncher<
+#       bf16, Fp4Type, bf16, EpilogueOpDefault, Shape<M, N, K>, Shape<CM, CN, 1>, MAINLOOP,
+#       TmaWarpSpecializedCooperative, FINEGRAINED_SCALE_ONLY, kPostMma>(...)` from
+#       moe_gemm/launchers/moe_gemm_tma_ws_mixed_input_launcher.inl, one per TU -- the lines
+#       FlashInfer's generator writes for bf16 x e2m1 (generate_sm90_mixed_type_grouped_gemm_
+#       operations). The mixed-input dispatcher (moe_gemm_template_dispatch_tma_ws_mixed_dtype.h)
+#       can reach 184: 29 tiles (M 64: N 16/32/64/128 x K 128/256/512; M 128: the same, plus
+#       128x256x128/256; 256x128x128/256; 256x256x128) x 4 clusters x PINGPONG (and COOPERATIVE
+#       when M >= 128). The runner's tactic list holds each tile once, with COOPERATIVE where
+#       sm90_supports_coop (M >= 128 but not N >= 128 with K 512), else PINGPONG, always swap_ab
+#       (the mixed-input GEMM requires it), never finalize-fused. Compiled: the tiles in
+#       JAX_MOE_FI_MXFP4_TILES with their tactic-list schedule, for the clusters in
+#       JAX_MOE_FI_SM90_CLUSTERS; 128x64x256 1x1x1 cooperative always (the runner sizes the GEMM
+#       workspace with it). The default five (~2 min each on one core):
+#         128x16x256, 128x32x256, 128x64x256  (few tokens per expert: N runs over tokens)
+#         128x128x128, 128x256x128            (many tokens per expert)
+#       (FlashInfer's binding skips K 256 with 128x256/256x128 and K 512 with N >= 128 for W4A16.)
 #   stubs.cu -- the throwing stubs above, throwing stubs for the 30 bf16
 #       sm80_generic_fused_moe_gemm_kernelLauncher instantiations (the SM80 fused gated-GEMM
-#       tactics; not used on SM90 unless JAX_MOE_FI_SM80_FUSED=ON), and a throwing
+#       tactics; not used on SM90 unless JAX_MOE_FI_SM80_FUSED=ON), a throwing
 #       tensorrt_llm::kernels::Lora_run (LoRA is not used; this avoids lora.cpp and cuBLAS
-#       linkage -- cuBLAS *headers* are still needed because cudaUtils.h includes them).
+#       linkage -- cuBLAS *headers* are still needed because cudaUtils.h includes them), and with
+#       mxfp4 a throwing apply_per_channel_scale_kernel_launcher<bf16, bf16> (AWQ pre-quant
+#       scales, which the W4A16 runner names but MXFP4 never uses; avoids preQuantScaleKernel.cu).
 # Not needed: FlashInfer's TVM-FFI binding, deepgemm_jit_setup.cu, fp8_blockscale_gemm.cu (and so
-#   no -lnvrtc), moe_gemm_mixed_utils.cu, preQuantScaleKernel.cu, lora.cpp, FlashInfer's
+#   no -lnvrtc), moe_gemm_mixed_utils.cu (the weight interleave for the mixed-input GEMM is jnp
+#   here: jax_moe/layouts/mixed_gemm.py), preQuantScaleKernel.cu, lora.cpp, FlashInfer's
 #   moe_gemm_kernels_<act>_<weight>.cu files (they instantiate output types we do not use), and the
 #   generated files of other types and of plain GEMMs.
 #
@@ -71,7 +95,9 @@
 #   (our handler included) must see the same set.
 #
 # Cache variables (each generated TU is ~1-2 min on one core; fewer tactics build faster):
-#   JAX_MOE_FI_SCHEMES        quant schemes: bf16;fp8                            (default both)
+#   JAX_MOE_FI_SCHEMES        quant schemes: bf16, fp8, mxfp4                  (default bf16;fp8;
+#                             pip passes the JAX_MOE_FI_SCHEMES environment variable)
+#   JAX_MOE_FI_MXFP4_TILES    mixed-input tiles MxNxK for mxfp4 (default: the five above)
 #   JAX_MOE_FI_SM90_TILES     "all" or a list of MxN from the tile list above  (default all)
 #   JAX_MOE_FI_SM90_CLUSTERS  "all" or a list of 1x1x1;2x1x1;1x2x1;2x2x1     (default 1x1x1)
 #   JAX_MOE_FI_SM90_SWAP_AB   compile swap_ab variants (small-token tactics)  (default ON)
@@ -94,7 +120,14 @@ option(JAX_MOE_FI_SM90_FINALIZE "Compile FINALIZE-fused SM90 MoE GEMM2 variants"
 option(JAX_MOE_FI_SM80_FUSED "Compile the SM80 fused gated-activation MoE GEMMs" OFF)
 set(JAX_MOE_FI_INSTS_PER_TU "auto" CACHE STRING "MoE GEMM instantiations per generated TU (auto: ~12 TUs)")
 
-set(JAX_MOE_FI_SCHEMES "bf16;fp8" CACHE STRING "Quant schemes to build the runner for (bf16, fp8)")
+set(JAX_MOE_FI_SCHEMES_DEFAULT "bf16;fp8")
+set(JAX_MOE_FI_SCHEMES "${JAX_MOE_FI_SCHEMES_DEFAULT}" CACHE STRING
+    "Quant schemes to build the runner for (bf16, fp8, mxfp4; empty: ${JAX_MOE_FI_SCHEMES_DEFAULT})")
+if(NOT JAX_MOE_FI_SCHEMES)  # pip passes the JAX_MOE_FI_SCHEMES environment variable, "" if unset
+  set(JAX_MOE_FI_SCHEMES "${JAX_MOE_FI_SCHEMES_DEFAULT}")
+endif()
+set(JAX_MOE_FI_MXFP4_TILES "128x16x256;128x32x256;128x64x256;128x128x128;128x256x128" CACHE STRING
+    "SM90 mixed-input (mxfp4) MoE GEMM tiles MxNxK to compile (128x64x256 always is)")
 option(JAX_MOE_FI_NOSTRIP "Keep symbols in libjax_moe_fi.so (debugging)" OFF)
 set(JAX_MOE_FI_PREBUILT "" CACHE FILEPATH
     "A libjax_moe_fi.so built before (same FlashInfer, schemes and options): link it, compile nothing of FlashInfer")
@@ -282,11 +315,54 @@ set(_scheme_fp8_O "__nv_bfloat16")
 set(_scheme_fp8_RUNNER "__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16, __nv_fp8_e4m3, __nv_bfloat16")
 set(_scheme_fp8_K 128)
 set(_scheme_fp8_ID 1)
+# W4A16 (GPT-OSS): bf16 activations x MXFP4 weights (E2M1 codes, E8M0 scales per 32 along K)
+# -> bf16, FlashInfer's isWFP4A16Quant runner. Its GEMMs are the SM90 mixed-input ones
+# (KIND mixed, see the header comment), not the TMA WS ones of the other schemes.
+set(_scheme_mxfp4_T "__nv_bfloat16")
+set(_scheme_mxfp4_W "tensorrt_llm::kernels::cutlass_kernels::Fp4Type")
+set(_scheme_mxfp4_O "__nv_bfloat16")
+set(_scheme_mxfp4_RUNNER "__nv_bfloat16, Fp4Type")
+set(_scheme_mxfp4_KIND "mixed")
+set(_scheme_mxfp4_ID 2)
 foreach(_s ${JAX_MOE_FI_SCHEMES})
   if(NOT DEFINED _scheme_${_s}_T)
-    message(FATAL_ERROR "jax_moe: JAX_MOE_FI_SCHEMES: unknown scheme '${_s}' (known: bf16, fp8)")
+    message(FATAL_ERROR "jax_moe: JAX_MOE_FI_SCHEMES: unknown scheme '${_s}' (known: bf16, fp8, mxfp4)")
   endif()
 endforeach()
+
+# The SM90 mixed-input dispatcher (moe_gemm_template_dispatch_tma_ws_mixed_dtype.h) reaches these
+# tiles (M x N x K as in CutlassTileConfigSM90's names, the template's CTA shape) with every
+# cluster 1x1x1, 2x1x1, 1x2x1, 2x2x1, and with the PINGPONG and (M >= 128) COOPERATIVE mainloop.
+# The runner's tactic list (cutlass_heuristic.cpp, WEIGHT_ONLY | GROUPED_GEMM) offers each tile
+# with one schedule: COOPERATIVE where sm90_supports_coop (M >= 128 except N >= 128 with K = 512),
+# else PINGPONG; every mixed-input tactic is swap_ab and none is finalize-fused.
+set(_mixed_all_tiles "")
+foreach(_m 64 128)
+  foreach(_n 16 32 64 128)
+    foreach(_k 128 256 512)
+      list(APPEND _mixed_all_tiles "${_m}x${_n}x${_k}")
+    endforeach()
+  endforeach()
+endforeach()
+list(APPEND _mixed_all_tiles "128x256x128" "128x256x256" "256x128x128" "256x128x256" "256x256x128")
+# calcMaxWorkspaceSizeTmaWarpSpecializedMixedInput sizes the GEMM workspace with this kernel (FP4
+# weights: K tile 256, cooperative, 1x1x1), so it is always compiled.
+set(_mixed_workspace_tile "128x64x256")
+set(_mixed_tiles ${JAX_MOE_FI_MXFP4_TILES})
+if(NOT _mixed_workspace_tile IN_LIST _mixed_tiles)
+  list(APPEND _mixed_tiles "${_mixed_workspace_tile}")
+endif()
+foreach(_t ${_mixed_tiles})
+  if(NOT _t IN_LIST _mixed_all_tiles)
+    message(FATAL_ERROR "jax_moe: JAX_MOE_FI_MXFP4_TILES: '${_t}' is not a tile the mixed-input "
+                        "dispatcher knows (${_mixed_all_tiles})")
+  endif()
+endforeach()
+set(_mixed_sched_coop "cutlass::gemm::KernelTmaWarpSpecializedCooperative")
+set(_mixed_sched_ping "cutlass::gemm::KernelTmaWarpSpecializedPingpong")
+# tensorrt_llm::cutlass_extensions::MainloopScheduleType values (gemm_configs.h)
+set(_mainloop_enum_ping 1)  # PINGPONG
+set(_mainloop_enum_coop 2)  # COOPERATIVE
 
 set(_spec_args "(TmaWarpSpecializedGroupedGemmInput, int, int, cudaStream_t, int*, size_t*, cute::Shape<int32_t, int32_t, cute::_1>, cute::Shape<int32_t, int32_t, cute::_1>)")
 set(_compiled_rows "")
@@ -306,62 +382,111 @@ foreach(_s ${JAX_MOE_FI_SCHEMES})
   set(_id "${_scheme_${_s}_ID}")
   string(TOUPPER "${_s}" _S)
   list(APPEND _scheme_defs "JAX_MOE_FI_WITH_${_S}=1")
-  set(_inst_prefix "INSTANTIATE_TMA_WARP_SPECIALIZED_MOE_GEMM(Sm90, ${_T}, ${_W}, ${_O}, void, EpilogueOpDefault")
-  set(_spec_prefix "template <> void tma_warp_specialized_generic_moe_gemm_kernelLauncher<cutlass::arch::Sm90, ${_T}, ${_W}, ${_O}, void, tensorrt_llm::cutlass_extensions::EpilogueOpDefault")
   set(_insts "")
-  foreach(_fusion NONE FINALIZE)
-    foreach(_tile ${_all_tiles})
-      string(REPLACE "x" ";" _mn "${_tile}")
-      list(GET _mn 0 _tm)
-      list(GET _mn 1 _tn)
+  if(_scheme_${_s}_KIND STREQUAL "mixed")
+    # sm90_generic_mixed_moe_gemm_kernelLauncher<T, W, Out, EpilogueOpDefault, CTA, cluster,
+    # mainloop, TmaWarpSpecializedCooperative epilogue, FINEGRAINED_SCALE_ONLY, kPostMma>, the
+    # lines FlashInfer's generator writes for bf16 x e2m1 (generate_kernels.py,
+    # generate_sm90_mixed_type_grouped_gemm_operations) for moe_gemm_tma_ws_mixed_input_launcher.inl.
+    set(_inl "moe_gemm_tma_ws_mixed_input_launcher.inl")
+    set(_head "void sm90_generic_mixed_moe_gemm_kernelLauncher<${_T}, ${_W}, ${_O}, tensorrt_llm::cutlass_extensions::EpilogueOpDefault")
+    set(_tail "cutlass::epilogue::TmaWarpSpecializedCooperative, cutlass::WeightOnlyQuantOp::FINEGRAINED_SCALE_ONLY, cutlass::gemm::collective::MixedInputScaleMode::kPostMma>(tensorrt_llm::kernels::cutlass_kernels::GroupedGemmInput<${_T}, ${_W}, ${_O}, ${_O}> inputs, TmaWarpSpecializedGroupedGemmInput hopper_inputs, int sm_count_, size_t* workspace_size)")
+    foreach(_tile ${_mixed_all_tiles})
+      string(REPLACE "x" ";" _mnk "${_tile}")
+      list(GET _mnk 0 _tm)
+      list(GET _mnk 1 _tn)
+      list(GET _mnk 2 _tk)
+      # the tactic list's schedule for this tile
+      set(_tactic_sched "ping")
+      if(_tm GREATER_EQUAL 128 AND NOT (_tn GREATER_EQUAL 128 AND _tk EQUAL 512))
+        set(_tactic_sched "coop")
+      endif()
       foreach(_cl "1x1x1" "2x1x1" "1x2x1" "2x2x1")
         string(REPLACE "x" ";" _c "${_cl}")
         list(GET _c 0 _cm)
         list(GET _c 1 _cn)
-        if((_cn EQUAL 2) AND (_tn LESS 128))
-          continue()  # the dispatcher never reaches it (are_tile_shapes_supported)
+        set(_scheds "ping")
+        if(_tm GREATER_EQUAL 128)
+          list(APPEND _scheds "coop")
         endif()
-        foreach(_swap false true)
-          set(_want TRUE)
-          if(NOT _tile IN_LIST _tiles OR NOT _cl IN_LIST _clusters)
-            set(_want FALSE)
-          endif()
-          if(_fusion STREQUAL "FINALIZE" AND NOT JAX_MOE_FI_SM90_FINALIZE)
-            set(_want FALSE)
-          endif()
-          if(_swap STREQUAL "true" AND NOT JAX_MOE_FI_SM90_SWAP_AB)
-            set(_want FALSE)
+        foreach(_sched ${_scheds})
+          set(_shapes "cute::Shape<cute::Int<${_tm}>, cute::Int<${_tn}>, cute::Int<${_tk}>>, cute::Shape<cute::Int<${_cm}>, cute::Int<${_cn}>, cute::Int<1>>, ${_mixed_sched_${_sched}}")
+          set(_want FALSE)
+          if(_tile IN_LIST _mixed_tiles AND _sched STREQUAL _tactic_sched AND
+             (_cl IN_LIST _clusters OR (_tile STREQUAL _mixed_workspace_tile AND _cl STREQUAL "1x1x1")))
+            set(_want TRUE)
           endif()
           if(_want)
-            list(APPEND _insts
-              "${_inst_prefix}, ${_fusion}, ${_tm}, ${_tn}, ${_K}, ${_cm}, ${_cn}, 1, false, false, false, ${_swap})")
-            set(_fz 0)
-            if(_fusion STREQUAL "FINALIZE")
-              set(_fz 1)
-            endif()
-            set(_sw 0)
-            if(_swap STREQUAL "true")
-              set(_sw 1)
-            endif()
-            string(APPEND _compiled_rows "    {${_id}, ${_tm}, ${_tn}, ${_cm}, ${_cn}, ${_fz}, ${_sw}},\n")
+            list(APPEND _insts "template ${_head}, ${_shapes}, ${_tail}")
+            string(APPEND _compiled_rows "    {${_id}, ${_tm}, ${_tn}, ${_tk}, ${_cm}, ${_cn}, 0, 1, ${_mainloop_enum_${_sched}}},\n")
           else()
-            string(APPEND _stub_body
-              "${_spec_prefix}, TmaWarpSpecializedGroupedGemmInput::EpilogueFusion::${_fusion}, cute::Shape<cute::Int<${_tm}>, cute::Int<${_tn}>, cute::Int<${_K}>>, cute::Shape<cute::Int<${_cm}>, cute::Int<${_cn}>, cute::Int<1>>, false, false, false, ${_swap}>${_spec_args} {\n  TLLM_THROW(\"jax_moe: SM90 ${_s} MoE GEMM ${_fusion} ${_tm}x${_tn}x${_K} cluster ${_cl} swap_ab=${_swap} was not compiled (see cmake/flashinfer_moe.cmake)\");\n}\n")
+            string(APPEND _stub_body "template <> ${_head}, ${_shapes}, ${_tail} {\n  TLLM_THROW(\"jax_moe: SM90 ${_s} mixed-input MoE GEMM ${_tm}x${_tn}x${_tk} cluster ${_cl} ${_sched} was not compiled (see cmake/flashinfer_moe.cmake)\");\n}\n")
             math(EXPR _n_stubbed "${_n_stubbed} + 1")
           endif()
         endforeach()
       endforeach()
     endforeach()
-  endforeach()
+    set(_per_tu_auto 1)  # ~3-4 min per instantiation on one core: one per TU
+  else()
+    set(_inl "moe_gemm_tma_ws_launcher.inl")
+    set(_inst_prefix "INSTANTIATE_TMA_WARP_SPECIALIZED_MOE_GEMM(Sm90, ${_T}, ${_W}, ${_O}, void, EpilogueOpDefault")
+    set(_spec_prefix "template <> void tma_warp_specialized_generic_moe_gemm_kernelLauncher<cutlass::arch::Sm90, ${_T}, ${_W}, ${_O}, void, tensorrt_llm::cutlass_extensions::EpilogueOpDefault")
+    foreach(_fusion NONE FINALIZE)
+      foreach(_tile ${_all_tiles})
+        string(REPLACE "x" ";" _mn "${_tile}")
+        list(GET _mn 0 _tm)
+        list(GET _mn 1 _tn)
+        foreach(_cl "1x1x1" "2x1x1" "1x2x1" "2x2x1")
+          string(REPLACE "x" ";" _c "${_cl}")
+          list(GET _c 0 _cm)
+          list(GET _c 1 _cn)
+          if((_cn EQUAL 2) AND (_tn LESS 128))
+            continue()  # the dispatcher never reaches it (are_tile_shapes_supported)
+          endif()
+          foreach(_swap false true)
+            set(_want TRUE)
+            if(NOT _tile IN_LIST _tiles OR NOT _cl IN_LIST _clusters)
+              set(_want FALSE)
+            endif()
+            if(_fusion STREQUAL "FINALIZE" AND NOT JAX_MOE_FI_SM90_FINALIZE)
+              set(_want FALSE)
+            endif()
+            if(_swap STREQUAL "true" AND NOT JAX_MOE_FI_SM90_SWAP_AB)
+              set(_want FALSE)
+            endif()
+            if(_want)
+              list(APPEND _insts
+                "${_inst_prefix}, ${_fusion}, ${_tm}, ${_tn}, ${_K}, ${_cm}, ${_cn}, 1, false, false, false, ${_swap})")
+              set(_fz 0)
+              if(_fusion STREQUAL "FINALIZE")
+                set(_fz 1)
+              endif()
+              set(_sw 0)
+              if(_swap STREQUAL "true")
+                set(_sw 1)
+              endif()
+              string(APPEND _compiled_rows "    {${_id}, ${_tm}, ${_tn}, 128, ${_cm}, ${_cn}, ${_fz}, ${_sw}, -1},\n")
+            else()
+              string(APPEND _stub_body
+                "${_spec_prefix}, TmaWarpSpecializedGroupedGemmInput::EpilogueFusion::${_fusion}, cute::Shape<cute::Int<${_tm}>, cute::Int<${_tn}>, cute::Int<${_K}>>, cute::Shape<cute::Int<${_cm}>, cute::Int<${_cn}>, cute::Int<1>>, false, false, false, ${_swap}>${_spec_args} {\n  TLLM_THROW(\"jax_moe: SM90 ${_s} MoE GEMM ${_fusion} ${_tm}x${_tn}x${_K} cluster ${_cl} swap_ab=${_swap} was not compiled (see cmake/flashinfer_moe.cmake)\");\n}\n")
+              math(EXPR _n_stubbed "${_n_stubbed} + 1")
+            endif()
+          endforeach()
+        endforeach()
+      endforeach()
+    endforeach()
+    # Header parsing dominates (~1 min per TU, ~10 s per extra instantiation on one core), so
+    # group the instantiations into about 12 TUs per scheme: enough to keep 16 cores busy.
+    list(LENGTH _insts _n)
+    math(EXPR _per_tu_auto "(${_n} + 11) / 12")
+  endif()
   list(LENGTH _insts _n_compiled)
   if(_n_compiled EQUAL 0)
     message(FATAL_ERROR "jax_moe: the JAX_MOE_FI_SM90_* selection compiles no ${_s} MoE GEMM at all")
   endif()
   math(EXPR _n_compiled_all "${_n_compiled_all} + ${_n_compiled}")
-  # Header parsing dominates (~1 min per TU, ~10 s per extra instantiation on one core), so group
-  # the instantiations into about 12 TUs per scheme: enough to keep 16 cores busy.
   if(JAX_MOE_FI_INSTS_PER_TU STREQUAL "auto")
-    math(EXPR _per_tu "(${_n_compiled} + 11) / 12")
+    set(_per_tu "${_per_tu_auto}")
   else()
     set(_per_tu "${JAX_MOE_FI_INSTS_PER_TU}")
   endif()
@@ -377,7 +502,7 @@ foreach(_s ${JAX_MOE_FI_SCHEMES})
       set(_f "${_gen}/sm90_${_s}_moe_gemm_${_tu_idx}.cu")
       file(CONFIGURE OUTPUT "${_f}" CONTENT
 "// Generated by cmake/flashinfer_moe.cmake -- do not edit.
-#include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/moe_gemm_tma_ws_launcher.inl\"
+#include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/${_inl}\"
 namespace tensorrt_llm::kernels::cutlass_kernels_oss {
 ${_pending}}
 " @ONLY)
@@ -445,6 +570,24 @@ ${_sm80_body}}
   set(_sm80_body "")
 endif()
 
+set(_mixed_include "")
+set(_awq_stub "")
+if("mxfp4" IN_LIST JAX_MOE_FI_SCHEMES)
+  set(_mixed_include "#include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/moe_gemm_tma_ws_mixed_input_launcher.h\"
+#include \"tensorrt_llm/kernels/preQuantScaleKernel.h\"
+#include \"cutlass/gemm/dispatch_policy.hpp\"
+#include \"cutlass/epilogue/dispatch_policy.hpp\"\n")
+  # The <bf16, Fp4Type> runner names AWQ's pre-quant scale kernel (applyPrequantScale), reached
+  # only with activation pre-quant scales, which W4A16 MXFP4 never has (preQuantScaleKernel.cu
+  # is not compiled).
+  set(_awq_stub "template <>
+void apply_per_channel_scale_kernel_launcher<__nv_bfloat16, __nv_bfloat16>(__nv_bfloat16*, __nv_bfloat16 const*,
+                                                                         __nv_bfloat16 const*, int, int,
+                                                                         int64_t const*, cudaStream_t) {
+  TLLM_THROW(\"jax_moe: AWQ pre-quant activation scales are not supported by this build\");
+}
+")
+endif()
 file(CONFIGURE OUTPUT "${_gen}/stubs.cu" CONTENT
 "// Generated by cmake/flashinfer_moe.cmake -- do not edit.
 // Throwing definitions for kernels the runner's dispatch can name but this build does not compile,
@@ -454,7 +597,7 @@ file(CONFIGURE OUTPUT "${_gen}/stubs.cu" CONTENT
 #include \"tensorrt_llm/kernels/cutlass_kernels/include/moe_kernels.h\"
 #include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/moe_gemm_tma_ws_launcher.h\"
 #include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/fused_moe_gemm_launcher_sm80.h\"
-#include \"cutlass/arch/arch.h\"
+${_mixed_include}#include \"cutlass/arch/arch.h\"
 #include \"cutlass_extensions/epilogue_helpers.h\"
 
 namespace tensorrt_llm::kernels {
@@ -462,7 +605,7 @@ int Lora_run(LoraImpl*, int64_t, int64_t, void const*, int32_t const*, void cons
              void* const*, void*, cudaStream_t) {
   TLLM_THROW(\"jax_moe: LoRA is not supported by this build of the FlashInfer CUTLASS MoE runner\");
 }
-}  // namespace tensorrt_llm::kernels
+${_awq_stub}}  // namespace tensorrt_llm::kernels
 
 namespace tensorrt_llm::kernels::cutlass_kernels_oss {
 ${_stub_body}${_sm80_body}}
@@ -476,11 +619,13 @@ else()
 endif()
 file(CONFIGURE OUTPUT "${_gen}/jax_moe_fi_kernels.h" CONTENT
 "// Generated by cmake/flashinfer_moe.cmake -- do not edit.
-// The SM90 MoE GEMM tactics compiled into this build: scheme id (0 bf16, 1 fp8), tile M, N (K is
-// 128 bytes), cluster M, N, finalize fusion, swap_ab. The handler only selects tactics listed here.
+// The SM90 MoE GEMM tactics compiled into this build: scheme id (0 bf16, 1 fp8, 2 mxfp4), tile
+// M, N, K (as in CutlassTileConfigSM90's names), cluster M, N, finalize fusion, swap_ab, and the
+// MainloopScheduleType value the kernel was compiled for (-1: any; the mixed-input dispatcher
+// selects by schedule). The handler only selects tactics listed here.
 #pragma once
 namespace jax_moe_fi {
-struct CompiledSm90Tactic { int scheme, tile_m, tile_n, cluster_m, cluster_n, finalize, swap_ab; };
+struct CompiledSm90Tactic { int scheme, tile_m, tile_n, tile_k, cluster_m, cluster_n, finalize, swap_ab, mainloop; };
 inline constexpr CompiledSm90Tactic kCompiledSm90Tactics[] = {
 ${_compiled_rows}};
 inline constexpr bool kSm80FusedCompiled = ${_sm80_flag};

@@ -1,12 +1,16 @@
 // XLA FFI handlers for FlashInfer's CUTLASS fused-MoE runner (TensorRT-LLM CutlassMoeFCRunner),
 // SM90, one per quant scheme compiled in (JAX_MOE_FI_WITH_<SCHEME>, see cmake/flashinfer_moe.cmake):
 //
-//   jax_moe_flashinfer_cutlass_moe      BF16 activations x BF16 weights -> BF16
-//   jax_moe_flashinfer_cutlass_moe_fp8  FP8 E4M3 activations (quantized by the caller with a
-//                                       per-tensor scale) x FP8 E4M3 weights (per-tensor or
-//                                       per-expert scale) -> BF16
+//   jax_moe_flashinfer_cutlass_moe        BF16 activations x BF16 weights -> BF16
+//   jax_moe_flashinfer_cutlass_moe_fp8    FP8 E4M3 activations (quantized by the caller with a
+//                                         per-tensor scale) x FP8 E4M3 weights (per-tensor or
+//                                         per-expert scale) -> BF16
+//   jax_moe_flashinfer_cutlass_moe_mxfp4  BF16 activations x MXFP4 weights (W4A16, GPT-OSS; the
+//                                         SM90 mixed-input GEMMs) -> BF16
 //
-// Operands (all row-major; "F" is bf16 or float8_e4m3fn by scheme):
+// Operands (all row-major; "F" is bf16 or float8_e4m3fn by scheme; for mxfp4 the weights are
+// uint8 [.., K/2] (two E2M1 codes per byte) in the mixed-input GEMM's interleaved byte order, see
+// jax_moe/layouts/mixed_gemm.py, and H, I are the padded sizes):
 //   x            [T, H]        F
 //   w13          [E, 2I, H]    F     for gated activations, [E, I, H] otherwise. For gated
 //                                    activations the runner reads rows [0, I) as the linear
@@ -27,8 +31,13 @@
 //   g1_alphas    [E]           float32  w13_scale[e] * a13_scale: dequantizes GEMM1's accumulator
 //   a2_gscale    [] or [E]     float32  1 / a2_scale: quantizes the activation output to FP8
 //   g2_alphas    [E]           float32  w2_scale[e] * a2_scale: dequantizes GEMM2's accumulator
+//   mxfp4 only (E8M0 bytes, one per 32 weights along K, folded per 64 rows x 128 K):
+//   w13_scale    [E, 2I/64, H/128, 16, 16]  uint8
+//   w2_scale     [E, H/64, I/128, 16, 16]   uint8
 // Results:
-//   out          [T, H]        bf16   sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])
+//   out          [T, Hu]       bf16   sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]),
+//                                     its first Hu <= H columns (Hu % 8 == 0): the runner's
+//                                     unpadded hidden size, for weights padded along H
 //   workspace    [W]           uint8  W = WorkspaceSize(T, H, I, E, k, activation, scheme)
 // Attributes:
 //   activation    int64  TRT-LLM ActivationType (Swiglu 3, Geglu 4, SwigluBias 5, Relu2 6, ...)
@@ -81,16 +90,26 @@ namespace tk = tensorrt_llm::kernels::cutlass_kernels;
 namespace ce = tensorrt_llm::cutlass_extensions;
 
 // The runner classes are instantiated in the generated runner.cu.
+// kPack: weight elements per stored element along K (the runner's mInnerDimMultiplier).
 struct Bf16Scheme {
   static constexpr int kId = 0;
   static constexpr char const* kName = "bf16";
+  static constexpr int kPack = 1;
   using Runner = tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;
 };
 struct Fp8Scheme {
   static constexpr int kId = 1;
   static constexpr char const* kName = "fp8";
+  static constexpr int kPack = 1;
   using Runner = tk::CutlassMoeFCRunner<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16,
                                         __nv_fp8_e4m3, __nv_bfloat16>;
+};
+// FlashInfer's isWFP4A16Quant runner: bf16 activations and output, E2M1 weights two per byte.
+struct Mxfp4Scheme {
+  static constexpr int kId = 2;
+  static constexpr char const* kName = "mxfp4";
+  static constexpr int kPack = 2;
+  using Runner = tk::CutlassMoeFCRunner<__nv_bfloat16, tk::Fp4Type>;
 };
 #if JAX_MOE_FI_WITH_BF16
 extern template class tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;
@@ -98,6 +117,9 @@ extern template class tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;
 #if JAX_MOE_FI_WITH_FP8
 extern template class tk::CutlassMoeFCRunner<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16,
                                              __nv_fp8_e4m3, __nv_bfloat16>;
+#endif
+#if JAX_MOE_FI_WITH_MXFP4
+extern template class tk::CutlassMoeFCRunner<__nv_bfloat16, tk::Fp4Type>;
 #endif
 
 namespace jax_moe_fi {
@@ -118,13 +140,15 @@ bool AnyFinalizeCompiled(int scheme) {
 bool IsCompiled(int scheme, Config const& c) {
   if (!c.is_tma_warp_specialized) return scheme == Bf16Scheme::kId && kSm80FusedCompiled && c.sm_version < 90;
   if (c.sm_version != 90) return false;
-  auto const [tm, tn, tk_bytes] = ce::enum_to_shape_tuple(c.tile_config_sm90);
+  auto const [tm, tn, tile_k] = ce::enum_to_shape_tuple(c.tile_config_sm90);
   auto const [cm, cn, ck] = ce::enum_to_shape_tuple(c.cluster_shape);
   int const fin = c.epilogue_fusion_type == Config::EpilogueFusionType::FINALIZE ? 1 : 0;
-  if (tk_bytes != 128 || ck != 1) return false;
+  if (ck != 1) return false;
   for (auto const& t : kCompiledSm90Tactics) {
-    if (t.scheme == scheme && t.tile_m == tm && t.tile_n == tn && t.cluster_m == cm && t.cluster_n == cn &&
-        t.finalize == fin && t.swap_ab == (c.swap_ab ? 1 : 0))
+    if (t.scheme == scheme && t.tile_m == tm && t.tile_n == tn && t.tile_k == tile_k &&
+        t.cluster_m == cm && t.cluster_n == cn && t.finalize == fin &&
+        t.swap_ab == (c.swap_ab ? 1 : 0) &&
+        (t.mainloop < 0 || t.mainloop == static_cast<int>(c.mainloop_schedule)))
       return true;
   }
   return false;
@@ -308,9 +332,12 @@ std::string DescribeTactic(int scheme, Config const& c) {
     auto const [tm, tn, tkb] = ce::enum_to_shape_tuple(c.tile_config_sm90);
     auto const [cm, cn, ck] = ce::enum_to_shape_tuple(c.cluster_shape);
     bool const fin = c.epilogue_fusion_type == Config::EpilogueFusionType::FINALIZE;
-    std::snprintf(buf, sizeof(buf), "sm%d tma_ws tile=%dx%dx%dB cluster=%dx%dx%d fusion=%s swap_ab=%d%s",
+    bool const auto_sched = c.mainloop_schedule == ce::MainloopScheduleType::AUTO;
+    std::snprintf(buf, sizeof(buf), "sm%d tma_ws tile=%dx%dx%dB cluster=%dx%dx%d fusion=%s swap_ab=%d%s%s%s",
                   c.sm_version, tm, tn, tkb, cm, cn, ck, fin ? "finalize" : "none",
-                  c.swap_ab ? 1 : 0, IsCompiled(scheme, c) ? "" : " (not compiled)");
+                  c.swap_ab ? 1 : 0, auto_sched ? "" : " mainloop=",
+                  auto_sched ? "" : ce::get_mainloop_schedule_name(c.mainloop_schedule),
+                  IsCompiled(scheme, c) ? "" : " (not compiled)");
   } else {
     std::snprintf(buf, sizeof(buf), "sm80 tile_id=%d stages=%d%s",
                   static_cast<int>(c.tile_config_sm80), c.stages,
@@ -341,19 +368,24 @@ ffi::Error RunMoe(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::An
   if (xd.size() != 2 || w13d.size() != 3 || w2d.size() != 3 || idd.size() != 2 ||
       twd.size() != 2 || od.size() != 2 || workspace->dimensions().size() != 1)
     return bad("expected x [T,H], w13 [E,N,H], w2 [E,H,I], topk_ids/topk_weights [T,k], "
-               "out [T,H], workspace [W]");
+               "out [T,Hu], workspace [W]");
   if (!IsSupportedActivation(activation))
     return bad("unsupported activation type " + std::to_string(activation));
   auto const act = static_cast<tk::ActivationType>(activation);
   int64_t const t = xd[0], h = xd[1];
-  int64_t const e = w2d[0], i = w2d[2];
+  int64_t const e = w2d[0], i = w2d[2] * S::kPack;  // K axes hold kPack weights per element
   int64_t const k = idd[1];
   int64_t const n1 = IsGated(act) ? 2 * i : i;
-  if (w13d[0] != e || w13d[1] != n1 || w13d[2] != h)
-    return bad("w13 must be [E, " + std::string(IsGated(act) ? "2I" : "I") + ", H]");
-  if (w2d[1] != h) return bad("w2 must be [E, H, I]");
+  std::string const packed = S::kPack == 1 ? "" : "/" + std::to_string(S::kPack);
+  if (w13d[0] != e || w13d[1] != n1 || w13d[2] * S::kPack != h)
+    return bad("w13 must be [E, " + std::string(IsGated(act) ? "2I" : "I") + ", H" + packed + "]");
+  if (w2d[1] != h) return bad("w2 must be [E, H, I" + packed + "]");
   if (idd[0] != t || twd[0] != t || twd[1] != k) return bad("topk_ids/topk_weights must be [T,k]");
-  if (od[0] != t || od[1] != h) return bad("out must be [T, H]");
+  // The runner writes the first Hu columns of each row (its unpadded hidden size), 16 bytes at a
+  // time (finalizeMoeRoutingKernel).
+  int64_t const hu = od[1];
+  if (od[0] != t || hu < 1 || hu > h || hu % 8 != 0)
+    return bad("out must be [T, Hu] with Hu <= H and Hu a multiple of 8");
   if (h % align != 0 || i % align != 0)
     return bad("H and I must be multiples of " + std::to_string(align) + " (TMA alignment)");
   // Optional operands: an empty buffer means "none".
@@ -403,7 +435,7 @@ ffi::Error RunMoe(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::An
     r.runMoe(x.untyped_data(), /*input_sf=*/nullptr, /*swizzled_input_sf=*/false,
              topk_ids.typed_data(), topk_weights.typed_data(), w13.untyped_data(),
              has_b13 ? w13_bias.untyped_data() : nullptr, act_params, w2.untyped_data(),
-             has_b2 ? w2_bias.untyped_data() : nullptr, quant, t, h, /*unpadded_hidden_size=*/h, i,
+             has_b2 ? w2_bias.untyped_data() : nullptr, quant, t, h, /*unpadded_hidden_size=*/hu, i,
              static_cast<int>(e), static_cast<int>(k), ws, out->untyped_data(),
              reinterpret_cast<int*>(ws + AlignUp(moe_ws)), tk::MOEParallelismConfig{},
              /*enable_alltoall=*/false, /*use_lora=*/false, lora,
@@ -478,6 +510,54 @@ ffi::Error Fp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::A
 #endif
 }
 
+// The E8M0 weight scales of the mixed-input GEMM: one byte per 32 weights along K, folded per
+// block of 64 rows x 128 K into 16 lines of 16 bytes (jax_moe/layouts/mixed_gemm.py,
+// interleave_scales_for_sm90_mixed_gemm; FlashInfer's interleave_moe_scales_for_sm90_mixed_gemm).
+constexpr int64_t kMxScaleBlock = 32;       // weights per E8M0 scale (QuantParams group size)
+constexpr int64_t kMixedScaleRows = 64;     // rows per folded scale block
+constexpr int64_t kMixedScaleK = 128;       // K (weights) per folded scale block
+constexpr int64_t kMixedScaleLine = 16;     // bytes per line of a folded block
+
+ffi::Error Mxfp4Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w13,
+                     ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> topk_ids,
+                     ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::U8> w13_scale,
+                     ffi::Buffer<ffi::U8> w2_scale, ffi::AnyBuffer w13_bias, ffi::AnyBuffer w2_bias,
+                     ffi::Buffer<ffi::F32> swiglu, ffi::Result<ffi::AnyBuffer> out,
+                     ffi::ResultBuffer<ffi::U8> workspace, int64_t activation, int64_t gemm1_tactic,
+                     int64_t gemm2_tactic) {
+#if JAX_MOE_FI_WITH_MXFP4
+  auto bad = [](std::string const& m) {
+    return ffi::Error::InvalidArgument("jax_moe flashinfer_cutlass_moe (mxfp4): " + m);
+  };
+  if (x.element_type() != ffi::DataType::BF16 || out->element_type() != ffi::DataType::BF16)
+    return bad("x and out must be bfloat16");
+  if (w13.element_type() != ffi::DataType::U8 || w2.element_type() != ffi::DataType::U8)
+    return bad("w13 and w2 must be uint8 (two E2M1 codes per byte)");
+  // The scale shapes; RunMoe checks the weights' against x and each other.
+  auto w13d = w13.dimensions();
+  auto w2d = w2.dimensions();
+  if (w13d.size() != 3 || w2d.size() != 3) return bad("w13 and w2 must have rank 3");
+  int64_t const e = w2d[0], h = w2d[1], k2 = w2d[2] * Mxfp4Scheme::kPack;
+  int64_t const n1 = w13d[1], k1 = w13d[2] * Mxfp4Scheme::kPack;
+  auto is_folded = [](ffi::Buffer<ffi::U8> const& s, int64_t e, int64_t rows, int64_t kk) {
+    auto d = s.dimensions();
+    return d.size() == 5 && d[0] == e && d[1] * kMixedScaleRows == rows &&
+           d[2] * kMixedScaleK == kk && d[3] == kMixedScaleLine && d[4] == kMixedScaleLine;
+  };
+  if (!is_folded(w13_scale, e, n1, k1))
+    return bad("w13_scale must be uint8 [E, N1/64, H/128, 16, 16] for w13 [E, N1, H/2]");
+  if (!is_folded(w2_scale, e, h, k2))
+    return bad("w2_scale must be uint8 [E, H/64, I/128, 16, 16] for w2 [E, H, I/2]");
+  auto const quant = tk::QuantParams::GroupWise(static_cast<int>(kMxScaleBlock),
+                                                w13_scale.untyped_data(), w2_scale.untyped_data());
+  return RunMoe<Mxfp4Scheme>(stream, device, x, w13, w2, topk_ids, topk_weights, w13_bias, w2_bias,
+                             swiglu, out, workspace, activation, gemm1_tactic, gemm2_tactic, quant,
+                             kMixedScaleK);
+#else
+  return NotCompiled("mxfp4");
+#endif
+}
+
 // Runs `f(DeviceState<S>&)` for the scheme with id `scheme`.
 template <typename F>
 auto WithState(int scheme, int device, F&& f) {
@@ -487,6 +567,9 @@ auto WithState(int scheme, int device, F&& f) {
 #endif
 #if JAX_MOE_FI_WITH_FP8
   if (scheme == Fp8Scheme::kId) return f(GetState<Fp8Scheme>(device), Fp8Scheme::kId);
+#endif
+#if JAX_MOE_FI_WITH_MXFP4
+  if (scheme == Mxfp4Scheme::kId) return f(GetState<Mxfp4Scheme>(device), Mxfp4Scheme::kId);
 #endif
   throw std::invalid_argument("scheme " + std::to_string(scheme) + " is not compiled into this build");
 }
@@ -503,6 +586,9 @@ int CompiledSchemes() {
 #endif
 #if JAX_MOE_FI_WITH_FP8
   m |= 1 << Fp8Scheme::kId;
+#endif
+#if JAX_MOE_FI_WITH_MXFP4
+  m |= 1 << Mxfp4Scheme::kId;
 #endif
   return m;
 }
@@ -603,6 +689,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFlashinferCutlassMoeFp8, jax_moe_fi::Fp8Impl
                                   .Arg<ffi::AnyBuffer>()          // w2_bias [E,H] or [0]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // swiglu [3,E] or [0]
                                   .Ret<ffi::AnyBuffer>()          // out (bf16)
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                                  .Attr<int64_t>("activation")
+                                  .Attr<int64_t>("gemm1_tactic")
+                                  .Attr<int64_t>("gemm2_tactic"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFlashinferCutlassMoeMxfp4, jax_moe_fi::Mxfp4Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()          // x (bf16) [T, H]
+                                  .Arg<ffi::AnyBuffer>()          // w13 (uint8) [E, 2I, H/2]
+                                  .Arg<ffi::AnyBuffer>()          // w2 (uint8) [E, H, I/2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // w13_scale [E, 2I/64, H/128, 16, 16]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // w2_scale [E, H/64, I/128, 16, 16]
+                                  .Arg<ffi::AnyBuffer>()          // w13_bias [E,2I] or [0]
+                                  .Arg<ffi::AnyBuffer>()          // w2_bias [E,H] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // swiglu [3,E] or [0]
+                                  .Ret<ffi::AnyBuffer>()          // out (bf16) [T, Hu]
                                   .Ret<ffi::Buffer<ffi::U8>>()    // workspace
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("gemm1_tactic")

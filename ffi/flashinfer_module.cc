@@ -1,7 +1,7 @@
 // nanobind module jax_moe._jax_moe_flashinfer: exports the XLA FFI handlers of FlashInfer's CUTLASS
 // fused-MoE runner and the host-side queries the Python wrapper needs at trace time (workspace
 // size, tactic lists). Both live in libjax_moe_fi.so (ffi/flashinfer_cutlass_moe.cu), which this
-// module links; scheme ids: 0 bf16, 1 fp8.
+// module links; scheme ids: 0 bf16, 1 fp8, 2 mxfp4.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
@@ -28,6 +28,7 @@ struct XLA_FFI_CallFrame;
 struct XLA_FFI_Error;
 extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoe(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeFp8(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeMxfp4(XLA_FFI_CallFrame* call_frame);
 
 namespace jax_moe_fi {
 int CompiledSchemes();
@@ -54,7 +55,7 @@ void SegvTrace(int sig) {
 
 NB_MODULE(_jax_moe_flashinfer, m) {
   if (std::getenv("JAX_MOE_FI_SEGV_TRACE")) signal(SIGSEGV, SegvTrace);
-  m.doc() = "FlashInfer CUTLASS fused-MoE (SM90; bf16, fp8) as XLA FFI custom calls";
+  m.doc() = "FlashInfer CUTLASS fused-MoE (SM90; bf16, fp8, mxfp4) as XLA FFI custom calls";
 
   m.def("registrations", []() {
     nb::dict d;
@@ -62,11 +63,13 @@ NB_MODULE(_jax_moe_flashinfer, m) {
         nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoe));
     d["jax_moe_flashinfer_cutlass_moe_fp8"] =
         nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeFp8));
+    d["jax_moe_flashinfer_cutlass_moe_mxfp4"] =
+        nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeMxfp4));
     return d;
   }, "FFI target name -> handler capsule (api_version=1, platform CUDA).");
 
   m.def("compiled_schemes", &jax_moe_fi::CompiledSchemes,
-        "Bit mask of the quant schemes compiled in: 1 << 0 bf16, 1 << 1 fp8.");
+        "Bit mask of the quant schemes compiled in: 1 << 0 bf16, 1 << 1 fp8, 1 << 2 mxfp4.");
 
   m.def("workspace_size", &jax_moe_fi::WorkspaceSize, nb::arg("num_tokens"), nb::arg("hidden"),
         nb::arg("inter"), nb::arg("num_experts"), nb::arg("top_k"), nb::arg("activation"),

@@ -408,6 +408,9 @@ def shard_prepared(w13, w2, pcfg: ParallelConfig, *, backend: str = "flashinfer_
     from jax_moe.layouts.common import round_up
 
     mod = oracle.module(backend)
+    if quant is not None and quant.packed:
+        raise ValueError(f"shard_prepared: packed 4-bit weights (scheme {quant.scheme!r}) are not wired up for "
+                         "parallel prepared weights yet (their block scales have no tp split, and K is packed)")
     e, rows, h = w13.shape
     ep, tp = pcfg.size(pcfg.ep_axis), pcfg.size(pcfg.tp_axis)
     placed = shard_weights(w13, w2, pcfg, activation=activation, gate_up_layout=gate_up_layout,

@@ -47,15 +47,16 @@ from jax_moe import fused_experts
 from jax_moe.quant.scheme import quantize_weights
 rng = np.random.default_rng({seed})
 {cases_code}
-for t, k, w13, w2, quant in cases:
-    e, h = w13.shape[0], w13.shape[2]
-    f = jax.jit(lambda x, tw, ids: fused_experts(x, w13, w2, tw, ids, quant=quant, backend={backend!r}))
+for t, k, w13, w2, opt in cases:
+    kw = opt if isinstance(opt, dict) else dict(quant=opt)
+    e, h = w2.shape[0], w2.shape[1]
+    f = jax.jit(lambda x, tw, ids: fused_experts(x, w13, w2, tw, ids, backend={backend!r}, **kw))
     for _ in range(3):
         x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
         ids = jnp.asarray(np.argsort(-rng.standard_normal((t, e)), axis=1)[:, :k], jnp.int32)
         tw = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
         out = np.asarray(f(x, tw, ids), np.float32)
-        ref = np.asarray(fused_experts(x, w13, w2, tw, ids, quant=quant, backend="xla"), np.float32)
+        ref = np.asarray(fused_experts(x, w13, w2, tw, ids, backend="xla", **kw), np.float32)
         err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
         assert np.isfinite(out).all() and err < {tol}, err
 print("OK", len(cases))
@@ -67,7 +68,8 @@ def command_buffer_check():
     """``check(backend, cases_code, tol)``: in a fresh process with XLA's command buffers forced on
     (custom calls included), ``fused_experts(..., backend=backend)`` under ``jax.jit`` on fresh
     inputs, three rounds per case, against ``backend="xla"`` within relative error ``tol``.
-    ``cases_code`` is Python that defines ``cases``, a list of ``(T, k, w13, w2, quant)`` (it may use
+    ``cases_code`` is Python that defines ``cases``, a list of ``(T, k, w13, w2, quant)``, where
+    ``quant`` may also be a dict of ``fused_experts`` keyword arguments (it may use
     ``rng``, ``np``, ``jnp`` and ``quantize_weights``). Returns the number of cases run."""
     import subprocess
     import sys

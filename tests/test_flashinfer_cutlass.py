@@ -359,6 +359,18 @@ def test_fp8_dynamic_input_scale_and_other_activations(rng, activation):
     assert _rel_err(out, ref) < FP8_REL_TOL
 
 
+def _compiled_tactic_errors(x, prep, tw, ids, ref) -> dict:
+    """{"gemm<id> <tactic>": relative error vs ``ref``} for each compiled tactic of ``prep``'s
+    scheme, GEMM1's with GEMM2 on the built-in choice and the other way round."""
+    errors = {}
+    for gemm_id in (1, 2):
+        for idx, desc, ok in fic.tactics(gemm_id, prep.scheme):
+            if ok:
+                kw = {"gemm1_tactic": idx} if gemm_id == 1 else {"gemm2_tactic": idx}
+                errors[f"gemm{gemm_id} {desc}"] = _rel_err(fic.apply_prepared(x, prep, tw, ids, **kw), ref)
+    return errors
+
+
 @pytest.mark.gpu
 def test_fp8_every_compiled_tactic(rng):
     _skip_unless_available()
@@ -370,12 +382,7 @@ def test_fp8_every_compiled_tactic(rng):
     x, q13, q2, tw, ids, quant = _fp8_problem(rng, t, e, k, h, i)
     prep = fic.prepare(q13, q2, _cfg(e, k, h, i), quant)
     ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla")
-    errors = {}
-    for gemm_id in (1, 2):
-        for idx, desc, ok in fic.tactics(gemm_id, "fp8"):
-            if ok:
-                kw = {"gemm1_tactic": idx} if gemm_id == 1 else {"gemm2_tactic": idx}
-                errors[f"gemm{gemm_id} {desc}"] = _rel_err(fic.apply_prepared(x, prep, tw, ids, **kw), ref)
+    errors = _compiled_tactic_errors(x, prep, tw, ids, ref)
     assert errors
     bad = {d: err for d, err in errors.items() if not err < FP8_REL_TOL}
     assert not bad, bad
@@ -383,8 +390,9 @@ def test_fp8_every_compiled_tactic(rng):
 
 @pytest.mark.gpu
 def test_under_command_buffers(command_buffer_check):
-    """Both handlers declare command-buffer compatibility: run them with XLA's command buffers
-    forced on, fresh inputs each round, against the xla backend."""
+    """Every handler declares command-buffer compatibility: run each compiled scheme (mxfp4 as
+    GPT-OSS's swigluoai with interleaved rows and a bias) with XLA's command buffers forced on,
+    fresh inputs each round, against the xla backend."""
     _skip_unless_available()
     command_buffer_check("flashinfer_cutlass", """
         from jax_moe.backends import flashinfer_cutlass as fic
@@ -392,7 +400,12 @@ def test_under_command_buffers(command_buffer_check):
         w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)
         w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
         q13, q2, quant = quantize_weights("fp8", w13, w2, a2_scale=0.01)
-        cases = [(t, k, w13, w2, None)] + ([(t, k, q13, q2, quant)] if "fp8" in fic.compiled_schemes() else [])
+        m13, m2, mquant = quantize_weights("mxfp4", w13, w2)
+        b13 = jnp.asarray(rng.standard_normal((e, 2 * i)), jnp.float32)
+        mxfp4 = dict(quant=mquant, activation="swigluoai", gate_up_layout="interleaved", w13_bias=b13)
+        have = fic.compiled_schemes()
+        cases = [(t, k, w13, w2, None)] + ([(t, k, q13, q2, quant)] if "fp8" in have else []) \
+            + ([(t, k, m13, m2, mxfp4)] if "mxfp4" in have else [])
     """, 5e-2)
 
 
@@ -415,3 +428,207 @@ def test_autotuned_tactics_are_compiled_cached_and_correct(rng, tmp_path, monkey
     compiled1 = {idx for idx, _, ok in fic.tactics(1) if ok}
     compiled2 = {idx for idx, _, ok in fic.tactics(2) if ok}
     assert pick[0] in compiled1 and pick[1] in compiled2
+
+
+# ----------------------------------------------------------------------------- MXFP4 W4A16
+
+
+def _mxfp4_problem(rng, t, e, k, h, i, activation="silu", *, gpt_oss=False):
+    """bf16 tokens and MXFP4-quantized weights (act bf16). ``gpt_oss``: swigluoai with
+    interleaved gate/up rows, biases on both GEMMs and pre-activations large enough that its
+    clamps bite (as :func:`_gpt_oss_problem`). Returns x, q13, q2, tw, ids and fused_experts'
+    keyword arguments (quant included)."""
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    n1 = 2 * i if fic.GATED[activation] else i
+    w13 = jnp.asarray((4 if gpt_oss else 1) * rng.standard_normal((e, n1, h)) / np.sqrt(h), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.float32)
+    q13, q2, quant = quantize_weights("mxfp4", w13, w2)
+    tw, ids = _routing(rng, t, e, k)
+    kw = dict(activation=activation, quant=quant)
+    if gpt_oss:
+        kw.update(activation="swigluoai", gate_up_layout="interleaved",
+                  w13_bias=jnp.asarray(rng.standard_normal((e, n1)), jnp.bfloat16).astype(jnp.float32),
+                  w2_bias=jnp.asarray(0.3 * rng.standard_normal((e, h)), jnp.bfloat16).astype(jnp.float32))
+    return x, q13, q2, tw, ids, kw
+
+
+def _mxfp4_cfg(e, k, h, i, kw):
+    return MoEConfig(e, k, h, i, kw["activation"], kw.get("gate_up_layout", "concat"))
+
+
+def _decode_prepared_mxfp4(prep):
+    """The runner's operands back as float32 matrices, through the inverse layouts:
+    (w13 [E, 2Ip, Hp], w2 [E, Hp, Ip])."""
+    from jax_moe import layouts as L
+    from jax_moe.quant.fp4 import dequantize_mxfp4
+
+    out = []
+    for w, s in ((prep.w13, prep.w13_block_scale), (prep.w2, prep.w2_block_scale)):
+        out.append(np.asarray(dequantize_mxfp4(L.deinterleave_fp4_weights_for_sm90_mixed_gemm(w),
+                                               L.deinterleave_scales_for_sm90_mixed_gemm(s))))
+    return out
+
+
+def test_prepare_mxfp4_rows_padding_and_biases(rng):
+    """Written from prepare_mxfp4_weights' words: decoded, w13 is [up (I); 0; gate (I); 0] along
+    2Ip rows and zero past H; w2 is the checkpoint's, zero past H rows and I columns; the biases
+    follow the rows and are zero in the padding; (H, I) = (160, 96) pad to (256, 128)."""
+    from jax_moe.quant.scheme import dequantize_weights
+
+    e, h, i = 3, 160, 96
+    hp, ip = 256, 128
+    _, q13, q2, _, _, kw = _mxfp4_problem(rng, 1, e, 2, h, i, gpt_oss=True)
+    prep = fic.prepare(q13, q2, _mxfp4_cfg(e, 2, h, i, kw), kw["quant"], w13_bias=kw["w13_bias"],
+                       w2_bias=kw["w2_bias"])
+    assert prep.scheme == "mxfp4" and prep.w13.dtype == jnp.uint8
+    assert prep.w13.shape == (e, 2 * ip, hp // 2) and prep.w2.shape == (e, hp, ip // 2)
+    assert prep.w13_block_scale.shape == (e, 2 * ip // 64, hp // 128, 16, 16)
+    assert prep.w2_block_scale.shape == (e, hp // 64, ip // 128, 16, 16)
+    assert fic.problem_sizes(prep) == (e, hp, ip)
+    p13, p2 = _decode_prepared_mxfp4(prep)
+    d13, d2 = (np.asarray(a) for a in dequantize_weights(kw["quant"], q13, q2))
+    gate, up = d13[:, 0::2], d13[:, 1::2]  # GPT-OSS rows: gate_j at 2j, up_j at 2j + 1
+    want13 = np.zeros((e, 2 * ip, hp), np.float32)
+    want13[:, :i, :h], want13[:, ip:ip + i, :h] = up, gate
+    np.testing.assert_array_equal(p13, want13)
+    want2 = np.zeros((e, hp, ip), np.float32)
+    want2[:, :h, :i] = d2
+    np.testing.assert_array_equal(p2, want2)
+    b13, b2 = np.asarray(kw["w13_bias"]), np.asarray(kw["w2_bias"])
+    want_b13 = np.zeros((e, 2 * ip), np.float32)
+    want_b13[:, :i], want_b13[:, ip:ip + i] = b13[:, 1::2], b13[:, 0::2]
+    np.testing.assert_array_equal(np.asarray(prep.w13_bias, np.float32), want_b13)
+    want_b2 = np.zeros((e, hp), np.float32)
+    want_b2[:, :h] = b2
+    np.testing.assert_array_equal(np.asarray(prep.w2_bias, np.float32), want_b2)
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+def test_prepare_mxfp4_concat_and_not_gated(rng, activation):
+    """[gate; up] rows swap to [up; gate]; relu2's single block of I rows is padded at its end."""
+    from jax_moe.quant.scheme import dequantize_weights
+
+    e, h, i = 2, 128, 96
+    _, q13, q2, _, _, kw = _mxfp4_problem(rng, 1, e, 2, h, i, activation)
+    prep = fic.prepare(q13, q2, _mxfp4_cfg(e, 2, h, i, kw), kw["quant"])
+    p13, _ = _decode_prepared_mxfp4(prep)
+    d13 = np.asarray(dequantize_weights(kw["quant"], q13, q2)[0])
+    if activation == "silu":
+        np.testing.assert_array_equal(p13[:, :i], d13[:, i:])  # up
+        np.testing.assert_array_equal(p13[:, 128:128 + i], d13[:, :i])  # gate
+        assert not p13[:, i:128].any() and not p13[:, 128 + i:].any()
+    else:
+        assert p13.shape == (e, 128, h)
+        np.testing.assert_array_equal(p13[:, :i], d13)
+        assert not p13[:, i:].any()
+
+
+def test_prepare_mxfp4_emulated_runner_matches_xla(rng):
+    """The runner's arithmetic on the decoded operands (GEMM1 rows [up; gate] + bias, SwigluBias
+    min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + beta), GEMM2 + bias,
+    weighted sum, first H columns of x padded with zeros) equals the xla backend."""
+    from jax_moe import fused_experts
+
+    t, e, k, h, i = 9, 4, 2, 160, 96
+    x, q13, q2, tw, ids, kw = _mxfp4_problem(rng, t, e, k, h, i, gpt_oss=True)
+    prep = fic.prepare(q13, q2, _mxfp4_cfg(e, k, h, i, kw), kw["quant"], w13_bias=kw["w13_bias"],
+                       w2_bias=kw["w2_bias"])
+    p13, p2 = _decode_prepared_mxfp4(prep)
+    _, hp, ip = fic.problem_sizes(prep)
+    alpha, beta, limit = np.asarray(prep.swiglu)
+    xp = np.zeros((t, hp), np.float32)
+    xp[:, :h] = np.asarray(x, np.float32)
+    out = np.zeros((t, hp), np.float64)
+    b13, b2 = np.asarray(prep.w13_bias, np.float32), np.asarray(prep.w2_bias, np.float32)
+    for tt in range(t):
+        for j in range(k):
+            ex = int(ids[tt, j])
+            g1 = p13[ex] @ xp[tt] + b13[ex]
+            u, g = g1[:ip], g1[ip:]
+            g = np.minimum(g, limit[ex])
+            a = g / (1 + np.exp(-alpha[ex] * g)) * (np.clip(u, -limit[ex], limit[ex]) + beta[ex])
+            out[tt] += float(tw[tt, j]) * (p2[ex] @ a + b2[ex])
+    ref = fused_experts(x.astype(jnp.float32), q13, q2, tw, ids, backend="xla", **kw)
+    assert _rel_err(out[:, :h], ref) < 1e-5
+
+
+def test_mxfp4_refusals_and_shape_checks(rng):
+    e, h, i = 2, 256, 128
+    x, q13, q2, tw, ids, kw = _mxfp4_problem(rng, 3, e, 2, h, i)
+    cfg = _mxfp4_cfg(e, 2, h, i, kw)
+    ok, why = fic.supports(cfg, kw["quant"].replace(act="mxfp8"))
+    assert not ok and "bf16 activations" in why
+    with pytest.raises(ValueError, match="act='bf16'"):
+        fic.prepare(q13, q2, cfg, kw["quant"].replace(act="mxfp8"))
+    prep = fic.prepare(q13, q2, cfg, kw["quant"])
+    with pytest.raises(ValueError, match="shape mismatch"):  # x's H must pad to the weights' H
+        fic.apply_prepared(x[:, :128], prep, tw, ids)
+    import dataclasses
+
+    bad = dataclasses.replace(prep, w2_block_scale=prep.w2_block_scale[..., :8])
+    with pytest.raises(ValueError, match="w2_block_scale"):
+        fic.apply_prepared(x, bad, tw, ids)
+    with pytest.raises(ValueError, match="uint8"):
+        fic.prepare_mxfp4_weights(q13.astype(jnp.int8), kw["quant"].w13_scale, q2, kw["quant"].w2_scale)
+
+
+def _skip_unless_mxfp4():
+    _skip_unless_available()
+    if "mxfp4" not in fic.compiled_schemes():
+        pytest.skip("mxfp4 not compiled into this build (JAX_MOE_FI_SCHEMES)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "gpt_oss"])
+@pytest.mark.parametrize("e,k", [(8, 2), (128, 4)])
+@pytest.mark.parametrize("t", [1, 37, 300])
+def test_mxfp4_matches_xla_on_the_same_quantized_weights(rng, t, e, k, gpt_oss):
+    """W4A16 against backend="xla" with the same QuantConfig (the dequantized reference): silu
+    with [gate; up] rows, and GPT-OSS's swigluoai with biases and interleaved rows; through
+    fused_experts under jit, twice (no state leaks)."""
+    _skip_unless_mxfp4()
+    from jax_moe import fused_experts
+
+    x, q13, q2, tw, ids, kw = _mxfp4_problem(rng, t, e, k, 1024, 512, gpt_oss=gpt_oss)
+    f = jax.jit(lambda *a: fused_experts(*a, backend="flashinfer_cutlass", **kw))
+    out1, out2 = f(x, q13, q2, tw, ids), f(x, q13, q2, tw, ids)
+    ref = fused_experts(x, q13, q2, tw, ids, backend="xla", **kw)
+    assert out1.shape == (t, 1024) and np.isfinite(np.asarray(out1, np.float32)).all()
+    assert _rel_err(out1, ref) < REL_TOL
+    np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
+
+
+@pytest.mark.gpu
+def test_mxfp4_gpt_oss_shape_pads_h_and_i(rng):
+    """GPT-OSS's H = I = 2880 (not multiples of 128: padded to 2944, output [T, 2880]),
+    prepared once and applied under jit."""
+    _skip_unless_mxfp4()
+    from jax_moe import fused_experts
+
+    t, e, k, h, i = 37, 16, 4, 2880, 2880
+    x, q13, q2, tw, ids, kw = _mxfp4_problem(rng, t, e, k, h, i, gpt_oss=True)
+    prep = fic.prepare(q13, q2, _mxfp4_cfg(e, k, h, i, kw), kw["quant"], w13_bias=kw["w13_bias"],
+                       w2_bias=kw["w2_bias"])
+    assert fic.problem_sizes(prep) == (e, 2944, 2944)
+    out = jax.jit(fic.apply_prepared)(x, prep, tw, ids)
+    ref = fused_experts(x, q13, q2, tw, ids, backend="xla", **kw)
+    assert out.shape == (t, h)
+    assert _rel_err(out, ref) < REL_TOL
+
+
+@pytest.mark.gpu
+def test_mxfp4_every_compiled_tactic(rng):
+    """Each compiled mixed-input GEMM1 (resp. GEMM2) tactic, the other on the built-in choice."""
+    _skip_unless_mxfp4()
+    from jax_moe import fused_experts
+
+    t, e, k, h, i = 37, 8, 2, 1024, 512
+    x, q13, q2, tw, ids, kw = _mxfp4_problem(rng, t, e, k, h, i)
+    prep = fic.prepare(q13, q2, _mxfp4_cfg(e, k, h, i, kw), kw["quant"])
+    ref = fused_experts(x, q13, q2, tw, ids, backend="xla", **kw)
+    for gemm_id in (1, 2):  # the mixed-input GEMM: swap_ab only, never finalize-fused
+        assert all("swap_ab=1" in d and "fusion=none" in d for _, d, _ in fic.tactics(gemm_id, "mxfp4"))
+    errors = _compiled_tactic_errors(x, prep, tw, ids, ref)
+    assert errors
+    bad = {d: err for d, err in errors.items() if not err < REL_TOL}
+    assert not bad, bad

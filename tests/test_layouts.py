@@ -294,6 +294,124 @@ def test_shuffle_matrix_sf_a_errors(rng):
         L.unshuffle_matrix_sf_a(L.block_scale_interleave(make(rng, (96, 4), "uint8")), 96, 4)
 
 
+# ------------------------------------------------------------------ SM90 mixed-input GEMM (W4A16)
+# D's bits from the layout table, word by word: D bit -> (source code index j, code bit). m_j keeps
+# code bits 0-2 in order, s_j is code bit 3, x_j code bits 1-2, u_j code bit 0.
+_D_TABLE = {}
+for _lsb, (_j, _bits) in {0: (4, (0, 1, 2)), 3: (2, (0, 1, 2)), 6: (0, (0, 1, 2)), 9: (4, (3,)),
+                          10: (6, (1, 2)), 12: (2, (3,)), 13: (6, (0,)), 14: (6, (3,)), 15: (0, (3,)),
+                          16: (5, (0, 1, 2)), 19: (3, (0, 1, 2)), 22: (1, (0, 1, 2)), 25: (5, (3,)),
+                          26: (7, (1, 2)), 28: (3, (3,)), 29: (7, (0,)), 30: (7, (3,)), 31: (1, (3,))}.items():
+    for _o, _b in enumerate(_bits):
+        _D_TABLE[_lsb + _o] = (_j, _b)
+
+
+def mixed_weights_ref(w):
+    """The weight interleave from its documented words, by python loops over (row pair, chunk,
+    q, l): codes n0..n7 of a, b, d, e (lo then hi nibble), D bit by bit from the table, D's
+    bytes at out[r + 8(q % 2), 32p + 16(q // 2) + 4l + 0..3]."""
+    w = np.asarray(w)
+    n, kb = w.shape
+    out = np.zeros_like(w)
+    for g in range(n // 16):
+        for r in range(16 * g, 16 * g + 8):
+            for p in range(kb // 32):
+                for q in range(4):
+                    for l in range(4):
+                        c = 32 * p + 8 * q + l
+                        src = [w[r, c], w[r + 8, c], w[r, c + 4], w[r + 8, c + 4]]
+                        codes = [int(src[j // 2]) >> (4 * (j % 2)) & 0xF for j in range(8)]
+                        dword = sum(((codes[j] >> b) & 1) << bit for bit, (j, b) in _D_TABLE.items())
+                        row, col = r + 8 * (q % 2), 32 * p + 16 * (q // 2) + 4 * l
+                        out[row, col:col + 4] = [(dword >> (8 * j)) & 0xFF for j in range(4)]
+    return out
+
+
+def mixed_scales_ref(s, group_size):
+    """The scale folding from its documented words: c = 128/g columns, L = 16/itemsize per line,
+    F = 64c/L lines; out[rb, kb, f, c*m + j] = s[64rb + F*m + f, c*kb + j]."""
+    s = np.asarray(s)
+    rows, kg = s.shape
+    c, line = 128 // group_size, 16 // s.dtype.itemsize
+    f_ = 64 * c // line
+    out = np.zeros((rows // 64, kg // c, f_, line), s.dtype)
+    for rb in range(rows // 64):
+        for kb in range(kg // c):
+            for f in range(f_):
+                for m in range(line // c):
+                    for j in range(c):
+                        out[rb, kb, f, c * m + j] = s[64 * rb + f_ * m + f, c * kb + j]
+    return out
+
+
+def test_mixed_gemm_d_table_is_a_bit_permutation():
+    assert sorted(_D_TABLE) == list(range(32))
+    assert sorted(_D_TABLE.values()) == [(j, b) for j in range(8) for b in range(4)]
+    # the module's field list says the same as the table
+    fields = {dst + o: (src + o) for src, dst, width in L.FP4_WORD_FIELDS for o in range(width)}
+    assert fields == {bit: 4 * j + b for bit, (j, b) in _D_TABLE.items()}
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (32, 96)])
+def test_mixed_gemm_weights_reference_and_inverse(rng, shape):
+    w = jnp.asarray(rng.integers(0, 256, size=shape, dtype=np.uint8))
+    out = L.interleave_fp4_weights_for_sm90_mixed_gemm(w)
+    assert out.dtype == jnp.uint8 and out.shape == w.shape
+    np.testing.assert_array_equal(np.asarray(out), mixed_weights_ref(w))
+    np.testing.assert_array_equal(np.asarray(L.deinterleave_fp4_weights_for_sm90_mixed_gemm(out)), np.asarray(w))
+
+
+def test_mixed_gemm_weights_literal_example():
+    """Code 0b1011 (sign 1, magnitude 3) as element 1 of row 8 (byte 0's high nibble): it is n3
+    of the word for (r=0, p=0, q=0, l=0); m3 -> D bits 19-21 = 0b011, s3 -> D bit 28; D is
+    stored at row 0, bytes 0..3: byte 2 = 0b00011000, byte 3 = 0b00010000."""
+    w = np.zeros((16, 32), np.uint8)
+    w[8, 0] = 0xB0
+    out = np.asarray(L.interleave_fp4_weights_for_sm90_mixed_gemm(jnp.asarray(w)))
+    want = np.zeros_like(w)
+    want[0, 2], want[0, 3] = 0x18, 0x10
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("rows,kg,dtype,group", [(64, 4, "uint8", 32), (128, 12, "uint8", 32),
+                                                 (64, 2, "bfloat16", 128), (192, 3, "bfloat16", 128)])
+def test_mixed_gemm_scales_reference_and_inverse(rng, rows, kg, dtype, group):
+    s = make(rng, (rows, kg), dtype)
+    out = L.interleave_scales_for_sm90_mixed_gemm(s, group_size=group)
+    assert out.shape == L.mixed_gemm_scale_shape(rows, kg * group, group, np.dtype(dtype).itemsize)
+    assert_bits_equal(out, mixed_scales_ref(s, group))
+    assert_bits_equal(L.deinterleave_scales_for_sm90_mixed_gemm(out, group_size=group), s)
+
+
+def test_mixed_gemm_scales_mxfp4_shape_and_lines():
+    """MXFP4: [R/64, K/128, 16, 16]; line f of a block = the 4 scales of rows f, f+16, f+32, f+48."""
+    assert L.mixed_gemm_scale_shape(5888, 2944) == (92, 23, 16, 16)  # GPT-OSS w13 (2 x 2944 rows)
+    s = np.arange(64 * 4, dtype=np.uint8).reshape(64, 4)  # s[r, j] = 4r + j
+    out = np.asarray(L.interleave_scales_for_sm90_mixed_gemm(jnp.asarray(s)))
+    for f in range(16):
+        want = np.concatenate([s[f + 16 * m] for m in range(4)])
+        np.testing.assert_array_equal(out[0, 0, f], want)
+
+
+def test_mixed_gemm_errors(rng):
+    with pytest.raises(ValueError, match="uint8"):
+        L.interleave_fp4_weights_for_sm90_mixed_gemm(jnp.zeros((16, 32), jnp.float32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        L.interleave_fp4_weights_for_sm90_mixed_gemm(jnp.zeros((8, 32), jnp.uint8))
+    with pytest.raises(ValueError, match="K of 64"):
+        L.deinterleave_fp4_weights_for_sm90_mixed_gemm(jnp.zeros((16, 16), jnp.uint8))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        L.interleave_scales_for_sm90_mixed_gemm(jnp.zeros((32, 4), jnp.uint8))
+    with pytest.raises(ValueError, match="of 128"):
+        L.interleave_scales_for_sm90_mixed_gemm(jnp.zeros((64, 2), jnp.uint8))
+    with pytest.raises(ValueError, match="divide"):
+        L.mixed_gemm_scale_shape(64, 128, group_size=48)
+    with pytest.raises(ValueError, match="fold"):
+        L.mixed_gemm_scale_shape(64, 128, group_size=32, itemsize=8)
+    with pytest.raises(ValueError, match="must end in"):
+        L.deinterleave_scales_for_sm90_mixed_gemm(jnp.zeros((1, 1, 8, 16), jnp.uint8))
+
+
 # ------------------------------------------------------------------ jit and a leading expert axis
 def _cases():
     """(name, function of one expert's array, input shape per expert, dtype)."""
@@ -318,6 +436,13 @@ def _cases():
         ("pad_axis_to_multiple", functools.partial(L.pad_axis_to_multiple, multiple=16, axis=-2), (5, 3), "uint8"),
         ("pad_gate_up", functools.partial(L.pad_gate_up, intermediate_padded=5), (6, 3), "bfloat16"),
         ("unpad_gate_up", functools.partial(L.unpad_gate_up, intermediate=3), (10, 3), "float32"),
+        ("interleave_fp4_weights_for_sm90_mixed_gemm", L.interleave_fp4_weights_for_sm90_mixed_gemm,
+         (32, 32), "uint8"),
+        ("deinterleave_fp4_weights_for_sm90_mixed_gemm", L.deinterleave_fp4_weights_for_sm90_mixed_gemm,
+         (16, 64), "uint8"),
+        ("interleave_scales_for_sm90_mixed_gemm", L.interleave_scales_for_sm90_mixed_gemm, (64, 8), "uint8"),
+        ("deinterleave_scales_for_sm90_mixed_gemm", L.deinterleave_scales_for_sm90_mixed_gemm,
+         (1, 2, 16, 16), "uint8"),
     ]
 
 
@@ -379,6 +504,8 @@ def test_fp8_padding_rule():
 def test_constants():
     assert L.EPILOGUE_TILE_M == 128
     assert (L.SF_TILE_M, L.SF_TILE_K, L.SF_TILE_OUTER_M, L.SF_TILE_INNER_M) == (128, 4, 32, 4)
+    assert (L.MIXED_GEMM_ROW_GROUP, L.MIXED_GEMM_ROW_HALF, L.MIXED_GEMM_K_CHUNK) == (16, 8, 64)
+    assert (L.MIXED_GEMM_SCALE_ROWS, L.MIXED_GEMM_SCALE_K, L.MIXED_GEMM_SCALE_LINE_BYTES) == (64, 128, 16)
 
 
 def test_round_up():

@@ -38,7 +38,7 @@ def scheme(name, **changes):
 REASONS = [
     (H100, "nvfp4", "flashinfer_trtllm", "needs SM100/SM103; this device is SM90"),
     (H100, "nvfp4", "flashinfer_cutedsl", "needs SM100/SM103; this device is SM90"),
-    (H100, "nvfp4", "marlin", "not provided: weight-only 4-bit on SM80/SM90"),
+    (H100, "nvfp4", "marlin", "not provided: on SM90, weight-only MXFP4 (W4A16) is served by flashinfer_cutlass"),
     (H100, "fp8_block", "flashinfer_cutlass", "scheme 'fp8_block' is not built yet"),
     (H100, "nvfp4", "flashinfer_cutlass", "scheme 'nvfp4' is not built yet"),
     (H100, "w4a8", "cutlass", "scheme 'w4a8' is not built yet (have bf16, fp8)"),
@@ -121,7 +121,9 @@ PREPARED_CASES = [
      "FP8 needs per-tensor activation scales"),
     ("fp8", {"a2_scale": None}, "xla", "xla", "FP8 needs a static a2_scale"),
     ("fp8", {"w13_scale": np.ones((128, 1536, 1), np.float32)}, "xla", "xla", "w13_scale is per channel"),
-    ("mxfp4", {}, "xla", "xla", "scheme 'mxfp4' is not built yet"),
+    ("mxfp4", {}, "xla", "flashinfer_cutlass", "can serve this, but repacks the weights on every call"),
+    ("mxfp4", {"act": "mxfp8"}, "xla", "xla", "MXFP4 runs with bf16 activations (W4A16) here"),
+    ("nvfp4", {}, "xla", "xla", "scheme 'nvfp4' is not built yet"),
 ]
 
 
@@ -132,9 +134,20 @@ def test_flashinfer_cutlass_is_picked_for_prepared_weights(monkeypatch, scheme_n
     from jax_moe.backends import flashinfer_cutlass as fic
 
     monkeypatch.setattr(fic, "available", lambda device=None: (True, "simulated"))
-    monkeypatch.setattr(fic, "compiled_schemes", lambda: ("bf16", "fp8"))
+    monkeypatch.setattr(fic, "compiled_schemes", lambda: ("bf16", "fp8", "mxfp4"))
     q = scheme(scheme_name, **changes)
     sel = oracle.select_backend(CFG, q, device=H100)
     assert sel.name == plain
     assert dict(sel.reasons)["flashinfer_cutlass"].startswith(reason)
     assert oracle.select_backend(CFG, q, device=H100, prepared=True).name == prepared
+
+
+def test_flashinfer_cutlass_scheme_left_out_of_the_build(monkeypatch):
+    from jax_moe.backends import flashinfer_cutlass as fic
+
+    monkeypatch.setattr(fic, "available", lambda device=None: (True, "simulated"))
+    monkeypatch.setattr(fic, "compiled_schemes", lambda: ("bf16", "fp8"))
+    sel = oracle.select_backend(CFG, scheme("mxfp4"), device=H100, prepared=True)
+    assert sel.name == "xla"
+    assert dict(sel.reasons)["flashinfer_cutlass"] == ("scheme 'mxfp4' is not compiled into this build "
+                                                      "(JAX_MOE_FI_SCHEMES)")

@@ -6,7 +6,7 @@ erf form), ``swigluoai`` (GPT-OSS's, the runner's SwigluBias with per-expert alp
 limit) and ``relu2`` (not gated); optional biases on both GEMMs (``w13_bias [E, 2I]``,
 ``w2_bias [E, H]``, added before the router weight); router weight on the input for top-1
 (applied to x before the call); expert-parallel shards (ids of -1 are skipped by the runner and
-contribute nothing). Two schemes, each its own FFI target:
+contribute nothing). Three schemes, each its own FFI target:
 
 * ``bf16``: bf16 activations x bf16 weights -> bf16.
 * ``fp8`` (vLLM's FP8 per-tensor W8A8): activations quantized to float8_e4m3fn with one
@@ -16,6 +16,13 @@ contribute nothing). Two schemes, each its own FFI target:
   ``1 / a2_scale`` (static: the runner has no amax pass), GEMM2's accumulator rescaled by
   ``g2_alphas[e] = w2_scale[e] * a2_scale``. Per-expert activation scales use their max over
   experts, as vLLM does.
+* ``mxfp4`` (W4A16, GPT-OSS; ``QuantConfig(scheme="mxfp4", act="bf16")``): bf16 activations x
+  MXFP4 weights (E2M1 codes, one E8M0 scale per 32 along K) -> bf16, on the runner's SM90
+  mixed-input grouped GEMMs (FlashInfer's ``isWFP4A16Quant`` runner,
+  ``CutlassMoeFCRunner<bf16, Fp4Type>`` with ``QuantParams::GroupWise(32, ...)``): the kernel
+  converts the 4-bit weights to bf16 in registers (CUTLASS's mixed-input mainloop, scale mode
+  kPostMma) and multiplies bf16 x bf16. This is what serves weight-only MXFP4 on Hopper (vLLM's
+  Marlin row is not built).
 
 Routing happens before: the calls take top-k ids and weights.
 
@@ -25,7 +32,13 @@ Weight layout (:func:`prepare`, once, at load time). The runner reads GEMM1's ou
 ``[gate; up]`` (w1 then w3), so the halves are swapped ("w31" order,
 :func:`jax_moe.layouts.swap_w13_to_w31`). ``w2`` is used as is (``[E, H, I]``). The alphas above
 are computed there too (:func:`jax_moe.layouts.fp8_alpha_scales`). ``w13_bias`` follows w13's rows
-(swapped the same way); biases are bf16 in both schemes (the runner's ``ScaleBiasType``).
+(swapped the same way); biases are bf16 in every scheme (the runner's ``ScaleBiasType``).
+MXFP4 (:func:`prepare_mxfp4_weights`): the same row order on the packed weights and their
+scales, I and H padded with zeros to :data:`jax_moe.layouts.MXFP4_PADDING`
+``["flashinfer_cutlass"]`` (128: the mixed-input GEMM folds scales per 128 weights along K and
+the runner asks H and I to be multiples of 128), then the mixed-input GEMM's byte order
+(:mod:`jax_moe.layouts.mixed_gemm`). ``x`` is padded to the padded H per call and the runner
+writes only the first H output columns (its unpadded hidden size).
 
 The native parts are ``jax_moe._jax_moe_flashinfer`` (nanobind glue) and ``libjax_moe_fi.so`` (the
 runner, its kernels and the FFI handlers), built by ``cmake/flashinfer_moe.cmake`` when
@@ -42,14 +55,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe.layouts import fp8_alpha_scales, swap_w13_to_w31, undo_reorder_rows_for_gated_act_gemm
-from jax_moe.quant import fp8
+from jax_moe.layouts import (
+    MIXED_GEMM_SCALE_K,
+    fp8_alpha_scales,
+    interleave_fp4_weights_for_sm90_mixed_gemm,
+    interleave_scales_for_sm90_mixed_gemm,
+    mixed_gemm_scale_shape,
+    mxfp4_padded_sizes,
+    mxfp4_padding,
+    pad_axis,
+    pad_gate_up,
+    round_up,
+    swap_w13_to_w31,
+    undo_reorder_rows_for_gated_act_gemm,
+)
+from jax_moe.quant import fp4, fp8
 
 NAME = "flashinfer_cutlass"
-# scheme -> (FFI target, scheme id in the native module, H/I alignment in elements: 16 bytes)
-TARGETS = {"bf16": "jax_moe_flashinfer_cutlass_moe", "fp8": "jax_moe_flashinfer_cutlass_moe_fp8"}
-SCHEME_IDS = {"bf16": 0, "fp8": 1}
-ALIGN = {"bf16": 8, "fp8": 16}
+# scheme -> FFI target, scheme id in the native module, H/I alignment in weights (16 bytes; MXFP4:
+# the mixed-input GEMM's 128-weight scale blocks), weights per stored element along K
+TARGETS = {"bf16": "jax_moe_flashinfer_cutlass_moe", "fp8": "jax_moe_flashinfer_cutlass_moe_fp8",
+           "mxfp4": "jax_moe_flashinfer_cutlass_moe_mxfp4"}
+SCHEME_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2}
+ALIGN = {"bf16": 8, "fp8": 16, "mxfp4": MIXED_GEMM_SCALE_K}
+PACK = {"bf16": 1, "fp8": 1, "mxfp4": 2}
 # apply/prepare take biases (prepare(..., w13_bias=, w2_bias=)) and router weight on input; any dtype
 FEATURES = frozenset({"bias", "router_weight_on_input"})
 
@@ -110,6 +139,9 @@ def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
         if quant.a2_scale is None:
             return False, ("FP8 needs a static a2_scale: the runner re-quantizes the activation "
                            "output with it (calibrate one with calibrate_activation_scale)")
+    if scheme == "mxfp4" and quant.act != "bf16":
+        return False, (f"MXFP4 runs with bf16 activations (W4A16) here, not {quant.act!r}: FlashInfer "
+                       "0.7.2 has no SM90 MXFP4 x MXFP8 CUTLASS path")
     ok, why = available(device)
     if not ok:
         return False, why
@@ -118,9 +150,9 @@ def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
     if cfg.activation not in ACTIVATION_CODES:
         return False, f"activation {cfg.activation!r} is not wired up (have {sorted(ACTIVATION_CODES)})"
     align = alignment(quant)
-    if cfg.hidden_size % align or cfg.intermediate_size % align:
+    if scheme != "mxfp4" and (cfg.hidden_size % align or cfg.intermediate_size % align):
         return False, f"hidden and intermediate sizes must be multiples of {align} for {scheme}"
-    return True, "ok"
+    return True, "ok"  # mxfp4: prepare pads H and I to multiples of ALIGN
 
 
 def _register():
@@ -158,18 +190,73 @@ def prepare_weights(w13, w2, activation: str = "silu", gate_up_layout: str = "co
     return w13.astype(jnp.bfloat16), jnp.asarray(w2).astype(jnp.bfloat16)
 
 
+def _pad_rows(x, activation: str, intermediate_padded: int, axis: int = -2):
+    """GEMM1 rows (w13, its scales, its bias with ``axis=-1``) in the runner's order, I padded
+    with zeros: half by half for gated activations, at the end otherwise."""
+    if GATED[activation]:
+        return pad_gate_up(x, intermediate_padded, axis=axis)
+    return pad_axis(x, intermediate_padded, axis)
+
+
+def prepare_mxfp4_weights(w13, w13_scale, w2, w2_scale, activation: str = "silu",
+                          gate_up_layout: str = "concat"):
+    """mxfp4 scheme: stored MXFP4 experts -> the runner's W4A16 operands, once, at load time.
+
+    In: ``w13 [E, 2I, H/2]`` uint8 (two E2M1 codes per byte, :mod:`jax_moe.quant.fp4`; rows
+    ``[gate; up]`` or alternating per ``gate_up_layout``; ``[E, I, H/2]`` for ``relu2``),
+    ``w13_scale [E, 2I, H/32]`` uint8 E8M0, ``w2 [E, H, I/2]``, ``w2_scale [E, H, I/32]``.
+    Out: ``(w13, w13_scale, w2, w2_scale)`` with ``(Hp, Ip) = mxfp4_padded_sizes(NAME, H, I)``:
+
+    * ``w13 [E, 2Ip, Hp/2]`` uint8: rows as ``[up (I); 0 (Ip - I); gate (I); 0]``
+      (:func:`runner_row_order`, then each half zero-padded), bytes zero-padded to ``Hp/2``,
+      then in the mixed-input GEMM's byte order
+      (:func:`jax_moe.layouts.interleave_fp4_weights_for_sm90_mixed_gemm`);
+    * ``w13_scale [E, 2Ip/64, Hp/128, 16, 16]`` uint8: the scales through the same rows and
+      padding (zero bytes), folded (:func:`jax_moe.layouts.interleave_scales_for_sm90_mixed_gemm`);
+    * ``w2 [E, Hp, Ip/2]`` and ``w2_scale [E, Hp/64, Ip/128, 16, 16]`` likewise (rows H, K I).
+
+    Zero codes in the padding make padded GEMM1 rows 0 (and so the activation's output there:
+    every activation here maps a zero gate to 0) and padded GEMM2 rows 0.
+    """
+    w13, s13 = jnp.asarray(w13), jnp.asarray(w13_scale)
+    w2, s2 = jnp.asarray(w2), jnp.asarray(w2_scale)
+    for name, a in (("w13", w13), ("w13_scale", s13), ("w2", w2), ("w2_scale", s2)):
+        if a.ndim != 3 or a.dtype != jnp.uint8:
+            raise ValueError(f"{name} must be uint8 [E, N, K/2] (weights) or [E, N, K/32] (scales), "
+                             f"got {np.dtype(a.dtype).name} {list(a.shape)}")
+    e, h, i2 = w2.shape
+    i = 2 * i2
+    n1 = 2 * i if GATED[activation] else i
+    want = {"w13": (w13, (e, n1, h // 2)), "w13_scale": (s13, (e, n1, h // fp4.MX_BLOCK)),
+            "w2_scale": (s2, (e, h, i // fp4.MX_BLOCK))}
+    for name, (a, shape) in want.items():
+        if a.shape != shape:
+            raise ValueError(f"{name} must have shape {list(shape)} for w2 {list(w2.shape)}, got {list(a.shape)}")
+    hp, ip = mxfp4_padded_sizes(NAME, h, i)
+    rows = lambda a: _pad_rows(runner_row_order(a, activation, gate_up_layout), activation, ip)  # noqa: E731
+    w13 = pad_axis(rows(w13), hp // 2, -1)
+    s13 = pad_axis(rows(s13), hp // fp4.MX_BLOCK, -1)
+    w2 = pad_axis(pad_axis(w2, hp, -2), ip // 2, -1)
+    s2 = pad_axis(pad_axis(s2, hp, -2), ip // fp4.MX_BLOCK, -1)
+    return (interleave_fp4_weights_for_sm90_mixed_gemm(w13), interleave_scales_for_sm90_mixed_gemm(s13),
+            interleave_fp4_weights_for_sm90_mixed_gemm(w2), interleave_scales_for_sm90_mixed_gemm(s2))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Expert weights in the runner's layout, from :func:`prepare` (a pytree; jit-able).
 
     w13 [E, 2I, H] (``[up; gate]``) and w2 [E, H, I]: bfloat16 (scheme ``bf16``) or
-    float8_e4m3fn (``fp8``). FP8 only (None otherwise), float32:
+    float8_e4m3fn (``fp8``); ``mxfp4``: uint8 w13 [E, 2Ip, Hp/2], w2 [E, Hp, Ip/2] with H, I
+    padded and their folded E8M0 scales ``w13_block_scale``, ``w2_block_scale``
+    (:func:`prepare_mxfp4_weights`; None in the other schemes). FP8 only (None otherwise), float32:
     ``w13_scale [E]``; ``a13_scale []`` static input scale (None: dynamic per call);
     ``g1_alphas [E] = w13_scale * a13_scale`` (None when a13_scale is dynamic);
     ``a2_gscale [] = 1 / a2_scale``; ``g2_alphas [E] = w2_scale * a2_scale``.
     Optional (None: absent): ``w13_bias [E, 2I]`` bf16 in w13's row order, ``w2_bias [E, H]``
-    bf16; ``swiglu [3, E]`` float32 (alpha, beta, limit per expert) for ``swigluoai``.
+    bf16 (mxfp4: padded like the weights, ``[E, 2Ip]``, ``[E, Hp]``); ``swiglu [3, E]`` float32
+    (alpha, beta, limit per expert) for ``swigluoai``.
     Each array field's ``expert_axis`` metadata names its expert axis (None: no expert axis),
     which :func:`partition_specs` splits over expert parallelism, and ``tp_axis`` (absent: none)
     the axis that runs along the intermediate size I, split over tensor parallelism: then every
@@ -187,19 +274,24 @@ class Prepared:
     w13_bias: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0, tp_axis=1))
     w2_bias: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
     swiglu: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=1))
+    w13_block_scale: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
+    w2_block_scale: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
     scheme: str = dataclasses.field(default="bf16", metadata=dict(static=True))
     activation: str = dataclasses.field(default="silu", metadata=dict(static=True))
 
 
-def _extras(cfg, w13_bias, w2_bias) -> dict:
-    """The optional operands in the runner's layout: biases (bf16) and SwigluBias parameters."""
+def _extras(cfg, w13_bias, w2_bias, padded=None) -> dict:
+    """The optional operands in the runner's layout: biases (bf16; ``padded=(Hp, Ip)``: zero-padded
+    as the weights) and SwigluBias parameters."""
     e = cfg.num_experts
-    out = dict(
-        w13_bias=None if w13_bias is None else runner_row_order(
-            w13_bias, cfg.activation, cfg.gate_up_layout, axis=-1).astype(jnp.bfloat16),
-        w2_bias=None if w2_bias is None else jnp.asarray(w2_bias).astype(jnp.bfloat16),
-        swiglu=None,
-    )
+    b13 = b2 = None
+    if w13_bias is not None:
+        b13 = runner_row_order(w13_bias, cfg.activation, cfg.gate_up_layout, axis=-1)
+        b13 = (b13 if padded is None else _pad_rows(b13, cfg.activation, padded[1], axis=-1)).astype(jnp.bfloat16)
+    if w2_bias is not None:
+        b2 = jnp.asarray(w2_bias)
+        b2 = (b2 if padded is None else pad_axis(b2, padded[0], -1)).astype(jnp.bfloat16)
+    out = dict(w13_bias=b13, w2_bias=b2, swiglu=None)
     if cfg.activation == "swigluoai":  # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g)
         out["swiglu"] = jnp.asarray(
             np.array([cfg.swiglu_alpha, 1.0, cfg.swiglu_limit], np.float32)[:, None].repeat(e, 1))
@@ -242,6 +334,14 @@ def prepare(w13, w2, cfg, quant=None, *, w13_bias=None, w2_bias=None) -> Prepare
     or an ``fp8`` :class:`jax_moe.QuantConfig` that :func:`supports` accepts; biases
     ``w13_bias [E, 2I]`` (vLLM's row order, like w13) and ``w2_bias [E, H]`` or None."""
     scheme = scheme_of(quant)
+    if scheme == "mxfp4":
+        if quant.act != "bf16":
+            raise ValueError(f"{NAME}: MXFP4 needs act='bf16' (W4A16), got {quant.act!r}")
+        w13p, s13, w2p, s2 = prepare_mxfp4_weights(w13, quant.w13_scale, w2, quant.w2_scale,
+                                                   cfg.activation, cfg.gate_up_layout)
+        extras = _extras(cfg, w13_bias, w2_bias, mxfp4_padded_sizes(NAME, cfg.hidden_size, cfg.intermediate_size))
+        return Prepared(w13p, w2p, w13_block_scale=s13, w2_block_scale=s2, scheme="mxfp4",
+                        activation=cfg.activation, **extras)
     extras = _extras(cfg, w13_bias, w2_bias)
     if scheme == "bf16":
         w13p, w2p = prepare_weights(w13, w2, cfg.activation, cfg.gate_up_layout)
@@ -287,6 +387,13 @@ def tactics(gemm_id: int, scheme: str = "bf16"):
     return list(mod.tactics(gemm_id, SCHEME_IDS[scheme]))
 
 
+def problem_sizes(prepared: Prepared) -> tuple[int, int, int]:
+    """``(E, H, I)`` of the runner's problem for ``prepared``, in weights along K (mxfp4: the
+    padded sizes; w13's and w2's last axes hold ``PACK`` weights per element)."""
+    pack = PACK[prepared.scheme]
+    return int(prepared.w13.shape[0]), int(prepared.w13.shape[2]) * pack, int(prepared.w2.shape[2]) * pack
+
+
 def input_scale(x, prepared: Prepared, amax=None):
     """The per-tensor FP8 scale the ``fp8`` scheme quantizes ``x [T, H]`` with: the static
     ``a13_scale``, else ``amax / 448`` of ``amax`` (default ``max |x|``; expert parallelism
@@ -315,6 +422,8 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
     ``apply_router_weight_on_input`` (top-1 only) ``y[t] = expert(topk_weights[t] * x[t])``.
     Scheme ``fp8`` also takes x already quantized (float8_e4m3fn, :func:`quantize_input`) with
     its per-tensor ``x_scale`` []; a float x with ``x_scale`` is quantized with that scale.
+    Scheme ``mxfp4`` takes x [T, H] with H the layer's unpadded hidden size (``prepared`` holds
+    H padded, :func:`prepare_mxfp4_weights`): x is zero-padded, the output is [T, H].
     Returns [T, H] bf16. ``gemm*_tactic`` index the runner's tactic lists
     (:func:`tactics`); with both at -1, a tuned pair for this shape is used if one is cached
     (:mod:`jax_moe.backends.flashinfer_tuning`, ``JAX_MOE_FI_AUTOTUNE=1`` tunes missing shapes),
@@ -327,13 +436,22 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
         raise ValueError(f"prepared.scheme must be one of {sorted(TARGETS)}, got {scheme!r}")
     w13, w2 = prepared.w13, prepared.w2
     t, h = x.shape
-    e, n1, h2 = w13.shape
-    e2, h3, i = w2.shape
+    e, hw, i = problem_sizes(prepared)  # hw: the weights' H (mxfp4: padded)
+    n1, (e2, h3) = w13.shape[1], w2.shape[:2]
     k = topk_ids.shape[1]
     want_n1 = 2 * i if GATED[activation] else i
-    if h2 != h or h3 != h or e2 != e or n1 != want_n1:
-        raise ValueError(f"shape mismatch: x {x.shape}, w13 {w13.shape}, w2 {w2.shape} "
-                         f"(w13 must be [E, {'2I' if GATED[activation] else 'I'}, H])")
+    hp = round_up(h, mxfp4_padding(NAME).hidden) if scheme == "mxfp4" else h
+    if hw != hp or h3 != hp or e2 != e or n1 != want_n1:
+        packed = "" if PACK[scheme] == 1 else f"/{PACK[scheme]}"
+        raise ValueError(f"shape mismatch: x {x.shape}, w13 {w13.shape}, w2 {w2.shape} (w13 must be "
+                         f"[E, {'2I' if GATED[activation] else 'I'}, H{packed}], w2 [E, H, I{packed}]"
+                         f"{', H padded to ' + str(hp) if hp != h else ''})")
+    if scheme == "mxfp4":
+        for name, rows, kk in (("w13_block_scale", n1, hw), ("w2_block_scale", hw, i)):
+            sc = getattr(prepared, name)
+            want = (e,) + mixed_gemm_scale_shape(rows, kk)
+            if sc is None or tuple(sc.shape) != want or sc.dtype != jnp.uint8:
+                raise ValueError(f"prepared.{name} must be uint8 {list(want)} (use prepare())")
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != t:
         raise ValueError(f"topk_weights {topk_weights.shape} / topk_ids {topk_ids.shape} must be [T, k]")
     if apply_router_weight_on_input and k != 1:
@@ -347,15 +465,15 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
         raise ValueError(f"x_scale is for scheme 'fp8', not {scheme!r}")
     if prepared.w13_bias is not None and prepared.w13_bias.shape != (e, n1):
         raise ValueError(f"prepared.w13_bias must be [E, {n1}], got {prepared.w13_bias.shape}")
-    if prepared.w2_bias is not None and prepared.w2_bias.shape != (e, h):
-        raise ValueError(f"prepared.w2_bias must be [E, H] = [{e}, {h}], got {prepared.w2_bias.shape}")
+    if prepared.w2_bias is not None and prepared.w2_bias.shape != (e, hw):
+        raise ValueError(f"prepared.w2_bias must be [E, H] = [{e}, {hw}], got {prepared.w2_bias.shape}")
     if activation == "swigluoai" and (prepared.swiglu is None or prepared.swiglu.shape != (3, e)):
         raise ValueError("prepared.swiglu must be [3, E] float32 for swigluoai (use prepare())")
     align = ALIGN[scheme]
-    if h % align or i % align:
-        raise ValueError(f"H={h} and I={i} must be multiples of {align} for scheme {scheme!r}")
+    if hw % align or i % align:
+        raise ValueError(f"H={hw} and I={i} must be multiples of {align} for scheme {scheme!r}")
     _register()
-    ws = workspace_size(int(t), int(h), int(i), int(e), int(k), activation, scheme)
+    ws = workspace_size(int(t), int(hw), int(i), int(e), int(k), activation, scheme)
     call = jax.ffi.ffi_call(
         TARGETS[scheme],
         (jax.ShapeDtypeStruct((t, h), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
@@ -377,6 +495,11 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
     if scheme == "bf16":
         out, _ = call(x.astype(jnp.bfloat16), w13.astype(jnp.bfloat16), w2.astype(jnp.bfloat16),
                       ids, tw, *extras, **attrs)
+        return out
+    if scheme == "mxfp4":
+        xp = pad_axis(x.astype(jnp.bfloat16), hw, -1)  # the runner writes only the first h columns
+        out, _ = call(xp, w13, w2, ids, tw, prepared.w13_block_scale, prepared.w2_block_scale,
+                      *extras, **attrs)
         return out
     a13 = input_scale(x, prepared) if x_scale is None else jnp.asarray(x_scale, jnp.float32)
     g1 = prepared.g1_alphas if prepared.a13_scale is not None and x_scale is None else prepared.w13_scale * a13

@@ -82,9 +82,10 @@ def cached(scheme, activation, t, h, i, e, k) -> tuple[int, int] | None:
 def choice(prepared, t: int, k: int) -> tuple[int, int]:
     """(gemm1, gemm2) tactics for ``prepared`` at T=t, top_k=k: cached, tuned now (with
     ``JAX_MOE_FI_AUTOTUNE=1``), or (-1, -1) for the handler's built-in rule."""
-    e, _, h = prepared.w13.shape
-    i = prepared.w2.shape[2]
-    shape = (prepared.scheme, prepared.activation, int(t), int(h), int(i), int(e), int(k))
+    from jax_moe.backends import flashinfer_cutlass as fic
+
+    e, h, i = fic.problem_sizes(prepared)
+    shape = (prepared.scheme, prepared.activation, int(t), h, i, e, int(k))
     hit = cached(*shape)
     if hit is not None:
         return hit
@@ -106,14 +107,26 @@ def _random_prepared(scheme: str, activation: str, h: int, i: int, e: int):
 
     kw, k2 = jax.random.split(jax.random.key(1234))
     n1 = 2 * i if fic.GATED[activation] else i
+    # swigluoai needs its per-expert (alpha, beta, limit) operand; GPT-OSS's values
+    extra = dict(scheme=scheme, activation=activation)
+    if activation == "swigluoai":
+        extra["swiglu"] = jnp.asarray(np.array([1.702, 1.0, 7.0], np.float32)[:, None].repeat(e, 1))
+    if scheme == "mxfp4":  # random codes, scales 2**-4: the speed does not depend on the values
+        from jax_moe.layouts import mixed_gemm_scale_shape
+
+        w13 = jax.random.randint(kw, (e, n1, h // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+        w2 = jax.random.randint(k2, (e, h, i // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+        s13 = jnp.full((e,) + mixed_gemm_scale_shape(n1, h), 123, jnp.uint8)
+        s2 = jnp.full((e,) + mixed_gemm_scale_shape(h, i), 123, jnp.uint8)
+        return fic.Prepared(w13, w2, w13_block_scale=s13, w2_block_scale=s2, **extra)
     dtype = jnp.float8_e4m3fn if scheme == "fp8" else jnp.bfloat16
     w13 = (jax.random.normal(kw, (e, n1, h), jnp.float32) * h ** -0.5).astype(dtype)
     w2 = (jax.random.normal(k2, (e, h, i), jnp.float32) * i ** -0.5).astype(dtype)
     if scheme == "bf16":
-        return fic.Prepared(w13, w2, scheme="bf16", activation=activation)
+        return fic.Prepared(w13, w2, **extra)
     ones = jnp.ones((e,), jnp.float32)
     return fic.Prepared(w13, w2, w13_scale=ones, a13_scale=jnp.float32(1.0), g1_alphas=ones,
-                        a2_gscale=jnp.float32(1.0), g2_alphas=ones, scheme=scheme, activation=activation)
+                        a2_gscale=jnp.float32(1.0), g2_alphas=ones, **extra)
 
 
 def _median_ms(fn, args, iters: int) -> float:
@@ -129,9 +142,11 @@ def _median_ms(fn, args, iters: int) -> float:
 
 def tune(prepared, t: int, k: int, *, iters: int = 7, verbose: bool = False) -> tuple[int, int]:
     """Measure and cache the fastest (gemm1, gemm2) tactic pair for ``prepared``'s shape at T=t."""
-    e, _, h = prepared.w13.shape
-    return tune_shape(prepared.scheme, prepared.activation, int(t), int(h), int(prepared.w2.shape[2]),
-                      int(e), int(k), iters=iters, verbose=verbose)
+    from jax_moe.backends import flashinfer_cutlass as fic
+
+    e, h, i = fic.problem_sizes(prepared)
+    return tune_shape(prepared.scheme, prepared.activation, int(t), h, i, e, int(k), iters=iters,
+                      verbose=verbose)
 
 
 def tune_shape(scheme, activation, t, h, i, e, k, *, iters: int = 7, verbose: bool = False) -> tuple[int, int]:

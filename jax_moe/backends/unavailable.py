@@ -5,7 +5,7 @@ gives on every device: the hardware it needs first, then what is missing in this
 | -------------------- | --------------------- | -------------------------------- | ------------------------------- |
 | flashinfer_trtllm    | SM100 (B200/GB200)    | fp8, fp8_block, nvfp4, mxfp4     | FFI handlers not written yet    |
 | flashinfer_cutedsl   | SM100                 | nvfp4                            | not written yet                 |
-| marlin               | SM80+ (weight-only)   | nvfp4/mxfp4/w4a8 weights, bf16 x | not provided: on SM80/SM90 the FlashInfer CUTLASS mixed-input GEMMs are to serve weight-only 4-bit |
+| marlin               | SM80+ (weight-only)   | nvfp4/mxfp4/w4a8 weights, bf16 x | not provided: on SM90 flashinfer_cutlass's mixed-input W4A16 path serves weight-only MXFP4 |
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[str, ...], str]] = {
                           "the TRT-LLM gen MoE FFI handlers are not in this build yet"),
     "flashinfer_cutedsl": ((100, 103), ("nvfp4",), "the CuteDSL masked grouped GEMM is not in this build yet"),
     "marlin": ((80, 86, 89, 90), ("nvfp4", "mxfp4", "w4a8"),
-               "not provided: weight-only 4-bit on SM80/SM90 is to be served by flashinfer_cutlass's "
-               "mixed-input GEMMs"),
+               "not provided: on SM90, weight-only MXFP4 (W4A16) is served by flashinfer_cutlass's "
+               "mixed-input GEMMs instead (QuantConfig(scheme='mxfp4', act='bf16')); Marlin's other "
+               "weight-only 4-bit paths (SM80/SM89, NVFP4) are not built"),
 }
 
 

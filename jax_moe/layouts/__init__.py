@@ -10,6 +10,8 @@ the 128x4 scale tile, pad sizes) live in :mod:`jax_moe.layouts.common` only.
 * :mod:`~jax_moe.layouts.shuffle` — FlashInfer ``shuffle_matrix_a`` / ``shuffle_matrix_sf_a``
 * :mod:`~jax_moe.layouts.scales` — the 128x4 block-scale swizzle (NVFP4 ``block_scale_interleave``,
   vLLM ``swizzle_mxfp4_scales``) and the FP8 / NVFP4 alpha scales
+* :mod:`~jax_moe.layouts.mixed_gemm` — the SM90 mixed-input GEMM's 4-bit weight interleave and
+  folded scales (FlashInfer CUTLASS W4A16 MXFP4)
 
 Typical compositions (per expert axis carried along):
 
@@ -19,11 +21,22 @@ Typical compositions (per expert axis carried along):
 * FlashInfer TRT-LLM MXFP4 (seed 002, GPT-OSS interleaved): ``swap_row_pairs`` on w13, its scales
   and bias (``axis=-1``), then ``shuffle_matrix_a`` on weights and biases and
   ``shuffle_matrix_sf_a`` on the scales.
+* FlashInfer CUTLASS MXFP4 W4A16 on SM90 (GPT-OSS): ``w31`` row order (as bf16) on w13, its
+  scales and bias, I and H padded to :data:`MXFP4_PADDING` ``["flashinfer_cutlass"]`` (gate/up
+  half by half), then ``interleave_fp4_weights_for_sm90_mixed_gemm`` on the packed weights and
+  ``interleave_scales_for_sm90_mixed_gemm`` on the E8M0 scales
+  (:func:`jax_moe.backends.flashinfer_cutlass.prepare_mxfp4_weights`).
 """
 
 from jax_moe.layouts.common import (
     EPILOGUE_TILE_M,
     FP8_INTERMEDIATE_ALIGN,
+    MIXED_GEMM_K_CHUNK,
+    MIXED_GEMM_ROW_GROUP,
+    MIXED_GEMM_ROW_HALF,
+    MIXED_GEMM_SCALE_K,
+    MIXED_GEMM_SCALE_LINE_BYTES,
+    MIXED_GEMM_SCALE_ROWS,
     MXFP4_PADDING,
     MXFP4_PADDING_DEFAULT,
     SF_TILE_INNER_M,
@@ -51,6 +64,14 @@ from jax_moe.layouts.gated import (
     swap_w31_to_w13,
     undo_reorder_rows_for_gated_act_gemm,
 )
+from jax_moe.layouts.mixed_gemm import (
+    FP4_WORD_FIELDS,
+    deinterleave_fp4_weights_for_sm90_mixed_gemm,
+    deinterleave_scales_for_sm90_mixed_gemm,
+    interleave_fp4_weights_for_sm90_mixed_gemm,
+    interleave_scales_for_sm90_mixed_gemm,
+    mixed_gemm_scale_shape,
+)
 from jax_moe.layouts.scales import (
     Nvfp4Alphas,
     TrtllmFp8OutputScales,
@@ -72,7 +93,14 @@ from jax_moe.layouts.shuffle import (
 
 __all__ = [
     "EPILOGUE_TILE_M",
+    "FP4_WORD_FIELDS",
     "FP8_INTERMEDIATE_ALIGN",
+    "MIXED_GEMM_K_CHUNK",
+    "MIXED_GEMM_ROW_GROUP",
+    "MIXED_GEMM_ROW_HALF",
+    "MIXED_GEMM_SCALE_K",
+    "MIXED_GEMM_SCALE_LINE_BYTES",
+    "MIXED_GEMM_SCALE_ROWS",
     "MXFP4_PADDING",
     "MXFP4_PADDING_DEFAULT",
     "SF_TILE_INNER_M",
@@ -87,8 +115,13 @@ __all__ = [
     "TrtllmFp8OutputScales",
     "block_scale_deinterleave",
     "block_scale_interleave",
+    "deinterleave_fp4_weights_for_sm90_mixed_gemm",
+    "deinterleave_scales_for_sm90_mixed_gemm",
     "fp8_alpha_scales",
     "fp8_padded_intermediate",
+    "interleave_fp4_weights_for_sm90_mixed_gemm",
+    "interleave_scales_for_sm90_mixed_gemm",
+    "mixed_gemm_scale_shape",
     "mxfp4_padded_sizes",
     "mxfp4_padding",
     "nvfp4_alpha_scales",

@@ -16,6 +16,13 @@ Constants
     The "128x4" block-scale tile (NVFP4 ``block_scale_interleave``, vLLM's
     ``swizzle_mxfp4_scales``): 128 rows x 4 scale columns, rows split as 32 (outer, ``m % 32``)
     x 4 (inner, ``(m // 32) % 4``). See :mod:`jax_moe.layouts.scales`.
+``MIXED_GEMM_ROW_GROUP = 16``, ``MIXED_GEMM_ROW_HALF = 8``, ``MIXED_GEMM_K_CHUNK = 64``
+    The SM90 mixed-input grouped GEMM's 4-bit weight interleave (W4A16 MXFP4, W4A8 int4) works
+    on pairs of rows ``(r, r + 8)`` inside groups of 16 rows and on chunks of 64 weights (32
+    bytes) along K: N must be a multiple of 16 and K of 64 (see :mod:`jax_moe.layouts.mixed_gemm`).
+``MIXED_GEMM_SCALE_ROWS = 64``, ``MIXED_GEMM_SCALE_K = 128``, ``MIXED_GEMM_SCALE_LINE_BYTES = 16``
+    The same GEMM's weight scales are folded per block of 64 rows x 128 weights along K, stored
+    as lines of 16 bytes; rows must be a multiple of 64 and K of 128.
 ``FP8_INTERMEDIATE_ALIGN = 16``
     FlashInfer FP8 MoE kernels need the intermediate size I to be a multiple of 16; vLLM pads
     I (per-tensor FP8, not block-quantized) before repacking (seed 000).
@@ -50,6 +57,13 @@ SF_TILE_INNER_M = SF_TILE_M // SF_TILE_OUTER_M  # 4
 
 FP8_INTERMEDIATE_ALIGN = 16
 
+MIXED_GEMM_ROW_GROUP = 16
+MIXED_GEMM_ROW_HALF = MIXED_GEMM_ROW_GROUP // 2  # 8: row r is paired with row r + 8
+MIXED_GEMM_K_CHUNK = 64
+MIXED_GEMM_SCALE_ROWS = 64
+MIXED_GEMM_SCALE_K = 128
+MIXED_GEMM_SCALE_LINE_BYTES = 16
+
 
 class MxPadding(NamedTuple):
     """Multiples to round the intermediate size I and the hidden size H up to (1 = unchanged)."""
@@ -83,6 +97,12 @@ __all__ = [
     "SF_TILE_OUTER_M",
     "SF_TILE_INNER_M",
     "FP8_INTERMEDIATE_ALIGN",
+    "MIXED_GEMM_ROW_GROUP",
+    "MIXED_GEMM_ROW_HALF",
+    "MIXED_GEMM_K_CHUNK",
+    "MIXED_GEMM_SCALE_ROWS",
+    "MIXED_GEMM_SCALE_K",
+    "MIXED_GEMM_SCALE_LINE_BYTES",
     "MxPadding",
     "MXFP4_PADDING",
     "MXFP4_PADDING_DEFAULT",
