@@ -4,7 +4,7 @@
 #   bf16   BF16 activations x BF16 weights -> BF16
 #   fp8    FP8 E4M3 activations (per-tensor scale) x FP8 E4M3 weights (per-tensor/expert) -> BF16
 #   mxfp4  BF16 activations x MXFP4 weights (E2M1, E8M0 scale per 32) -> BF16: W4A16 (GPT-OSS) on
-#          the SM90 mixed-input grouped GEMMs; opt-in (JAX_MOE_FI_SCHEMES="bf16;fp8;mxfp4")
+#          the SM90 mixed-input grouped GEMMs
 # Two artifacts, installed side by side in jax_moe/:
 #   libjax_moe_fi.so           kernels, runner, FFI handlers, host queries; no Python in it, so it
 #                              can be built once on any machine with nvcc and reused
@@ -95,7 +95,7 @@
 #   (our handler included) must see the same set.
 #
 # Cache variables (each generated TU is ~1-2 min on one core; fewer tactics build faster):
-#   JAX_MOE_FI_SCHEMES        quant schemes: bf16, fp8, mxfp4                  (default bf16;fp8;
+#   JAX_MOE_FI_SCHEMES        quant schemes: bf16, fp8, mxfp4          (default bf16;fp8;mxfp4;
 #                             pip passes the JAX_MOE_FI_SCHEMES environment variable)
 #   JAX_MOE_FI_MXFP4_TILES    mixed-input tiles MxNxK for mxfp4 (default: the five above)
 #   JAX_MOE_FI_SM90_TILES     "all" or a list of MxN from the tile list above  (default all)
@@ -120,7 +120,7 @@ option(JAX_MOE_FI_SM90_FINALIZE "Compile FINALIZE-fused SM90 MoE GEMM2 variants"
 option(JAX_MOE_FI_SM80_FUSED "Compile the SM80 fused gated-activation MoE GEMMs" OFF)
 set(JAX_MOE_FI_INSTS_PER_TU "auto" CACHE STRING "MoE GEMM instantiations per generated TU (auto: ~12 TUs)")
 
-set(JAX_MOE_FI_SCHEMES_DEFAULT "bf16;fp8")
+set(JAX_MOE_FI_SCHEMES_DEFAULT "bf16;fp8;mxfp4")
 set(JAX_MOE_FI_SCHEMES "${JAX_MOE_FI_SCHEMES_DEFAULT}" CACHE STRING
     "Quant schemes to build the runner for (bf16, fp8, mxfp4; empty: ${JAX_MOE_FI_SCHEMES_DEFAULT})")
 if(NOT JAX_MOE_FI_SCHEMES)  # pip passes the JAX_MOE_FI_SCHEMES environment variable, "" if unset
