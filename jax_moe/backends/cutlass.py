@@ -40,6 +40,16 @@ discarded ``uint8`` result, sized at trace time (:func:`workspace_size`). The ti
 (:data:`TILES`) is picked at trace time from the rows per expert (:func:`pick_tile`); ``tile=`` or
 ``JAX_MOE_CUTLASS_TILE`` overrides it.
 
+Batched activation format (``[E, C, H]``, C rows of capacity per expert, ``counts [E]`` rows used,
+as after an all-to-all dispatch): :func:`grouped_gemm_batched` runs the same FFI targets and CUTLASS
+instantiations (the handler reads the format from a's rank: ``a [E, C, K]`` and ``counts [E]``
+instead of ``a [M, K]`` and ``offsets [E+1]``; FP8 row scales ``[E, C]``), the counts clamped to
+``[0, C]`` on the device, rows past them zero in d and never read in a; still no host sync.
+:func:`apply_batched` is the expert stage on that format (GEMM1 -> act_and_mul over all E*C rows ->
+GEMM2; no routing weights, those belong to the combine), what an all-to-all expert-parallel path
+would call between dispatch and combine (not wired into :mod:`jax_moe.parallel` yet). Built and
+CPU-tested; its GPU tests are written and not yet run on hardware.
+
 Scope of this build: bf16, and FP8 W8A8 (``act`` ``fp8_per_tensor`` static or dynamic, or
 ``fp8_per_token``; not ``bf16`` activations on FP8 weights); activations ``silu`` and ``gelu``
 (gated, gate/up rows concatenated) and ``relu2``; no biases; SM90 (``sm_90a``).
