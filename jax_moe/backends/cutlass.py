@@ -335,21 +335,25 @@ def grouped_gemm(a: jax.Array, b: jax.Array, offsets: jax.Array, *, a_scale=None
     if m == 0:
         return jnp.zeros((0, n), jnp.bfloat16)
     scales = () if kind == "bf16" else _row_col_scales(a_scale, b_scale, (m,), e, n)
-    if not _register():
-        return _reference(a, b, offsets, *(scales or (None, None)))
-    target = KINDS[kind][1]
+    return _lower(kind, tile, (m, n), _reference, a, b, offsets, scales)
 
-    def cuda(a, b, offsets, *scales):
-        outs = (jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
-                jax.ShapeDtypeStruct((workspace_size(e, tile, kind),), jnp.uint8))
-        d, _ = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(a, b, offsets, *scales,
-                                                                         tile=np.int64(TILES[tile]))
+
+def _lower(kind: str, tile: str, d_shape: tuple, reference, a, b, sizes, scales):
+    """The kind's FFI target (one per kind serves both formats: the handler reads a's rank) where
+    lowered for a GPU with the module loaded, else ``reference(a, b, sizes, row, col)``."""
+    def default(a, b, sizes, *scales):
+        return reference(a, b, sizes, *(scales or (None, None)))
+
+    if not _register():
+        return default(a, b, sizes, *scales)
+
+    def cuda(*args):
+        outs = (jax.ShapeDtypeStruct(d_shape, jnp.bfloat16),
+                jax.ShapeDtypeStruct((workspace_size(b.shape[0], tile, kind),), jnp.uint8))
+        d, _ = jax.ffi.ffi_call(KINDS[kind][1], outs, vmap_method="sequential")(*args, tile=np.int64(TILES[tile]))
         return d
 
-    def default(a, b, offsets, *scales):
-        return _reference(a, b, offsets, *(scales or (None, None)))
-
-    return jax.lax.platform_dependent(a, b, offsets, *scales, cuda=cuda, default=default)
+    return jax.lax.platform_dependent(a, b, sizes, *scales, cuda=cuda, default=default)
 
 
 # ----------------------------------------------------------------------------- batched format
@@ -409,21 +413,7 @@ def grouped_gemm_batched(a: jax.Array, b: jax.Array, counts: jax.Array, *, a_sca
     if c == 0:
         return jnp.zeros((e, 0, n), jnp.bfloat16)
     scales = () if kind == "bf16" else _row_col_scales(a_scale, b_scale, (e, c), e, n)
-    if not _register():
-        return _reference_batched(a, b, counts, *(scales or (None, None)))
-    target = KINDS[kind][1]
-
-    def cuda(a, b, counts, *scales):
-        outs = (jax.ShapeDtypeStruct((e, c, n), jnp.bfloat16),
-                jax.ShapeDtypeStruct((workspace_size(e, tile, kind),), jnp.uint8))
-        d, _ = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(a, b, counts, *scales,
-                                                                         tile=np.int64(TILES[tile]))
-        return d
-
-    def default(a, b, counts, *scales):
-        return _reference_batched(a, b, counts, *(scales or (None, None)))
-
-    return jax.lax.platform_dependent(a, b, counts, *scales, cuda=cuda, default=default)
+    return _lower(kind, tile, (e, c, n), _reference_batched, a, b, counts, scales)
 
 
 # ----------------------------------------------------------------------------- the backend
