@@ -408,7 +408,7 @@ def shard_prepared(w13, w2, pcfg: ParallelConfig, *, backend: str = "flashinfer_
     from jax_moe.layouts.common import round_up
 
     mod = oracle.module(backend)
-    if quant is not None and quant.packed:
+    if quant is not None and quant.packed():
         raise ValueError(f"shard_prepared: packed 4-bit weights (scheme {quant.scheme!r}) are not wired up for "
                          "parallel prepared weights yet (their block scales have no tp split, and K is packed)")
     e, rows, h = w13.shape

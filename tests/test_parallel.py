@@ -309,6 +309,9 @@ def test_prepared_weights_refuse_what_cannot_be_split(rng):
     q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor")
     with pytest.raises(ValueError, match="give a static a2_scale"):
         shard_prepared(q13, q2, pcfg, quant=quant)
+    m13, m2, mquant = quantize_weights("mxfp4", w13, w2)
+    with pytest.raises(ValueError, match="packed 4-bit weights .scheme 'mxfp4'. are not wired up"):
+        shard_prepared(m13, m2, pcfg, quant=mquant)
 
 
 @pytest.mark.parametrize("shape,names,axes", PREPARED_MESHES[:2], ids=PREPARED_IDS[:2])
