@@ -1,6 +1,7 @@
 // XLA FFI handlers of jax_moe_cutlass_grouped_gemm and jax_moe_cutlass_grouped_gemm_fp8 (contract in
 // cutlass_grouped_gemm.h): decode and check the buffers on the host from their static shapes (CUTLASS's
-// can_implement cannot see the per-group sizes, which live on the device), zero the rows no expert owns,
+// can_implement cannot see the per-group sizes, which live on the device), zero the rows no expert owns
+// (standard format) or the rows past each expert's count (batched format),
 // and hand the call to the (kind, tile)'s instantiation. No allocation, no host sync, no device-to-host
 // copy: safe inside a CUDA graph.
 #include <cstdint>
@@ -31,6 +32,19 @@ __global__ void ZeroUnownedRows(const int32_t* offsets, int64_t groups, int64_t 
   }
 }
 
+// Batched format: zeros the rows of d [groups * capacity, n] past each group's count (GroupRows), one
+// block per row, grid-stride; n % 8 == 0 as above.
+__global__ void ZeroUnusedBatchedRows(const int32_t* counts, int64_t groups, int64_t capacity, int64_t n, uint4* d) {
+  const int64_t vec_per_row = n / 8;
+  for (int64_t row = blockIdx.x; row < groups * capacity; row += gridDim.x) {
+    int64_t lo, hi;
+    GroupRows(counts, row / capacity, groups * capacity, true, capacity, lo, hi);
+    if (row < hi) continue;
+    uint4* dst = d + row * vec_per_row;
+    for (int64_t c = threadIdx.x; c < vec_per_row; c += blockDim.x) dst[c] = make_uint4(0, 0, 0, 0);
+  }
+}
+
 int SmCount(int device) {
   constexpr int kMaxDevices = 64;
   static int cache[kMaxDevices] = {};  // 0: not asked yet (benign race: every writer stores the same value)
@@ -52,7 +66,8 @@ constexpr BytesFn kBytes[kNumCutlassTiles] = {cutlass_gg::WorkspaceBytes<Kind, k
 
 std::string Name(int kind) { return kind == kGemmFp8 ? "cutlass_grouped_gemm_fp8: " : "cutlass_grouped_gemm: "; }
 
-// Checks what both targets share (a, b, offsets, d, workspace, tile) and fills call's shapes and pointers.
+// Checks what both targets share (a, b, offsets or counts, d, workspace, tile) and fills call's shapes and
+// pointers; a's rank says the format (2: standard, 3: batched).
 std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> offsets,
                                         ffi::Result<ffi::AnyBuffer>& d, ffi::Result<ffi::AnyBuffer>& workspace,
                                         int64_t tile, GroupedGemmCall& call) {
@@ -66,14 +81,26 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
   if (d->element_type() != ffi::DataType::BF16) return InvalidArgument(n_ + "d must be bfloat16");
   if (workspace->element_type() != ffi::DataType::U8) return InvalidArgument(n_ + "workspace must be uint8");
   const auto ad = a.dimensions(), bd = b.dimensions(), dd = d->dimensions();
-  if (ad.size() != 2) return InvalidArgument(n_ + "a must have rank 2 [M, K]");
+  if (ad.size() != 2 && ad.size() != 3)
+    return InvalidArgument(n_ + "a must have rank 2 [M, K] (standard) or 3 [E, C, K] (batched)");
   if (bd.size() != 3) return InvalidArgument(n_ + "b must have rank 3 [E, N, K]");
-  const int64_t m = ad[0], k = ad[1], groups = bd[0], n = bd[1];
+  const bool batched = ad.size() == 3;
+  const int64_t groups = bd[0], n = bd[1], k = ad[ad.size() - 1];
+  const int64_t capacity = batched ? ad[1] : 0;
+  const int64_t m = batched ? ad[0] * capacity : ad[0];
   if (bd[2] != k) return InvalidArgument(n_ + "b must be [E, N, K] with a's K");
   if (groups < 1) return InvalidArgument(n_ + "b must have at least one expert");
-  if (offsets.dimensions().size() != 1 || offsets.dimensions()[0] != groups + 1)
-    return InvalidArgument(n_ + "offsets must be [E + 1] int32");
-  if (dd.size() != 2 || dd[0] != m || dd[1] != n) return InvalidArgument(n_ + "d must be [M, N]");
+  if (batched) {
+    if (ad[0] != groups) return InvalidArgument(n_ + "batched a must be [E, C, K] with b's E");
+    if (offsets.dimensions().size() != 1 || offsets.dimensions()[0] != groups)
+      return InvalidArgument(n_ + "counts must be [E] int32 (batched a)");
+    if (dd.size() != 3 || dd[0] != groups || dd[1] != capacity || dd[2] != n)
+      return InvalidArgument(n_ + "d must be [E, C, N] (batched a)");
+  } else {
+    if (offsets.dimensions().size() != 1 || offsets.dimensions()[0] != groups + 1)
+      return InvalidArgument(n_ + "offsets must be [E + 1] int32");
+    if (dd.size() != 2 || dd[0] != m || dd[1] != n) return InvalidArgument(n_ + "d must be [M, N]");
+  }
   const int64_t align_k = CutlassAlignK(kind);
   if (k < align_k || k % align_k || n < kCutlassAlignN || n % kCutlassAlignN)
     return InvalidArgument(n_ + "K must be a positive multiple of " + std::to_string(align_k) + " and N of " +
@@ -88,6 +115,8 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
   call.workspace = workspace->untyped_data();
   call.workspace_bytes = workspace->size_bytes();
   call.groups = groups;
+  call.batched = batched;
+  call.capacity = capacity;
   call.m = m;
   call.n = n;
   call.k = k;
@@ -102,8 +131,13 @@ ffi::Error Launch(GroupedGemmCall& call, int64_t tile) {
   call.sm_count = SmCount(call.device);
   if (call.sm_count <= 0) return ffi::Error(ffi::ErrorCode::kInternal, "jax_moe: cannot read the SM count");
   constexpr int kZeroBlocks = 132;
-  ZeroUnownedRows<<<kZeroBlocks, 128, 0, call.stream>>>(call.offsets, call.groups, call.m, call.n,
-                                                        static_cast<uint4*>(call.d));
+  if (call.batched) {
+    ZeroUnusedBatchedRows<<<kZeroBlocks, 128, 0, call.stream>>>(call.offsets, call.groups, call.capacity, call.n,
+                                                                static_cast<uint4*>(call.d));
+  } else {
+    ZeroUnownedRows<<<kZeroBlocks, 128, 0, call.stream>>>(call.offsets, call.groups, call.m, call.n,
+                                                          static_cast<uint4*>(call.d));
+  }
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return kRun<Kind>[tile](call);
 }
@@ -123,8 +157,10 @@ ffi::Error GroupedGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
   call.stream = stream;
   if (auto err = CheckOperands(kGemmFp8, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
   const auto rd = row_scale.dimensions(), cd = col_scale.dimensions();
-  if (rd.size() != 1 || rd[0] != call.m)
+  if (!call.batched && (rd.size() != 1 || rd[0] != call.m))
     return InvalidArgument(Name(kGemmFp8) + "row_scale must be [M] float32 (one scale per row of a)");
+  if (call.batched && (rd.size() != 2 || rd[0] != call.groups || rd[1] != call.capacity))
+    return InvalidArgument(Name(kGemmFp8) + "row_scale must be [E, C] float32 (one scale per row of batched a)");
   if (cd.size() != 2 || cd[0] != call.groups || cd[1] != call.n)
     return InvalidArgument(Name(kGemmFp8) + "col_scale must be [E, N] float32 (one scale per output channel)");
   call.row_scale = row_scale.typed_data();
@@ -157,10 +193,10 @@ int CutlassCurrentSmCount() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCutlassGroupedGemm, jax_moe::GroupedGemmCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // a [M, K] bf16
+                                  .Arg<xla::ffi::AnyBuffer>()              // a [M, K] | [E, C, K] bf16
                                   .Arg<xla::ffi::AnyBuffer>()              // b [E, N, K] bf16
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offsets [E + 1]
-                                  .Ret<xla::ffi::AnyBuffer>()              // d [M, N] bf16
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offsets [E + 1] | counts [E]
+                                  .Ret<xla::ffi::AnyBuffer>()              // d [M, N] | [E, C, N] bf16
                                   .Ret<xla::ffi::AnyBuffer>()              // workspace [W] uint8
                                   .Attr<int64_t>("tile"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
@@ -168,12 +204,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCutlassGroupedGemm, jax_moe::GroupedGemmCuda
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCutlassGroupedGemmFp8, jax_moe::GroupedGemmFp8Cuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // a [M, K] float8_e4m3fn
+                                  .Arg<xla::ffi::AnyBuffer>()              // a [M, K] | [E, C, K] float8_e4m3fn
                                   .Arg<xla::ffi::AnyBuffer>()              // b [E, N, K] float8_e4m3fn
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offsets [E + 1]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // row_scale [M]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offsets [E + 1] | counts [E]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // row_scale [M] | [E, C]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // col_scale [E, N]
-                                  .Ret<xla::ffi::AnyBuffer>()              // d [M, N] bf16
+                                  .Ret<xla::ffi::AnyBuffer>()              // d [M, N] | [E, C, N] bf16
                                   .Ret<xla::ffi::AnyBuffer>()              // workspace [W] uint8
                                   .Attr<int64_t>("tile"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

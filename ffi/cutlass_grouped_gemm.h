@@ -21,6 +21,15 @@
 //                        float32 registers every 4 MMAs: no "fast accumulation"); rows outside as above
 //    workspace [W] uint8 as above (two more pointer arrays: the groups' scale vectors)
 //
+// Batched format (both targets; a's rank says which): activations already grouped per expert, as after an
+// all-to-all dispatch, capacity C rows per expert:
+//   a [E, C, K]          expert e's rows are a[e, :counts[e]]; the rows past them are never read
+//   counts [E] int32     in place of offsets: rows used per expert, clamped to [0, C] on device
+//   row_scale [E, C]     (fp8) in place of [M]
+// -> d [E, C, N]         d[e, r] as above for r < counts[e], zeros for the rest
+// The same kernels and instantiations serve both formats: only the per-group rows differ
+// (GroupRows in cutlass_grouped_gemm_impl.cuh), so the format costs no compile time.
+//
 // attr tile: a CutlassTile below. E >= 1. K must be a multiple of CutlassAlignK(kind) (16-byte TMA rows of
 // a and b), N a multiple of kCutlassAlignN (16-byte bf16 rows of d). Offsets are clamped to [0, M] on
 // device, so no value of them makes the kernel touch memory outside the buffers; a decreasing pair

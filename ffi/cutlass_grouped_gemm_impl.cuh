@@ -1,8 +1,9 @@
 // The CUTLASS side of the grouped GEMM FFI targets (contract in cutlass_grouped_gemm.h): one SM90
 // pointer-array grouped GEMM type per (kind, tile), the device kernel that fills its per-group argument
-// arrays from the expert offsets, and the host launch. Included by ffi/cutlass_grouped_gemm_tile.cu, which
+// arrays from the expert offsets (or, batched, the counts: GroupRows), and the host launch. Included by ffi/cutlass_grouped_gemm_tile.cu, which
 // CMake compiles once per (kind, tile) (cmake/cutlass_gemm.cmake) so that the instantiations compile in
-// parallel; the FFI handlers (cutlass_grouped_gemm.cu) see only GroupedGemmCall and Run/WorkspaceBytes.
+// parallel; the FFI handlers (cutlass_grouped_gemm.cu) see only GroupedGemmCall, GroupRows and
+// Run/WorkspaceBytes.
 //
 // Layouts, in CUTLASS's terms: A row-major [M_e, K]; B "column-major" (K, N), i.e. our [N, K] rows with
 // K contiguous; D row-major [M_e, N]; no C operand (ElementC = void, beta never read).
@@ -37,20 +38,41 @@
 
 namespace jax_moe {
 
-// One call's operands, decoded and checked by the handler.
+// One call's operands, decoded and checked by the handler. The rows of a, d and row_scale are m
+// rows either way; the format says which of them group g owns (GroupRows).
 struct GroupedGemmCall {
   cudaStream_t stream;
-  const void* a;            // [m, k] bf16 or e4m3
+  const void* a;            // [m, k] bf16 or e4m3 (batched: [groups, capacity, k], m = groups * capacity)
   const void* b;            // [groups, n, k], a's type
-  const int32_t* offsets;   // [groups + 1] int32, device
+  const int32_t* offsets;   // standard: offsets [groups + 1]; batched: counts [groups]; int32, device
   const float* row_scale;   // [m] (fp8; nullptr for bf16)
   const float* col_scale;   // [groups, n] (fp8; nullptr for bf16)
   void* d;                  // [m, n] bf16
   void* workspace;
   size_t workspace_bytes;
   int64_t groups, m, n, k;
+  bool batched;             // the batched format (a rank 3): offsets holds counts
+  int64_t capacity;         // batched: rows per expert (C); 0 for the standard format
   int device, sm_count;
 };
+
+// Rows [lo, hi) of a (and d, row_scale) that group g owns, in 0 <= lo <= hi <= m, whatever the
+// device values are. Standard: [offsets[g], offsets[g+1]) clamped to [0, m] (a decreasing pair is
+// empty). Batched: [g * capacity, g * capacity + clamp(counts[g], 0, capacity)).
+__device__ __forceinline__ void GroupRows(const int32_t* offsets, int64_t g, int64_t m, bool batched,
+                                          int64_t capacity, int64_t& lo, int64_t& hi) {
+  if (batched) {
+    int64_t c = offsets[g];
+    c = c < 0 ? 0 : (c > capacity ? capacity : c);
+    lo = g * capacity;
+    hi = lo + c;
+    return;
+  }
+  lo = offsets[g];
+  hi = offsets[g + 1];
+  lo = lo < 0 ? 0 : (lo > m ? m : lo);
+  hi = hi < lo ? lo : (hi > m ? m : hi);
+}
 
 namespace cutlass_gg {
 
@@ -217,17 +239,17 @@ struct GroupedGemm {
   }
 };
 
-// Thread g fills group g's entries: rows [lo, hi) of a and d (and row_scale), expert g's weights (and
-// col_scale row).
+// Thread g fills group g's entries: rows [lo, hi) of a and d (and row_scale) from GroupRows, expert g's
+// weights (and col_scale row).
 template <class G>
-__global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, int64_t groups, int64_t m, int n,
-                                int k, const typename G::Element* a, const typename G::Element* b,
-                                typename G::ElementD* d, const float* row_scale, const float* col_scale) {
+__global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, int64_t groups, int64_t m,
+                                bool batched, int64_t capacity, int n, int k, const typename G::Element* a,
+                                const typename G::Element* b, typename G::ElementD* d, const float* row_scale,
+                                const float* col_scale) {
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= groups) return;
-  int64_t lo = offsets[g], hi = offsets[g + 1];
-  lo = lo < 0 ? 0 : (lo > m ? m : lo);
-  hi = hi < lo ? lo : (hi > m ? m : hi);
+  int64_t lo, hi;
+  GroupRows(offsets, g, m, batched, capacity, lo, hi);
   arr.shapes[g] = make_shape(static_cast<int>(hi - lo), n, k);
   arr.pa[g] = a + lo * k;
   arr.pb[g] = b + g * static_cast<int64_t>(n) * k;
@@ -264,8 +286,8 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   using D = typename G::ElementD;
   constexpr int kThreads = 128;
   FillGroupArrays<G><<<static_cast<unsigned>((c.groups + kThreads - 1) / kThreads), kThreads, 0, c.stream>>>(
-      arr, c.offsets, c.groups, c.m, static_cast<int>(c.n), static_cast<int>(c.k), static_cast<const E*>(c.a),
-      static_cast<const E*>(c.b), static_cast<D*>(c.d), c.row_scale, c.col_scale);
+      arr, c.offsets, c.groups, c.m, c.batched, c.capacity, static_cast<int>(c.n), static_cast<int>(c.k),
+      static_cast<const E*>(c.a), static_cast<const E*>(c.b), static_cast<D*>(c.d), c.row_scale, c.col_scale);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   typename G::Gemm gemm;

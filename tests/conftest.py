@@ -75,9 +75,11 @@ def command_buffer_check():
     import sys
     import textwrap
 
-    def check(backend: str, cases_code: str, tol: float, seed: int = 5) -> int:
-        script = _COMMAND_BUFFER_SCRIPT.format(seed=seed, cases_code=textwrap.dedent(cases_code), backend=backend,
-                                               tol=tol)
+    def check(backend: str, cases_code: str, tol: float, seed: int = 5, script: str | None = None) -> int:
+        """``script`` (optional): Python run instead of the fused_experts loop; it may use ``{seed}``,
+        ``{cases_code}`` and ``{tol}`` and must print ``OK <cases run>``."""
+        script = (script or _COMMAND_BUFFER_SCRIPT).format(seed=seed, cases_code=textwrap.dedent(cases_code),
+                                                           backend=backend, tol=tol)
         env = dict(os.environ,
                    XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)

@@ -40,6 +40,16 @@ discarded ``uint8`` result, sized at trace time (:func:`workspace_size`). The ti
 (:data:`TILES`) is picked at trace time from the rows per expert (:func:`pick_tile`); ``tile=`` or
 ``JAX_MOE_CUTLASS_TILE`` overrides it.
 
+Batched activation format (``[E, C, H]``, C rows of capacity per expert, ``counts [E]`` rows used,
+as after an all-to-all dispatch): :func:`grouped_gemm_batched` runs the same FFI targets and CUTLASS
+instantiations (the handler reads the format from a's rank: ``a [E, C, K]`` and ``counts [E]``
+instead of ``a [M, K]`` and ``offsets [E+1]``; FP8 row scales ``[E, C]``), the counts clamped to
+``[0, C]`` on the device, rows past them zero in d and never read in a; still no host sync.
+:func:`apply_batched` is the expert stage on that format (GEMM1 -> act_and_mul over all E*C rows ->
+GEMM2; no routing weights, those belong to the combine), what an all-to-all expert-parallel path
+would call between dispatch and combine (not wired into :mod:`jax_moe.parallel` yet). Built and
+CPU-tested; its GPU tests are written and not yet run on hardware.
+
 Scope of this build: bf16, and FP8 W8A8 (``act`` ``fp8_per_tensor`` static or dynamic, or
 ``fp8_per_token``; not ``bf16`` activations on FP8 weights); activations ``silu`` and ``gelu``
 (gated, gate/up rows concatenated) and ``relu2``; no biases; SM90 (``sm_90a``).
@@ -183,28 +193,55 @@ def _check_gemm(a, b, offsets, a_scale, b_scale, tile) -> tuple[str, str]:
     """Checks :func:`grouped_gemm`'s arguments (ValueError) and resolves (kind, tile)."""
     for name, x, rank, what in (("a", a, 2, "[M, K]"), ("b", b, 3, "[E, N, K]"), ("offsets", offsets, 1, "[E+1]")):
         check_rank(name, x, rank, what)
+    m, k = a.shape
+    e = b.shape[0]
+    kind = _check_operands(a, b, k, a_scale, b_scale, {(m,): "per row [M]"})
+    if jnp.dtype(offsets.dtype) != jnp.int32:
+        raise ValueError(f"offsets must be int32, got {_dtype_name(offsets)}")
+    if offsets.shape[0] != e + 1:
+        raise ValueError(f"offsets must have E + 1 = {e + 1} elements, got {offsets.shape[0]}")
+    if m >= 2**31:
+        raise ValueError(f"dimensions must fit in int32, got M={m}")
+    return kind, _resolve_tile(tile, m, e)
+
+
+def _check_gemm_batched(a, b, counts, a_scale, b_scale, tile) -> tuple[str, str]:
+    """Checks :func:`grouped_gemm_batched`'s arguments (ValueError) and resolves (kind, tile)."""
+    for name, x, rank, what in (("a", a, 3, "[E, C, K]"), ("b", b, 3, "[E, N, K]"), ("counts", counts, 1, "[E]")):
+        check_rank(name, x, rank, what)
+    e, c, k = a.shape
+    kind = _check_operands(a, b, k, a_scale, b_scale, {(e, c): "per row [E, C]"})
+    if b.shape[0] != e:
+        raise ValueError(f"b must be [E, N, K] with a's E = {e} experts, got shape {list(b.shape)}")
+    if jnp.dtype(counts.dtype) != jnp.int32:
+        raise ValueError(f"counts must be int32, got {_dtype_name(counts)}")
+    if counts.shape[0] != e:
+        raise ValueError(f"counts must have E = {e} elements (one per expert), got {counts.shape[0]}")
+    if e * c >= 2**31:
+        raise ValueError(f"dimensions must fit in int32, got E*C={e * c}")
+    return kind, _resolve_tile(tile, e * c, e)
+
+
+def _check_operands(a, b, k: int, a_scale, b_scale, row_forms: dict[tuple, str]) -> str:
+    """What both formats share: dtypes (-> the kind), b's K, E >= 1, 16-byte rows, int32 sizes and
+    the fp8 scales (``row_forms``: a_scale's per-row shapes besides per tensor)."""
     kinds = {dt: kind for kind, (_, _, dt) in KINDS.items()}
     if _dtype_name(a) not in kinds:
         raise ValueError(f"a must be bfloat16, or float8_e4m3fn (with a_scale and b_scale), got {_dtype_name(a)}")
     kind = kinds[_dtype_name(a)]
     if _dtype_name(b) != _dtype_name(a):
         raise ValueError(f"b must have a's dtype {_dtype_name(a)}, got {_dtype_name(b)}")
-    if jnp.dtype(offsets.dtype) != jnp.int32:
-        raise ValueError(f"offsets must be int32, got {_dtype_name(offsets)}")
-    m, k = a.shape
     e, n, k2 = b.shape
     if k2 != k:
         raise ValueError(f"b must be [E, N, K] with a's K = {k}, got shape {list(b.shape)}")
     if e < 1:
         raise ValueError("b must hold at least one expert")
-    if offsets.shape[0] != e + 1:
-        raise ValueError(f"offsets must have E + 1 = {e + 1} elements, got {offsets.shape[0]}")
     ak = ALIGN_K[kind]
     if k < ak or k % ak or n < ALIGN_N or n % ALIGN_N:
         raise ValueError(f"{kind}: K must be a positive multiple of {ak} and N of {ALIGN_N} (16-byte rows), "
                          f"got K={k}, N={n}")
-    if max(m, n, k) >= 2**31:
-        raise ValueError(f"dimensions must fit in int32, got M={m}, N={n}, K={k}")
+    if max(n, k) >= 2**31:
+        raise ValueError(f"dimensions must fit in int32, got N={n}, K={k}")
     if kind == "bf16":
         for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
             if s is not None:
@@ -213,19 +250,24 @@ def _check_gemm(a, b, offsets, a_scale, b_scale, tile) -> tuple[str, str]:
         for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
             if s is None:
                 raise ValueError(f"{name} is required with float8_e4m3fn a and b")
-        _check_scale("a_scale", a_scale, {(): "per tensor", (1,): "per tensor", (m,): "per row [M]"})
+        _check_scale("a_scale", a_scale, {(): "per tensor", (1,): "per tensor", **row_forms})
         _check_scale("b_scale", b_scale, {(): "per tensor", (e,): "per expert [E]", (e, n): "per channel [E, N]",
                                           (e, n, 1): "per channel [E, N, 1]"})
+    return kind
+
+
+def _resolve_tile(tile, rows: int, e: int) -> str:
     if tile is None or tile == "auto":
-        return kind, pick_tile(m, e)
+        return pick_tile(rows, e)
     if tile not in TILES:
         raise ValueError(f"tile must be 'auto' or one of {sorted(TILES)}, got {tile!r}")
-    return kind, tile
+    return tile
 
 
-def _row_col_scales(a_scale, b_scale, m: int, e: int, n: int):
-    """The kernel's scale operands: row [M] and col [E, N] float32, broadcast from any accepted form."""
-    row = jnp.broadcast_to(jnp.reshape(a_scale, (-1,)), (m,))
+def _row_col_scales(a_scale, b_scale, rows: tuple[int, ...], e: int, n: int):
+    """The kernel's scale operands: row ``rows`` ([M], or [E, C] batched) and col [E, N] float32,
+    broadcast from any accepted form."""
+    row = jnp.broadcast_to(jnp.reshape(a_scale, (-1,)), (int(np.prod(rows)),)).reshape(rows)
     b = jnp.reshape(b_scale, (-1, n) if b_scale.ndim >= 2 else (-1, 1))
     return row, jnp.broadcast_to(b, (e, n))
 
@@ -244,7 +286,7 @@ def grouped_gemm_reference(a, b, offsets, *, a_scale=None, b_scale=None, tile=No
     kind, _ = _check_gemm(a, b, offsets, a_scale, b_scale, tile)
     if kind == "bf16":
         return _reference(a, b, offsets, None, None)
-    return _reference(a, b, offsets, *_row_col_scales(a_scale, b_scale, a.shape[0], b.shape[0], b.shape[1]))
+    return _reference(a, b, offsets, *_row_col_scales(a_scale, b_scale, (a.shape[0],), b.shape[0], b.shape[1]))
 
 
 def _reference(a, b, offsets, row, col):
@@ -292,22 +334,86 @@ def grouped_gemm(a: jax.Array, b: jax.Array, offsets: jax.Array, *, a_scale=None
     m, n, e = a.shape[0], b.shape[1], b.shape[0]
     if m == 0:
         return jnp.zeros((0, n), jnp.bfloat16)
-    scales = () if kind == "bf16" else _row_col_scales(a_scale, b_scale, m, e, n)
-    if not _register():
-        return _reference(a, b, offsets, *(scales or (None, None)))
-    target = KINDS[kind][1]
+    scales = () if kind == "bf16" else _row_col_scales(a_scale, b_scale, (m,), e, n)
+    return _lower(kind, tile, (m, n), _reference, a, b, offsets, scales)
 
-    def cuda(a, b, offsets, *scales):
-        outs = (jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
-                jax.ShapeDtypeStruct((workspace_size(e, tile, kind),), jnp.uint8))
-        d, _ = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(a, b, offsets, *scales,
-                                                                         tile=np.int64(TILES[tile]))
+
+def _lower(kind: str, tile: str, d_shape: tuple, reference, a, b, sizes, scales):
+    """The kind's FFI target (one per kind serves both formats: the handler reads a's rank) where
+    lowered for a GPU with the module loaded, else ``reference(a, b, sizes, row, col)``."""
+    def default(a, b, sizes, *scales):
+        return reference(a, b, sizes, *(scales or (None, None)))
+
+    if not _register():
+        return default(a, b, sizes, *scales)
+
+    def cuda(*args):
+        outs = (jax.ShapeDtypeStruct(d_shape, jnp.bfloat16),
+                jax.ShapeDtypeStruct((workspace_size(b.shape[0], tile, kind),), jnp.uint8))
+        d, _ = jax.ffi.ffi_call(KINDS[kind][1], outs, vmap_method="sequential")(*args, tile=np.int64(TILES[tile]))
         return d
 
-    def default(a, b, offsets, *scales):
-        return _reference(a, b, offsets, *(scales or (None, None)))
+    return jax.lax.platform_dependent(a, b, sizes, *scales, cuda=cuda, default=default)
 
-    return jax.lax.platform_dependent(a, b, offsets, *scales, cuda=cuda, default=default)
+
+# ----------------------------------------------------------------------------- batched format
+
+
+def grouped_gemm_batched_shape(a, b, counts, *, a_scale=None, b_scale=None) -> jax.ShapeDtypeStruct:
+    """The shape rule of the batched format: a [E, C, K], b [E, N, K], counts [E] (and the scales,
+    for fp8) -> d [E, C, N] bfloat16 (no data read)."""
+    _check_gemm_batched(a, b, counts, a_scale, b_scale, "auto")
+    return jax.ShapeDtypeStruct((a.shape[0], a.shape[1], b.shape[1]), jnp.bfloat16)
+
+
+def grouped_gemm_batched_reference(a, b, counts, *, a_scale=None, b_scale=None, tile=None) -> jax.Array:
+    """jnp reference of :func:`grouped_gemm_batched` (same arguments and result; ``tile`` is
+    checked and ignored): a float32 batched matmul over the rows below the clamped counts, then
+    the scales; the other rows zero (never read: garbage or NaN there does not leak)."""
+    kind, _ = _check_gemm_batched(a, b, counts, a_scale, b_scale, tile)
+    e, c, _ = a.shape
+    scales = (None, None) if kind == "bf16" else _row_col_scales(a_scale, b_scale, (e, c), e, b.shape[1])
+    return _reference_batched(a, b, counts, *scales)
+
+
+def _batched_rows_used(counts, c: int) -> jax.Array:
+    """[E, C] bool: row r of expert e is used iff r < clamp(counts[e], 0, C) (the kernel's GroupRows)."""
+    return jnp.arange(c, dtype=jnp.int32)[None, :] < jnp.clip(counts, 0, c)[:, None]
+
+
+def _reference_batched(a, b, counts, row, col):
+    used = _batched_rows_used(counts, a.shape[1])[..., None]
+    a0 = jnp.where(used, a.astype(jnp.float32), 0.0)
+    d = jnp.einsum("eck,enk->ecn", a0, b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
+    if row is not None:  # fp8: the epilogue's (acc * col) * row
+        d = d * col[:, None, :] * row[..., None]
+    return jnp.where(used, d, 0.0).astype(jnp.bfloat16)
+
+
+def grouped_gemm_batched(a: jax.Array, b: jax.Array, counts: jax.Array, *, a_scale=None, b_scale=None,
+                         tile: str | None = "auto") -> jax.Array:
+    """:func:`grouped_gemm` on the batched format (rows already grouped per expert, as after an
+    all-to-all dispatch): ``d[e, r] = a[e, r] @ b[e].T`` for ``r < counts[e]``.
+
+    a [E, C, K] (C: capacity rows per expert); b [E, N, K]; counts [E] int32, the rows each
+    expert uses, clamped to [0, C] on the device (no host sync). fp8: ``a_scale`` [] or [1] (per
+    tensor) or [E, C] (per row), ``b_scale`` as for :func:`grouped_gemm`; d[e, r, n] =
+    ``(a[e, r] @ b[e].T)[n] * a_scale[e, r] * b_scale[e, n]``.
+
+    Returns d [E, C, N] bfloat16 (float32 accumulation); rows at or past ``counts[e]`` are zeros
+    and those rows of a (and a_scale) are never read. The same FFI targets, kernels and
+    instantiations as the standard format (the handler reads the format from a's rank). ``tile``
+    ``"auto"`` picks from the capacity (:func:`pick_tile` of E*C rows over E experts: C <= 64 is
+    the decode tile). CPU or no module: :func:`grouped_gemm_batched_reference`.
+    """
+    kind, tile = _check_gemm_batched(a, b, counts, a_scale, b_scale, tile)
+    e, c, _ = a.shape
+    n = b.shape[1]
+    if c == 0:
+        return jnp.zeros((e, 0, n), jnp.bfloat16)
+    scales = () if kind == "bf16" else _row_col_scales(a_scale, b_scale, (e, c), e, n)
+    return _lower(kind, tile, (e, c, n), _reference_batched, a, b, counts, scales)
 
 
 # ----------------------------------------------------------------------------- the backend
@@ -405,6 +511,18 @@ def _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bi
     """ValueError for what this build does not take (quant schemes, biases, activations, dtypes, shapes)."""
     if w13_bias is not None or w2_bias is not None:
         raise ValueError(f"{NAME}: GEMM biases are not supported yet (use backend='flashinfer_cutlass' or 'xla')")
+    _check_experts(x, w13, w2, cfg, quant, tile)
+    t = x.shape[0]
+    k = topk_ids.shape[1]
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != t:
+        raise ValueError(f"{NAME}: topk_weights {topk_weights.shape} / topk_ids {topk_ids.shape} must be [T, k]")
+    if apply_router_weight_on_input and k != 1:
+        raise ValueError(f"{NAME}: apply_router_weight_on_input needs top_k == 1, got top_k={k}")
+
+
+def _check_experts(x, w13, w2, cfg, quant, tile) -> None:
+    """What both formats check of the experts: activation, layout, weight dtypes, shapes against
+    x's hidden size (x [..., H]), 16-byte rows, the quant scheme, the tile."""
     if cfg.activation not in ACTIVATIONS:
         raise ValueError(f"{NAME}: activation {cfg.activation!r} is not wired up (have {', '.join(ACTIVATIONS)})")
     if cfg.gate_up_layout != "concat":
@@ -415,17 +533,12 @@ def _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bi
             raise ValueError(f"{NAME}: {name} must be {want} "
                              f"({'bf16 weights' if quant is None else 'FP8 weights with quant='}), "
                              f"got {_dtype_name(w)}")
-    t, h = x.shape
+    h = x.shape[-1]
     e, n1, h2 = w13.shape
     e2, h3, i = w2.shape
-    k = topk_ids.shape[1]
     want_n1 = 2 * i if cfg.gated else i
     if h2 != h or h3 != h or e2 != e or n1 != want_n1:
         raise ValueError(f"{NAME}: shape mismatch: x {x.shape}, w13 {w13.shape}, w2 {w2.shape}")
-    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != t:
-        raise ValueError(f"{NAME}: topk_weights {topk_weights.shape} / topk_ids {topk_ids.shape} must be [T, k]")
-    if apply_router_weight_on_input and k != 1:
-        raise ValueError(f"{NAME}: apply_router_weight_on_input needs top_k == 1, got top_k={k}")
     if h % ALIGN_N or i % ALIGN_N:
         raise ValueError(f"{NAME}: H={h} and I={i} must be multiples of {ALIGN_N}")
     refusal = _quant_refusal(quant, h, i)
@@ -483,3 +596,81 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
                          tile=tile)
     return kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid,
                                     apply_router_weight_on_input=apply_router_weight_on_input, out_dtype=x.dtype)
+
+
+# ----------------------------------------------------------------------------- the batched expert stage
+
+
+def _check_apply_batched(x, counts, w13, w2, cfg, quant, tile) -> None:
+    check_rank("x", x, 3, "[E, C, H]")
+    check_rank("counts", counts, 1, "[E]")
+    if jnp.dtype(counts.dtype) != jnp.int32:
+        raise ValueError(f"{NAME}: counts must be int32, got {_dtype_name(counts)}")
+    _check_experts(x, w13, w2, cfg, quant, tile)
+    e = w13.shape[0]
+    if x.shape[0] != e or counts.shape[0] != e:
+        raise ValueError(f"{NAME}: x [E, C, H] and counts [E] must have the weights' E = {e} experts, "
+                         f"got x {list(x.shape)}, counts {list(counts.shape)}")
+
+
+def apply_batched(x: jax.Array, counts: jax.Array, w13: jax.Array, w2: jax.Array, cfg, *, quant=None,
+                  tile: str | None = "auto") -> jax.Array:
+    """The expert stage on the batched format: ``y[e, r] = expert_e(x[e, r])`` for ``r < counts[e]``.
+
+    What an all-to-all expert-parallel path runs between dispatch and combine, once each device
+    holds its tokens grouped per local expert: x [E, C, H] (C a static capacity; rows at or past
+    ``counts[e]`` are padding, never read), counts [E] int32 (clamped to [0, C] on the device), the
+    weights as :func:`apply` takes them (E here is the experts this call owns: E_local under EP).
+    No routing weights: the weighted top-k reduce belongs to the combine. Returns y [E, C, H] in
+    x's dtype, rows at or past ``counts[e]`` zero.
+
+    Pipeline, on E*C rows::
+
+        h = grouped_gemm_batched(x, w13, counts)                      # [E, C, 2I]
+        a = act_and_mul(h.reshape(E*C, 2I), activation)              # [E*C, I] (relu2: jnp)
+        y = grouped_gemm_batched(a.reshape(E, C, I), w2, counts)     # [E, C, H]
+
+    act_and_mul runs over every row: the unused rows of h are zeros (GEMM1 writes them so), act(0)
+    * 0 = 0, and GEMM2 never reads them. FP8 (``quant`` as for :func:`apply`): x is quantized in
+    jnp (per-token scales [E, C], or per tensor: the static ``a13_scale``, or the dynamic amax over
+    the used rows only); GEMM2's input as in :func:`apply` (fused into act_and_mul for per-token
+    and static scales). ``tile``: both GEMMs' (``"auto"``: from C, :func:`pick_tile`).
+
+    Where it plugs in: :mod:`jax_moe.parallel`'s ``all_to_all`` strategy exchanges tokens with
+    their local expert ids and runs a token-based backend (``run(x, w, ids)``); packing the received
+    rows per local expert into [E_local, C, H] (C = a static per-expert capacity), calling this,
+    and scattering back before the combine is the batched alternative. Not wired there yet.
+    """
+    _check_apply_batched(x, counts, w13, w2, cfg, quant, tile)
+    e, c, h = x.shape
+    i = w2.shape[2]
+    if c == 0:
+        return jnp.zeros((e, 0, h), x.dtype)
+    if tile in (None, "auto"):
+        tile = pick_tile(e * c, e)
+    rows = e * c
+    valid = jnp.full((1,), rows, jnp.int32)  # every row: the unused ones are zeros from GEMM1
+    if quant is None:
+        h1 = grouped_gemm_batched(x.astype(jnp.bfloat16), w13, counts, tile=tile).reshape(rows, -1)
+        if cfg.gated:
+            a2 = kernels.act_and_mul(h1, cfg.activation, valid_rows=valid)
+        else:
+            a2 = _relu2_rows(h1, valid, jnp.bfloat16)
+        y = grouped_gemm_batched(a2.reshape(e, c, i), w2, counts, tile=tile)
+    else:
+        xf = x.astype(jnp.float32)
+        if quant.act == "fp8_per_tensor" and quant.a13_scale is None:  # dynamic: amax over the used rows
+            xf = jnp.where(_batched_rows_used(counts, c)[..., None], xf, 0.0)
+        a1, s1 = _quantize_rows(xf.reshape(rows, h), quant.act, quant.a13_scale)
+        h1 = grouped_gemm_batched(a1.reshape(e, c, h), w13, counts, a_scale=_batched_scale(s1, e, c),
+                                  b_scale=jnp.asarray(quant.w13_scale, jnp.float32), tile=tile)
+        a2, s2 = _fp8_gemm2_input(h1.reshape(rows, -1), cfg, valid, quant)
+        y = grouped_gemm_batched(a2.reshape(e, c, i), w2, counts, a_scale=_batched_scale(s2, e, c),
+                                 b_scale=jnp.asarray(quant.w2_scale, jnp.float32), tile=tile)
+    return y.astype(x.dtype)
+
+
+def _batched_scale(s, e: int, c: int):
+    """A row scale of the E*C flattened rows ([E*C]) as the batched GEMM takes it ([E, C]); a per
+    tensor scale ([]) as it is."""
+    return s if s.ndim == 0 else s.reshape(e, c)
