@@ -446,16 +446,22 @@ def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
     ok, why = available(dev)
     if not ok:
         return False, why
-    if cfg.activation not in ACTIVATIONS:
-        return False, f"activation {cfg.activation!r} is not wired up (have {', '.join(ACTIVATIONS)})"
-    if cfg.gate_up_layout != "concat":
-        return False, f"gate_up_layout {cfg.gate_up_layout!r} is not wired up (have 'concat': gate rows, then up)"
-    if cfg.hidden_size % ALIGN_N or cfg.intermediate_size % ALIGN_N:
-        return False, f"hidden and intermediate sizes must be multiples of {ALIGN_N} (16-byte rows)"
-    refusal = _quant_refusal(quant, cfg.hidden_size, cfg.intermediate_size)
+    refusal = _config_refusal(cfg.activation, cfg.gate_up_layout, cfg.hidden_size, cfg.intermediate_size, quant)
     if refusal:
         return False, refusal
     return True, "ok"
+
+
+def _config_refusal(activation: str, gate_up_layout: str, h: int, i: int, quant) -> str | None:
+    """Why this build cannot run a layer (None when it can): the activation, the gate/up layout,
+    16-byte rows, the quant scheme. :func:`supports` returns it; the apply functions raise it."""
+    if activation not in ACTIVATIONS:
+        return f"activation {activation!r} is not wired up (have {', '.join(ACTIVATIONS)})"
+    if gate_up_layout != "concat":
+        return f"gate_up_layout {gate_up_layout!r} is not wired up (have 'concat': gate rows, then up)"
+    if h % ALIGN_N or i % ALIGN_N:
+        return f"hidden and intermediate sizes (H={h}, I={i}) must be multiples of {ALIGN_N} (16-byte rows)"
+    return _quant_refusal(quant, h, i)
 
 
 def _relu2_rows(h, valid, dtype):
@@ -523,10 +529,6 @@ def _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bi
 def _check_experts(x, w13, w2, cfg, quant, tile) -> None:
     """What both formats check of the experts: activation, layout, weight dtypes, shapes against
     x's hidden size (x [..., H]), 16-byte rows, the quant scheme, the tile."""
-    if cfg.activation not in ACTIVATIONS:
-        raise ValueError(f"{NAME}: activation {cfg.activation!r} is not wired up (have {', '.join(ACTIVATIONS)})")
-    if cfg.gate_up_layout != "concat":
-        raise ValueError(f"{NAME}: gate_up_layout {cfg.gate_up_layout!r} is not wired up (have 'concat')")
     want = "bfloat16" if quant is None else "float8_e4m3fn"
     for name, w in (("w13", w13), ("w2", w2)):
         if _dtype_name(w) != want:
@@ -539,9 +541,7 @@ def _check_experts(x, w13, w2, cfg, quant, tile) -> None:
     want_n1 = 2 * i if cfg.gated else i
     if h2 != h or h3 != h or e2 != e or n1 != want_n1:
         raise ValueError(f"{NAME}: shape mismatch: x {x.shape}, w13 {w13.shape}, w2 {w2.shape}")
-    if h % ALIGN_N or i % ALIGN_N:
-        raise ValueError(f"{NAME}: H={h} and I={i} must be multiples of {ALIGN_N}")
-    refusal = _quant_refusal(quant, h, i)
+    refusal = _config_refusal(cfg.activation, cfg.gate_up_layout, h, i, quant)
     if refusal:
         raise ValueError(f"{NAME}: {refusal}")
     if tile not in (None, "auto") and tile not in TILES:
