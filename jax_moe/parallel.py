@@ -377,18 +377,12 @@ def _pad_intermediate(w13, w2, w13_bias, inter_padded: int, gated: bool, gate_up
     """Zero-pad one device's block from its I to ``inter_padded``: w13's gate and up halves
     each (or its rows, not gated), w2's columns, the w13 bias like w13. The padded units add
     ``act(0) * 0 = 0`` through zero w2 columns: the result is unchanged."""
-    from jax_moe.layouts.common import pad_axis, pad_gate_up
+    from jax_moe.layouts.common import pad_axis, pad_intermediate_rows
 
     if inter_padded == w2.shape[-1]:
         return w13, w2, w13_bias
-
-    def pad13(a, axis):
-        if gated:
-            return pad_gate_up(a, inter_padded, axis=axis, layout=gate_up_layout)
-        return pad_axis(a, inter_padded, axis)
-
-    return (pad13(w13, -2), pad_axis(w2, inter_padded, -1),
-            None if w13_bias is None else pad13(w13_bias, -1))
+    return (pad_intermediate_rows(w13, inter_padded, gated, -2, gate_up_layout), pad_axis(w2, inter_padded, -1),
+            None if w13_bias is None else pad_intermediate_rows(w13_bias, inter_padded, gated, -1, gate_up_layout))
 
 
 def shard_prepared(w13, w2, pcfg: ParallelConfig, *, backend: str = "flashinfer_cutlass", activation: str = "silu",

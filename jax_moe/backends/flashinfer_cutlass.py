@@ -64,7 +64,7 @@ from jax_moe.layouts import (
     mxfp4_padded_sizes,
     mxfp4_padding,
     pad_axis,
-    pad_gate_up,
+    pad_intermediate_rows,
     round_up,
     swap_w13_to_w31,
     undo_reorder_rows_for_gated_act_gemm,
@@ -191,11 +191,9 @@ def prepare_weights(w13, w2, activation: str = "silu", gate_up_layout: str = "co
 
 
 def _pad_rows(x, activation: str, intermediate_padded: int, axis: int = -2):
-    """GEMM1 rows (w13, its scales, its bias with ``axis=-1``) in the runner's order, I padded
-    with zeros: half by half for gated activations, at the end otherwise."""
-    if GATED[activation]:
-        return pad_gate_up(x, intermediate_padded, axis=axis)
-    return pad_axis(x, intermediate_padded, axis)
+    """GEMM1 rows (w13, its scales, its bias with ``axis=-1``) in the runner's order (gate/up
+    halves), I padded with zeros."""
+    return pad_intermediate_rows(x, intermediate_padded, GATED[activation], axis=axis)
 
 
 def prepare_mxfp4_weights(w13, w13_scale, w2, w2_scale, activation: str = "silu",

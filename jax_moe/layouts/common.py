@@ -114,6 +114,7 @@ __all__ = [
     "pad_axis",
     "pad_axis_to_multiple",
     "pad_gate_up",
+    "pad_intermediate_rows",
     "unpad_gate_up",
 ]
 
@@ -238,6 +239,15 @@ def pad_gate_up(w13, intermediate_padded: int, axis: int = -2, layout: str = "co
     halves = w13.reshape(w13.shape[:ax] + (2, i) + w13.shape[ax + 1:])
     halves = pad_axis(halves, ip, ax + 1)
     return halves.reshape(w13.shape[:ax] + (2 * ip,) + w13.shape[ax + 1:])
+
+
+def pad_intermediate_rows(w13, intermediate_padded: int, gated: bool, axis: int = -2, layout: str = "concat"):
+    """GEMM1's rows (w13 ``[..., 2I or I, H]``, its block scales, its bias ``[..., 2I]`` with
+    ``axis=-1``) zero-padded to the intermediate size ``intermediate_padded``: half by half for a
+    gated activation (:func:`pad_gate_up`), at the end otherwise (:func:`pad_axis`)."""
+    if gated:
+        return pad_gate_up(w13, intermediate_padded, axis=axis, layout=layout)
+    return pad_axis(w13, intermediate_padded, axis)
 
 
 @functools.partial(jax.jit, static_argnames=("intermediate", "axis", "layout"))
