@@ -373,6 +373,54 @@ def test_mixed_gemm_weights_literal_example():
     np.testing.assert_array_equal(out, want)
 
 
+def mixed_int4_weights_ref(w):
+    """The int4 unit interleave from its documented words, by python loops: 2-byte unit
+    l = 8m + 4h + t of row r + 8s (chunk p) goes to row r + 8h, unit 8m + 2t + s."""
+    w = np.asarray(w)
+    n, kb = w.shape
+    units = w.reshape(n, kb // 2, 2)
+    out = np.zeros_like(units)
+    for g in range(n // 16):
+        for r in range(16 * g, 16 * g + 8):
+            for p in range(kb // 32):
+                for m in range(2):
+                    for h in range(2):
+                        for t in range(4):
+                            for s in range(2):
+                                out[r + 8 * h, 16 * p + 8 * m + 2 * t + s] = units[r + 8 * s, 16 * p + 8 * m + 4 * h + t]
+    return out.reshape(n, kb)
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (32, 96)])
+def test_mixed_gemm_int4_weights_reference_and_inverse(rng, shape):
+    w = jnp.asarray(rng.integers(0, 256, size=shape, dtype=np.uint8))
+    out = L.interleave_int4_weights_for_sm90_mixed_gemm(w)
+    assert out.dtype == jnp.uint8 and out.shape == w.shape
+    np.testing.assert_array_equal(np.asarray(out), mixed_int4_weights_ref(w))
+    np.testing.assert_array_equal(np.asarray(L.deinterleave_int4_weights_for_sm90_mixed_gemm(out)), np.asarray(w))
+
+
+def test_mixed_gemm_int4_weights_literal_example():
+    """Row 8's unit 5 (bytes 10-11: l = 5 = 8*0 + 4*1 + 1, so h = 1, t = 1, s = 1) lands in row
+    8 + 8h - 8 = 8, unit 2t + s = 3 (bytes 6-7); row 0's unit 1 (h = 0, t = 1, s = 0) in row 0,
+    unit 2 (bytes 4-5). Codes inside a unit are untouched."""
+    w = np.zeros((16, 32), np.uint8)
+    w[8, 10], w[8, 11] = 0x21, 0x43
+    w[0, 2], w[0, 3] = 0x65, 0x87
+    out = np.asarray(L.interleave_int4_weights_for_sm90_mixed_gemm(jnp.asarray(w)))
+    want = np.zeros_like(w)
+    want[8, 6], want[8, 7] = 0x21, 0x43
+    want[0, 4], want[0, 5] = 0x65, 0x87
+    np.testing.assert_array_equal(out, want)
+
+
+def test_mixed_gemm_int4_errors():
+    with pytest.raises(ValueError, match="two int4 codes"):
+        L.interleave_int4_weights_for_sm90_mixed_gemm(jnp.zeros((16, 32), jnp.int8))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        L.deinterleave_int4_weights_for_sm90_mixed_gemm(jnp.zeros((8, 32), jnp.uint8))
+
+
 @pytest.mark.parametrize("rows,kg,dtype,group", [(64, 4, "uint8", 32), (128, 12, "uint8", 32),
                                                  (64, 2, "bfloat16", 128), (192, 3, "bfloat16", 128)])
 def test_mixed_gemm_scales_reference_and_inverse(rng, rows, kg, dtype, group):
@@ -439,6 +487,10 @@ def _cases():
         ("interleave_fp4_weights_for_sm90_mixed_gemm", L.interleave_fp4_weights_for_sm90_mixed_gemm,
          (32, 32), "uint8"),
         ("deinterleave_fp4_weights_for_sm90_mixed_gemm", L.deinterleave_fp4_weights_for_sm90_mixed_gemm,
+         (16, 64), "uint8"),
+        ("interleave_int4_weights_for_sm90_mixed_gemm", L.interleave_int4_weights_for_sm90_mixed_gemm,
+         (32, 32), "uint8"),
+        ("deinterleave_int4_weights_for_sm90_mixed_gemm", L.deinterleave_int4_weights_for_sm90_mixed_gemm,
          (16, 64), "uint8"),
         ("interleave_scales_for_sm90_mixed_gemm", L.interleave_scales_for_sm90_mixed_gemm, (64, 8), "uint8"),
         ("deinterleave_scales_for_sm90_mixed_gemm", L.deinterleave_scales_for_sm90_mixed_gemm,

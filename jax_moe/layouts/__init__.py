@@ -68,8 +68,10 @@ from jax_moe.layouts.gated import (
 from jax_moe.layouts.mixed_gemm import (
     FP4_WORD_FIELDS,
     deinterleave_fp4_weights_for_sm90_mixed_gemm,
+    deinterleave_int4_weights_for_sm90_mixed_gemm,
     deinterleave_scales_for_sm90_mixed_gemm,
     interleave_fp4_weights_for_sm90_mixed_gemm,
+    interleave_int4_weights_for_sm90_mixed_gemm,
     interleave_scales_for_sm90_mixed_gemm,
     mixed_gemm_scale_shape,
 )
@@ -117,10 +119,12 @@ __all__ = [
     "block_scale_deinterleave",
     "block_scale_interleave",
     "deinterleave_fp4_weights_for_sm90_mixed_gemm",
+    "deinterleave_int4_weights_for_sm90_mixed_gemm",
     "deinterleave_scales_for_sm90_mixed_gemm",
     "fp8_alpha_scales",
     "fp8_padded_intermediate",
     "interleave_fp4_weights_for_sm90_mixed_gemm",
+    "interleave_int4_weights_for_sm90_mixed_gemm",
     "interleave_scales_for_sm90_mixed_gemm",
     "mixed_gemm_scale_shape",
     "mxfp4_padded_sizes",

@@ -1,5 +1,6 @@
-"""The SM90 mixed-input grouped GEMM's weight and scale layouts (FlashInfer CUTLASS MoE, W4A16
-MXFP4: bf16 activations x E2M1 weights with E8M0 scales).
+"""The SM90 mixed-input grouped GEMM's weight and scale layouts (FlashInfer CUTLASS MoE: W4A16
+MXFP4, bf16 activations x E2M1 weights with E8M0 scales; W4A8, FP8 activations x int4 weights
+with 2-byte group-128 scales).
 
 The Hopper mixed-input MoE GEMM (TensorRT-LLM's, as FlashInfer 0.7.2 ships it:
 ``moe_gemm_tma_ws_mixed_input_launcher.inl``) converts the 4-bit weights to bf16 in registers
@@ -44,6 +45,25 @@ in order), or, for ``n6``/``n7``, its exponent bits ``x_j`` (code bits 1-2) and 
 (the low half holds the even codes, those of column ``2c`` / ``2c + 8``; the high half the odd
 ones). Inverse: :func:`deinterleave_fp4_weights_for_sm90_mixed_gemm`.
 
+int4 weights (:func:`interleave_int4_weights_for_sm90_mixed_gemm`, W4A8)
+--------------------------------------------------------------------------
+Input: packed int4 codes ``w [..., N, K/2]`` uint8 (two's-complement nibbles, element ``2j`` of
+a row in the low nibble of byte ``j``: :func:`jax_moe.quant.int4.pack_int4`). ``N`` must be a
+multiple of 16 and ``K`` of 64. Output: the same shape and dtype. No bit moves inside a 16-bit
+unit: the int4 path converts codes without the FP4 table, so only whole units move.
+
+Read each row as ``K/4`` units of 2 bytes (4 codes; unit ``u`` = bytes ``2u, 2u + 1``), in
+chunks of 16 units (64 codes); rows pair up as for FP4, ``r`` with ``r + 8`` inside groups of
+16. Number the units of a chunk ``l = 8m + 4h + t`` (``m``, ``h`` in {0, 1}, ``t`` in 0..3).
+Unit ``l`` of row ``r + 8s`` (``s`` in {0, 1}) goes to row ``r + 8h``, unit ``8m + 2t + s`` of
+the same chunk:
+
+    out[r + 8h, chunk p, unit 8m + 2t + s] = w[r + 8s, chunk p, unit 8m + 4h + t]
+
+so each destination row holds, unit by unit, the two rows' units side by side: row ``r`` gets
+units ``t`` (h = 0) of both rows, row ``r + 8`` units ``4 + t`` (h = 1). Inverse:
+:func:`deinterleave_int4_weights_for_sm90_mixed_gemm`.
+
 Scales (:func:`interleave_scales_for_sm90_mixed_gemm`)
 -------------------------------------------------------
 Input: per-group weight scales ``s [..., R, K/g]`` (MXFP4: uint8 E8M0, ``g = 32``; W4A8: a
@@ -83,6 +103,8 @@ __all__ = [
     "FP4_WORD_FIELDS",
     "interleave_fp4_weights_for_sm90_mixed_gemm",
     "deinterleave_fp4_weights_for_sm90_mixed_gemm",
+    "interleave_int4_weights_for_sm90_mixed_gemm",
+    "deinterleave_int4_weights_for_sm90_mixed_gemm",
     "mixed_gemm_scale_shape",
     "interleave_scales_for_sm90_mixed_gemm",
     "deinterleave_scales_for_sm90_mixed_gemm",
@@ -111,11 +133,11 @@ def _move_fields(words, fields):
     return out
 
 
-def _check_weight(name: str, w):
+def _check_weight(name: str, w, code: str = "E2M1"):
     w = jnp.asarray(w)
-    check_min_ndim(name, w, 2, "[..., N, K/2] packed E2M1")
+    check_min_ndim(name, w, 2, f"[..., N, K/2] packed {code}")
     if w.dtype != jnp.uint8:
-        raise ValueError(f"{name} must be uint8 (two E2M1 codes per byte), got {np.dtype(w.dtype).name}")
+        raise ValueError(f"{name} must be uint8 (two {code} codes per byte), got {np.dtype(w.dtype).name}")
     n, kb = w.shape[-2:]
     if n % MIXED_GEMM_ROW_GROUP or (2 * kb) % MIXED_GEMM_K_CHUNK:
         raise ValueError(f"{name} [..., N, K/2] = {list(w.shape)}: N must be a multiple of "
@@ -168,6 +190,44 @@ def deinterleave_fp4_weights_for_sm90_mixed_gemm(w):
     # (g, i, p, qh, ql, l, t, h) -> (g, h, i, p, qh, ql, t, l)
     sb = jnp.transpose(sb, tuple(range(nl)) + tuple(nl + a for a in (0, 7, 1, 2, 3, 4, 6, 5)))
     return sb.astype(jnp.uint8).reshape(w.shape)
+
+
+# Axis names of an int4 weight [..., N, K/2] seen as 2-byte units:
+#   source      (g, s, i, p, m, h, t, b): row 16g + 8s + i, unit 16p + 8m + 4h + t, byte b
+#   destination (g, h, i, p, m, t, s, b): row 16g + 8h + i, unit 16p + 8m + 2t + s, byte b
+_INT4_SRC_TO_DST = (0, 5, 2, 3, 4, 6, 1, 7)   # destination axis k takes source axis _[k]
+
+
+def _int4_units_shape(lead, n, kb, order=tuple(range(8))):
+    """The source split of the comment above, its axes taken in ``order``."""
+    chunk_bytes = MIXED_GEMM_K_CHUNK // 2
+    src = (n // MIXED_GEMM_ROW_GROUP, 2, MIXED_GEMM_ROW_HALF, kb // chunk_bytes, 2, 2, 4, 2)
+    return lead + tuple(src[a] for a in order)
+
+
+@jax.jit
+def interleave_int4_weights_for_sm90_mixed_gemm(w):
+    """Packed int4 ``uint8 [..., N, K/2]`` -> the mixed-input GEMM's unit order, same shape
+    (module docstring, "int4 weights"). Inverse: :func:`deinterleave_int4_weights_for_sm90_mixed_gemm`."""
+    w = _check_weight("w", w, "int4")
+    lead, (n, kb) = w.shape[:-2], w.shape[-2:]
+    nl = len(lead)
+    x = w.reshape(_int4_units_shape(lead, n, kb))
+    x = jnp.transpose(x, tuple(range(nl)) + tuple(nl + a for a in _INT4_SRC_TO_DST))
+    return x.reshape(w.shape)
+
+
+@jax.jit
+def deinterleave_int4_weights_for_sm90_mixed_gemm(w):
+    """Inverse of :func:`interleave_int4_weights_for_sm90_mixed_gemm`: back to row-major packed
+    int4 ``uint8 [..., N, K/2]``."""
+    w = _check_weight("w", w, "int4")
+    lead, (n, kb) = w.shape[:-2], w.shape[-2:]
+    nl = len(lead)
+    x = w.reshape(_int4_units_shape(lead, n, kb, _INT4_SRC_TO_DST))  # destination axes
+    back = tuple(int(a) for a in np.argsort(_INT4_SRC_TO_DST))
+    x = jnp.transpose(x, tuple(range(nl)) + tuple(nl + a for a in back))
+    return x.reshape(w.shape)
 
 
 def mixed_gemm_scale_shape(rows: int, k: int, group_size: int = 32, itemsize: int = 1) -> tuple[int, ...]:
