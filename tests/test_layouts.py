@@ -352,13 +352,6 @@ def test_mixed_gemm_d_table_is_a_bit_permutation():
     assert fields == {bit: 4 * j + b for bit, (j, b) in _D_TABLE.items()}
 
 
-@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (32, 96)])
-def test_mixed_gemm_weights_reference_and_inverse(rng, shape):
-    w = jnp.asarray(rng.integers(0, 256, size=shape, dtype=np.uint8))
-    out = L.interleave_fp4_weights_for_sm90_mixed_gemm(w)
-    assert out.dtype == jnp.uint8 and out.shape == w.shape
-    np.testing.assert_array_equal(np.asarray(out), mixed_weights_ref(w))
-    np.testing.assert_array_equal(np.asarray(L.deinterleave_fp4_weights_for_sm90_mixed_gemm(out)), np.asarray(w))
 
 
 def test_mixed_gemm_weights_literal_example():
@@ -391,13 +384,22 @@ def mixed_int4_weights_ref(w):
     return out.reshape(n, kb)
 
 
+def _mixed_weight_layouts():
+    """(code, interleave, deinterleave, loop reference of the documented words)."""
+    return [("fp4", L.interleave_fp4_weights_for_sm90_mixed_gemm, L.deinterleave_fp4_weights_for_sm90_mixed_gemm,
+             mixed_weights_ref),
+            ("int4", L.interleave_int4_weights_for_sm90_mixed_gemm, L.deinterleave_int4_weights_for_sm90_mixed_gemm,
+             mixed_int4_weights_ref)]
+
+
 @pytest.mark.parametrize("shape", [(16, 32), (48, 64), (32, 96)])
-def test_mixed_gemm_int4_weights_reference_and_inverse(rng, shape):
+@pytest.mark.parametrize("code,interleave,deinterleave,ref", _mixed_weight_layouts(), ids=["fp4", "int4"])
+def test_mixed_gemm_weights_reference_and_inverse(rng, shape, code, interleave, deinterleave, ref):
     w = jnp.asarray(rng.integers(0, 256, size=shape, dtype=np.uint8))
-    out = L.interleave_int4_weights_for_sm90_mixed_gemm(w)
+    out = interleave(w)
     assert out.dtype == jnp.uint8 and out.shape == w.shape
-    np.testing.assert_array_equal(np.asarray(out), mixed_int4_weights_ref(w))
-    np.testing.assert_array_equal(np.asarray(L.deinterleave_int4_weights_for_sm90_mixed_gemm(out)), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(out), ref(w))
+    np.testing.assert_array_equal(np.asarray(deinterleave(out)), np.asarray(w))
 
 
 def test_mixed_gemm_int4_weights_literal_example():
