@@ -27,6 +27,7 @@ log = logging.getLogger("jax_moe")
 # backends with a Python module of their own: supports(cfg, quant, device) and apply(...)
 MODULES: dict[str, str] = {
     "flashinfer_cutlass": "jax_moe.backends.flashinfer_cutlass",
+    "flashinfer_cutedsl": "jax_moe.backends.flashinfer_cutedsl",
     "cutlass": "jax_moe.backends.cutlass",
     "xla": "jax_moe.backends.xla",
 }

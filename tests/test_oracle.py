@@ -25,6 +25,15 @@ def _without_the_cutlass_module(monkeypatch):
     monkeypatch.setitem(cb._state, "error", "simulated: jax_moe._jax_moe_cutlass is not built")
 
 
+@pytest.fixture(autouse=True)
+def _without_the_cutedsl_extra(monkeypatch):
+    """Likewise without the ``cutedsl`` extra (CI's install); tests/test_flashinfer_cutedsl.py
+    simulates each of its probe's answers."""
+    from jax_moe.backends import cutedsl_probe
+
+    monkeypatch.setattr(cutedsl_probe, "probe", lambda: (False, "nvidia-cutlass-dsl is not installed (simulated)"))
+
+
 def scheme(name, **changes):
     """The scheme's most common serving form (jax_moe.info's stand-in), with ``changes``."""
     if name == "bf16":
@@ -44,7 +53,7 @@ REASONS = [
     (H100, "w4a8", "cutlass", "scheme 'w4a8' is not built yet (have bf16, fp8)"),
     (H100, "fp8", "cutlass", "simulated: jax_moe._jax_moe_cutlass is not built"),
     (B200, "nvfp4", "flashinfer_trtllm", "the TRT-LLM gen MoE FFI handlers are not in this build yet"),
-    (B200, "nvfp4", "flashinfer_cutedsl", "the CuteDSL masked grouped GEMM is not in this build yet"),
+    (B200, "nvfp4", "flashinfer_cutedsl", "nvidia-cutlass-dsl is not installed"),
     (B200, "fp8", "flashinfer_cutedsl", "does not serve scheme 'fp8' (serves nvfp4)"),  # asked directly
     (B200, "bf16", "flashinfer_cutlass", "needs SM90 (this build compiles sm_90a only); this device is SM100"),
     (B200, "mxfp4", "marlin", "needs SM80/SM86/SM89/SM90; this device is SM100"),
