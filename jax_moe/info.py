@@ -28,6 +28,12 @@ def main(argv=None) -> None:
             print(f"native {key}: {value}")
     except ImportError as err:
         print(f"native: unavailable ({err})")
+    from jax_moe.backends import flashinfer_trtllm as trt
+
+    if trt.compiled_schemes():
+        print(f"native trtllm: loaded ({', '.join(trt.compiled_schemes())}); cubins read from {trt.cubin_root()}")
+    else:
+        print(f"native trtllm: unavailable: {trt._state['error']}")
     e, h, i, k = (int(v) for v in args.model.split(","))
     cfg = MoEConfig(e, k, h, i, args.activation)
     quant = None if args.scheme == "bf16" else SchemeOnly(args.scheme, e)

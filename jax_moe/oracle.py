@@ -26,6 +26,7 @@ log = logging.getLogger("jax_moe")
 
 # backends with a Python module of their own: supports(cfg, quant, device) and apply(...)
 MODULES: dict[str, str] = {
+    "flashinfer_trtllm": "jax_moe.backends.flashinfer_trtllm",
     "flashinfer_cutlass": "jax_moe.backends.flashinfer_cutlass",
     "flashinfer_cutedsl": "jax_moe.backends.flashinfer_cutedsl",
     "cutlass": "jax_moe.backends.cutlass",

@@ -20,9 +20,12 @@ def _without_the_cutlass_module(monkeypatch):
     this checkout built: on a simulated SM90 device a locally built module would otherwise serve
     bf16 and fp8. tests/test_cutlass_backend.py simulates the module's presence."""
     from jax_moe.backends import cutlass as cb
+    from jax_moe.backends import flashinfer_trtllm as trt
 
     monkeypatch.setitem(cb._state, "module", None)
     monkeypatch.setitem(cb._state, "error", "simulated: jax_moe._jax_moe_cutlass is not built")
+    monkeypatch.setitem(trt._state, "module", None)
+    monkeypatch.setitem(trt._state, "error", "simulated: jax_moe._jax_moe_trtllm is not built")
 
 
 @pytest.fixture(autouse=True)
@@ -45,19 +48,20 @@ def scheme(name, **changes):
 
 # (device, scheme, backend) -> the start of the reason it gives
 REASONS = [
-    (H100, "nvfp4", "flashinfer_trtllm", "needs SM100/SM103; this device is SM90"),
+    (H100, "nvfp4", "flashinfer_trtllm", "needs SM100 (compute capability 10.x: B200/GB200/B300); this device is SM90 (9.0)"),
     (H100, "nvfp4", "flashinfer_cutedsl", "needs SM100/SM103; this device is SM90"),
     (H100, "nvfp4", "marlin", "not provided: on SM90, weight-only MXFP4 (W4A16) is served by flashinfer_cutlass"),
     (H100, "fp8_block", "flashinfer_cutlass", "scheme 'fp8_block' is not built yet"),
     (H100, "nvfp4", "flashinfer_cutlass", "scheme 'nvfp4' is not built yet"),
     (H100, "w4a8", "cutlass", "scheme 'w4a8' is not built yet (have bf16, fp8)"),
     (H100, "fp8", "cutlass", "simulated: jax_moe._jax_moe_cutlass is not built"),
-    (B200, "nvfp4", "flashinfer_trtllm", "the TRT-LLM gen MoE FFI handlers are not in this build yet"),
+    (B200, "nvfp4", "flashinfer_trtllm", "scheme 'nvfp4' is not built yet (have fp8)"),
+    (B200, "fp8", "flashinfer_trtllm", "simulated: jax_moe._jax_moe_trtllm is not built"),
     (B200, "nvfp4", "flashinfer_cutedsl", "nvidia-cutlass-dsl is not installed"),
     (B200, "fp8", "flashinfer_cutedsl", "does not serve scheme 'fp8' (serves nvfp4)"),  # asked directly
     (B200, "bf16", "flashinfer_cutlass", "needs SM90 (this build compiles sm_90a only); this device is SM100"),
     (B200, "mxfp4", "marlin", "needs SM80/SM86/SM89/SM90; this device is SM100"),
-    (RTX5090, "nvfp4", "flashinfer_trtllm", "needs SM100/SM103; this device is SM120"),
+    (RTX5090, "nvfp4", "flashinfer_trtllm", "needs SM100 (compute capability 10.x: B200/GB200/B300); this device is SM120"),
     (A100, "w4a8", "cutlass", "needs SM90 (this build compiles sm_90a only); this device is SM80"),
     (A100, "mxfp4", "marlin", "not provided"),
     (CPU, "bf16", "flashinfer_cutlass", "needs SM90 (this build compiles sm_90a only); this device is cpu"),

@@ -1,9 +1,9 @@
 """Oracle rows for vLLM's backend families that jax_moe does not run yet, each with the reason it
 gives on every device: the hardware it needs first, then what is missing in this build.
+(``flashinfer_trtllm`` has its own module now: :mod:`jax_moe.backends.flashinfer_trtllm`.)
 
 | backend              | hardware              | schemes                          | status here                     |
 | -------------------- | --------------------- | -------------------------------- | ------------------------------- |
-| flashinfer_trtllm    | SM100 (B200/GB200)    | fp8, fp8_block, nvfp4, mxfp4     | FFI handlers not written yet    |
 | marlin               | SM80+ (weight-only)   | nvfp4/mxfp4/w4a8 weights, bf16 x | not provided: on SM90 flashinfer_cutlass's mixed-input W4A16 path serves weight-only MXFP4 |
 """
 
@@ -13,8 +13,6 @@ from jax_moe.device import device_info
 
 # backend -> (SM numbers it runs on, schemes it serves, what this build lacks)
 ROWS: dict[str, tuple[tuple[int, ...], tuple[str, ...], str]] = {
-    "flashinfer_trtllm": ((100, 103), ("fp8", "fp8_block", "nvfp4", "mxfp4"),
-                          "the TRT-LLM gen MoE FFI handlers are not in this build yet"),
     "marlin": ((80, 86, 89, 90), ("nvfp4", "mxfp4", "w4a8"),
                "not provided: on SM90, weight-only MXFP4 (W4A16) is served by flashinfer_cutlass's "
                "mixed-input GEMMs instead (QuantConfig(scheme='mxfp4', act='bf16')); Marlin's other "

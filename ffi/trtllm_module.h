@@ -1,0 +1,38 @@
+// The host side of the TRT-LLM gen MoE library (libjax_moe_trtllm.so, ffi/flashinfer_trtllm_moe.cu)
+// that the nanobind glue (trtllm_module.cc) exposes to Python. No FlashInfer headers here, so the
+// glue compiles without them. Scheme ids: kSchemeFp8PerTensor = 0.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace jax_moe_trtllm {
+
+constexpr int kSchemeFp8PerTensor = 0;
+
+// Bytes of the uint8 workspace result for this problem (needs an SM100 device: the runner filters
+// its cubin table by the device's architecture). config -1: the runner's default for the shape.
+int64_t WorkspaceSize(int64_t tokens, int64_t hidden, int64_t inter, int64_t experts, int64_t top_k,
+                      int64_t activation, int64_t tile_n, int64_t config, int device);
+
+// Tokens per CTA tile for a shape: the smallest of 8..128 covering the average tokens per expert.
+int64_t DefaultTileN(int64_t tokens, int64_t top_k, int64_t experts);
+
+// The runner's default config index for the shape (throws when none is valid).
+int64_t DefaultConfig(int64_t tokens, int64_t hidden, int64_t inter, int64_t experts,
+                      int64_t top_k, int64_t activation, int64_t tile_n, int device);
+
+// [(cubin path relative to the cubin root, sha256)] the runner may load: with tokens > 0 the two
+// kernels of that call (tile_n/config -1: defaults), else every kernel of the scheme and activation
+// (tile_n -1: all tiles).
+std::vector<std::pair<std::string, std::string>> Cubins(int scheme, int64_t activation,
+                                                        int64_t tile_n, int64_t config,
+                                                        int64_t tokens, int64_t hidden,
+                                                        int64_t inter, int64_t experts,
+                                                        int64_t top_k, int device);
+
+std::string CubinRoot();  // trtllm_cubin_dir.h
+
+}  // namespace jax_moe_trtllm
