@@ -46,9 +46,10 @@ instantiations (the handler reads the format from a's rank: ``a [E, C, K]`` and 
 instead of ``a [M, K]`` and ``offsets [E+1]``; FP8 row scales ``[E, C]``), the counts clamped to
 ``[0, C]`` on the device, rows past them zero in d and never read in a; still no host sync.
 :func:`apply_batched` is the expert stage on that format (GEMM1 -> act_and_mul over all E*C rows ->
-GEMM2; no routing weights, those belong to the combine), what an all-to-all expert-parallel path
-would call between dispatch and combine (not wired into :mod:`jax_moe.parallel` yet). Built and
-CPU-tested; its GPU tests are written and not yet run on hardware.
+GEMM2; no routing weights, those belong to the combine), what :mod:`jax_moe.parallel` runs
+between dispatch and combine with ``ParallelConfig(expert_format="batched")`` (the oracle feature
+``"batched"``). GPU-tested on its own (H100); under expert parallelism CPU-tested on the jnp
+references, its multi-GPU tests written.
 
 Scope of this build: bf16, and FP8 W8A8 (``act`` ``fp8_per_tensor`` static or dynamic, or
 ``fp8_per_token``; not ``bf16`` activations on FP8 weights); activations ``silu`` and ``gelu``
@@ -638,10 +639,10 @@ def apply_batched(x: jax.Array, counts: jax.Array, w13: jax.Array, w2: jax.Array
     the used rows only); GEMM2's input as in :func:`apply` (fused into act_and_mul for per-token
     and static scales). ``tile``: both GEMMs' (``"auto"``: from C, :func:`pick_tile`).
 
-    Where it plugs in: :mod:`jax_moe.parallel`'s ``all_to_all`` strategy exchanges tokens with
-    their local expert ids and runs a token-based backend (``run(x, w, ids)``); packing the received
-    rows per local expert into [E_local, C, H] (C = a static per-expert capacity), calling this,
-    and scattering back before the combine is the batched alternative. Not wired there yet.
+    Where it plugs in: :mod:`jax_moe.parallel` with ``expert_format="batched"`` lays each
+    device's received token copies out per local expert (:func:`jax_moe.permute.batched_layout`,
+    C = the rows received), calls this, and gathers each slot's row back for the weighted
+    reduce before the combine.
     """
     _check_apply_batched(x, counts, w13, w2, cfg, quant, w13_bias, w2_bias, tile)
     e, c, h = x.shape
