@@ -131,7 +131,8 @@ def main(argv=None):
         for name, pcfg in strategies.items():
             need = batched_bytes(e // ep, ep * t_local, h, i)
             if pcfg.expert_format == "batched" and need > args.batched_max_gb * 1e9:
-                print(f"{name}: skipped at T={t_local}, batched temporaries ~{need / 1e9:.1f} GB/device (--batched-max-gb)", flush=True)
+                print(f"{name}: skipped at T={t_local}, batched temporaries ~{need / 1e9:.1f} GB/device "
+                      "(--batched-max-gb)", flush=True)
                 row[name] = float("nan")
                 continue
             if not prepared:

@@ -48,8 +48,8 @@ instead of ``a [M, K]`` and ``offsets [E+1]``; FP8 row scales ``[E, C]``), the c
 :func:`apply_batched` is the expert stage on that format (GEMM1 -> act_and_mul over all E*C rows ->
 GEMM2; no routing weights, those belong to the combine), what :mod:`jax_moe.parallel` runs
 between dispatch and combine with ``ParallelConfig(expert_format="batched")`` (the oracle feature
-``"batched"``). GPU-tested on its own (H100); under expert parallelism CPU-tested on the jnp
-references, its multi-GPU tests written.
+``"batched"``); under expert parallelism CPU-tested on the jnp references, its multi-GPU tests
+written.
 
 Scope of this build: bf16, and FP8 W8A8 (``act`` ``fp8_per_tensor`` static or dynamic, or
 ``fp8_per_token``; not ``bf16`` activations on FP8 weights); activations ``silu`` and ``gelu``
