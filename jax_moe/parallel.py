@@ -41,8 +41,11 @@ The local experts' input after the dispatch (``ParallelConfig.expert_format``):
   ``C = M``, the rows the device received (``ep * T_local`` under ``naive`` and ``all_to_all``):
   a row brings at most one copy to each expert (slots of one row naming the same expert share
   it), so C is always enough and nothing is dropped; the price is [E_local, M, H] of memory,
-  E_local times the standard format's. Quantized payloads are laid out the same way, row by row
-  (the activation scales stay with their tokens). Not for :func:`parallel_apply_prepared`.
+  E_local times the standard format's. Quantization happens where it does in the standard
+  format: an NVFP4 payload quantized before the dispatch is laid out row by row with its block
+  scales; FP8 activations are quantized by the expert stage on the receiving device (per-token
+  scales as on one device; a dynamic per-tensor scale over the rows received, in both formats).
+  Not for :func:`parallel_apply_prepared`.
 
 Quantization before the dispatch (the seeds' order): with FP8 prepared weights and with NVFP4
 activations (``act="nvfp4"``, for a backend listing it in ``PREQUANTIZED_INPUT``) every device
