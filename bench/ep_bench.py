@@ -4,6 +4,8 @@
     python bench/ep_bench.py --tokens 64 --check   # also compare with the single-device result
     python bench/ep_bench.py --backend flashinfer_cutlass   # experts on the FlashInfer runner
                                                             # (weights repacked per device once)
+    python bench/ep_bench.py --backend cutlass --expert-format standard batched
+                                  # also the batched expert format after the dispatch (GPU: cutlass)
 
 Prints, per tokens-per-device T: median step time of each strategy and the bytes each device
 sends per step (counted from the routing, not estimated): naive sends its tokens to every other
@@ -11,6 +13,12 @@ device and reduce-scatters float32 partials; all_to_all (the default, capacity-p
 fixed [ep, T, H] buffer, zero rows included, and gets float32 partials back the same way;
 all_to_all ragged (``jax.lax.ragged_all_to_all``) sends each token once to each other device that
 owns one of its experts, and the partial outputs back.
+
+``--expert-format batched`` times each strategy again with ``ParallelConfig(expert_format="batched")``
+(columns ``<strategy>+batched``: the same exchange, the received token copies laid out as
+[E_local, ep * T, H] for the backend's ``apply_batched``). Its temporaries grow as E_local * ep * T
+rows; a T whose estimate (:func:`batched_bytes`) passes ``--batched-max-gb`` is skipped (nan). With
+``--backend xla`` every row of that capacity is computed (a reference, not a fast path).
 """
 
 from __future__ import annotations
@@ -58,6 +66,12 @@ def bytes_sent(ids: np.ndarray, ep: int, e_local: int, h: int, t_local: int, xb:
     return {"naive": naive, "all_to_all": padded, "all_to_all_ragged": a2a / ep}
 
 
+def batched_bytes(e_local: int, rows: int, h: int, i: int, xb: int = 2) -> int:
+    """Bytes of one device's batched-format temporaries: x, GEMM1's output, the activation and
+    y, each [E_local, rows, ...] in bf16 (``xb`` bytes per value)."""
+    return e_local * rows * xb * (h + 2 * i + i + h)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=256)
@@ -72,7 +86,14 @@ def main(argv=None):
     p.add_argument("--backend", default="xla", choices=["xla", "cutlass", "flashinfer_cutlass"],
                    help="the local experts' backend (flashinfer_cutlass: prepared weights)")
     p.add_argument("--no-ragged", action="store_true", help="skip the ragged_all_to_all exchange (GPU only)")
+    p.add_argument("--expert-format", nargs="+", default=["standard"], choices=["standard", "batched"],
+                   help="the local experts' input after the dispatch (ParallelConfig.expert_format)")
+    p.add_argument("--batched-max-gb", type=float, default=16.0,
+                   help="skip the batched format where its temporaries would pass this (GB per device)")
     args = p.parse_args(argv)
+    if "batched" in args.expert_format and args.backend == "flashinfer_cutlass":
+        p.error("--expert-format batched: flashinfer_cutlass (prepared weights) has no batched stage; "
+                "use --backend cutlass (GPU) or xla")
 
     devs = jax.devices()
     ep = len(devs)
@@ -82,20 +103,23 @@ def main(argv=None):
     w13 = jax.random.normal(kw, (e, 2 * i, h), jnp.bfloat16) * (h ** -0.5)
     w2 = jax.random.normal(k2, (e, h, i), jnp.bfloat16) * (i ** -0.5)
     rows = []
-    strategies = {"naive": ParallelConfig(mesh, ep_axis="ep", strategy="naive"),
-                  "all_to_all": ParallelConfig(mesh, ep_axis="ep", strategy="all_to_all")}
+    exchanges = {"naive": dict(strategy="naive"), "all_to_all": dict(strategy="all_to_all")}
     if not args.no_ragged and devs[0].platform == "gpu":  # XLA:CPU has no ragged-all-to-all
-        strategies["all_to_all_ragged"] = ParallelConfig(mesh, ep_axis="ep", strategy="all_to_all", ragged=True)
+        exchanges["all_to_all_ragged"] = dict(strategy="all_to_all", ragged=True)
+    strategies = {name + ("" if fmt == "standard" else "+batched"):
+                  ParallelConfig(mesh, ep_axis="ep", expert_format=fmt, **opts)
+                  for fmt in args.expert_format for name, opts in exchanges.items()}
     quant = None
     if args.scheme == "fp8":
         from jax_moe.quant.scheme import quantize_weights
 
         w13, w2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a2_scale=0.02)
     prepared = args.backend == "flashinfer_cutlass"
+    base = ParallelConfig(mesh, ep_axis="ep")
     if not prepared:
-        placed = shard_weights(w13, w2, strategies["naive"], quant=quant)
+        placed = shard_weights(w13, w2, base, quant=quant)
     else:
-        placed = shard_prepared(w13, w2, strategies["naive"], backend=args.backend, quant=quant)
+        placed = shard_prepared(w13, w2, base, backend=args.backend, quant=quant)
     tok = NamedSharding(mesh, P("ep"))
     for t_local in args.tokens:
         t = t_local * ep
@@ -105,6 +129,12 @@ def main(argv=None):
         w, ids = jax.device_put(w, tok), jax.device_put(ids, tok)
         row = {"T": t_local}
         for name, pcfg in strategies.items():
+            need = batched_bytes(e // ep, ep * t_local, h, i)
+            if pcfg.expert_format == "batched" and need > args.batched_max_gb * 1e9:
+                print(f"{name}: skipped at T={t_local}, batched temporaries ~{need / 1e9:.1f} GB/device "
+                      "(--batched-max-gb)", flush=True)
+                row[name] = float("nan")
+                continue
             if not prepared:
                 fn = jax.jit(lambda x, w, ids, p, pcfg=pcfg: parallel_fused_experts(
                     x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"], backend=args.backend))
@@ -119,8 +149,8 @@ def main(argv=None):
                 out = np.asarray(fn(x, w, ids, placed), np.float64)
                 r = np.asarray(ref, np.float64)
                 row[name + "_err"] = float(np.linalg.norm(out - r) / np.linalg.norm(r))
-        row["bytes"] = bytes_sent(np.asarray(ids), ep, e // ep, h, t_local,
-                                  1 if args.scheme == "fp8" and prepared else 2)
+        sent = bytes_sent(np.asarray(ids), ep, e // ep, h, t_local, 1 if args.scheme == "fp8" and prepared else 2)
+        row["bytes"] = {name: sent[name.split("+")[0]] for name in strategies}  # a format moves what its exchange does
         rows.append(row)
         print(row, flush=True)
 

@@ -100,6 +100,16 @@ def run_experts(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, backend: 
     return impl.apply(x, w13, w2, topk_weights, topk_ids, cfg, **options)
 
 
+def run_experts_batched(x, counts, w13, w2, cfg: MoEConfig, *, backend: str | None = None, **options):
+    """The expert stage on the batched format (x [E, C, H], counts [E] int32 -> y [E, C, H]; see
+    ``xla.apply_batched``) with the oracle's backend among those that have one (feature
+    ``"batched"``); a forced ``backend`` without one raises ValueError with that reason."""
+    quant = options.get("quant")
+    features = oracle.call_features(dtype=w13.dtype if quant is None else None, batched=True, **options)
+    impl = oracle.select_backend(cfg, quant, backend=backend, features=features).module
+    return impl.apply_batched(x, counts, w13, w2, cfg, **options)
+
+
 def fused_moe(
     x: jax.Array,
     w13: jax.Array,

@@ -81,15 +81,18 @@ class Selection:
 
 # What a call may need beyond its MoEConfig and QuantConfig; a backend module lists what it takes
 # in ``FEATURES`` (none listed: no biases, no router weight on input; no "dtype:" entry: any dtype).
+# "batched": the module has ``apply_batched(x [E, C, H], counts [E], w13, w2, cfg, *, quant, w13_bias,
+# w2_bias, ...) -> [E, C, H]``, the expert stage on the batched format (jax_moe.permute).
 FEATURE_TEXT = {"bias": "expert biases (w13_bias/w2_bias)",
-                "router_weight_on_input": "apply_router_weight_on_input"}
+                "router_weight_on_input": "apply_router_weight_on_input",
+                "batched": "the batched expert format ([E, C, H] rows with counts [E]: apply_batched)"}
 
 
 def call_features(*, dtype=None, w13_bias=None, w2_bias=None, apply_router_weight_on_input=False,
-                  **_) -> frozenset:
-    """The features one call needs: ``"bias"``, ``"router_weight_on_input"``, ``"dtype:<name>"``
-    (the unquantized weights' dtype)."""
-    need = set()
+                  batched: bool = False, **_) -> frozenset:
+    """The features one call needs: ``"bias"``, ``"router_weight_on_input"``, ``"batched"`` (the
+    expert stage on the batched format), ``"dtype:<name>"`` (the unquantized weights' dtype)."""
+    need = {"batched"} if batched else set()
     if w13_bias is not None or w2_bias is not None:
         need.add("bias")
     if apply_router_weight_on_input:

@@ -29,6 +29,24 @@ Prepare/finalize strategies (``ParallelConfig.strategy``):
   2 x H200, jax 0.11.2, bench/ep_parts.py; not on CPU). The reverse exchange brings the
   partial outputs back, summed in float32.
 
+The local experts' input after the dispatch (``ParallelConfig.expert_format``):
+
+- ``"standard"``: the received rows [M, H] with their local ids [M, k] (-1 for experts owned
+  elsewhere) go to the backend's ``apply``, which routes and reduces them itself;
+- ``"batched"`` (vLLM's batched format): the received token copies are laid out by local expert
+  as [E_local, C, H] with counts [E_local] (:func:`jax_moe.permute.batched_layout`), the
+  backend's ``apply_batched`` runs on them (``cutlass``, ``xla``: the oracle feature
+  ``"batched"``; others are refused with the reason), and each slot's row is gathered back and
+  reduced over k with its routing weight (float32) before the combine. The capacity is
+  ``C = M``, the rows the device received (``ep * T_local`` under ``naive`` and ``all_to_all``):
+  a row brings at most one copy to each expert (slots of one row naming the same expert share
+  it), so C is always enough and nothing is dropped; the price is [E_local, M, H] of memory,
+  E_local times the standard format's. Quantization happens where it does in the standard
+  format: an NVFP4 payload quantized before the dispatch is laid out row by row with its block
+  scales; FP8 activations are quantized by the expert stage on the receiving device (per-token
+  scales as on one device; a dynamic per-tensor scale over the rows received, in both formats).
+  Not for :func:`parallel_apply_prepared`.
+
 Quantization before the dispatch (the seeds' order): with FP8 prepared weights and with NVFP4
 activations (``act="nvfp4"``, for a backend listing it in ``PREQUANTIZED_INPUT``) every device
 quantizes its own tokens and the quantized bytes travel (NVFP4: packed E2M1 and the linear
@@ -47,13 +65,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_moe import oracle
-from jax_moe.experts import moe_config_from_arrays, run_experts
+from jax_moe.experts import moe_config_from_arrays, run_experts, run_experts_batched
 from jax_moe.layouts.scales import block_scale_interleave
+from jax_moe.permute import batched_finalize, batched_layout, to_batched
 from jax_moe.quant import fp4, fp8
 from jax_moe.quant.scheme import nvfp4_activation_global_scale
 from jax_moe.routing import select_experts
 
 STRATEGIES = ("none", "naive", "all_to_all")
+EXPERT_FORMATS = ("standard", "batched")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +87,13 @@ class ParallelConfig:
     dp_axis: str | None = None
     strategy: str = "naive"
     ragged: bool = False  # all_to_all: the ragged_all_to_all exchange (see above)
+    expert_format: str = "standard"  # the local experts' input after the dispatch (see above)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"expert_format must be one of {EXPERT_FORMATS}, got {self.expert_format!r}")
         for name in ("ep_axis", "tp_axis", "dp_axis"):
             axis = getattr(self, name)
             if axis is not None and axis not in self.mesh.axis_names:
@@ -201,6 +224,21 @@ def _experts(x, w13, w2, w, ids, opts, w2_bias, tp_axis):
     return y.astype(jnp.float32)
 
 
+def _experts_batched(x, w13, w2, w, ids, opts, w2_bias, tp_axis):
+    """Local experts on the batched format: the rows this device holds (x [M, ...], and a
+    pre-quantized x's ``opts["x_scale"]`` [M, ...], linear) laid out per local expert as
+    [E_local, M, ...] (:func:`jax_moe.permute.batched_layout` of ids [M, k]), the backend's
+    ``apply_batched``, then each slot's row weighted by w [M, k] and summed: [M, H] float32."""
+    opts = dict(opts)
+    cfg = opts.pop("cfg")
+    layout = batched_layout(ids, cfg.num_experts)
+    if opts.get("x_scale") is not None:
+        opts["x_scale"] = to_batched(opts["x_scale"], layout)
+    y = run_experts_batched(to_batched(x, layout), layout.counts, w13, w2, cfg,
+                            w2_bias=_once_over_tp(w2_bias, tp_axis), **opts)
+    return batched_finalize(y, layout, ids, w)
+
+
 # Each strategy takes ``run(x_rows, weights_rows, local_ids) -> y_rows float32``: the local
 # experts (local ids, -1 for experts owned elsewhere) on the rows this device holds. ``x`` is
 # one [T, ...] array or a tuple of them (a quantized payload and its scales): every array
@@ -314,7 +352,10 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
     vLLM's prepare does: packed E2M1 (H/2 bytes) and linear e4m3 block scales (H/16 bytes) travel
     instead of the float row, and the scales are swizzled after the exchange for a backend that
     reads 128x4 tiles. The global scale is the static ``a13_scale``, or, when None, ``amax / (448 * 6)``
-    of every device's tokens; either way each token's quantization is what one device does."""
+    of every device's tokens; either way each token's quantization is what one device does.
+
+    ``pcfg.expert_format="batched"``: after the dispatch each device lays its received token
+    copies out as [E_local, M, H] and runs the backend's batched stage (module note)."""
     e = w13.shape[0]
     ep, tp = pcfg.size(pcfg.ep_axis), pcfg.size(pcfg.tp_axis)
     _token_shards(x, pcfg, e)
@@ -329,18 +370,23 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
                                     expert_shard=ep > 1)
     ep_ax, tp_ax = pcfg.ep_axis, pcfg.tp_axis
     tok = pcfg.token_spec
+    batched = pcfg.expert_format == "batched"
+    experts = _experts_batched if batched else _experts
     scale_layout = None
     if quant is not None and quant.act == "nvfp4" and pcfg.strategy != "none":
-        features = oracle.call_features(dtype=None, w13_bias=w13_bias, w2_bias=w2_bias, **opts)
+        features = oracle.call_features(dtype=None, w13_bias=w13_bias, w2_bias=w2_bias, batched=batched, **opts)
         chosen = oracle.select_backend(local_cfg, quant, backend=opts.get("backend"), features=features)
         scale_layout = getattr(chosen.module, "PREQUANTIZED_INPUT", {}).get(quant.act)
+        if batched and scale_layout not in (None, "linear"):
+            raise ValueError(f"expert_format='batched': {chosen.name} reads NVFP4 block scales in {scale_layout!r} "
+                             "tiles, which the batched layout does not build (linear scales only)")
         opts["backend"] = chosen.name  # the backend whose input format the dispatch produces
 
     def body(x, w13, w2, w, ids, w13_bias, w2_bias, quant):
         o = dict(opts, w13_bias=w13_bias, quant=quant, cfg=local_cfg)
         if scale_layout is None:
             def run(xr, wr, idr):
-                return _experts(xr, w13, w2, wr, idr, o, w2_bias, tp_ax)
+                return experts(xr, w13, w2, wr, idr, o, w2_bias, tp_ax)
 
             return _run_strategy(x, w, ids, run, pcfg, e_local).astype(x.dtype)
         o["quant"], payload = _quantize_nvfp4_before_dispatch(x, quant, pcfg)
@@ -350,7 +396,7 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
             sf = jax.lax.bitcast_convert_type(sf, jnp.float8_e4m3fn)
             if scale_layout == "128x4":
                 sf = block_scale_interleave(sf)
-            return _experts(packed, w13, w2, wr, idr, dict(o, x_scale=sf), w2_bias, tp_ax)
+            return experts(packed, w13, w2, wr, idr, dict(o, x_scale=sf), w2_bias, tp_ax)
 
         return _run_strategy(payload, w, ids, run_q, pcfg, e_local).astype(x.dtype)
 
@@ -449,6 +495,9 @@ def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelC
     before the dispatch (one byte per value on the wire; the per-tensor scale is shared by all
     devices). Returns [T, H] in x's dtype, split like x."""
     mod = oracle.module(backend)
+    if pcfg.expert_format != "standard":
+        raise ValueError(f"parallel_apply_prepared runs the standard expert format only, got expert_format="
+                         f"{pcfg.expert_format!r} (no backend with prepared weights has a batched stage yet)")
     e = prepared.w13.shape[0]
     _token_shards(x, pcfg, e)
     e_local = e // pcfg.size(pcfg.ep_axis)

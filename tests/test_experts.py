@@ -207,3 +207,95 @@ def test_a_token_may_pick_the_same_expert_twice(rng, strategy):
     ids = jnp.asarray(rng.integers(0, 3, (12, 3)), jnp.int32)  # repeats within a row
     out = xla.apply(x, w13, w2, w, ids, cfg, strategy=strategy)
     assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND["float32"]
+
+
+# ----------------------------------------------------------------------------- the batched format
+
+
+def _batched_definition(x, counts, w13, w2, cfg, quant=None, **bias):
+    """y[e, r] = expert_e(x[e, r]) for r < clamp(counts[e], 0, C), zero elsewhere: the float32
+    definition (moe_reference, top-1 with weight 1, on the flattened rows; the padding zeroed
+    first so that a dynamic scale sees the used rows only)."""
+    e, c, h = x.shape
+    used = np.arange(c)[None, :] < np.clip(np.asarray(counts), 0, c)[:, None]
+    xf = jnp.where(jnp.asarray(used)[..., None], x, 0).reshape(e * c, h)
+    ids = jnp.repeat(jnp.arange(e, dtype=jnp.int32), c)[:, None]
+    y = moe_reference(xf, w13, w2, jnp.ones((e * c, 1), jnp.float32), ids, cfg, quant=quant, **bias)
+    return np.where(used[..., None], np.asarray(y, np.float64).reshape(e, c, h), 0.0)
+
+
+BATCHED_CASES = [("silu", None, False), ("swigluoai", None, True), ("relu2", None, False),
+                 ("silu", "fp8_per_token", False), ("silu", "fp8_per_tensor", False)]
+
+
+@pytest.mark.parametrize("activation,act,bias", BATCHED_CASES)
+def test_apply_batched_is_each_expert_on_its_rows(rng, activation, act, bias):
+    """xla.apply_batched (cutlass.apply_batched's contract): each used row through its expert,
+    biases and quantized activations as fused_experts does them (a dynamic scale over the used
+    rows only), rows past the counts zero; counts are clamped to [0, C] and NaN padding is never read."""
+    from jax_moe.quant.scheme import quantize_weights
+
+    e, c, h, i = 6, 5, 32, 16
+    cfg, _, w13, w2, _, _, b = make_moe(rng, 1, e, 1, h, i, activation, bias=bias)
+    quant = None
+    if act is not None:
+        w13, w2, quant = quantize_weights("fp8", w13, w2, act=act)
+    counts = np.array([3, 0, 5, 7, -1, 1], np.int32)
+    used = np.arange(c)[None, :] < np.clip(counts, 0, c)[:, None]
+    x = jnp.asarray(np.where(used[..., None], rng.standard_normal((e, c, h)), np.nan), jnp.float32)
+    out = jax.jit(lambda x, n: xla.apply_batched(x, n, w13, w2, cfg, quant=quant, **b))(x, jnp.asarray(counts))
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, _batched_definition(x, counts, w13, w2, cfg, quant, **b)) < BOUND["float32"]
+    assert (np.asarray(out)[~used] == 0).all()
+
+
+def test_apply_batched_refuses_what_is_not_the_format(rng):
+    cfg, _, w13, w2, _, _, _ = make_moe(rng, 1, 4, 1, 32, 16)
+    x, counts = jnp.zeros((4, 3, 32)), jnp.ones((4,), jnp.int32)
+    with pytest.raises(ValueError, match=r"x must have rank 3 \[E, C, H\]"):
+        xla.apply_batched(x[0], counts, w13, w2, cfg)
+    with pytest.raises(ValueError, match="must have the weights' E = 4 experts"):
+        xla.apply_batched(x[:2], counts[:2], w13, w2, cfg)
+    with pytest.raises(ValueError, match=r"counts must have dtype in \[.int32.\], got float32"):
+        xla.apply_batched(x, counts.astype(jnp.float32), w13, w2, cfg)
+
+
+def test_batched_layout_puts_each_rows_copies_with_their_experts():
+    """Rows go to their experts in row order; ids outside [0, E) are skipped; a row naming one
+    expert twice brings it one copy (both slots read it); the capacity is the number of rows."""
+    from jax_moe.permute import batched_layout
+
+    ids = jnp.asarray([[2, 0], [-1, 2], [1, 1], [-1, -1]], jnp.int32)  # M = 4 rows, E = 3
+    lay = batched_layout(ids, 3)
+    np.testing.assert_array_equal(lay.counts, [1, 1, 2])
+    np.testing.assert_array_equal(lay.src, [[0, 4, 4, 4], [2, 4, 4, 4], [0, 1, 4, 4]])  # 4 = M: empty
+    np.testing.assert_array_equal(lay.pos, [[0, 0], [-1, 1], [0, 0], [-1, -1]])
+
+
+def test_batched_layout_and_finalize_equal_the_standard_format(rng):
+    """Rows laid out per expert, xla.apply_batched, and the weighted top-k reduce from the
+    batched rows equal xla.apply on the rows (duplicate ids and -1 included)."""
+    from jax_moe.permute import batched_finalize, batched_layout, to_batched
+
+    cfg, x, w13, w2, w, _, _ = make_moe(rng, 24, 8, 3, 32, 16)
+    ids = jnp.asarray(rng.integers(-1, 8, (24, 3)), jnp.int32)
+    lay = batched_layout(ids, 8)
+    y = xla.apply_batched(to_batched(x, lay), lay.counts, w13, w2, cfg)
+    assert y.shape == (8, 24, 32)
+    out = batched_finalize(y, lay, ids, w)
+    assert rel_err(out, xla.apply(x, w13, w2, w, ids, cfg)) < BOUND["float32"]
+
+
+def test_the_batched_stage_is_chosen_by_the_batched_feature(rng, monkeypatch):
+    """run_experts_batched asks the oracle for a backend with the "batched" feature: a forced
+    backend without it is refused with that reason."""
+    from jax_moe.backends import flashinfer_cutlass
+    from jax_moe.experts import run_experts_batched
+
+    cfg, _, w13, w2, _, _, _ = make_moe(rng, 1, 4, 1, 32, 16)
+    x, counts = jnp.ones((4, 2, 32)), jnp.asarray([2, 0, 1, 2], jnp.int32)
+    ref = _batched_definition(x, counts, w13, w2, cfg)
+    assert rel_err(run_experts_batched(x, counts, w13, w2, cfg), ref) < BOUND["float32"]
+    monkeypatch.setattr(flashinfer_cutlass, "supports", lambda *a, **k: (True, "ok"))
+    with pytest.raises(ValueError, match="does not take the batched expert format"):
+        run_experts_batched(x, counts, w13, w2, cfg, backend="flashinfer_cutlass")

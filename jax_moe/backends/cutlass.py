@@ -46,9 +46,10 @@ instantiations (the handler reads the format from a's rank: ``a [E, C, K]`` and 
 instead of ``a [M, K]`` and ``offsets [E+1]``; FP8 row scales ``[E, C]``), the counts clamped to
 ``[0, C]`` on the device, rows past them zero in d and never read in a; still no host sync.
 :func:`apply_batched` is the expert stage on that format (GEMM1 -> act_and_mul over all E*C rows ->
-GEMM2; no routing weights, those belong to the combine), what an all-to-all expert-parallel path
-would call between dispatch and combine (not wired into :mod:`jax_moe.parallel` yet). Built and
-CPU-tested; its GPU tests are written and not yet run on hardware.
+GEMM2; no routing weights, those belong to the combine), what :mod:`jax_moe.parallel` runs
+between dispatch and combine with ``ParallelConfig(expert_format="batched")`` (the oracle feature
+``"batched"``); under expert parallelism CPU-tested on the jnp references, its multi-GPU tests
+written.
 
 Scope of this build: bf16, and FP8 W8A8 (``act`` ``fp8_per_tensor`` static or dynamic, or
 ``fp8_per_token``; not ``bf16`` activations on FP8 weights); activations ``silu`` and ``gelu``
@@ -67,6 +68,7 @@ import numpy as np
 
 from jax_moe import kernels
 from jax_moe.config import check_rank
+from jax_moe.permute import batched_rows_used
 from jax_moe.quant import fp8
 
 log = logging.getLogger("jax_moe")
@@ -74,7 +76,8 @@ log = logging.getLogger("jax_moe")
 NAME = "cutlass"
 # oracle.call_features: "dtype:" names the unquantized weights' dtype (bf16 here); with quant= the
 # call carries no dtype feature and supports() decides from the QuantConfig (scheme "fp8").
-FEATURES = frozenset({"router_weight_on_input", "dtype:bfloat16"})
+# "batched": apply_batched, the expert stage on the batched format.
+FEATURES = frozenset({"router_weight_on_input", "batched", "dtype:bfloat16"})
 # kind -> (CutlassGemmKind in ffi/cutlass_grouped_gemm.h, FFI target, dtype of a and b)
 KINDS: dict[str, tuple[int, str, str]] = {
     "bf16": (0, "jax_moe_cutlass_grouped_gemm", "bfloat16"),
@@ -376,13 +379,8 @@ def grouped_gemm_batched_reference(a, b, counts, *, a_scale=None, b_scale=None, 
     return _reference_batched(a, b, counts, *scales)
 
 
-def _batched_rows_used(counts, c: int) -> jax.Array:
-    """[E, C] bool: row r of expert e is used iff r < clamp(counts[e], 0, C) (the kernel's GroupRows)."""
-    return jnp.arange(c, dtype=jnp.int32)[None, :] < jnp.clip(counts, 0, c)[:, None]
-
-
 def _reference_batched(a, b, counts, row, col):
-    used = _batched_rows_used(counts, a.shape[1])[..., None]
+    used = batched_rows_used(counts, a.shape[1])[..., None]
     a0 = jnp.where(used, a.astype(jnp.float32), 0.0)
     d = jnp.einsum("eck,enk->ecn", a0, b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
                    preferred_element_type=jnp.float32)
@@ -512,11 +510,15 @@ def _fp8_gemm2_input(h1, cfg, valid, quant):
     return _quantize_rows(a, quant.act, quant.a2_scale)
 
 
+def _check_biases(w13_bias, w2_bias) -> None:
+    if w13_bias is not None or w2_bias is not None:
+        raise ValueError(f"{NAME}: GEMM biases are not supported yet (use backend='flashinfer_cutlass' or 'xla')")
+
+
 def _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bias,
                  apply_router_weight_on_input, tile) -> None:
     """ValueError for what this build does not take (quant schemes, biases, activations, dtypes, shapes)."""
-    if w13_bias is not None or w2_bias is not None:
-        raise ValueError(f"{NAME}: GEMM biases are not supported yet (use backend='flashinfer_cutlass' or 'xla')")
+    _check_biases(w13_bias, w2_bias)
     _check_experts(x, w13, w2, cfg, quant, tile)
     t = x.shape[0]
     k = topk_ids.shape[1]
@@ -601,7 +603,8 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
 # ----------------------------------------------------------------------------- the batched expert stage
 
 
-def _check_apply_batched(x, counts, w13, w2, cfg, quant, tile) -> None:
+def _check_apply_batched(x, counts, w13, w2, cfg, quant, w13_bias, w2_bias, tile) -> None:
+    _check_biases(w13_bias, w2_bias)
     check_rank("x", x, 3, "[E, C, H]")
     check_rank("counts", counts, 1, "[E]")
     if jnp.dtype(counts.dtype) != jnp.int32:
@@ -614,7 +617,7 @@ def _check_apply_batched(x, counts, w13, w2, cfg, quant, tile) -> None:
 
 
 def apply_batched(x: jax.Array, counts: jax.Array, w13: jax.Array, w2: jax.Array, cfg, *, quant=None,
-                  tile: str | None = "auto") -> jax.Array:
+                  w13_bias=None, w2_bias=None, tile: str | None = "auto") -> jax.Array:
     """The expert stage on the batched format: ``y[e, r] = expert_e(x[e, r])`` for ``r < counts[e]``.
 
     What an all-to-all expert-parallel path runs between dispatch and combine, once each device
@@ -636,12 +639,12 @@ def apply_batched(x: jax.Array, counts: jax.Array, w13: jax.Array, w2: jax.Array
     the used rows only); GEMM2's input as in :func:`apply` (fused into act_and_mul for per-token
     and static scales). ``tile``: both GEMMs' (``"auto"``: from C, :func:`pick_tile`).
 
-    Where it plugs in: :mod:`jax_moe.parallel`'s ``all_to_all`` strategy exchanges tokens with
-    their local expert ids and runs a token-based backend (``run(x, w, ids)``); packing the received
-    rows per local expert into [E_local, C, H] (C = a static per-expert capacity), calling this,
-    and scattering back before the combine is the batched alternative. Not wired there yet.
+    Where it plugs in: :mod:`jax_moe.parallel` with ``expert_format="batched"`` lays each
+    device's received token copies out per local expert (:func:`jax_moe.permute.batched_layout`,
+    C = the rows received), calls this, and gathers each slot's row back for the weighted
+    reduce before the combine.
     """
-    _check_apply_batched(x, counts, w13, w2, cfg, quant, tile)
+    _check_apply_batched(x, counts, w13, w2, cfg, quant, w13_bias, w2_bias, tile)
     e, c, h = x.shape
     i = w2.shape[2]
     if c == 0:
@@ -660,7 +663,7 @@ def apply_batched(x: jax.Array, counts: jax.Array, w13: jax.Array, w2: jax.Array
     else:
         xf = x.astype(jnp.float32)
         if quant.act == "fp8_per_tensor" and quant.a13_scale is None:  # dynamic: amax over the used rows
-            xf = jnp.where(_batched_rows_used(counts, c)[..., None], xf, 0.0)
+            xf = jnp.where(batched_rows_used(counts, c)[..., None], xf, 0.0)
         a1, s1 = _quantize_rows(xf.reshape(rows, h), quant.act, quant.a13_scale)
         h1 = grouped_gemm_batched(a1.reshape(e, c, h), w13, counts, a_scale=_batched_scale(s1, e, c),
                                   b_scale=jnp.asarray(quant.w13_scale, jnp.float32), tile=tile)

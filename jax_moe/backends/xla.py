@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe.activations import activate
-from jax_moe.config import MoEConfig
-from jax_moe.permute import sort_by_expert
+from jax_moe.config import MoEConfig, check_dtype, check_rank
+from jax_moe.permute import batched_rows_used, sort_by_expert
 from jax_moe.quant import fp4
 from jax_moe.quant.scheme import (
     dequantize_experts,
@@ -44,7 +44,7 @@ from jax_moe.quant.scheme import (
 
 STRATEGIES = ("gather", "blocked", "dense", "ragged_dot")
 NAME = "xla"
-FEATURES = frozenset({"bias", "router_weight_on_input"})  # every dtype (oracle.call_features)
+FEATURES = frozenset({"bias", "router_weight_on_input", "batched"})  # every dtype (oracle.call_features)
 # act -> layout of the block scales :func:`apply` takes with an x quantized beforehand
 # ("linear": row-major [T, H/16]; a backend reading FlashInfer's 128x4 tiles would say "128x4",
 # jax_moe.layouts.block_scale_interleave). jax_moe.parallel quantizes x before the dispatch for these.
@@ -122,14 +122,18 @@ def _batched_dot_t(a, w, precision):
     )
 
 
-def _experts_mlp(xb, experts, w13, w2, cfg, quant, w13_bias, w2_bias):
+def _experts_mlp(xb, experts, w13, w2, cfg, quant, w13_bias, w2_bias, used=None):
     """GEMM1 -> activation -> GEMM2 for row groups ``xb [G, M, H]``, group g on expert
-    ``experts[g]``. Returns ``[G, M, H]`` in x's dtype (float32 when quantized)."""
+    ``experts[g]``. Returns ``[G, M, H]`` in x's dtype (float32 when quantized). ``used`` [G, M]
+    bool (optional): the other rows are zeroed after GEMM1 (bias included), so that a dynamic
+    scale at GEMM2's input is taken over the used rows only (every activation maps 0 to 0)."""
     cdt = _compute_dtype(xb, quant)
     prec = _precision(quant, xb)
     h = _batched_dot_t(xb.astype(cdt), _gathered_weights(w13, quant, "w13", experts, cdt), prec)
     if w13_bias is not None:
         h = h + w13_bias[experts][:, None, :].astype(jnp.float32)
+    if used is not None:
+        h = jnp.where(used[..., None], h, 0.0)
     a = activate(h, cfg)
     if quant is not None:
         a = quantize_activation(quant, a, 2)
@@ -336,3 +340,50 @@ def apply(
         g = blocks_per_step or pick_blocks_per_step(cfg)
         y, row_of_slot = _blocked_experts(xin, sort, cfg, w13, w2, quant, w13_bias, w2_bias, b, g)
     return finalize(y, row_of_slot, weights, out_dtype)
+
+
+def apply_batched(
+    x: jax.Array,
+    counts: jax.Array,
+    w13: jax.Array,
+    w2: jax.Array,
+    cfg: MoEConfig,
+    *,
+    quant=None,
+    w13_bias: jax.Array | None = None,
+    w2_bias: jax.Array | None = None,
+    x_scale: jax.Array | None = None,
+) -> jax.Array:
+    """The expert stage on the batched format (the contract of ``cutlass.apply_batched``, the
+    reference it is tested against): ``y[e, r] = expert_e(x[e, r])`` for ``r < counts[e]``.
+
+    x [E, C, H] float (rows at or past ``counts[e]`` are padding, never read: NaN there does not
+    leak); counts [E] int32, clamped to [0, C] (:func:`jax_moe.permute.batched_rows_used`);
+    weights, biases and ``quant`` as :func:`apply` takes them (E: the experts this call owns).
+    No routing weights: the weighted top-k reduce belongs to the combine. Quantized activations
+    as :func:`apply` on the used rows (a dynamic scale is taken over them only). ``x_scale``:
+    x arrives NVFP4-quantized as :func:`apply` takes it, x [E, C, H/2] uint8 and x_scale
+    [E, C, H/16] float8_e4m3fn (linear). Returns y [E, C, H] in x's dtype (float32 for a
+    quantized x), rows at or past ``counts[e]`` zero.
+
+    Every row of the capacity is computed (two batched matmuls over E): a reference and a
+    CPU path, not a fast one for a capacity far above the counts."""
+    check_rank("x", x, 3, "[E, C, H]")
+    check_rank("counts", counts, 1, "[E]")
+    e, c = x.shape[:2]
+    check_dtype("counts", counts, ("int32",))
+    if counts.shape[0] != e or w13.shape[0] != e:
+        raise ValueError(f"x [E, C, H] and counts [E] must have the weights' E = {w13.shape[0]} experts, got "
+                         f"x {list(x.shape)}, counts {list(counts.shape)}")
+    used = batched_rows_used(counts, c)
+    if x_scale is None:
+        out_dtype, xin = x.dtype, x
+    else:
+        out_dtype = jnp.float32
+        xin = _prequantized_input(x.reshape(e * c, -1), x_scale.reshape(e * c, -1), cfg, quant, False)
+        xin = xin.reshape(e, c, -1)
+    xin = jnp.where(used[..., None], xin, jnp.zeros((), xin.dtype))
+    if quant is not None and x_scale is None:
+        xin = quantize_activation(quant, xin.astype(jnp.float32), 1)
+    y = _experts_mlp(xin, jnp.arange(e, dtype=jnp.int32), w13, w2, cfg, quant, w13_bias, w2_bias, used=used)
+    return jnp.where(used[..., None], y, 0.0).astype(out_dtype)
