@@ -12,6 +12,8 @@ the 128x4 scale tile, pad sizes) live in :mod:`jax_moe.layouts.common` only.
   vLLM ``swizzle_mxfp4_scales``) and the FP8 / NVFP4 alpha scales
 * :mod:`~jax_moe.layouts.mixed_gemm` — the SM90 mixed-input GEMM's 4-bit weight interleave and
   folded scales (FlashInfer CUTLASS W4A16 MXFP4)
+* :mod:`~jax_moe.layouts.blockscale` — the FP8 128x128 block-scale operands (FlashInfer CUTLASS
+  ``fp8_block``, DeepSeek-V3): stored layout, gated halves swapped for weights and scales alike
 
 Typical compositions (per expert axis carried along):
 
@@ -28,8 +30,14 @@ Typical compositions (per expert axis carried along):
   (:func:`jax_moe.backends.flashinfer_cutlass.prepare_mxfp4_weights`).
 """
 
+from jax_moe.layouts.blockscale import (
+    fp8_block_scale_shape,
+    swap_w13_to_w31_block_scales,
+    swap_w31_to_w13_block_scales,
+)
 from jax_moe.layouts.common import (
     EPILOGUE_TILE_M,
+    FP8_BLOCK_SCALE,
     FP8_INTERMEDIATE_ALIGN,
     MIXED_GEMM_K_CHUNK,
     MIXED_GEMM_ROW_GROUP,
@@ -97,6 +105,7 @@ from jax_moe.layouts.shuffle import (
 __all__ = [
     "EPILOGUE_TILE_M",
     "FP4_WORD_FIELDS",
+    "FP8_BLOCK_SCALE",
     "FP8_INTERMEDIATE_ALIGN",
     "MIXED_GEMM_K_CHUNK",
     "MIXED_GEMM_ROW_GROUP",
@@ -122,6 +131,7 @@ __all__ = [
     "deinterleave_int4_weights_for_sm90_mixed_gemm",
     "deinterleave_scales_for_sm90_mixed_gemm",
     "fp8_alpha_scales",
+    "fp8_block_scale_shape",
     "fp8_padded_intermediate",
     "interleave_fp4_weights_for_sm90_mixed_gemm",
     "interleave_int4_weights_for_sm90_mixed_gemm",
@@ -142,7 +152,9 @@ __all__ = [
     "shuffle_matrix_sf_a",
     "swap_row_pairs",
     "swap_w13_to_w31",
+    "swap_w13_to_w31_block_scales",
     "swap_w31_to_w13",
+    "swap_w31_to_w13_block_scales",
     "swizzle_mxfp4_scales",
     "trtllm_fp8_output_scales",
     "undo_reorder_rows_for_gated_act_gemm",

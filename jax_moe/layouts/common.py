@@ -26,6 +26,10 @@ Constants
 ``FP8_INTERMEDIATE_ALIGN = 16``
     FlashInfer FP8 MoE kernels need the intermediate size I to be a multiple of 16; vLLM pads
     I (per-tensor FP8, not block-quantized) before repacking (seed 000).
+``FP8_BLOCK_SCALE = 128``
+    DeepSeek-V3 FP8 block scales (FlashInfer CUTLASS ``fp8_block``): one float32 weight scale per
+    128 x 128 block and one activation scale per token per 128 columns; H and I must be
+    multiples of it (see :mod:`jax_moe.layouts.blockscale`).
 ``MXFP4_PADDING``
     The MXFP4 (GPT-OSS) padding of I and H per backend (seed 002, and later vLLM for the
     FlashInfer CUTLASS row): a table ``backend -> MxPadding(intermediate, hidden)``; backends
@@ -56,6 +60,7 @@ SF_TILE_OUTER_M = 32
 SF_TILE_INNER_M = SF_TILE_M // SF_TILE_OUTER_M  # 4
 
 FP8_INTERMEDIATE_ALIGN = 16
+FP8_BLOCK_SCALE = 128
 
 MIXED_GEMM_ROW_GROUP = 16
 MIXED_GEMM_ROW_HALF = MIXED_GEMM_ROW_GROUP // 2  # 8: row r is paired with row r + 8
@@ -97,6 +102,7 @@ __all__ = [
     "SF_TILE_OUTER_M",
     "SF_TILE_INNER_M",
     "FP8_INTERMEDIATE_ALIGN",
+    "FP8_BLOCK_SCALE",
     "MIXED_GEMM_ROW_GROUP",
     "MIXED_GEMM_ROW_HALF",
     "MIXED_GEMM_K_CHUNK",
