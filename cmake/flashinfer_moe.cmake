@@ -5,6 +5,9 @@
 #   fp8    FP8 E4M3 activations (per-tensor scale) x FP8 E4M3 weights (per-tensor/expert) -> BF16
 #   mxfp4  BF16 activations x MXFP4 weights (E2M1, E8M0 scale per 32) -> BF16: W4A16 (GPT-OSS) on
 #          the SM90 mixed-input grouped GEMMs
+#   fp8_block  BF16 activations (quantized to FP8 inside, per token per 128 columns) x FP8 E4M3
+#          weights with a float32 scale per 128x128 block -> BF16 (DeepSeek-V3), on TensorRT-LLM's
+#          block-scale grouped GEMM (opt-in: not in the default list)
 # Two artifacts, installed side by side in jax_moe/:
 #   libjax_moe_fi.so           kernels, runner, FFI handlers, host queries; no Python in it, so it
 #                              can be built once on any machine with nvcc and reused
@@ -68,6 +71,18 @@
 #         128x16x256, 128x32x256, 128x64x256  (few tokens per expert: N runs over tokens)
 #         128x128x128, 128x256x128            (many tokens per expert)
 #       (FlashInfer's binding skips K 256 with 128x256/256x128 and K 512 with N >= 128 for W4A16.)
+#   fp8_block (KIND blockscale) compiles no MoE GEMM instantiation: the runner
+#       CutlassMoeFCRunner<bf16, fp8> with use_deepseek_fp8_block_scale sends both GEMMs to
+#       nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/fp8_blockscale_gemm.cu
+#       (compiled as it is, with -DENABLE_FP8_BLOCK_SCALE on that file only: its 1x128 activation
+#       quantizer and one precompiled 128x64x128 grouped kernel); gemm_runner_fp8_block.cu
+#       (MoeGemmRunner<bf16, fp8, bf16>, which the runner names: no SM90 kernels, empty SM80
+#       launchers for this type pair) is small. DeepGEMM's JIT path inside that GEMM is never
+#       taken (no include directories are given to its compiler; it compiles with nvcc, not
+#       NVRTC, so nothing links libnvrtc), and the driver functions its runtime names are hidden
+#       stubs (ffi/flashinfer_deepgemm_stubs.cc, which also keeps its load-time cache directory
+#       out of $HOME): no libcuda link. nvrtc.h (included by DeepGEMM's headers) is looked up like
+#       the cuBLAS headers. Handler: ffi/flashinfer_cutlass_moe_fp8_block.cu.
 #   stubs.cu -- the throwing stubs above, throwing stubs for the 30 bf16
 #       sm80_generic_fused_moe_gemm_kernelLauncher instantiations (the SM80 fused gated-GEMM
 #       tactics; not used on SM90 unless JAX_MOE_FI_SM80_FUSED=ON), a throwing
@@ -95,7 +110,7 @@
 #   (our handler included) must see the same set.
 #
 # Cache variables (each generated TU is ~1-2 min on one core; fewer tactics build faster):
-#   JAX_MOE_FI_SCHEMES        quant schemes: bf16, fp8, mxfp4          (default bf16;fp8;mxfp4;
+#   JAX_MOE_FI_SCHEMES        quant schemes: bf16, fp8, mxfp4, fp8_block (default bf16;fp8;mxfp4;
 #                             pip passes the JAX_MOE_FI_SCHEMES environment variable)
 #   JAX_MOE_FI_MXFP4_TILES    mixed-input tiles MxNxK for mxfp4 (default: the five above)
 #   JAX_MOE_FI_SM90_TILES     "all" or a list of MxN from the tile list above  (default all)
@@ -122,7 +137,7 @@ set(JAX_MOE_FI_INSTS_PER_TU "auto" CACHE STRING "MoE GEMM instantiations per gen
 
 set(JAX_MOE_FI_SCHEMES_DEFAULT "bf16;fp8;mxfp4")
 set(JAX_MOE_FI_SCHEMES "${JAX_MOE_FI_SCHEMES_DEFAULT}" CACHE STRING
-    "Quant schemes to build the runner for (bf16, fp8, mxfp4; empty: ${JAX_MOE_FI_SCHEMES_DEFAULT})")
+    "Quant schemes to build the runner for (bf16, fp8, mxfp4, fp8_block; empty: ${JAX_MOE_FI_SCHEMES_DEFAULT})")
 if(NOT JAX_MOE_FI_SCHEMES)  # pip passes the JAX_MOE_FI_SCHEMES environment variable, "" if unset
   set(JAX_MOE_FI_SCHEMES "${JAX_MOE_FI_SCHEMES_DEFAULT}")
 endif()
@@ -203,7 +218,12 @@ execute_process(
     "import importlib.util as u, glob, os\ns = u.find_spec('nvidia')\nfor d in (s.submodule_search_locations if s else []):\n    for p in sorted(glob.glob(os.path.join(d, '*', 'include'))): print(p)"
   OUTPUT_VARIABLE _py_nv_inc OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
 string(REPLACE "\n" ";" _py_nv_inc "${_py_nv_inc}")
-foreach(_pair "CUBLAS;cublas_v2.h" "CURAND;curand_kernel.h")
+set(_hdr_pairs "CUBLAS,cublas_v2.h" "CURAND,curand_kernel.h")
+if("fp8_block" IN_LIST JAX_MOE_FI_SCHEMES)  # DeepGEMM's headers (fp8_blockscale_gemm.cu) include it
+  list(APPEND _hdr_pairs "NVRTC,nvrtc.h")
+endif()
+foreach(_pair ${_hdr_pairs})
+  string(REPLACE "," ";" _pair "${_pair}")
   list(GET _pair 0 _lib)
   list(GET _pair 1 _hdr)
   set(_hints ${CUDAToolkit_INCLUDE_DIRS} ${_py_nv_inc} "${_fi_dir}/../cuda_extra/include")
@@ -324,9 +344,18 @@ set(_scheme_mxfp4_O "__nv_bfloat16")
 set(_scheme_mxfp4_RUNNER "__nv_bfloat16, Fp4Type")
 set(_scheme_mxfp4_KIND "mixed")
 set(_scheme_mxfp4_ID 2)
+# DeepSeek-V3 FP8 block scale: bf16 activations (the block-scale GEMM quantizes them) x FP8
+# weights -> bf16, FlashInfer's use_deepseek_fp8_block_scale runner (KIND blockscale, see the
+# header comment: no MoE GEMM instantiations).
+set(_scheme_fp8_block_T "__nv_bfloat16")
+set(_scheme_fp8_block_W "__nv_fp8_e4m3")
+set(_scheme_fp8_block_O "__nv_bfloat16")
+set(_scheme_fp8_block_RUNNER "__nv_bfloat16, __nv_fp8_e4m3")
+set(_scheme_fp8_block_KIND "blockscale")
+set(_scheme_fp8_block_ID 3)
 foreach(_s ${JAX_MOE_FI_SCHEMES})
   if(NOT DEFINED _scheme_${_s}_T)
-    message(FATAL_ERROR "jax_moe: JAX_MOE_FI_SCHEMES: unknown scheme '${_s}' (known: bf16, fp8, mxfp4)")
+    message(FATAL_ERROR "jax_moe: JAX_MOE_FI_SCHEMES: unknown scheme '${_s}' (known: bf16, fp8, mxfp4, fp8_block)")
   endif()
 endforeach()
 
@@ -374,6 +403,20 @@ set(_n_stubbed 0)
 set(_scheme_defs "")
 set(_runner_insts "")
 
+# The grouped-GEMM runner of scheme _s (tactic lists, SM90 TMA dispatch, and the SM80/SM89-style
+# kernels it compiles inline) and its fused-MoE runner (routing, permute, activation, finalize).
+macro(_jax_moe_fi_add_runner _s)
+  file(CONFIGURE OUTPUT "${_gen}/gemm_runner_${_s}.cu" CONTENT
+"// Generated by cmake/flashinfer_moe.cmake -- do not edit.
+#include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_template_dispatch.h\"
+namespace tensorrt_llm::kernels::cutlass_kernels {
+template class MoeGemmRunner<${_T}, ${_W}, ${_O}>;
+}
+" @ONLY)
+  string(APPEND _runner_insts "template class CutlassMoeFCRunner<${_scheme_${_s}_RUNNER}>;\n")
+  list(APPEND _big_sources "${_gen}/gemm_runner_${_s}.cu")
+endmacro()
+
 foreach(_s ${JAX_MOE_FI_SCHEMES})
   set(_T "${_scheme_${_s}_T}")
   set(_W "${_scheme_${_s}_W}")
@@ -382,6 +425,11 @@ foreach(_s ${JAX_MOE_FI_SCHEMES})
   set(_id "${_scheme_${_s}_ID}")
   string(TOUPPER "${_s}" _S)
   list(APPEND _scheme_defs "JAX_MOE_FI_WITH_${_S}=1")
+  if(_scheme_${_s}_KIND STREQUAL "blockscale")  # both GEMMs on the block-scale GEMM
+    _jax_moe_fi_add_runner(${_s})
+    message(STATUS "jax_moe: FlashInfer SM90 ${_s}: the FP8 block-scale grouped GEMM (no MoE GEMM instantiations)")
+    continue()
+  endif()
   set(_insts "")
   if(_scheme_${_s}_KIND STREQUAL "mixed")
     # sm90_generic_mixed_moe_gemm_kernelLauncher<T, W, Out, EpilogueOpDefault, CTA, cluster,
@@ -514,17 +562,7 @@ ${_pending}}
   endforeach()
   message(STATUS "jax_moe: FlashInfer SM90 ${_s} MoE GEMMs: ${_n_compiled} compiled in ${_tu_idx} TUs")
 
-  # The grouped-GEMM runner (tactic lists, SM90 TMA dispatch, and the SM80/SM89-style kernels it
-  # compiles inline) and the fused-MoE runner (routing, permute, activation, finalize).
-  file(CONFIGURE OUTPUT "${_gen}/gemm_runner_${_s}.cu" CONTENT
-"// Generated by cmake/flashinfer_moe.cmake -- do not edit.
-#include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_template_dispatch.h\"
-namespace tensorrt_llm::kernels::cutlass_kernels {
-template class MoeGemmRunner<${_T}, ${_W}, ${_O}>;
-}
-" @ONLY)
-  string(APPEND _runner_insts "template class CutlassMoeFCRunner<${_scheme_${_s}_RUNNER}>;\n")
-  list(APPEND _big_sources "${_gen}/gemm_runner_${_s}.cu")
+  _jax_moe_fi_add_runner(${_s})
 endforeach()
 # One TU for every scheme's fused-MoE runner: cutlass_fused_moe_kernels.cuh also defines plain
 # (non-template) functions, so it may be compiled only once per library.
@@ -617,6 +655,9 @@ if(JAX_MOE_FI_SM80_FUSED)
 else()
   set(_sm80_flag "false")
 endif()
+if(NOT _compiled_rows)  # e.g. fp8_block alone: a row that matches no scheme (no empty array)
+  set(_compiled_rows "    {-1, 0, 0, 0, 0, 0, 0, 0, -1},\n")
+endif()
 file(CONFIGURE OUTPUT "${_gen}/jax_moe_fi_kernels.h" CONTENT
 "// Generated by cmake/flashinfer_moe.cmake -- do not edit.
 // The SM90 MoE GEMM tactics compiled into this build: scheme id (0 bf16, 1 fp8, 2 mxfp4), tile
@@ -644,8 +685,15 @@ set(_fi_small_sources
 # libjax_moe_fi.so: the kernels, the runner and our FFI handlers. No Python in it, so it can be
 # built once (on any machine with nvcc, see JAX_MOE_FI_PREBUILT) and reused by every interpreter.
 # The slowest TUs first, so that a parallel build starts them early.
-add_library(jax_moe_fi SHARED ${_big_sources} ${_gen_sources} ${_fi_small_sources}
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe.cu")
+set(_fp8_block_sources "")
+if("fp8_block" IN_LIST JAX_MOE_FI_SCHEMES)
+  set(_fi_blockscale_cu "${_fi_csrc}/nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/fp8_blockscale_gemm.cu")
+  set_source_files_properties("${_fi_blockscale_cu}" PROPERTIES COMPILE_DEFINITIONS ENABLE_FP8_BLOCK_SCALE)
+  set(_fp8_block_sources "${_fi_blockscale_cu}" "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_deepgemm_stubs.cc")
+endif()
+add_library(jax_moe_fi SHARED ${_big_sources} ${_fp8_block_sources} ${_gen_sources} ${_fi_small_sources}
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe.cu"
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe_fp8_block.cu")
 target_link_libraries(jax_moe_fi PRIVATE jax_moe_fi_config CUDA::cudart_static)
 if(TARGET CUDA::cuda_driver)
   target_link_libraries(jax_moe_fi PRIVATE CUDA::cuda_driver)
@@ -653,7 +701,8 @@ endif()
 target_compile_definitions(jax_moe_fi PRIVATE ${_scheme_defs})
 target_include_directories(jax_moe_fi PRIVATE "${JAX_MOE_XLA_FFI_INCLUDE_DIR}")
 # Some jaxlib releases' api.h trips -Werror=missing-field-initializers under the host compiler.
-set_source_files_properties("${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe.cu" PROPERTIES
+set_source_files_properties("${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe.cu"
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe_fp8_block.cu" PROPERTIES
   COMPILE_OPTIONS "-Xcompiler=-Wno-missing-field-initializers,-Wno-error=missing-field-initializers")
 set_target_properties(jax_moe_fi PROPERTIES
   CUDA_ARCHITECTURES "90a"

@@ -1,7 +1,8 @@
 // nanobind module jax_moe._jax_moe_flashinfer: exports the XLA FFI handlers of FlashInfer's CUTLASS
 // fused-MoE runner and the host-side queries the Python wrapper needs at trace time (workspace
 // size, tactic lists). Both live in libjax_moe_fi.so (ffi/flashinfer_cutlass_moe.cu), which this
-// module links; scheme ids: 0 bf16, 1 fp8, 2 mxfp4.
+// module links (fp8_block's handler and workspace query: ffi/flashinfer_cutlass_moe_fp8_block.cu);
+// scheme ids: 0 bf16, 1 fp8, 2 mxfp4, 3 fp8_block.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
@@ -21,6 +22,8 @@
 #include <utility>
 #include <vector>
 
+#include "flashinfer_cutlass_moe_fp8_block.h"
+
 namespace nb = nanobind;
 
 // XLA_FFI_DEFINE_HANDLER_SYMBOL in flashinfer_cutlass_moe.cu defines it with C linkage.
@@ -29,6 +32,7 @@ struct XLA_FFI_Error;
 extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoe(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeFp8(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeMxfp4(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeFp8Block(XLA_FFI_CallFrame* call_frame);
 
 namespace jax_moe_fi {
 int CompiledSchemes();
@@ -55,7 +59,7 @@ void SegvTrace(int sig) {
 
 NB_MODULE(_jax_moe_flashinfer, m) {
   if (std::getenv("JAX_MOE_FI_SEGV_TRACE")) signal(SIGSEGV, SegvTrace);
-  m.doc() = "FlashInfer CUTLASS fused-MoE (SM90; bf16, fp8, mxfp4) as XLA FFI custom calls";
+  m.doc() = "FlashInfer CUTLASS fused-MoE (SM90; bf16, fp8, mxfp4, fp8_block) as XLA FFI custom calls";
 
   m.def("registrations", []() {
     nb::dict d;
@@ -65,13 +69,22 @@ NB_MODULE(_jax_moe_flashinfer, m) {
         nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeFp8));
     d["jax_moe_flashinfer_cutlass_moe_mxfp4"] =
         nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeMxfp4));
+    d["jax_moe_flashinfer_cutlass_moe_fp8_block"] =
+        nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeFp8Block));
     return d;
   }, "FFI target name -> handler capsule (api_version=1, platform CUDA).");
 
-  m.def("compiled_schemes", &jax_moe_fi::CompiledSchemes,
-        "Bit mask of the quant schemes compiled in: 1 << 0 bf16, 1 << 1 fp8, 1 << 2 mxfp4.");
+  m.def("compiled_schemes", []() { return jax_moe_fi::CompiledSchemes() | jax_moe_fi::CompiledSchemesFp8Block(); },
+        "Bit mask of the quant schemes compiled in: 1 << 0 bf16, 1 << 1 fp8, 1 << 2 mxfp4, "
+        "1 << 3 fp8_block.");
 
-  m.def("workspace_size", &jax_moe_fi::WorkspaceSize, nb::arg("num_tokens"), nb::arg("hidden"),
+  m.def("workspace_size",
+        [](int64_t t, int64_t h, int64_t i, int64_t e, int64_t k, int64_t act, int scheme, int device) {
+          if (scheme == jax_moe_fi::kFp8BlockSchemeId)  // no tactics: its own runner per shape
+            return jax_moe_fi::Fp8BlockWorkspaceSize(t, h, i, e, k, act, device);
+          return jax_moe_fi::WorkspaceSize(t, h, i, e, k, act, scheme, device);
+        },
+        nb::arg("num_tokens"), nb::arg("hidden"),
         nb::arg("inter"), nb::arg("num_experts"), nb::arg("top_k"), nb::arg("activation"),
         nb::arg("scheme") = 0, nb::arg("device") = -1,
         "Bytes of the uint8 workspace result the custom call needs for this problem. Needs a "
