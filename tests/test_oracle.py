@@ -51,7 +51,7 @@ REASONS = [
     (H100, "nvfp4", "flashinfer_trtllm", "needs SM100 (compute capability 10.x: B200/GB200/B300); this device is SM90 (9.0)"),
     (H100, "nvfp4", "flashinfer_cutedsl", "needs SM100/SM103; this device is SM90"),
     (H100, "nvfp4", "marlin", "not provided: on SM90, weight-only MXFP4 (W4A16) is served by flashinfer_cutlass"),
-    (H100, "fp8_block", "flashinfer_cutlass", "scheme 'fp8_block' is not built yet"),
+    (B200, "fp8_block", "flashinfer_cutlass", "needs SM90 (this build compiles sm_90a only); this device is SM100"),
     (H100, "nvfp4", "flashinfer_cutlass", "scheme 'nvfp4' is not built yet"),
     (H100, "w4a8", "cutlass", "scheme 'w4a8' is not built yet (have bf16, fp8)"),
     (H100, "fp8", "cutlass", "simulated: jax_moe._jax_moe_cutlass is not built"),
@@ -74,6 +74,36 @@ def test_each_refusal_gives_its_reason(device, scheme_name, backend, reason):
     _, ok, why = oracle.probe(backend, CFG, scheme(scheme_name), device)
     assert not ok
     assert why.startswith(reason), why
+
+
+class _FlashinferModuleStandIn:
+    """What the oracle asks of jax_moe._jax_moe_flashinfer: the bit mask of compiled schemes."""
+
+    def __init__(self, mask: int):
+        self.mask = mask
+
+    def compiled_schemes(self) -> int:
+        return self.mask
+
+
+@pytest.mark.parametrize("schemes", [("bf16", "fp8", "mxfp4"), ("bf16", "fp8", "mxfp4", "fp8_block")])
+def test_flashinfer_cutlass_fp8_block_is_served_only_where_compiled(monkeypatch, schemes):
+    """fp8_block is opt-in (JAX_MOE_FI_SCHEMES): on SM90 a build without it says so; a build
+    with it serves DeepSeek-style FP8 block weights for prepared weights (the oracle's
+    AUTO_PREPARED), and still refuses activations other than per-group FP8 with its reason."""
+    from jax_moe.backends import flashinfer_cutlass as fic
+
+    mask = sum(1 << fic.SCHEME_IDS[s] for s in schemes)
+    monkeypatch.setitem(fic._state, "module", _FlashinferModuleStandIn(mask))
+    monkeypatch.setitem(fic._state, "error", None)
+    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("fp8_block"), H100)
+    if "fp8_block" in schemes:
+        assert ok, why
+        assert oracle.select_backend(CFG, scheme("fp8_block"), device=H100, prepared=True).name == "flashinfer_cutlass"
+    else:
+        assert not ok and why.startswith("scheme 'fp8_block' is not compiled into this build (JAX_MOE_FI_SCHEMES)"), why
+    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("fp8_block", act="bf16"), H100)
+    assert not ok and "act='fp8_per_group'" in why, why
 
 
 @pytest.mark.parametrize("device", [A100, H100, B200, RTX5090, CPU], ids=lambda d: d.describe())

@@ -6,7 +6,7 @@ erf form), ``swigluoai`` (GPT-OSS's, the runner's SwigluBias with per-expert alp
 limit) and ``relu2`` (not gated); optional biases on both GEMMs (``w13_bias [E, 2I]``,
 ``w2_bias [E, H]``, added before the router weight); router weight on the input for top-1
 (applied to x before the call); expert-parallel shards (ids of -1 are skipped by the runner and
-contribute nothing). Three schemes, each its own FFI target:
+contribute nothing). Four schemes, each its own FFI target:
 
 * ``bf16``: bf16 activations x bf16 weights -> bf16.
 * ``fp8`` (vLLM's FP8 per-tensor W8A8): activations quantized to float8_e4m3fn with one
@@ -23,6 +23,11 @@ contribute nothing). Three schemes, each its own FFI target:
   converts the 4-bit weights to bf16 in registers (CUTLASS's mixed-input mainloop, scale mode
   kPostMma) and multiplies bf16 x bf16. This is what serves weight-only MXFP4 on Hopper (vLLM's
   Marlin row is not built).
+* ``fp8_block`` (DeepSeek-V3 FP8; ``QuantConfig(scheme="fp8_block")``, act ``fp8_per_group``):
+  bf16 activations x float8_e4m3fn weights with one float32 scale per 128 x 128 block -> bf16,
+  on TensorRT-LLM's block-scale grouped GEMM, which quantizes the activations itself per token
+  per 128 columns (FlashInfer's ``use_deepseek_fp8_block_scale`` runner). Opt-in build; H and I
+  multiples of 128; no tactics. Its own parts: :mod:`jax_moe.backends.flashinfer_cutlass_fp8_block`.
 
 Routing happens before: the calls take top-k ids and weights.
 
@@ -56,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.layouts import (
+    FP8_BLOCK_SCALE,
     MIXED_GEMM_SCALE_K,
     fp8_alpha_scales,
     interleave_fp4_weights_for_sm90_mixed_gemm,
@@ -75,10 +81,11 @@ NAME = "flashinfer_cutlass"
 # scheme -> FFI target, scheme id in the native module, H/I alignment in weights (16 bytes; MXFP4:
 # the mixed-input GEMM's 128-weight scale blocks), weights per stored element along K
 TARGETS = {"bf16": "jax_moe_flashinfer_cutlass_moe", "fp8": "jax_moe_flashinfer_cutlass_moe_fp8",
-           "mxfp4": "jax_moe_flashinfer_cutlass_moe_mxfp4"}
-SCHEME_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2}
-ALIGN = {"bf16": 8, "fp8": 16, "mxfp4": MIXED_GEMM_SCALE_K}
-PACK = {"bf16": 1, "fp8": 1, "mxfp4": 2}
+           "mxfp4": "jax_moe_flashinfer_cutlass_moe_mxfp4",
+           "fp8_block": "jax_moe_flashinfer_cutlass_moe_fp8_block"}
+SCHEME_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "fp8_block": 3}
+ALIGN = {"bf16": 8, "fp8": 16, "mxfp4": MIXED_GEMM_SCALE_K, "fp8_block": FP8_BLOCK_SCALE}
+PACK = {"bf16": 1, "fp8": 1, "mxfp4": 2, "fp8_block": 1}
 # apply/prepare take biases (prepare(..., w13_bias=, w2_bias=)) and router weight on input; any dtype
 FEATURES = frozenset({"bias", "router_weight_on_input"})
 
@@ -142,6 +149,12 @@ def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
     if scheme == "mxfp4" and quant.act != "bf16":
         return False, (f"MXFP4 runs with bf16 activations (W4A16) here, not {quant.act!r}: FlashInfer "
                        "0.7.2 has no SM90 MXFP4 x MXFP8 CUTLASS path")
+    if scheme == "fp8_block":
+        from jax_moe.backends import flashinfer_cutlass_fp8_block as fp8b
+
+        why = fp8b.refusal(cfg, quant)
+        if why:
+            return False, why
     ok, why = available(device)
     if not ok:
         return False, why
@@ -246,9 +259,11 @@ class Prepared:
     """Expert weights in the runner's layout, from :func:`prepare` (a pytree; jit-able).
 
     w13 [E, 2I, H] (``[up; gate]``) and w2 [E, H, I]: bfloat16 (scheme ``bf16``) or
-    float8_e4m3fn (``fp8``); ``mxfp4``: uint8 w13 [E, 2Ip, Hp/2], w2 [E, Hp, Ip/2] with H, I
-    padded and their folded E8M0 scales ``w13_block_scale``, ``w2_block_scale``
-    (:func:`prepare_mxfp4_weights`; None in the other schemes). FP8 only (None otherwise), float32:
+    float8_e4m3fn (``fp8``, ``fp8_block``); ``mxfp4``: uint8 w13 [E, 2Ip, Hp/2], w2 [E, Hp, Ip/2]
+    with H, I padded and their folded E8M0 scales ``w13_block_scale``, ``w2_block_scale``
+    (:func:`prepare_mxfp4_weights`); ``fp8_block``: ``w13_block_scale [E, 2I/128, H/128]`` and
+    ``w2_block_scale [E, H/128, I/128]`` float32, the 128 x 128 block scales in w13's and w2's row
+    order (:mod:`jax_moe.layouts.blockscale`); None in the other schemes. FP8 only (None otherwise), float32:
     ``w13_scale [E]``; ``a13_scale []`` static input scale (None: dynamic per call);
     ``g1_alphas [E] = w13_scale * a13_scale`` (None when a13_scale is dynamic);
     ``a2_gscale [] = 1 / a2_scale``; ``g2_alphas [E] = w2_scale * a2_scale``.
@@ -341,6 +356,10 @@ def prepare(w13, w2, cfg, quant=None, *, w13_bias=None, w2_bias=None) -> Prepare
         return Prepared(w13p, w2p, w13_block_scale=s13, w2_block_scale=s2, scheme="mxfp4",
                         activation=cfg.activation, **extras)
     extras = _extras(cfg, w13_bias, w2_bias)
+    if scheme == "fp8_block":
+        from jax_moe.backends import flashinfer_cutlass_fp8_block as fp8b
+
+        return fp8b.prepare(w13, w2, cfg, quant, extras)
     if scheme == "bf16":
         w13p, w2p = prepare_weights(w13, w2, cfg.activation, cfg.gate_up_layout)
         return Prepared(w13p, w2p, scheme="bf16", activation=cfg.activation, **extras)
@@ -450,6 +469,10 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
             want = (e,) + mixed_gemm_scale_shape(rows, kk)
             if sc is None or tuple(sc.shape) != want or sc.dtype != jnp.uint8:
                 raise ValueError(f"prepared.{name} must be uint8 {list(want)} (use prepare())")
+    if scheme == "fp8_block":
+        from jax_moe.backends import flashinfer_cutlass_fp8_block as fp8b
+
+        fp8b.check_prepared(prepared)
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != t:
         raise ValueError(f"topk_weights {topk_weights.shape} / topk_ids {topk_ids.shape} must be [T, k]")
     if apply_router_weight_on_input and k != 1:
@@ -470,7 +493,22 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
     align = ALIGN[scheme]
     if hw % align or i % align:
         raise ValueError(f"H={hw} and I={i} must be multiples of {align} for scheme {scheme!r}")
+    if scheme == "fp8_block" and (gemm1_tactic != -1 or gemm2_tactic != -1):
+        raise ValueError("scheme 'fp8_block' has no tactics (one block-scale GEMM kernel): leave "
+                         "gemm1_tactic and gemm2_tactic at -1")
     _register()
+    ids, tw = topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)
+    if apply_router_weight_on_input:  # Llama4 top-1: the weight scales the input, not the output
+        x = (x.astype(jnp.float32) * tw).astype(x.dtype)
+        tw = jnp.ones_like(tw)
+    empty = jnp.zeros((0,), jnp.bfloat16)
+    extras = (empty if prepared.w13_bias is None else prepared.w13_bias,
+              empty if prepared.w2_bias is None else prepared.w2_bias,
+              jnp.zeros((0,), jnp.float32) if prepared.swiglu is None else prepared.swiglu)
+    if scheme == "fp8_block":
+        from jax_moe.backends import flashinfer_cutlass_fp8_block as fp8b
+
+        return fp8b.call(x, prepared, ids, tw, extras, ACTIVATION_CODES[activation])
     ws = workspace_size(int(t), int(hw), int(i), int(e), int(k), activation, scheme)
     call = jax.ffi.ffi_call(
         TARGETS[scheme],
@@ -482,14 +520,6 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
         gemm1_tactic, gemm2_tactic = flashinfer_tuning.choice(prepared, int(t), int(k))
     attrs = dict(activation=np.int64(ACTIVATION_CODES[activation]),
                  gemm1_tactic=np.int64(gemm1_tactic), gemm2_tactic=np.int64(gemm2_tactic))
-    ids, tw = topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)
-    if apply_router_weight_on_input:  # Llama4 top-1: the weight scales the input, not the output
-        x = (x.astype(jnp.float32) * tw).astype(x.dtype)
-        tw = jnp.ones_like(tw)
-    empty = jnp.zeros((0,), jnp.bfloat16)
-    extras = (empty if prepared.w13_bias is None else prepared.w13_bias,
-              empty if prepared.w2_bias is None else prepared.w2_bias,
-              jnp.zeros((0,), jnp.float32) if prepared.swiglu is None else prepared.swiglu)
     if scheme == "bf16":
         out, _ = call(x.astype(jnp.bfloat16), w13.astype(jnp.bfloat16), w2.astype(jnp.bfloat16),
                       ids, tw, *extras, **attrs)
