@@ -88,10 +88,10 @@
 #       tactics; not used on SM90 unless JAX_MOE_FI_SM80_FUSED=ON), a throwing
 #       tensorrt_llm::kernels::Lora_run (LoRA is not used; this avoids lora.cpp and cuBLAS
 #       linkage -- cuBLAS *headers* are still needed because cudaUtils.h includes them), and with
-#       mxfp4 a throwing apply_per_channel_scale_kernel_launcher<bf16, bf16> (AWQ pre-quant
+#       mxfp4 or fp8_block a throwing apply_per_channel_scale_kernel_launcher<bf16, bf16> (AWQ pre-quant
 #       scales, which the W4A16 runner names but MXFP4 never uses; avoids preQuantScaleKernel.cu).
-# Not needed: FlashInfer's TVM-FFI binding, deepgemm_jit_setup.cu, fp8_blockscale_gemm.cu (and so
-#   no -lnvrtc), moe_gemm_mixed_utils.cu (the weight interleave for the mixed-input GEMM is jnp
+# Not needed: FlashInfer's TVM-FFI binding, deepgemm_jit_setup.cu (and so no -lnvrtc),
+#   fp8_blockscale_gemm.cu (fp8_block only), moe_gemm_mixed_utils.cu (the weight interleave for the mixed-input GEMM is jnp
 #   here: jax_moe/layouts/mixed_gemm.py), preQuantScaleKernel.cu, lora.cpp, FlashInfer's
 #   moe_gemm_kernels_<act>_<weight>.cu files (they instantiate output types we do not use), and the
 #   generated files of other types and of plain GEMMs.
@@ -615,9 +615,13 @@ if("mxfp4" IN_LIST JAX_MOE_FI_SCHEMES)
 #include \"tensorrt_llm/kernels/preQuantScaleKernel.h\"
 #include \"cutlass/gemm/dispatch_policy.hpp\"
 #include \"cutlass/epilogue/dispatch_policy.hpp\"\n")
-  # The <bf16, Fp4Type> runner names AWQ's pre-quant scale kernel (applyPrequantScale), reached
-  # only with activation pre-quant scales, which W4A16 MXFP4 never has (preQuantScaleKernel.cu
-  # is not compiled).
+elseif("fp8_block" IN_LIST JAX_MOE_FI_SCHEMES)
+  set(_mixed_include "#include \"tensorrt_llm/kernels/preQuantScaleKernel.h\"\n")
+endif()
+if("mxfp4" IN_LIST JAX_MOE_FI_SCHEMES OR "fp8_block" IN_LIST JAX_MOE_FI_SCHEMES)
+  # The <bf16, Fp4Type> and <bf16, fp8> runners name AWQ's pre-quant scale kernel
+  # (applyPrequantScale), reached only with activation pre-quant scales, which neither W4A16 MXFP4
+  # nor FP8 block scale ever has (preQuantScaleKernel.cu is not compiled).
   set(_awq_stub "template <>
 void apply_per_channel_scale_kernel_launcher<__nv_bfloat16, __nv_bfloat16>(__nv_bfloat16*, __nv_bfloat16 const*,
                                                                          __nv_bfloat16 const*, int, int,
