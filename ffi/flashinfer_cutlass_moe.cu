@@ -558,9 +558,10 @@ ffi::Error Mxfp4Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi:
 #endif
 }
 
-// Runs `f(DeviceState<S>&)` for the scheme with id `scheme`.
-template <typename F>
-auto WithState(int scheme, int device, F&& f) {
+// Runs `f(DeviceState<S>&)` for the scheme with id `scheme`. R is spelled out: a build with no
+// scheme of this file (fp8_block alone) has no branch to deduce it from.
+template <typename R, typename F>
+R WithState(int scheme, int device, F&& f) {
   if (device < 0) cudaGetDevice(&device);
 #if JAX_MOE_FI_WITH_BF16
   if (scheme == Bf16Scheme::kId) return f(GetState<Bf16Scheme>(device), Bf16Scheme::kId);
@@ -598,7 +599,7 @@ size_t WorkspaceSize(int64_t num_tokens, int64_t hidden, int64_t inter, int64_t 
   if (!IsSupportedActivation(activation))
     throw std::invalid_argument("unsupported activation type " + std::to_string(activation));
   if (device < 0) cudaGetDevice(&device);
-  return WithState(scheme, device, [&](auto& st, int) {
+  return WithState<size_t>(scheme, device, [&](auto& st, int) {
     std::lock_guard<std::mutex> lock(st.mu);
     DeviceGuard guard(device);
     return TotalWorkspaceBytes(*st.runner, std::max<int64_t>(num_tokens, 1), hidden, inter,
@@ -610,7 +611,7 @@ size_t WorkspaceSize(int64_t num_tokens, int64_t hidden, int64_t inter, int64_t 
 // Tactic-list queries use only C types across the library boundary to the nanobind module, which
 // builds the Python list itself.
 int NumTactics(int gemm_id, int scheme, int device) {
-  return WithState(scheme, device, [&](auto& st, int) {
+  return WithState<int>(scheme, device, [&](auto& st, int) {
     std::lock_guard<std::mutex> lock(st.mu);
     return static_cast<int>((gemm_id == 1 ? st.gemm1 : st.gemm2).size());
   });
@@ -619,7 +620,7 @@ int NumTactics(int gemm_id, int scheme, int device) {
 // Writes tactic `idx`'s description (NUL-terminated, truncated to buf_len) and returns whether
 // that tactic is compiled into this build (1) or not (0).
 int TacticInfo(int gemm_id, int idx, int scheme, int device, char* buf, size_t buf_len) {
-  return WithState(scheme, device, [&](auto& st, int id) {
+  return WithState<int>(scheme, device, [&](auto& st, int id) {
     std::lock_guard<std::mutex> lock(st.mu);
     auto const& list = gemm_id == 1 ? st.gemm1 : st.gemm2;
     if (idx < 0 || idx >= static_cast<int>(list.size()))
@@ -638,7 +639,7 @@ int TacticInfo(int gemm_id, int idx, int scheme, int device, char* buf, size_t b
 std::pair<int, int> DefaultTactics(int64_t num_tokens, int64_t hidden, int64_t inter,
                                    int64_t num_experts, int64_t top_k, int64_t activation,
                                    int scheme, int device) {
-  return WithState(scheme, device, [&](auto& st, int) {
+  return WithState<std::pair<int, int>>(scheme, device, [&](auto& st, int) {
     std::lock_guard<std::mutex> lock(st.mu);
     ShapeKey key{num_tokens, hidden, inter, static_cast<int>(num_experts),
                  static_cast<int>(top_k), static_cast<int>(activation)};

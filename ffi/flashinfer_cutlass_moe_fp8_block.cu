@@ -73,6 +73,7 @@ namespace ce = tensorrt_llm::cutlass_extensions;
 #if JAX_MOE_FI_WITH_FP8_BLOCK
 // Instantiated in the generated runner.cu.
 extern template class tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_fp8_e4m3>;
+extern "C" void JaxMoeDeepGemmRestoreEnv();  // ffi/flashinfer_deepgemm_stubs.cc
 #endif
 
 namespace jax_moe_fi {
@@ -298,6 +299,12 @@ int CompiledSchemesFp8Block() {
   return 1 << kFp8BlockSchemeId;
 #else
   return 0;
+#endif
+}
+
+void Fp8BlockAfterLoad() {
+#if JAX_MOE_FI_WITH_FP8_BLOCK
+  JaxMoeDeepGemmRestoreEnv();
 #endif
 }
 

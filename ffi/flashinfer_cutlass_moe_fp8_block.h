@@ -18,4 +18,8 @@ int CompiledSchemesFp8Block();
 size_t Fp8BlockWorkspaceSize(int64_t num_tokens, int64_t hidden, int64_t inter, int64_t num_experts,
                              int64_t top_k, int64_t activation, int device);
 
+// Called once by the nanobind module after libjax_moe_fi.so has loaded: restores the process
+// environment that the library's load-time DeepGEMM guard changed (ffi/flashinfer_deepgemm_stubs.cc).
+void Fp8BlockAfterLoad();
+
 }  // namespace jax_moe_fi

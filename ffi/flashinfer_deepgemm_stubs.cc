@@ -13,26 +13,36 @@
 //    directories then: $TRTLLM_DG_CACHE_DIR, else ~/.tensorrt_llm, throwing (and so terminating
 //    the process) where that cannot be created. Unless TRTLLM_DG_CACHE_DIR is set, it is set here,
 //    before any default-priority static initializer of this library runs, to a directory under
-//    the system temporary directory, so that loading never writes into $HOME.
+//    the system temporary directory, so that loading never writes into $HOME; the nanobind module
+//    removes it again right after the library has loaded (JaxMoeDeepGemmRestoreEnv, through
+//    jax_moe_fi::Fp8BlockAfterLoad), so the process environment is left as it was.
 
-#pragma GCC visibility push(hidden)
-#include <cuda.h>
-
-#include <cstdlib>
+#include <cstdlib>  // before the pragma: the C library's declarations keep their visibility
 #include <string>
+
+#pragma GCC visibility push(hidden)  // for cuda.h's declarations of the stand-ins below
+#include <cuda.h>
 
 namespace {
 constexpr char kMsg[] = "jax_moe: DeepGEMM's JIT runtime is not available in this build";
+constexpr char kEnv[] = "TRTLLM_DG_CACHE_DIR";
+bool g_env_set_here = false;
 
 __attribute__((constructor(101))) void JaxMoeDeepGemmCacheDir() {
-  if (std::getenv("TRTLLM_DG_CACHE_DIR") != nullptr) return;
+  if (std::getenv(kEnv) != nullptr) return;
   char const* tmp = std::getenv("TMPDIR");
   std::string dir = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/jax_moe_deepgemm_unused";
-  setenv("TRTLLM_DG_CACHE_DIR", dir.c_str(), /*overwrite=*/0);
+  g_env_set_here = setenv(kEnv, dir.c_str(), /*overwrite=*/0) == 0;
 }
 }  // namespace
 
 extern "C" {
+
+// Undoes JaxMoeDeepGemmCacheDir's setenv (DeepGEMM has read it by now).
+void JaxMoeDeepGemmRestoreEnv() {
+  if (g_env_set_here) unsetenv(kEnv);
+  g_env_set_here = false;
+}
 
 CUresult CUDAAPI cuGetErrorString(CUresult, const char** str) {
   if (str) *str = kMsg;

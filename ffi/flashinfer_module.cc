@@ -59,6 +59,7 @@ void SegvTrace(int sig) {
 
 NB_MODULE(_jax_moe_flashinfer, m) {
   if (std::getenv("JAX_MOE_FI_SEGV_TRACE")) signal(SIGSEGV, SegvTrace);
+  jax_moe_fi::Fp8BlockAfterLoad();
   m.doc() = "FlashInfer CUTLASS fused-MoE (SM90; bf16, fp8, mxfp4, fp8_block) as XLA FFI custom calls";
 
   m.def("registrations", []() {
