@@ -59,6 +59,12 @@
 // -Wmissing-field-initializers into an error for everything after them).
 #include "xla/ffi/api/ffi.h"
 #include "flashinfer_cutlass_moe_fp8_block.h"
+
+namespace ffi = xla::ffi;
+
+// Without the scheme this file only defines the handler symbol (which reports that fp8_block was
+// not compiled) and the host queries, and stays cheap to compile: no FlashInfer headers.
+#if JAX_MOE_FI_WITH_FP8_BLOCK
 // clang-format off
 #include "tensorrt_llm/kernels/cutlass_kernels/include/moe_kernels.h"  // FlashInfer's, by its full path
 // clang-format on
@@ -66,11 +72,9 @@
 #pragma GCC diagnostic warning "-Wmissing-field-initializers"
 #endif
 
-namespace ffi = xla::ffi;
 namespace tk = tensorrt_llm::kernels::cutlass_kernels;
 namespace ce = tensorrt_llm::cutlass_extensions;
 
-#if JAX_MOE_FI_WITH_FP8_BLOCK
 // Instantiated in the generated runner.cu.
 extern template class tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_fp8_e4m3>;
 extern "C" void JaxMoeDeepGemmRestoreEnv();  // ffi/flashinfer_deepgemm_stubs.cc
