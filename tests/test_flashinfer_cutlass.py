@@ -837,6 +837,26 @@ def test_fp8_block_shapes_in_any_order(rng):
 
 
 @pytest.mark.gpu
+def test_fp8_block_swigluoai_biases_and_router_weight_on_input(rng):
+    """The runner's optional operands on the block-scale path: swigluoai (SwigluBias) with both
+    biases and clamps that bite, and Llama4's router weight on the input (top-1)."""
+    _skip_unless_fp8_block()
+    from jax_moe import fused_experts
+
+    t, e, k, h, i = 37, 8, 2, 512, 256
+    x, w13, w2, tw, ids = _problem(rng, t, e, k, h, i)
+    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)), jnp.bfloat16).astype(jnp.float32)
+    b2 = jnp.asarray(0.3 * rng.standard_normal((e, h)), jnp.bfloat16).astype(jnp.float32)
+    q13, q2, quant = quantize_weights("fp8_block", 4 * w13.astype(jnp.float32), w2)
+    tw1, ids1 = _routing(rng, t, e, 1)
+    for args, kw in (((x, q13, q2, tw, ids), dict(activation="swigluoai", w13_bias=b13, w2_bias=b2)),
+                     ((x, q13, q2, tw1, ids1), dict(apply_router_weight_on_input=True))):
+        out = jax.jit(lambda *a: fused_experts(*a, quant=quant, backend="flashinfer_cutlass", **kw))(*args)
+        ref = fused_experts(*args, quant=quant, backend="xla", **kw)
+        assert _rel_err(out, ref) < FP8_REL_TOL, kw
+
+
+@pytest.mark.gpu
 def test_fp8_block_deepseek_v3_hidden_and_intermediate(rng):
     """DeepSeek-V3's H = 7168 and I = 2048 with k = 8 (16 experts instead of 256, to keep the
     random weights and the float32 reference's dequantized weights small)."""

@@ -397,7 +397,10 @@ def workspace_size(num_tokens: int, hidden: int, inter: int, num_experts: int, t
 
 
 def tactics(gemm_id: int, scheme: str = "bf16"):
-    """The runner's tactic list for GEMM 1 or 2: ``[(index, description, compiled)]``."""
+    """The runner's tactic list for GEMM 1 or 2: ``[(index, description, compiled)]`` (empty for
+    ``fp8_block``: its block-scale GEMM is one kernel)."""
+    if scheme == "fp8_block":
+        return []
     mod = _module()
     if mod is None:
         raise RuntimeError(_state["error"])
