@@ -18,3 +18,16 @@ function(jax_moe_find_flashinfer_dir out_var)
   endif()
   set(${out_var} "${_dir}" PARENT_SCOPE)
 endfunction()
+
+# jax_moe_cccl_dirs(<out_var>): CUDA 13 keeps CCCL (cuda/std/..., cub, thrust) in include/cccl,
+# which nvcc adds by itself but the host compiler (TUs of FlashInfer's support code that include
+# CUTLASS headers) does not: the toolkit's include/cccl directories that exist, else empty.
+function(jax_moe_cccl_dirs out_var)
+  set(_dirs "")
+  foreach(_d ${CUDAToolkit_INCLUDE_DIRS})
+    if(EXISTS "${_d}/cccl/cuda/std/utility")
+      list(APPEND _dirs "${_d}/cccl")
+    endif()
+  endforeach()
+  set(${out_var} "${_dirs}" PARENT_SCOPE)
+endfunction()

@@ -247,14 +247,7 @@ foreach(_pair ${_hdr_pairs})
   file(COPY ${_hdrs} DESTINATION "${CMAKE_CURRENT_BINARY_DIR}/flashinfer_extra_include")
 endforeach()
 set(_extra_inc_dirs "${CMAKE_CURRENT_BINARY_DIR}/flashinfer_extra_include")
-# CUDA 13 keeps CCCL (cuda/std/..., cub, thrust) in include/cccl, which nvcc adds by itself but the
-# host compiler (cutlass_heuristic.cpp and friends include CUTLASS headers) does not.
-set(_cccl_dirs "")
-foreach(_d ${CUDAToolkit_INCLUDE_DIRS})
-  if(EXISTS "${_d}/cccl/cuda/std/utility")
-    list(APPEND _cccl_dirs "${_d}/cccl")
-  endif()
-endforeach()
+jax_moe_cccl_dirs(_cccl_dirs)
 
 # XLA FFI headers: from the root CMakeLists when it already found them, else from jax.
 if(NOT JAX_MOE_XLA_FFI_INCLUDE_DIR)

@@ -175,12 +175,7 @@ foreach(_s routing_runner routing_deepseek routing_llama4 routing_custom_block r
   list(APPEND _tfi_sources "${_tfi_csrc}/fused_moe/trtllm_backend/trtllm_fused_moe_${_s}.cu")
 endforeach()
 
-set(_cccl_dirs "")
-foreach(_d ${CUDAToolkit_INCLUDE_DIRS})
-  if(EXISTS "${_d}/cccl/cuda/std/utility")
-    list(APPEND _cccl_dirs "${_d}/cccl")
-  endif()
-endforeach()
+jax_moe_cccl_dirs(_cccl_dirs)
 
 set(_tgencode "")
 foreach(_a IN LISTS _trtllm_archs)

@@ -78,6 +78,7 @@
 // some jaxlib versions' api.h has such initializers.
 #include "xla/ffi/api/ffi.h"
 // clang-format off
+#include "flashinfer_handler_common.h"
 #include "jax_moe_fi_kernels.h"
 #include "tensorrt_llm/kernels/cutlass_kernels/include/moe_kernels.h"  // FlashInfer's, by its full path
 // clang-format on
@@ -153,31 +154,6 @@ bool IsCompiled(int scheme, Config const& c) {
   }
   return false;
 }
-
-// Makes `device` current for the lifetime of the guard.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cudaGetDevice(&prev_);
-    if (prev_ != device) cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    cudaGetDevice(&cur);
-    if (cur != prev_ && prev_ >= 0) cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = -1;
-};
-
-struct ShapeKey {
-  int64_t t, h, i;
-  int e, k, act;
-  bool operator<(ShapeKey const& o) const {
-    return std::tie(t, h, i, e, k, act) < std::tie(o.t, o.h, o.i, o.e, o.k, o.act);
-  }
-};
 
 template <typename S>
 struct DeviceState {

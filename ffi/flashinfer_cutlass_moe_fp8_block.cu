@@ -59,6 +59,7 @@
 // -Wmissing-field-initializers into an error for everything after them).
 #include "xla/ffi/api/ffi.h"
 #include "flashinfer_cutlass_moe_fp8_block.h"
+#include "flashinfer_handler_common.h"
 
 namespace ffi = xla::ffi;
 
@@ -105,30 +106,6 @@ bool IsSupportedActivation(int64_t a) {
 }
 
 bool IsGated(tk::ActivationType a) { return a != tk::ActivationType::Relu2; }
-
-class DeviceGuard {  // makes `device` current for the guard's lifetime
- public:
-  explicit DeviceGuard(int device) {
-    cudaGetDevice(&prev_);
-    if (prev_ != device) cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    cudaGetDevice(&cur);
-    if (cur != prev_ && prev_ >= 0) cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = -1;
-};
-
-struct ShapeKey {
-  int64_t t, h, i;
-  int e, k, act;
-  bool operator<(ShapeKey const& o) const {
-    return std::tie(t, h, i, e, k, act) < std::tie(o.t, o.h, o.i, o.e, o.k, o.act);
-  }
-};
 
 struct DeviceState {
   std::mutex mu;

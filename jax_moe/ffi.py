@@ -69,6 +69,19 @@ def _register(kind: str) -> bool:
     return True
 
 
+def register_module_targets(state: dict, module) -> None:
+    """Register an extension module's CUDA FFI targets (``module.registrations()``: name ->
+    capsule) once per backend ``state`` (its ``{"module", "error", "registered"}`` record);
+    RuntimeError with the recorded reason when the module did not load."""
+    if state["registered"]:
+        return
+    if module is None:
+        raise RuntimeError(state["error"])
+    for name, capsule in module.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    state["registered"] = True
+
+
 def has_native(kind: str) -> bool:
     """Whether the ``"cpu"`` or ``"cuda"`` handlers are built and registered."""
     return _register(kind)

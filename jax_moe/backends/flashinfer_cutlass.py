@@ -75,6 +75,7 @@ from jax_moe.layouts import (
     swap_w13_to_w31,
     undo_reorder_rows_for_gated_act_gemm,
 )
+from jax_moe.ffi import register_module_targets
 from jax_moe.quant import fp4, fp8
 
 NAME = "flashinfer_cutlass"
@@ -169,14 +170,7 @@ def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
 
 
 def _register():
-    if _state["registered"]:
-        return
-    mod = _module()
-    if mod is None:
-        raise RuntimeError(_state["error"])
-    for name, capsule in mod.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-    _state["registered"] = True
+    register_module_targets(_state, _module())
 
 
 # ----------------------------------------------------------------------------- load time

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.device import device_info
+from jax_moe.ffi import register_module_targets
 from jax_moe.layouts import (
     fp8_padded_intermediate,
     pad_axis,
@@ -199,14 +200,7 @@ def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
 
 
 def _register():
-    if _state["registered"]:
-        return
-    mod = _module()
-    if mod is None:
-        raise RuntimeError(_state["error"])
-    for name, capsule in mod.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-    _state["registered"] = True
+    register_module_targets(_state, _module())
 
 
 # ----------------------------------------------------------------------------- load time
