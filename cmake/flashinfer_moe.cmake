@@ -2,6 +2,8 @@
 # CutlassMoeFCRunner) for SM90 behind thin XLA FFI handlers (ffi/flashinfer_cutlass_moe.cu), for the
 # quant schemes in JAX_MOE_FI_SCHEMES:
 #   bf16   BF16 activations x BF16 weights -> BF16
+#   f16    FP16 activations x FP16 weights -> FP16 (opt-in: not in the default list; the same
+#          kernels as bf16 with half, built from the same tile/cluster/swap/finalize selection)
 #   fp8    FP8 E4M3 activations (per-tensor scale) x FP8 E4M3 weights (per-tensor/expert) -> BF16
 #   mxfp4  BF16 activations x MXFP4 weights (E2M1, E8M0 scale per 32) -> BF16: W4A16 (GPT-OSS) on
 #          the SM90 mixed-input grouped GEMMs
@@ -35,7 +37,7 @@
 #   runner.cu  -- `template class CutlassMoeFCRunner<...>;` for every scheme, over
 #       fused_moe/cutlass_backend/cutlass_fused_moe_kernels.cuh (routing/permute, activation,
 #       finalize kernels and the runner's host logic). One TU: that header also defines plain
-#       functions. bf16: <bf16, bf16>; fp8: <fp8, fp8, bf16 out, fp8 in, bf16 backbone> (the input
+#       functions. bf16: <bf16, bf16>; f16: <half, half>; fp8: <fp8, fp8, bf16 out, fp8 in, bf16 backbone> (the input
 #       arrives quantized, as in FlashInfer's binding); mxfp4: <bf16, Fp4Type> (FlashInfer's
 #       isWFP4A16Quant runner; Fp4Type is cutlass::float_e2m1_t under COMPILE_HOPPER_TMA_GEMMS).
 #   gemm_runner_<scheme>.cu -- `template class MoeGemmRunner<T, W, bf16>;` over
@@ -83,7 +85,7 @@
 #       stubs (ffi/flashinfer_deepgemm_stubs.cc, which also keeps its load-time cache directory
 #       out of $HOME): no libcuda link. nvrtc.h (included by DeepGEMM's headers) is looked up like
 #       the cuBLAS headers. Handler: ffi/flashinfer_cutlass_moe_fp8_block.cu.
-#   stubs.cu -- the throwing stubs above, throwing stubs for the 30 bf16
+#   stubs.cu -- the throwing stubs above, throwing stubs for the 30 bf16 (and with f16, 30 half)
 #       sm80_generic_fused_moe_gemm_kernelLauncher instantiations (the SM80 fused gated-GEMM
 #       tactics; not used on SM90 unless JAX_MOE_FI_SM80_FUSED=ON), a throwing
 #       tensorrt_llm::kernels::Lora_run (LoRA is not used; this avoids lora.cpp and cuBLAS
@@ -110,7 +112,7 @@
 #   (our handler included) must see the same set.
 #
 # Cache variables (each generated TU is ~1-2 min on one core; fewer tactics build faster):
-#   JAX_MOE_FI_SCHEMES        quant schemes: bf16, fp8, mxfp4, fp8_block (default bf16;fp8;mxfp4;
+#   JAX_MOE_FI_SCHEMES        quant schemes: bf16, fp8, mxfp4, fp8_block, f16 (default bf16;fp8;mxfp4;
 #                             pip passes the JAX_MOE_FI_SCHEMES environment variable)
 #   JAX_MOE_FI_MXFP4_TILES    mixed-input tiles MxNxK for mxfp4 (default: the five above)
 #   JAX_MOE_FI_SM90_TILES     "all" or a list of MxN from the tile list above  (default all)
@@ -137,7 +139,7 @@ set(JAX_MOE_FI_INSTS_PER_TU "auto" CACHE STRING "MoE GEMM instantiations per gen
 
 set(JAX_MOE_FI_SCHEMES_DEFAULT "bf16;fp8;mxfp4")
 set(JAX_MOE_FI_SCHEMES "${JAX_MOE_FI_SCHEMES_DEFAULT}" CACHE STRING
-    "Quant schemes to build the runner for (bf16, fp8, mxfp4, fp8_block; empty: ${JAX_MOE_FI_SCHEMES_DEFAULT})")
+    "Quant schemes to build the runner for (bf16, fp8, mxfp4, fp8_block, f16; empty: ${JAX_MOE_FI_SCHEMES_DEFAULT})")
 if(NOT JAX_MOE_FI_SCHEMES)  # pip passes the JAX_MOE_FI_SCHEMES environment variable, "" if unset
   set(JAX_MOE_FI_SCHEMES "${JAX_MOE_FI_SCHEMES_DEFAULT}")
 endif()
@@ -346,9 +348,18 @@ set(_scheme_fp8_block_O "__nv_bfloat16")
 set(_scheme_fp8_block_RUNNER "__nv_bfloat16, __nv_fp8_e4m3")
 set(_scheme_fp8_block_KIND "blockscale")
 set(_scheme_fp8_block_ID 3)
+# FP16 activations x FP16 weights -> FP16 (opt-in): bf16's kernels with half (FlashInfer's
+# CutlassMoeFCRunner<half, half>, MoeGemmRunner<half, half, half>; K tile 64, 128 bytes). Its
+# biases are half too (the runner's ScaleBiasType is its output type).
+set(_scheme_f16_T "half")
+set(_scheme_f16_W "half")
+set(_scheme_f16_O "half")
+set(_scheme_f16_RUNNER "half, half")
+set(_scheme_f16_K 64)
+set(_scheme_f16_ID 4)
 foreach(_s ${JAX_MOE_FI_SCHEMES})
   if(NOT DEFINED _scheme_${_s}_T)
-    message(FATAL_ERROR "jax_moe: JAX_MOE_FI_SCHEMES: unknown scheme '${_s}' (known: bf16, fp8, mxfp4, fp8_block)")
+    message(FATAL_ERROR "jax_moe: JAX_MOE_FI_SCHEMES: unknown scheme '${_s}' (known: bf16, fp8, mxfp4, fp8_block, f16)")
   endif()
 endforeach()
 
@@ -568,38 +579,48 @@ ${_runner_insts}}
 list(PREPEND _big_sources "${_gen}/runner.cu")
 message(STATUS "jax_moe: FlashInfer SM90 MoE GEMMs: ${_n_compiled_all} compiled, ${_n_stubbed} stubbed")
 
-# SM80 fused gated-activation launchers (bf16 only; the runner names them for bf16): compiled or
-# stubbed.
+# SM80 fused gated-activation launchers (bf16 and f16: the runner names them for 16-bit types):
+# compiled or stubbed, for each of those schemes that is built.
 set(_sm80_body "")
 set(_sm80_shapes "16 128 64" "16 256 64" "32 128 64" "64 128 64" "128 128 64")
-foreach(_shape ${_sm80_shapes})
-  string(REPLACE " " ";" _s "${_shape}")
-  list(GET _s 0 _m)
-  list(GET _s 1 _n)
-  list(GET _s 2 _k)
-  foreach(_stages 2 3 4)
-    foreach(_epi EpilogueOpDefaultSilu EpilogueOpDefaultFtGelu)
-      set(_head "void sm80_generic_fused_moe_gemm_kernelLauncher<cutlass::bfloat16_t, cutlass::bfloat16_t, ${_m}, ${_n}, ${_k}, ${_stages}, tensorrt_llm::cutlass_extensions::${_epi}>(cutlass::bfloat16_t const* A, cutlass::bfloat16_t const* B, cutlass::bfloat16_t const* biases, bool bias_is_broadcast, cutlass::bfloat16_t* C, int64_t const* total_tokens_including_expert, int64_t num_rows, int64_t gemm_n, int64_t gemm_k, int num_experts, int multi_processor_count, cudaStream_t stream, int* kernel_occupancy)")
-      if(JAX_MOE_FI_SM80_FUSED)
-        string(APPEND _sm80_body "template ${_head};\n")
-      else()
-        string(APPEND _sm80_body "template <> ${_head} {\n  TLLM_THROW(\"jax_moe: SM80 fused MoE GEMM ${_m}x${_n}x${_k} stages=${_stages} ${_epi} was not compiled\");\n}\n")
-      endif()
+set(_sm80_type_bf16 "cutlass::bfloat16_t")
+set(_sm80_type_f16 "cutlass::half_t")
+set(_sm80_note_bf16 "")  # the bf16 messages as they always were
+set(_sm80_note_f16 "f16 ")
+foreach(_s16 bf16 f16)
+  if(NOT _s16 IN_LIST JAX_MOE_FI_SCHEMES)
+    continue()
+  endif()
+  set(_e "${_sm80_type_${_s16}}")
+  set(_body16 "")
+  foreach(_shape ${_sm80_shapes})
+    string(REPLACE " " ";" _s "${_shape}")
+    list(GET _s 0 _m)
+    list(GET _s 1 _n)
+    list(GET _s 2 _k)
+    foreach(_stages 2 3 4)
+      foreach(_epi EpilogueOpDefaultSilu EpilogueOpDefaultFtGelu)
+        set(_head "void sm80_generic_fused_moe_gemm_kernelLauncher<${_e}, ${_e}, ${_m}, ${_n}, ${_k}, ${_stages}, tensorrt_llm::cutlass_extensions::${_epi}>(${_e} const* A, ${_e} const* B, ${_e} const* biases, bool bias_is_broadcast, ${_e}* C, int64_t const* total_tokens_including_expert, int64_t num_rows, int64_t gemm_n, int64_t gemm_k, int num_experts, int multi_processor_count, cudaStream_t stream, int* kernel_occupancy)")
+        if(JAX_MOE_FI_SM80_FUSED)
+          string(APPEND _body16 "template ${_head};\n")
+        else()
+          string(APPEND _body16 "template <> ${_head} {\n  TLLM_THROW(\"jax_moe: SM80 fused MoE GEMM ${_sm80_note_${_s16}}${_m}x${_n}x${_k} stages=${_stages} ${_epi} was not compiled\");\n}\n")
+        endif()
+      endforeach()
     endforeach()
   endforeach()
-endforeach()
-if(NOT "bf16" IN_LIST JAX_MOE_FI_SCHEMES)
-  set(_sm80_body "")
-elseif(JAX_MOE_FI_SM80_FUSED)
-  file(CONFIGURE OUTPUT "${_gen}/sm80_bf16_fused_moe_gemm.cu" CONTENT
+  if(JAX_MOE_FI_SM80_FUSED)
+    file(CONFIGURE OUTPUT "${_gen}/sm80_${_s16}_fused_moe_gemm.cu" CONTENT
 "// Generated by cmake/flashinfer_moe.cmake -- do not edit.
 #include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/fused_moe_gemm_launcher_sm80.inl\"
 namespace tensorrt_llm::kernels::cutlass_kernels_oss {
-${_sm80_body}}
+${_body16}}
 " @ONLY)
-  list(APPEND _gen_sources "${_gen}/sm80_bf16_fused_moe_gemm.cu")
-  set(_sm80_body "")
-endif()
+    list(APPEND _gen_sources "${_gen}/sm80_${_s16}_fused_moe_gemm.cu")
+  else()
+    string(APPEND _sm80_body "${_body16}")
+  endif()
+endforeach()
 
 set(_mixed_include "")
 set(_awq_stub "")
@@ -652,12 +673,16 @@ if(JAX_MOE_FI_SM80_FUSED)
 else()
   set(_sm80_flag "false")
 endif()
+set(_scheme_ids_note "0 bf16, 1 fp8, 2 mxfp4")
+if("f16" IN_LIST JAX_MOE_FI_SCHEMES)
+  string(APPEND _scheme_ids_note ", 4 f16")
+endif()
 if(NOT _compiled_rows)  # e.g. fp8_block alone: a row that matches no scheme (no empty array)
   set(_compiled_rows "    {-1, 0, 0, 0, 0, 0, 0, 0, -1},\n")
 endif()
 file(CONFIGURE OUTPUT "${_gen}/jax_moe_fi_kernels.h" CONTENT
 "// Generated by cmake/flashinfer_moe.cmake -- do not edit.
-// The SM90 MoE GEMM tactics compiled into this build: scheme id (0 bf16, 1 fp8, 2 mxfp4), tile
+// The SM90 MoE GEMM tactics compiled into this build: scheme id (${_scheme_ids_note}), tile
 // M, N, K (as in CutlassTileConfigSM90's names), cluster M, N, finalize fusion, swap_ab, and the
 // MainloopScheduleType value the kernel was compiled for (-1: any; the mixed-input dispatcher
 // selects by schedule). The handler only selects tactics listed here.

@@ -7,8 +7,11 @@
 //                                         per-expert scale) -> BF16
 //   jax_moe_flashinfer_cutlass_moe_mxfp4  BF16 activations x MXFP4 weights (W4A16, GPT-OSS; the
 //                                         SM90 mixed-input GEMMs) -> BF16
+//   jax_moe_flashinfer_cutlass_moe_f16    FP16 activations x FP16 weights -> FP16 (opt-in scheme
+//                                         f16: bf16's kernels with half; operands as bf16's,
+//                                         with float16 wherever bf16 has bfloat16)
 //
-// Operands (all row-major; "F" is bf16 or float8_e4m3fn by scheme; for mxfp4 the weights are
+// Operands (all row-major; "F" is bf16, float16 (f16) or float8_e4m3fn by scheme; for mxfp4 the weights are
 // uint8 [.., K/2] (two E2M1 codes per byte) in the mixed-input GEMM's interleaved byte order, see
 // jax_moe/layouts/mixed_gemm.py, and H, I are the padded sizes):
 //   x            [T, H]        F
@@ -22,8 +25,9 @@
 //   w2           [E, H, I]     F
 //   topk_ids     [T, k]        int32  expert ids in [0, E)
 //   topk_weights [T, k]        float32
-//   w13_bias     [E, 2I] or [0]  bf16  GEMM1 bias in w13's row order ([0]: none)
-//   w2_bias      [E, H] or [0]   bf16  GEMM2 bias, added before the router weight ([0]: none)
+//   w13_bias     [E, 2I] or [0]  bf16  GEMM1 bias in w13's row order ([0]: none); f16: float16
+//   w2_bias      [E, H] or [0]   bf16  GEMM2 bias, added before the router weight ([0]: none);
+//                                      f16: float16 (the runner's ScaleBiasType is its output type)
 //   swiglu       [3, E] or [0]   float32  per-expert (alpha, beta, limit) of SwigluBias:
 //                                    min(g, limit) * sigmoid(alpha * min(g, limit)) *
 //                                    (clamp(u, -limit, limit) + beta); [0] for other activations
@@ -35,7 +39,7 @@
 //   w13_scale    [E, 2I/64, H/128, 16, 16]  uint8
 //   w2_scale     [E, H/64, I/128, 16, 16]   uint8
 // Results:
-//   out          [T, Hu]       bf16   sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]),
+//   out          [T, Hu]       bf16 (f16: float16)  sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]),
 //                                     its first Hu <= H columns (Hu % 8 == 0): the runner's
 //                                     unpadded hidden size, for weights padded along H
 //   workspace    [W]           uint8  W = WorkspaceSize(T, H, I, E, k, activation, scheme)
@@ -54,6 +58,7 @@
 // cached. Only tactics compiled into this build (jax_moe_fi_kernels.h) are ever selected.
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -92,16 +97,21 @@ namespace ce = tensorrt_llm::cutlass_extensions;
 
 // The runner classes are instantiated in the generated runner.cu.
 // kPack: weight elements per stored element along K (the runner's mInnerDimMultiplier).
+// kBias, kBiasName: the biases' dtype (the runner's ScaleBiasType: its backbone type).
 struct Bf16Scheme {
   static constexpr int kId = 0;
   static constexpr char const* kName = "bf16";
   static constexpr int kPack = 1;
+  static constexpr ffi::DataType kBias = ffi::DataType::BF16;
+  static constexpr char const* kBiasName = "bfloat16";
   using Runner = tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;
 };
 struct Fp8Scheme {
   static constexpr int kId = 1;
   static constexpr char const* kName = "fp8";
   static constexpr int kPack = 1;
+  static constexpr ffi::DataType kBias = ffi::DataType::BF16;
+  static constexpr char const* kBiasName = "bfloat16";
   using Runner = tk::CutlassMoeFCRunner<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16,
                                         __nv_fp8_e4m3, __nv_bfloat16>;
 };
@@ -110,7 +120,19 @@ struct Mxfp4Scheme {
   static constexpr int kId = 2;
   static constexpr char const* kName = "mxfp4";
   static constexpr int kPack = 2;
+  static constexpr ffi::DataType kBias = ffi::DataType::BF16;
+  static constexpr char const* kBiasName = "bfloat16";
   using Runner = tk::CutlassMoeFCRunner<__nv_bfloat16, tk::Fp4Type>;
+};
+// FP16 (opt-in): bf16's runner with half everywhere, biases included. (Id 3 is fp8_block's, in
+// flashinfer_cutlass_moe_fp8_block.cu.)
+struct F16Scheme {
+  static constexpr int kId = 4;
+  static constexpr char const* kName = "f16";
+  static constexpr int kPack = 1;
+  static constexpr ffi::DataType kBias = ffi::DataType::F16;
+  static constexpr char const* kBiasName = "float16";
+  using Runner = tk::CutlassMoeFCRunner<half, half>;
 };
 #if JAX_MOE_FI_WITH_BF16
 extern template class tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;
@@ -121,6 +143,9 @@ extern template class tk::CutlassMoeFCRunner<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_
 #endif
 #if JAX_MOE_FI_WITH_MXFP4
 extern template class tk::CutlassMoeFCRunner<__nv_bfloat16, tk::Fp4Type>;
+#endif
+#if JAX_MOE_FI_WITH_F16
+extern template class tk::CutlassMoeFCRunner<half, half>;
 #endif
 
 namespace jax_moe_fi {
@@ -139,7 +164,9 @@ bool AnyFinalizeCompiled(int scheme) {
 
 // Whether `c` names a kernel of `scheme` that this build compiled (not a throwing stub).
 bool IsCompiled(int scheme, Config const& c) {
-  if (!c.is_tma_warp_specialized) return scheme == Bf16Scheme::kId && kSm80FusedCompiled && c.sm_version < 90;
+  if (!c.is_tma_warp_specialized)  // the SM80 fused gated GEMMs exist for bf16 and f16 only
+    return (scheme == Bf16Scheme::kId || scheme == F16Scheme::kId) && kSm80FusedCompiled &&
+           c.sm_version < 90;
   if (c.sm_version != 90) return false;
   auto const [tm, tn, tile_k] = ce::enum_to_shape_tuple(c.tile_config_sm90);
   auto const [cm, cn, ck] = ce::enum_to_shape_tuple(c.cluster_shape);
@@ -371,10 +398,11 @@ ffi::Error RunMoe(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::An
     return d.size() == 2 && d[0] == d0 && d[1] == d1;
   };
   bool const has_b13 = present(w13_bias), has_b2 = present(w2_bias);
-  if (has_b13 && (!is_2d(w13_bias, e, n1) || w13_bias.element_type() != ffi::DataType::BF16))
-    return bad("w13_bias must be [E, " + std::string(IsGated(act) ? "2I" : "I") + "] bfloat16 or empty");
-  if (has_b2 && (!is_2d(w2_bias, e, h) || w2_bias.element_type() != ffi::DataType::BF16))
-    return bad("w2_bias must be [E, H] bfloat16 or empty");
+  if (has_b13 && (!is_2d(w13_bias, e, n1) || w13_bias.element_type() != S::kBias))
+    return bad("w13_bias must be [E, " + std::string(IsGated(act) ? "2I" : "I") + "] " +
+               S::kBiasName + " or empty");
+  if (has_b2 && (!is_2d(w2_bias, e, h) || w2_bias.element_type() != S::kBias))
+    return bad(std::string("w2_bias must be [E, H] ") + S::kBiasName + " or empty");
   bool const is_swiglu_bias = act == tk::ActivationType::SwigluBias;
   auto sd = swiglu.dimensions();
   if (is_swiglu_bias && !(sd.size() == 2 && sd[0] == 3 && sd[1] == e))
@@ -449,6 +477,25 @@ ffi::Error Bf16Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::
                             activation, gemm1_tactic, gemm2_tactic, tk::QuantParams{}, 8);
 #else
   return NotCompiled("bf16");
+#endif
+}
+
+// bf16's handler with float16 for x, w13, w2, the biases and out.
+ffi::Error F16Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w13,
+                   ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> topk_ids,
+                   ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer w13_bias,
+                   ffi::AnyBuffer w2_bias, ffi::Buffer<ffi::F32> swiglu,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::U8> workspace,
+                   int64_t activation, int64_t gemm1_tactic, int64_t gemm2_tactic) {
+#if JAX_MOE_FI_WITH_F16
+  for (auto dt : {x.element_type(), w13.element_type(), w2.element_type(), out->element_type()})
+    if (dt != ffi::DataType::F16)
+      return ffi::Error::InvalidArgument("jax_moe flashinfer_cutlass_moe (f16): x, w13, w2 and out must be float16");
+  return RunMoe<F16Scheme>(stream, device, x, w13, w2, topk_ids, topk_weights, w13_bias, w2_bias,
+                           swiglu, out, workspace,
+                           activation, gemm1_tactic, gemm2_tactic, tk::QuantParams{}, 8);
+#else
+  return NotCompiled("f16");
 #endif
 }
 
@@ -548,6 +595,9 @@ R WithState(int scheme, int device, F&& f) {
 #if JAX_MOE_FI_WITH_MXFP4
   if (scheme == Mxfp4Scheme::kId) return f(GetState<Mxfp4Scheme>(device), Mxfp4Scheme::kId);
 #endif
+#if JAX_MOE_FI_WITH_F16
+  if (scheme == F16Scheme::kId) return f(GetState<F16Scheme>(device), F16Scheme::kId);
+#endif
   throw std::invalid_argument("scheme " + std::to_string(scheme) + " is not compiled into this build");
 }
 
@@ -566,6 +616,9 @@ int CompiledSchemes() {
 #endif
 #if JAX_MOE_FI_WITH_MXFP4
   m |= 1 << Mxfp4Scheme::kId;
+#endif
+#if JAX_MOE_FI_WITH_F16
+  m |= 1 << F16Scheme::kId;
 #endif
   return m;
 }
@@ -644,6 +697,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFlashinferCutlassMoe, jax_moe_fi::Bf16Impl,
                                   .Arg<ffi::AnyBuffer>()          // w2_bias [E,H] or [0]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // swiglu [3,E] or [0]
                                   .Ret<ffi::AnyBuffer>()          // out
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                                  .Attr<int64_t>("activation")
+                                  .Attr<int64_t>("gemm1_tactic")
+                                  .Attr<int64_t>("gemm2_tactic"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFlashinferCutlassMoeF16, jax_moe_fi::F16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()          // x (f16)
+                                  .Arg<ffi::AnyBuffer>()          // w13 (f16)
+                                  .Arg<ffi::AnyBuffer>()          // w2 (f16)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
+                                  .Arg<ffi::AnyBuffer>()          // w13_bias [E,2I] (f16) or [0]
+                                  .Arg<ffi::AnyBuffer>()          // w2_bias [E,H] (f16) or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // swiglu [3,E] or [0]
+                                  .Ret<ffi::AnyBuffer>()          // out (f16)
                                   .Ret<ffi::Buffer<ffi::U8>>()    // workspace
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("gemm1_tactic")

@@ -2,7 +2,7 @@
 // fused-MoE runner and the host-side queries the Python wrapper needs at trace time (workspace
 // size, tactic lists). Both live in libjax_moe_fi.so (ffi/flashinfer_cutlass_moe.cu), which this
 // module links (fp8_block's handler and workspace query: ffi/flashinfer_cutlass_moe_fp8_block.cu);
-// scheme ids: 0 bf16, 1 fp8, 2 mxfp4, 3 fp8_block.
+// scheme ids: 0 bf16, 1 fp8, 2 mxfp4, 3 fp8_block, 4 f16.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
@@ -33,6 +33,7 @@ extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoe(XLA_FFI_CallFrame* call_fra
 extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeFp8(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeMxfp4(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeFp8Block(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeF16(XLA_FFI_CallFrame* call_frame);
 
 namespace jax_moe_fi {
 int CompiledSchemes();
@@ -60,7 +61,7 @@ void SegvTrace(int sig) {
 NB_MODULE(_jax_moe_flashinfer, m) {
   if (std::getenv("JAX_MOE_FI_SEGV_TRACE")) signal(SIGSEGV, SegvTrace);
   jax_moe_fi::Fp8BlockAfterLoad();
-  m.doc() = "FlashInfer CUTLASS fused-MoE (SM90; bf16, fp8, mxfp4, fp8_block) as XLA FFI custom calls";
+  m.doc() = "FlashInfer CUTLASS fused-MoE (SM90; bf16, fp8, mxfp4, fp8_block, f16) as XLA FFI custom calls";
 
   m.def("registrations", []() {
     nb::dict d;
@@ -72,12 +73,14 @@ NB_MODULE(_jax_moe_flashinfer, m) {
         nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeMxfp4));
     d["jax_moe_flashinfer_cutlass_moe_fp8_block"] =
         nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeFp8Block));
+    d["jax_moe_flashinfer_cutlass_moe_f16"] =
+        nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeF16));
     return d;
   }, "FFI target name -> handler capsule (api_version=1, platform CUDA).");
 
   m.def("compiled_schemes", []() { return jax_moe_fi::CompiledSchemes() | jax_moe_fi::CompiledSchemesFp8Block(); },
         "Bit mask of the quant schemes compiled in: 1 << 0 bf16, 1 << 1 fp8, 1 << 2 mxfp4, "
-        "1 << 3 fp8_block.");
+        "1 << 3 fp8_block, 1 << 4 f16.");
 
   m.def("workspace_size",
         [](int64_t t, int64_t h, int64_t i, int64_t e, int64_t k, int64_t act, int scheme, int device) {
