@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import logging
 import os
 
@@ -24,7 +25,9 @@ from jax_moe.config import MoEConfig
 
 log = logging.getLogger("jax_moe")
 
-# backends with a Python module of their own: supports(cfg, quant, device) and apply(...)
+# backends with a Python module of their own: supports(cfg, quant, device) and apply(...); a
+# supports() with a ``dtype`` keyword also gets the unquantized weights' dtype (the call's
+# "dtype:" feature), for backends whose scheme depends on it (flashinfer_cutlass: float16 -> f16)
 MODULES: dict[str, str] = {
     "flashinfer_trtllm": "jax_moe.backends.flashinfer_trtllm",
     "flashinfer_cutlass": "jax_moe.backends.flashinfer_cutlass",
@@ -125,7 +128,11 @@ def probe(name: str, cfg: MoEConfig, quant=None, device=None, features=frozenset
 
         return (None, *refusal(name, cfg, quant, device))
     mod = module(name)
-    ok, reason = mod.supports(cfg, quant, device)
+    dtype = next((f[6:] for f in features if f.startswith("dtype:")), None)
+    if dtype is not None and "dtype" in inspect.signature(mod.supports).parameters:
+        ok, reason = mod.supports(cfg, quant, device, dtype=dtype)  # the scheme depends on it
+    else:
+        ok, reason = mod.supports(cfg, quant, device)
     if ok:
         missing = _missing_feature(mod, features)
         if missing:

@@ -6,9 +6,13 @@ erf form), ``swigluoai`` (GPT-OSS's, the runner's SwigluBias with per-expert alp
 limit) and ``relu2`` (not gated); optional biases on both GEMMs (``w13_bias [E, 2I]``,
 ``w2_bias [E, H]``, added before the router weight); router weight on the input for top-1
 (applied to x before the call); expert-parallel shards (ids of -1 are skipped by the runner and
-contribute nothing). Four schemes, each its own FFI target:
+contribute nothing). Five schemes, each its own FFI target:
 
 * ``bf16``: bf16 activations x bf16 weights -> bf16.
+* ``f16``: float16 activations x float16 weights -> float16 (biases float16 too): ``bf16``'s
+  kernels with half (``CutlassMoeFCRunner<half, half>``), chosen by the weights' dtype (no
+  QuantConfig); the same layouts and activations as ``bf16``. Opt-in build
+  (``JAX_MOE_FI_SCHEMES="...;f16"``); float16 mixed with bfloat16 is a ValueError.
 * ``fp8`` (vLLM's FP8 per-tensor W8A8): activations quantized to float8_e4m3fn with one
   per-tensor scale (static ``a13_scale``, or dynamic ``amax(x) / 448`` per call) x float8_e4m3fn
   weights with per-tensor or per-expert scales -> bf16. GEMM1's accumulator is rescaled by
@@ -37,7 +41,8 @@ Weight layout (:func:`prepare`, once, at load time). The runner reads GEMM1's ou
 ``[gate; up]`` (w1 then w3), so the halves are swapped ("w31" order,
 :func:`jax_moe.layouts.swap_w13_to_w31`). ``w2`` is used as is (``[E, H, I]``). The alphas above
 are computed there too (:func:`jax_moe.layouts.fp8_alpha_scales`). ``w13_bias`` follows w13's rows
-(swapped the same way); biases are bf16 in every scheme (the runner's ``ScaleBiasType``).
+(swapped the same way); biases are bf16 in every scheme but ``f16``, where they are float16 (the
+runner's ``ScaleBiasType``, its output type).
 MXFP4 (:func:`prepare_mxfp4_weights`): the same row order on the packed weights and their
 scales, I and H padded with zeros to :data:`jax_moe.layouts.MXFP4_PADDING`
 ``["flashinfer_cutlass"]`` (128: the mixed-input GEMM folds scales per 128 weights along K and
@@ -83,10 +88,14 @@ NAME = "flashinfer_cutlass"
 # the mixed-input GEMM's 128-weight scale blocks), weights per stored element along K
 TARGETS = {"bf16": "jax_moe_flashinfer_cutlass_moe", "fp8": "jax_moe_flashinfer_cutlass_moe_fp8",
            "mxfp4": "jax_moe_flashinfer_cutlass_moe_mxfp4",
-           "fp8_block": "jax_moe_flashinfer_cutlass_moe_fp8_block"}
-SCHEME_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "fp8_block": 3}
-ALIGN = {"bf16": 8, "fp8": 16, "mxfp4": MIXED_GEMM_SCALE_K, "fp8_block": FP8_BLOCK_SCALE}
-PACK = {"bf16": 1, "fp8": 1, "mxfp4": 2, "fp8_block": 1}
+           "fp8_block": "jax_moe_flashinfer_cutlass_moe_fp8_block", "f16": "jax_moe_flashinfer_cutlass_moe_f16"}
+SCHEME_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "fp8_block": 3, "f16": 4}
+ALIGN = {"bf16": 8, "fp8": 16, "mxfp4": MIXED_GEMM_SCALE_K, "fp8_block": FP8_BLOCK_SCALE, "f16": 8}
+PACK = {"bf16": 1, "fp8": 1, "mxfp4": 2, "fp8_block": 1, "f16": 1}
+# the unquantized schemes: their activations', weights', biases' and output's dtype
+FLOAT_SCHEMES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
+F16_NOT_BUILT = ("scheme 'f16' is not built (JAX_MOE_FI_SCHEMES): float16 weights need an opt-in build "
+                 "with f16 in JAX_MOE_FI_SCHEMES")
 # apply/prepare take biases (prepare(..., w13_bias=, w2_bias=)) and router weight on input; any dtype
 FEATURES = frozenset({"bias", "router_weight_on_input"})
 
@@ -127,14 +136,31 @@ def available(device=None) -> tuple[bool, str]:
     return True, f"FlashInfer CUTLASS fused MoE (SM90; {', '.join(compiled_schemes())})"
 
 
-def scheme_of(quant) -> str:
-    return "bf16" if quant is None else quant.scheme
+def scheme_of(quant, dtype=None) -> str:
+    """The scheme serving ``quant``; without one, by the weights' ``dtype``: ``f16`` for float16,
+    else ``bf16`` (float32 weights are cast to bf16)."""
+    if quant is not None:
+        return quant.scheme
+    return "f16" if dtype is not None and np.dtype(dtype) == np.dtype(jnp.float16) else "bf16"
 
 
-def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
+def float_scheme(**arrays) -> str:
+    """``f16`` if any of the named arrays (None: absent) is float16, else ``bf16``; float16 next
+    to bfloat16 is a ValueError naming both groups (float32 goes with either)."""
+    dts = {n: np.dtype(a.dtype) for n, a in arrays.items() if getattr(a, "dtype", None) is not None}
+    names = {dt: [n for n, d in dts.items() if d == np.dtype(dt)] for dt in (jnp.float16, jnp.bfloat16)}
+    f16, bf16 = names[jnp.float16], names[jnp.bfloat16]
+    if f16 and bf16:
+        raise ValueError(f"{NAME}: float16 and bfloat16 mixed ({', '.join(f16)} float16; {', '.join(bf16)} "
+                         "bfloat16): scheme f16 takes float16 throughout, bf16 bfloat16")
+    return "f16" if f16 else "bf16"
+
+
+def supports(cfg, quant=None, device=None, *, dtype=None) -> tuple[bool, str]:
     """Whether this backend serves ``cfg`` (a :class:`jax_moe.config.MoEConfig`) with ``quant``
-    on ``device``, and why not."""
-    scheme = scheme_of(quant)
+    on ``device``, and why not. ``dtype``: the unquantized weights' dtype (float16: scheme
+    ``f16``; the oracle passes it from the call's features)."""
+    scheme = scheme_of(quant, dtype)
     if scheme not in TARGETS:
         return False, f"scheme {scheme!r} is not built yet (have {sorted(TARGETS)})"
     if scheme == "fp8":
@@ -159,6 +185,8 @@ def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
     ok, why = available(device)
     if not ok:
         return False, why
+    if scheme == "f16" and scheme not in compiled_schemes():
+        return False, F16_NOT_BUILT
     if scheme not in compiled_schemes():
         return False, f"scheme {scheme!r} is not compiled into this build (JAX_MOE_FI_SCHEMES)"
     if cfg.activation not in ACTIVATION_CODES:
@@ -190,11 +218,11 @@ def runner_row_order(w13, activation: str = "silu", gate_up_layout: str = "conca
     return swap_w13_to_w31(w13, axis=axis)  # [gate; up] -> [up; gate]
 
 
-def prepare_weights(w13, w2, activation: str = "silu", gate_up_layout: str = "concat"):
+def prepare_weights(w13, w2, activation: str = "silu", gate_up_layout: str = "concat", dtype=jnp.bfloat16):
     """bf16 scheme: ``(w13 [E, 2I, H] bf16 as [up; gate], w2 [E, H, I] bf16)`` (see
-    :func:`runner_row_order`)."""
+    :func:`runner_row_order`); f16 scheme: the same with ``dtype=jnp.float16``."""
     w13 = runner_row_order(w13, activation, gate_up_layout)
-    return w13.astype(jnp.bfloat16), jnp.asarray(w2).astype(jnp.bfloat16)
+    return w13.astype(dtype), jnp.asarray(w2).astype(dtype)
 
 
 def _pad_rows(x, activation: str, intermediate_padded: int, axis: int = -2):
@@ -252,8 +280,8 @@ def prepare_mxfp4_weights(w13, w13_scale, w2, w2_scale, activation: str = "silu"
 class Prepared:
     """Expert weights in the runner's layout, from :func:`prepare` (a pytree; jit-able).
 
-    w13 [E, 2I, H] (``[up; gate]``) and w2 [E, H, I]: bfloat16 (scheme ``bf16``) or
-    float8_e4m3fn (``fp8``, ``fp8_block``); ``mxfp4``: uint8 w13 [E, 2Ip, Hp/2], w2 [E, Hp, Ip/2]
+    w13 [E, 2I, H] (``[up; gate]``) and w2 [E, H, I]: bfloat16 (scheme ``bf16``), float16
+    (``f16``) or float8_e4m3fn (``fp8``, ``fp8_block``); ``mxfp4``: uint8 w13 [E, 2Ip, Hp/2], w2 [E, Hp, Ip/2]
     with H, I padded and their folded E8M0 scales ``w13_block_scale``, ``w2_block_scale``
     (:func:`prepare_mxfp4_weights`); ``fp8_block``: ``w13_block_scale [E, 2I/128, H/128]`` and
     ``w2_block_scale [E, H/128, I/128]`` float32, the 128 x 128 block scales in w13's and w2's row
@@ -261,8 +289,8 @@ class Prepared:
     ``w13_scale [E]``; ``a13_scale []`` static input scale (None: dynamic per call);
     ``g1_alphas [E] = w13_scale * a13_scale`` (None when a13_scale is dynamic);
     ``a2_gscale [] = 1 / a2_scale``; ``g2_alphas [E] = w2_scale * a2_scale``.
-    Optional (None: absent): ``w13_bias [E, 2I]`` bf16 in w13's row order, ``w2_bias [E, H]``
-    bf16 (mxfp4: padded like the weights, ``[E, 2Ip]``, ``[E, Hp]``); ``swiglu [3, E]`` float32
+    Optional (None: absent): ``w13_bias [E, 2I]`` bf16 (``f16``: float16) in w13's row order,
+    ``w2_bias [E, H]`` likewise (mxfp4: padded like the weights, ``[E, 2Ip]``, ``[E, Hp]``); ``swiglu [3, E]`` float32
     (alpha, beta, limit per expert) for ``swigluoai``.
     Each array field's ``expert_axis`` metadata names its expert axis (None: no expert axis),
     which :func:`partition_specs` splits over expert parallelism, and ``tp_axis`` (absent: none)
@@ -287,17 +315,17 @@ class Prepared:
     activation: str = dataclasses.field(default="silu", metadata=dict(static=True))
 
 
-def _extras(cfg, w13_bias, w2_bias, padded=None) -> dict:
-    """The optional operands in the runner's layout: biases (bf16; ``padded=(Hp, Ip)``: zero-padded
-    as the weights) and SwigluBias parameters."""
+def _extras(cfg, w13_bias, w2_bias, padded=None, bias_dtype=jnp.bfloat16) -> dict:
+    """The optional operands in the runner's layout: biases (``bias_dtype``, bf16 but in scheme
+    ``f16``; ``padded=(Hp, Ip)``: zero-padded as the weights) and SwigluBias parameters."""
     e = cfg.num_experts
     b13 = b2 = None
     if w13_bias is not None:
         b13 = runner_row_order(w13_bias, cfg.activation, cfg.gate_up_layout, axis=-1)
-        b13 = (b13 if padded is None else _pad_rows(b13, cfg.activation, padded[1], axis=-1)).astype(jnp.bfloat16)
+        b13 = (b13 if padded is None else _pad_rows(b13, cfg.activation, padded[1], axis=-1)).astype(bias_dtype)
     if w2_bias is not None:
         b2 = jnp.asarray(w2_bias)
-        b2 = (b2 if padded is None else pad_axis(b2, padded[0], -1)).astype(jnp.bfloat16)
+        b2 = (b2 if padded is None else pad_axis(b2, padded[0], -1)).astype(bias_dtype)
     out = dict(w13_bias=b13, w2_bias=b2, swiglu=None)
     if cfg.activation == "swigluoai":  # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g)
         out["swiglu"] = jnp.asarray(
@@ -337,10 +365,14 @@ def alignment(quant=None) -> int:
 
 def prepare(w13, w2, cfg, quant=None, *, w13_bias=None, w2_bias=None) -> Prepared:
     """vLLM-layout expert weights (as ``fused_experts`` takes them) -> :class:`Prepared`, once,
-    at load time. ``cfg`` is the layer's :class:`jax_moe.config.MoEConfig`; ``quant`` None (bf16)
-    or an ``fp8`` :class:`jax_moe.QuantConfig` that :func:`supports` accepts; biases
-    ``w13_bias [E, 2I]`` (vLLM's row order, like w13) and ``w2_bias [E, H]`` or None."""
-    scheme = scheme_of(quant)
+    at load time. ``cfg`` is the layer's :class:`jax_moe.config.MoEConfig`; ``quant`` None (bf16,
+    or f16 for float16 weights: :func:`float_scheme`) or a :class:`jax_moe.QuantConfig` that
+    :func:`supports` accepts; biases ``w13_bias [E, 2I]`` (vLLM's row order, like w13) and
+    ``w2_bias [E, H]`` or None."""
+    if quant is None:  # float16 next to bfloat16 is an error before anything is traced
+        scheme = float_scheme(w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
+    else:
+        scheme = scheme_of(quant)
     if scheme == "mxfp4":
         if quant.act != "bf16":
             raise ValueError(f"{NAME}: MXFP4 needs act='bf16' (W4A16), got {quant.act!r}")
@@ -349,14 +381,16 @@ def prepare(w13, w2, cfg, quant=None, *, w13_bias=None, w2_bias=None) -> Prepare
         extras = _extras(cfg, w13_bias, w2_bias, mxfp4_padded_sizes(NAME, cfg.hidden_size, cfg.intermediate_size))
         return Prepared(w13p, w2p, w13_block_scale=s13, w2_block_scale=s2, scheme="mxfp4",
                         activation=cfg.activation, **extras)
+    if scheme in FLOAT_SCHEMES:
+        dt = FLOAT_SCHEMES[scheme]
+        w13p, w2p = prepare_weights(w13, w2, cfg.activation, cfg.gate_up_layout, dtype=dt)
+        return Prepared(w13p, w2p, scheme=scheme, activation=cfg.activation,
+                        **_extras(cfg, w13_bias, w2_bias, bias_dtype=dt))
     extras = _extras(cfg, w13_bias, w2_bias)
     if scheme == "fp8_block":
         from jax_moe.backends import flashinfer_cutlass_fp8_block as fp8b
 
         return fp8b.prepare(w13, w2, cfg, quant, extras)
-    if scheme == "bf16":
-        w13p, w2p = prepare_weights(w13, w2, cfg.activation, cfg.gate_up_layout)
-        return Prepared(w13p, w2p, scheme="bf16", activation=cfg.activation, **extras)
     if scheme != "fp8":
         raise ValueError(f"{NAME}: scheme {scheme!r} is not built yet (have {sorted(TARGETS)})")
     if quant.act != "fp8_per_tensor" or quant.a2_scale is None:
@@ -438,7 +472,9 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
     its per-tensor ``x_scale`` []; a float x with ``x_scale`` is quantized with that scale.
     Scheme ``mxfp4`` takes x [T, H] with H the layer's unpadded hidden size (``prepared`` holds
     H padded, :func:`prepare_mxfp4_weights`): x is zero-padded, the output is [T, H].
-    Returns [T, H] bf16. ``gemm*_tactic`` index the runner's tactic lists
+    Scheme ``f16`` takes x float16 (or float32) and returns float16; x bfloat16 with float16
+    weights (or float16 with ``bf16``'s) is a ValueError.
+    Returns [T, H] bf16 (``f16``: float16). ``gemm*_tactic`` index the runner's tactic lists
     (:func:`tactics`); with both at -1, a tuned pair for this shape is used if one is cached
     (:mod:`jax_moe.backends.flashinfer_tuning`, ``JAX_MOE_FI_AUTOTUNE=1`` tunes missing shapes),
     else the handler's built-in rule.
@@ -470,6 +506,9 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
         from jax_moe.backends import flashinfer_cutlass_fp8_block as fp8b
 
         fp8b.check_prepared(prepared)
+    if scheme in FLOAT_SCHEMES:
+        float_scheme(x=x, **{"prepared.w13": w13, "prepared.w2": w2, "prepared.w13_bias": prepared.w13_bias,
+                             "prepared.w2_bias": prepared.w2_bias})
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != t:
         raise ValueError(f"topk_weights {topk_weights.shape} / topk_ids {topk_ids.shape} must be [T, k]")
     if apply_router_weight_on_input and k != 1:
@@ -493,12 +532,14 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
     if scheme == "fp8_block" and (gemm1_tactic != -1 or gemm2_tactic != -1):
         raise ValueError("scheme 'fp8_block' has no tactics (one block-scale GEMM kernel): leave "
                          "gemm1_tactic and gemm2_tactic at -1")
+    if scheme == "f16" and scheme not in compiled_schemes():
+        raise ValueError(F16_NOT_BUILT)
     _register()
     ids, tw = topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)
     if apply_router_weight_on_input:  # Llama4 top-1: the weight scales the input, not the output
         x = (x.astype(jnp.float32) * tw).astype(x.dtype)
         tw = jnp.ones_like(tw)
-    empty = jnp.zeros((0,), jnp.bfloat16)
+    empty = jnp.zeros((0,), FLOAT_SCHEMES.get(scheme, jnp.bfloat16))
     extras = (empty if prepared.w13_bias is None else prepared.w13_bias,
               empty if prepared.w2_bias is None else prepared.w2_bias,
               jnp.zeros((0,), jnp.float32) if prepared.swiglu is None else prepared.swiglu)
@@ -509,7 +550,7 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
     ws = workspace_size(int(t), int(hw), int(i), int(e), int(k), activation, scheme)
     call = jax.ffi.ffi_call(
         TARGETS[scheme],
-        (jax.ShapeDtypeStruct((t, h), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
+        (jax.ShapeDtypeStruct((t, h), FLOAT_SCHEMES.get(scheme, jnp.bfloat16)), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
     )
     if gemm1_tactic == -1 and gemm2_tactic == -1:  # a tuned pair for this shape, if any
         from jax_moe.backends import flashinfer_tuning
@@ -517,9 +558,9 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
         gemm1_tactic, gemm2_tactic = flashinfer_tuning.choice(prepared, int(t), int(k))
     attrs = dict(activation=np.int64(ACTIVATION_CODES[activation]),
                  gemm1_tactic=np.int64(gemm1_tactic), gemm2_tactic=np.int64(gemm2_tactic))
-    if scheme == "bf16":
-        out, _ = call(x.astype(jnp.bfloat16), w13.astype(jnp.bfloat16), w2.astype(jnp.bfloat16),
-                      ids, tw, *extras, **attrs)
+    if scheme in FLOAT_SCHEMES:
+        dt = FLOAT_SCHEMES[scheme]
+        out, _ = call(x.astype(dt), w13.astype(dt), w2.astype(dt), ids, tw, *extras, **attrs)
         return out
     if scheme == "mxfp4":
         xp = pad_axis(x.astype(jnp.bfloat16), hw, -1)  # the runner writes only the first h columns

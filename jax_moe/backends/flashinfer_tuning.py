@@ -119,10 +119,10 @@ def _random_prepared(scheme: str, activation: str, h: int, i: int, e: int):
         s13 = jnp.full((e,) + mixed_gemm_scale_shape(n1, h), 123, jnp.uint8)
         s2 = jnp.full((e,) + mixed_gemm_scale_shape(h, i), 123, jnp.uint8)
         return fic.Prepared(w13, w2, w13_block_scale=s13, w2_block_scale=s2, **extra)
-    dtype = jnp.float8_e4m3fn if scheme == "fp8" else jnp.bfloat16
+    dtype = jnp.float8_e4m3fn if scheme == "fp8" else fic.FLOAT_SCHEMES.get(scheme, jnp.bfloat16)
     w13 = (jax.random.normal(kw, (e, n1, h), jnp.float32) * h ** -0.5).astype(dtype)
     w2 = (jax.random.normal(k2, (e, h, i), jnp.float32) * i ** -0.5).astype(dtype)
-    if scheme == "bf16":
+    if scheme in fic.FLOAT_SCHEMES:
         return fic.Prepared(w13, w2, **extra)
     ones = jnp.ones((e,), jnp.float32)
     return fic.Prepared(w13, w2, w13_scale=ones, a13_scale=jnp.float32(1.0), g1_alphas=ones,
@@ -154,7 +154,7 @@ def tune_shape(scheme, activation, t, h, i, e, k, *, iters: int = 7, verbose: bo
 
     prep = _random_prepared(scheme, activation, h, i, e)
     kx, kr = jax.random.split(jax.random.key(t))
-    x = jax.random.normal(kx, (t, h), jnp.bfloat16)
+    x = jax.random.normal(kx, (t, h), fic.FLOAT_SCHEMES.get(scheme, jnp.bfloat16))
     ids = jnp.argsort(jax.random.uniform(kr, (t, e)), axis=1)[:, :k].astype(jnp.int32)
     tw = jnp.full((t, k), 1.0 / k, jnp.float32)
 
