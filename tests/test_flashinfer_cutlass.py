@@ -1135,7 +1135,8 @@ def _w4a8_problem(rng, t, e, k, h, i, activation="silu", *, static_a13=True):
     x, q13, q2, tw, ids, quant."""
     x, w13, w2, tw, ids = _problem(rng, t, e, k, h, i, activation)
     a13 = calibrate_activation_scale("fp8_per_tensor", x) if static_a13 else None
-    h1 = jnp.einsum("th,tknh->tkn", x.astype(jnp.float32), w13.astype(jnp.float32)[ids])  # routed experts
+    h1 = jnp.einsum("th,enh->ten", x.astype(jnp.float32), w13.astype(jnp.float32))
+    h1 = jnp.take_along_axis(h1, ids[:, :, None], axis=1)  # the routed experts' rows [T, k, N1]
     if fic.GATED[activation]:
         gate, up = h1[..., :i], h1[..., i:]
         inter = (jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=False)) * up
