@@ -5,7 +5,7 @@
 # the pack step writes it). Steps (STEPS, default "build test bench"):
 #   build  pip install -e . with the FlashInfer module (timed; ninja -j$(nproc)), for the schemes in
 #          JAX_MOE_FI_SCHEMES (default "bf16;fp8"; "bf16;fp8;mxfp4" adds W4A16 MXFP4, ";fp8_block"
-#          DeepSeek-V3 FP8 block scales)
+#          DeepSeek-V3 FP8 block scales, ";w4a8" int4 x FP8 W4A8)
 #   pack   xz the built libjax_moe_fi.so into $OUT (carry it back in as JAX_MOE_FI_PREBUILT_XZ to
 #          skip the kernel build on a fresh machine, e.g. a multi-GPU one)
 #   relink the same install against the libjax_moe_fi.so just built, as a prebuilt library
@@ -59,7 +59,7 @@ if [[ " $steps " == *" relink "* ]]; then
     | filter | tail -2 | tee -a "$out/gpu.txt"
 fi
 if [[ " $steps " == *" test "* ]]; then
-  for s in bf16 fp8 mxfp4 fp8_block; do python3 -m jax_moe.info --scheme "$s" 2>&1 | filter; done | tee "$out/info.txt"
+  for s in bf16 fp8 mxfp4 fp8_block w4a8; do python3 -m jax_moe.info --scheme "$s" 2>&1 | filter; done | tee "$out/info.txt"
   python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | filter \
     > "$out/pytest_gpu.log"
   grep -E "passed|failed|error" "$out/pytest_gpu.log" | tail -15

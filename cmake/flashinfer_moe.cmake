@@ -10,6 +10,9 @@
 #   fp8_block  BF16 activations (quantized to FP8 inside, per token per 128 columns) x FP8 E4M3
 #          weights with a float32 scale per 128x128 block -> BF16 (DeepSeek-V3), on TensorRT-LLM's
 #          block-scale grouped GEMM (opt-in: not in the default list)
+#   w4a8   BF16 activations (quantized to FP8 E4M3 inside with a static per-channel pre-quant scale)
+#          x signed int4 weights with a bf16 scale per 128 along K -> BF16, on the SM90 mixed-input
+#          grouped GEMMs (FP8 x int4; opt-in: not in the default list)
 # Two artifacts, installed side by side in jax_moe/:
 #   libjax_moe_fi.so           kernels, runner, FFI handlers, host queries; no Python in it, so it
 #                              can be built once on any machine with nvcc and reused
@@ -73,6 +76,16 @@
 #         128x16x256, 128x32x256, 128x64x256  (few tokens per expert: N runs over tokens)
 #         128x128x128, 128x256x128            (many tokens per expert)
 #       (FlashInfer's binding skips K 256 with 128x256/256x128 and K 512 with N >= 128 for W4A16.)
+#   sm90_w4a8_moe_gemm_*.cu (scheme w4a8) -- the same launcher for <__nv_fp8_e4m3, cutlass::uint4b_t,
+#       bf16> (the generator's e4m3 x u4 x bf16 lines, kPostMma), one per TU: the tiles in
+#       JAX_MOE_FI_W4A8_TILES (same dispatcher tiles, same tactic-list schedule rule), plus
+#       128x64x512 1x1x1 cooperative always (the runner sizes the int4 GEMM workspace with K 512).
+#       Default four: 128x16x256, 128x32x256, 128x64x256, 128x128x128. The runner
+#       CutlassMoeFCRunner<fp8, uint4b_t, bf16, bf16> quantizes its bf16 input to FP8 with AWQ's
+#       per-channel pre-quant scale (in the expand kernel) and the activation output with AWQ's
+#       apply_per_channel_scale_kernel_launcher<bf16, fp8>: with w4a8 preQuantScaleKernel.cu is
+#       compiled (and the <bf16, bf16> stub below is not emitted). Handler: W4a8Impl in
+#       ffi/flashinfer_cutlass_moe.cu.
 #   fp8_block (KIND blockscale) compiles no MoE GEMM instantiation: the runner
 #       CutlassMoeFCRunner<bf16, fp8> with use_deepseek_fp8_block_scale sends both GEMMs to
 #       nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/fp8_blockscale_gemm.cu
@@ -90,11 +103,12 @@
 #       tactics; not used on SM90 unless JAX_MOE_FI_SM80_FUSED=ON), a throwing
 #       tensorrt_llm::kernels::Lora_run (LoRA is not used; this avoids lora.cpp and cuBLAS
 #       linkage -- cuBLAS *headers* are still needed because cudaUtils.h includes them), and with
-#       mxfp4 or fp8_block a throwing apply_per_channel_scale_kernel_launcher<bf16, bf16> (AWQ pre-quant
-#       scales, which the W4A16 runner names but MXFP4 never uses; avoids preQuantScaleKernel.cu).
+#       mxfp4 or fp8_block (and without w4a8) a throwing apply_per_channel_scale_kernel_launcher<bf16, bf16>
+#       (AWQ pre-quant scales, which the W4A16 runner names but MXFP4 never uses; avoids
+#       preQuantScaleKernel.cu, which w4a8 needs).
 # Not needed: FlashInfer's TVM-FFI binding, deepgemm_jit_setup.cu (and so no -lnvrtc),
 #   fp8_blockscale_gemm.cu (fp8_block only), moe_gemm_mixed_utils.cu (the weight interleave for the mixed-input GEMM is jnp
-#   here: jax_moe/layouts/mixed_gemm.py), preQuantScaleKernel.cu, lora.cpp, FlashInfer's
+#   here: jax_moe/layouts/mixed_gemm.py), preQuantScaleKernel.cu (but w4a8), lora.cpp, FlashInfer's
 #   moe_gemm_kernels_<act>_<weight>.cu files (they instantiate output types we do not use), and the
 #   generated files of other types and of plain GEMMs.
 #
@@ -112,9 +126,10 @@
 #   (our handler included) must see the same set.
 #
 # Cache variables (each generated TU is ~1-2 min on one core; fewer tactics build faster):
-#   JAX_MOE_FI_SCHEMES        quant schemes: bf16, fp8, mxfp4, fp8_block, f16 (default bf16;fp8;mxfp4;
+#   JAX_MOE_FI_SCHEMES        quant schemes: bf16, fp8, mxfp4, fp8_block, f16, w4a8 (default bf16;fp8;mxfp4;
 #                             pip passes the JAX_MOE_FI_SCHEMES environment variable)
 #   JAX_MOE_FI_MXFP4_TILES    mixed-input tiles MxNxK for mxfp4 (default: the five above)
+#   JAX_MOE_FI_W4A8_TILES     mixed-input tiles MxNxK for w4a8 (default: the four above)
 #   JAX_MOE_FI_SM90_TILES     "all" or a list of MxN from the tile list above  (default all)
 #   JAX_MOE_FI_SM90_CLUSTERS  "all" or a list of 1x1x1;2x1x1;1x2x1;2x2x1     (default 1x1x1)
 #   JAX_MOE_FI_SM90_SWAP_AB   compile swap_ab variants (small-token tactics)  (default ON)
@@ -139,12 +154,14 @@ set(JAX_MOE_FI_INSTS_PER_TU "auto" CACHE STRING "MoE GEMM instantiations per gen
 
 set(JAX_MOE_FI_SCHEMES_DEFAULT "bf16;fp8;mxfp4")
 set(JAX_MOE_FI_SCHEMES "${JAX_MOE_FI_SCHEMES_DEFAULT}" CACHE STRING
-    "Quant schemes to build the runner for (bf16, fp8, mxfp4, fp8_block, f16; empty: ${JAX_MOE_FI_SCHEMES_DEFAULT})")
+    "Quant schemes to build the runner for (bf16, fp8, mxfp4, fp8_block, f16, w4a8; empty: ${JAX_MOE_FI_SCHEMES_DEFAULT})")
 if(NOT JAX_MOE_FI_SCHEMES)  # pip passes the JAX_MOE_FI_SCHEMES environment variable, "" if unset
   set(JAX_MOE_FI_SCHEMES "${JAX_MOE_FI_SCHEMES_DEFAULT}")
 endif()
 set(JAX_MOE_FI_MXFP4_TILES "128x16x256;128x32x256;128x64x256;128x128x128;128x256x128" CACHE STRING
     "SM90 mixed-input (mxfp4) MoE GEMM tiles MxNxK to compile (128x64x256 always is)")
+set(JAX_MOE_FI_W4A8_TILES "128x16x256;128x32x256;128x64x256;128x128x128" CACHE STRING
+    "SM90 mixed-input (w4a8: FP8 x int4) MoE GEMM tiles MxNxK to compile (128x64x512 always is)")
 option(JAX_MOE_FI_NOSTRIP "Keep symbols in libjax_moe_fi.so (debugging)" OFF)
 set(JAX_MOE_FI_PREBUILT "" CACHE FILEPATH
     "A libjax_moe_fi.so built before (same FlashInfer, schemes and options): link it, compile nothing of FlashInfer")
@@ -339,6 +356,10 @@ set(_scheme_mxfp4_O "__nv_bfloat16")
 set(_scheme_mxfp4_RUNNER "__nv_bfloat16, Fp4Type")
 set(_scheme_mxfp4_KIND "mixed")
 set(_scheme_mxfp4_ID 2)
+set(_scheme_mxfp4_TILES ${JAX_MOE_FI_MXFP4_TILES})
+# calcMaxWorkspaceSizeTmaWarpSpecializedMixedInput sizes the GEMM workspace with this kernel (FP4
+# weights: K tile 256, cooperative, 1x1x1), so it is always compiled.
+set(_scheme_mxfp4_WS_TILE "128x64x256")
 # DeepSeek-V3 FP8 block scale: bf16 activations (the block-scale GEMM quantizes them) x FP8
 # weights -> bf16, FlashInfer's use_deepseek_fp8_block_scale runner (KIND blockscale, see the
 # header comment: no MoE GEMM instantiations).
@@ -357,9 +378,22 @@ set(_scheme_f16_O "half")
 set(_scheme_f16_RUNNER "half, half")
 set(_scheme_f16_K 64)
 set(_scheme_f16_ID 4)
+# W4A8: FP8 E4M3 activations x signed int4 weights with bf16 scales per
+# 128 along K -> bf16, FlashInfer's isW4AFp8Quant runner with use_w4_group_scaling on bf16 input:
+# CutlassMoeFCRunner<fp8, uint4b_t, bf16 out, bf16 in> (the runner quantizes the bf16 input itself,
+# with the AWQ pre-quant scale). Its GEMMs are the SM90 mixed-input ones (KIND mixed); int4 weights:
+# the workspace kernel has K tile 512.
+set(_scheme_w4a8_T "__nv_fp8_e4m3")
+set(_scheme_w4a8_W "cutlass::uint4b_t")
+set(_scheme_w4a8_O "__nv_bfloat16")
+set(_scheme_w4a8_RUNNER "__nv_fp8_e4m3, cutlass::uint4b_t, __nv_bfloat16, __nv_bfloat16")
+set(_scheme_w4a8_KIND "mixed")
+set(_scheme_w4a8_ID 5)
+set(_scheme_w4a8_TILES ${JAX_MOE_FI_W4A8_TILES})
+set(_scheme_w4a8_WS_TILE "128x64x512")
 foreach(_s ${JAX_MOE_FI_SCHEMES})
   if(NOT DEFINED _scheme_${_s}_T)
-    message(FATAL_ERROR "jax_moe: JAX_MOE_FI_SCHEMES: unknown scheme '${_s}' (known: bf16, fp8, mxfp4, fp8_block, f16)")
+    message(FATAL_ERROR "jax_moe: JAX_MOE_FI_SCHEMES: unknown scheme '${_s}' (known: bf16, fp8, mxfp4, fp8_block, f16, w4a8)")
   endif()
 endforeach()
 
@@ -378,18 +412,19 @@ foreach(_m 64 128)
   endforeach()
 endforeach()
 list(APPEND _mixed_all_tiles "128x256x128" "128x256x256" "256x128x128" "256x128x256" "256x256x128")
-# calcMaxWorkspaceSizeTmaWarpSpecializedMixedInput sizes the GEMM workspace with this kernel (FP4
-# weights: K tile 256, cooperative, 1x1x1), so it is always compiled.
-set(_mixed_workspace_tile "128x64x256")
-set(_mixed_tiles ${JAX_MOE_FI_MXFP4_TILES})
-if(NOT _mixed_workspace_tile IN_LIST _mixed_tiles)
-  list(APPEND _mixed_tiles "${_mixed_workspace_tile}")
-endif()
-foreach(_t ${_mixed_tiles})
-  if(NOT _t IN_LIST _mixed_all_tiles)
-    message(FATAL_ERROR "jax_moe: JAX_MOE_FI_MXFP4_TILES: '${_t}' is not a tile the mixed-input "
-                        "dispatcher knows (${_mixed_all_tiles})")
+# Per mixed scheme: its tile list (JAX_MOE_FI_<SCHEME>_TILES) plus the workspace-sizing tile.
+foreach(_s mxfp4 w4a8)
+  set(_scheme_${_s}_MIXED_TILES ${_scheme_${_s}_TILES})
+  if(NOT _scheme_${_s}_WS_TILE IN_LIST _scheme_${_s}_MIXED_TILES)
+    list(APPEND _scheme_${_s}_MIXED_TILES "${_scheme_${_s}_WS_TILE}")
   endif()
+  foreach(_t ${_scheme_${_s}_MIXED_TILES})
+    if(NOT _t IN_LIST _mixed_all_tiles)
+      string(TOUPPER "${_s}" _S)
+      message(FATAL_ERROR "jax_moe: JAX_MOE_FI_${_S}_TILES: '${_t}' is not a tile the mixed-input "
+                          "dispatcher knows (${_mixed_all_tiles})")
+    endif()
+  endforeach()
 endforeach()
 set(_mixed_sched_coop "cutlass::gemm::KernelTmaWarpSpecializedCooperative")
 set(_mixed_sched_ping "cutlass::gemm::KernelTmaWarpSpecializedPingpong")
@@ -436,9 +471,11 @@ foreach(_s ${JAX_MOE_FI_SCHEMES})
   endif()
   set(_insts "")
   if(_scheme_${_s}_KIND STREQUAL "mixed")
+    set(_mixed_tiles ${_scheme_${_s}_MIXED_TILES})
+    set(_mixed_workspace_tile "${_scheme_${_s}_WS_TILE}")
     # sm90_generic_mixed_moe_gemm_kernelLauncher<T, W, Out, EpilogueOpDefault, CTA, cluster,
     # mainloop, TmaWarpSpecializedCooperative epilogue, FINEGRAINED_SCALE_ONLY, kPostMma>, the
-    # lines FlashInfer's generator writes for bf16 x e2m1 (generate_kernels.py,
+    # lines FlashInfer's generator writes for bf16 x e2m1 and e4m3 x u4 (generate_kernels.py,
     # generate_sm90_mixed_type_grouped_gemm_operations) for moe_gemm_tma_ws_mixed_input_launcher.inl.
     set(_inl "moe_gemm_tma_ws_mixed_input_launcher.inl")
     set(_head "void sm90_generic_mixed_moe_gemm_kernelLauncher<${_T}, ${_W}, ${_O}, tensorrt_llm::cutlass_extensions::EpilogueOpDefault")
@@ -624,7 +661,7 @@ endforeach()
 
 set(_mixed_include "")
 set(_awq_stub "")
-if("mxfp4" IN_LIST JAX_MOE_FI_SCHEMES)
+if("mxfp4" IN_LIST JAX_MOE_FI_SCHEMES OR "w4a8" IN_LIST JAX_MOE_FI_SCHEMES)
   set(_mixed_include "#include \"tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/moe_gemm_tma_ws_mixed_input_launcher.h\"
 #include \"tensorrt_llm/kernels/preQuantScaleKernel.h\"
 #include \"cutlass/gemm/dispatch_policy.hpp\"
@@ -632,10 +669,12 @@ if("mxfp4" IN_LIST JAX_MOE_FI_SCHEMES)
 elseif("fp8_block" IN_LIST JAX_MOE_FI_SCHEMES)
   set(_mixed_include "#include \"tensorrt_llm/kernels/preQuantScaleKernel.h\"\n")
 endif()
-if("mxfp4" IN_LIST JAX_MOE_FI_SCHEMES OR "fp8_block" IN_LIST JAX_MOE_FI_SCHEMES)
+if(("mxfp4" IN_LIST JAX_MOE_FI_SCHEMES OR "fp8_block" IN_LIST JAX_MOE_FI_SCHEMES) AND
+   NOT "w4a8" IN_LIST JAX_MOE_FI_SCHEMES)
   # The <bf16, Fp4Type> and <bf16, fp8> runners name AWQ's pre-quant scale kernel
   # (applyPrequantScale), reached only with activation pre-quant scales, which neither W4A16 MXFP4
-  # nor FP8 block scale ever has (preQuantScaleKernel.cu is not compiled).
+  # nor FP8 block scale ever has (preQuantScaleKernel.cu is not compiled; with w4a8 it is, and
+  # defines it).
   set(_awq_stub "template <>
 void apply_per_channel_scale_kernel_launcher<__nv_bfloat16, __nv_bfloat16>(__nv_bfloat16*, __nv_bfloat16 const*,
                                                                          __nv_bfloat16 const*, int, int,
@@ -677,6 +716,9 @@ set(_scheme_ids_note "0 bf16, 1 fp8, 2 mxfp4")
 if("f16" IN_LIST JAX_MOE_FI_SCHEMES)
   string(APPEND _scheme_ids_note ", 4 f16")
 endif()
+if("w4a8" IN_LIST JAX_MOE_FI_SCHEMES)
+  string(APPEND _scheme_ids_note ", 5 w4a8")
+endif()
 if(NOT _compiled_rows)  # e.g. fp8_block alone: a row that matches no scheme (no empty array)
   set(_compiled_rows "    {-1, 0, 0, 0, 0, 0, 0, 0, -1},\n")
 endif()
@@ -713,7 +755,11 @@ if("fp8_block" IN_LIST JAX_MOE_FI_SCHEMES)
   set_source_files_properties("${_fi_blockscale_cu}" PROPERTIES COMPILE_DEFINITIONS ENABLE_FP8_BLOCK_SCALE)
   set(_fp8_block_sources "${_fi_blockscale_cu}" "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_deepgemm_stubs.cc")
 endif()
-add_library(jax_moe_fi SHARED ${_big_sources} ${_fp8_block_sources} ${_gen_sources} ${_fi_small_sources}
+set(_w4a8_sources "")
+if("w4a8" IN_LIST JAX_MOE_FI_SCHEMES)  # AWQ's per-channel pre-quant scale kernels (W4A8's FP8 quantizers)
+  set(_w4a8_sources "${_fi_csrc}/nv_internal/tensorrt_llm/kernels/preQuantScaleKernel.cu")
+endif()
+add_library(jax_moe_fi SHARED ${_big_sources} ${_fp8_block_sources} ${_w4a8_sources} ${_gen_sources} ${_fi_small_sources}
   "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe.cu"
   "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe_fp8_block.cu")
 target_link_libraries(jax_moe_fi PRIVATE jax_moe_fi_config CUDA::cudart_static)

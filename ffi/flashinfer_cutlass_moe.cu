@@ -10,6 +10,11 @@
 //   jax_moe_flashinfer_cutlass_moe_f16    FP16 activations x FP16 weights -> FP16 (opt-in scheme
 //                                         f16: bf16's kernels with half; operands as bf16's,
 //                                         with float16 wherever bf16 has bfloat16)
+//   jax_moe_flashinfer_cutlass_moe_w4a8   BF16 activations, quantized to FP8 E4M3 by the runner
+//                                         with per-channel pre-quant scales, x signed int4
+//                                         weights with bf16 scales per 128 along K (the SM90
+//                                         mixed-input GEMMs) -> BF16; the definition of what it
+//                                         computes: jax_moe/backends/flashinfer_cutlass_w4a8.py
 //
 // Operands (all row-major; "F" is bf16, float16 (f16) or float8_e4m3fn by scheme; for mxfp4 the weights are
 // uint8 [.., K/2] (two E2M1 codes per byte) in the mixed-input GEMM's interleaved byte order, see
@@ -38,6 +43,13 @@
 //   mxfp4 only (E8M0 bytes, one per 32 weights along K, folded per 64 rows x 128 K):
 //   w13_scale    [E, 2I/64, H/128, 16, 16]  uint8
 //   w2_scale     [E, H/64, I/128, 16, 16]   uint8
+//   w4a8 only (w13/w2 uint8 [.., K/2], two int4 codes per byte, in the mixed-input GEMM's unit order):
+//   w13_scale    [E, N1/64, H/128, 8, 8]    bf16   one scale per 128 weights along K, folded
+//   w2_scale     [E, H/64, I/128, 8, 8]     bf16
+//   fc1_act_scale [H]           bf16   pre-quant scale: GEMM1's FP8 input is fp8(x * fc1_act_scale)
+//   fc2_act_scale [I]           bf16   pre-quant scale of GEMM2's input (the activation output)
+//   fc1_alpha    [E]            float32  GEMM1's accumulator (after the group scales) times this
+//   fc2_alpha    [E]            float32  likewise for GEMM2
 // Results:
 //   out          [T, Hu]       bf16 (f16: float16)  sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]),
 //                                     its first Hu <= H columns (Hu % 8 == 0): the runner's
@@ -75,6 +87,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -134,6 +147,18 @@ struct F16Scheme {
   static constexpr char const* kBiasName = "float16";
   using Runner = tk::CutlassMoeFCRunner<half, half>;
 };
+// FlashInfer's isW4AFp8Quant runner with use_w4_group_scaling on bf16 input: FP8 GEMM operands,
+// int4 weights two per byte, bf16 in and out. kAwq: its quantizers are AWQ's pre-quant scale
+// paths, whose workspace (smoothed_act) exists only when the runner is sized with use_awq.
+struct W4a8Scheme {
+  static constexpr int kId = 5;
+  static constexpr char const* kName = "w4a8";
+  static constexpr int kPack = 2;
+  static constexpr bool kAwq = true;
+  static constexpr ffi::DataType kBias = ffi::DataType::BF16;
+  static constexpr char const* kBiasName = "bfloat16";
+  using Runner = tk::CutlassMoeFCRunner<__nv_fp8_e4m3, cutlass::uint4b_t, __nv_bfloat16, __nv_bfloat16>;
+};
 #if JAX_MOE_FI_WITH_BF16
 extern template class tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_bfloat16>;
 #endif
@@ -147,6 +172,10 @@ extern template class tk::CutlassMoeFCRunner<__nv_bfloat16, tk::Fp4Type>;
 #if JAX_MOE_FI_WITH_F16
 extern template class tk::CutlassMoeFCRunner<half, half>;
 #endif
+#if JAX_MOE_FI_WITH_W4A8
+extern template class tk::CutlassMoeFCRunner<__nv_fp8_e4m3, cutlass::uint4b_t, __nv_bfloat16,
+                                             __nv_bfloat16>;
+#endif
 
 namespace jax_moe_fi {
 namespace {
@@ -154,6 +183,12 @@ namespace {
 using Config = ce::CutlassGemmConfig;
 
 constexpr size_t kAlign = 128;  // tensorrt_llm::common::kCudaMemAlign
+
+// Whether scheme S runs the runner's AWQ pre-quant scale paths (use_awq: W4A8's quantizers).
+template <typename S, typename = void>
+struct UsesAwq : std::false_type {};
+template <typename S>
+struct UsesAwq<S, std::void_t<decltype(S::kAwq)>> : std::bool_constant<S::kAwq> {};
 size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
 bool AnyFinalizeCompiled(int scheme) {
@@ -184,6 +219,7 @@ bool IsCompiled(int scheme, Config const& c) {
 
 template <typename S>
 struct DeviceState {
+  using Scheme = S;
   std::mutex mu;
   std::unique_ptr<typename S::Runner> runner;
   std::vector<Config> gemm1, gemm2;        // the runner's full tactic lists
@@ -230,12 +266,17 @@ bool IsPlain(Config const& c) {  // 1x1x1 cluster, no epilogue fusion
 
 // Deterministic built-in choice for one GEMM: with few rows per expert, swap A/B so that the
 // narrow N tile runs over tokens; otherwise a 128x128 (or the widest compiled) tile.
-int DefaultTactic(int scheme, std::vector<Config> const& list, int64_t rows_per_expert) {
+// gemm_k: the GEMM's K; for w4a8 only tiles whose K divides it are taken (as FlashInfer's
+// profiler filters its tactics; a K residue inside a scale group is not something to rely on).
+int DefaultTactic(int scheme, std::vector<Config> const& list, int64_t rows_per_expert,
+                  int64_t gemm_k) {
   int best = -1;
   int64_t best_score = INT64_MAX;
   for (int idx = 0; idx < static_cast<int>(list.size()); ++idx) {
     Config const& c = list[idx];
     if (!c.is_tma_warp_specialized || !IsCompiled(scheme, c) || !IsPlain(c)) continue;
+    if (scheme == W4a8Scheme::kId && gemm_k % std::get<2>(ce::enum_to_shape_tuple(c.tile_config_sm90)) != 0)
+      continue;
     auto const [tm, tn] = TileMN(c);
     int64_t score;
     if (rows_per_expert <= 64) {
@@ -278,8 +319,8 @@ std::pair<int, int> ChooseTactics(DeviceState<S>& st, ShapeKey const& key, int64
     pick = it->second;
   } else {
     int64_t const rows_per_expert = (key.t * key.k + key.e - 1) / key.e;
-    pick = {DefaultTactic(S::kId, st.gemm1, rows_per_expert),
-            DefaultTactic(S::kId, st.gemm2, rows_per_expert)};
+    pick = {DefaultTactic(S::kId, st.gemm1, rows_per_expert, key.h),
+            DefaultTactic(S::kId, st.gemm2, rows_per_expert, key.i)};
     if (pick.first < 0 || pick.second < 0)
       throw std::runtime_error("jax_moe: no compiled SM90 MoE GEMM tactic available");
     st.chosen.emplace(key, pick);
@@ -291,18 +332,17 @@ std::pair<int, int> ChooseTactics(DeviceState<S>& st, ShapeKey const& key, int64
 
 template <typename R>
 size_t RunnerWorkspaceBytes(R& r, int64_t t, int64_t h, int64_t i, int e, int k,
-                            tk::ActivationType act) {
+                            tk::ActivationType act, bool awq) {
   return r.getWorkspaceSize(t, h, i, e, k, act, tk::MOEParallelismConfig{}, /*use_lora=*/false,
                             /*use_deepseek_fp8_block_scale=*/false,
-                            /*use_mxfp8_act_scaling=*/false, /*min_latency_mode=*/false,
-                            /*use_awq=*/false);
+                            /*use_mxfp8_act_scaling=*/false, /*min_latency_mode=*/false, awq);
 }
 
 template <typename R>
 size_t TotalWorkspaceBytes(R& r, int64_t t, int64_t h, int64_t i, int e, int k,
-                           tk::ActivationType act) {
+                           tk::ActivationType act, bool awq) {
   // [runner workspace | unpermuted_row_to_permuted_row (T*k int32)], each 128-byte aligned.
-  return AlignUp(RunnerWorkspaceBytes(r, t, h, i, e, k, act)) +
+  return AlignUp(RunnerWorkspaceBytes(r, t, h, i, e, k, act, awq)) +
          AlignUp(static_cast<size_t>(t) * k * sizeof(int));
 }
 
@@ -418,7 +458,7 @@ ffi::Error RunMoe(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::An
     auto& r = *st.runner;
 
     size_t const moe_ws = RunnerWorkspaceBytes(r, t, h, i, static_cast<int>(e),
-                                               static_cast<int>(k), act);
+                                               static_cast<int>(k), act, UsesAwq<S>::value);
     size_t const need = AlignUp(moe_ws) + AlignUp(static_cast<size_t>(t) * k * sizeof(int));
     if (workspace->size_bytes() < need)
       return bad("workspace has " + std::to_string(workspace->size_bytes()) + " bytes, needs " +
@@ -581,6 +621,68 @@ ffi::Error Mxfp4Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi:
 #endif
 }
 
+// W4A8 (jax_moe/backends/flashinfer_cutlass_w4a8.py): bf16 weight scales, one per 128 int4
+// weights along K, folded per 64 rows x 128 K into 8 lines of 8 (the same fold as MXFP4's, for
+// 2-byte scales); the FP8 quantizers' per-channel pre-quant scales (bf16, shared by the experts)
+// and the per-expert alphas.
+constexpr int64_t kInt4Group = 128;      // weights per scale (QuantParams group size)
+constexpr int64_t kW4a8ScaleLine = 8;    // bf16 scales per 16-byte line; 64 / 8 lines per block
+
+ffi::Error W4a8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w13,
+                    ffi::AnyBuffer w2, ffi::Buffer<ffi::S32> topk_ids,
+                    ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer w13_scale,
+                    ffi::AnyBuffer w2_scale, ffi::AnyBuffer fc1_act_scale,
+                    ffi::AnyBuffer fc2_act_scale, ffi::Buffer<ffi::F32> fc1_alpha,
+                    ffi::Buffer<ffi::F32> fc2_alpha, ffi::AnyBuffer w13_bias, ffi::AnyBuffer w2_bias,
+                    ffi::Buffer<ffi::F32> swiglu, ffi::Result<ffi::AnyBuffer> out,
+                    ffi::ResultBuffer<ffi::U8> workspace, int64_t activation, int64_t gemm1_tactic,
+                    int64_t gemm2_tactic) {
+#if JAX_MOE_FI_WITH_W4A8
+  auto bad = [](std::string const& m) {
+    return ffi::Error::InvalidArgument("jax_moe flashinfer_cutlass_moe (w4a8): " + m);
+  };
+  if (x.element_type() != ffi::DataType::BF16 || out->element_type() != ffi::DataType::BF16)
+    return bad("x and out must be bfloat16");
+  if (w13.element_type() != ffi::DataType::U8 || w2.element_type() != ffi::DataType::U8)
+    return bad("w13 and w2 must be uint8 (two int4 codes per byte)");
+  auto w13d = w13.dimensions();
+  auto w2d = w2.dimensions();
+  if (w13d.size() != 3 || w2d.size() != 3) return bad("w13 and w2 must have rank 3");
+  int64_t const e = w2d[0], h = w2d[1], i = w2d[2] * W4a8Scheme::kPack;
+  int64_t const n1 = w13d[1], k1 = w13d[2] * W4a8Scheme::kPack;
+  auto is_folded = [](ffi::AnyBuffer const& s, int64_t e, int64_t rows, int64_t kk) {
+    auto d = s.dimensions();
+    return s.element_type() == ffi::DataType::BF16 && d.size() == 5 && d[0] == e &&
+           d[1] * kMixedScaleRows == rows && d[2] * kMixedScaleK == kk &&
+           d[3] == kMixedScaleRows / kW4a8ScaleLine && d[4] == kW4a8ScaleLine;
+  };
+  if (!is_folded(w13_scale, e, n1, k1))
+    return bad("w13_scale must be bfloat16 [E, N1/64, H/128, 8, 8] for w13 [E, N1, H/2]");
+  if (!is_folded(w2_scale, e, h, i))
+    return bad("w2_scale must be bfloat16 [E, H/64, I/128, 8, 8] for w2 [E, H, I/2]");
+  auto is_vec = [](ffi::AnyBuffer const& b, int64_t n) {
+    return b.element_type() == ffi::DataType::BF16 && b.dimensions().size() == 1 &&
+           b.dimensions()[0] == n;
+  };
+  if (!is_vec(fc1_act_scale, k1)) return bad("fc1_act_scale must be bfloat16 [H]");
+  if (!is_vec(fc2_act_scale, i)) return bad("fc2_act_scale must be bfloat16 [I]");
+  auto is_e = [e](ffi::Buffer<ffi::F32> const& b) {
+    return b.dimensions().size() == 1 && b.dimensions()[0] == e;
+  };
+  if (!is_e(fc1_alpha) || !is_e(fc2_alpha)) return bad("fc1_alpha and fc2_alpha must be [E] float32");
+  // Both act scales present: the runner's use_awq (its FP8 quantizers); no zeros.
+  auto const quant = tk::QuantParams::GroupWise(
+      static_cast<int>(kInt4Group), w13_scale.untyped_data(), w2_scale.untyped_data(),
+      fc1_act_scale.untyped_data(), fc2_act_scale.untyped_data(), /*fc1_weight_zeros=*/nullptr,
+      /*fc2_weight_zeros=*/nullptr, fc1_alpha.typed_data(), fc2_alpha.typed_data());
+  return RunMoe<W4a8Scheme>(stream, device, x, w13, w2, topk_ids, topk_weights, w13_bias, w2_bias,
+                            swiglu, out, workspace, activation, gemm1_tactic, gemm2_tactic, quant,
+                            kInt4Group);
+#else
+  return NotCompiled("w4a8");
+#endif
+}
+
 // Runs `f(DeviceState<S>&)` for the scheme with id `scheme`. R is spelled out: a build with no
 // scheme of this file (fp8_block alone) has no branch to deduce it from.
 template <typename R, typename F>
@@ -597,6 +699,9 @@ R WithState(int scheme, int device, F&& f) {
 #endif
 #if JAX_MOE_FI_WITH_F16
   if (scheme == F16Scheme::kId) return f(GetState<F16Scheme>(device), F16Scheme::kId);
+#endif
+#if JAX_MOE_FI_WITH_W4A8
+  if (scheme == W4a8Scheme::kId) return f(GetState<W4a8Scheme>(device), W4a8Scheme::kId);
 #endif
   throw std::invalid_argument("scheme " + std::to_string(scheme) + " is not compiled into this build");
 }
@@ -620,6 +725,9 @@ int CompiledSchemes() {
 #if JAX_MOE_FI_WITH_F16
   m |= 1 << F16Scheme::kId;
 #endif
+#if JAX_MOE_FI_WITH_W4A8
+  m |= 1 << W4a8Scheme::kId;
+#endif
   return m;
 }
 
@@ -631,9 +739,10 @@ size_t WorkspaceSize(int64_t num_tokens, int64_t hidden, int64_t inter, int64_t 
   return WithState<size_t>(scheme, device, [&](auto& st, int) {
     std::lock_guard<std::mutex> lock(st.mu);
     DeviceGuard guard(device);
+    using S = typename std::decay_t<decltype(st)>::Scheme;
     return TotalWorkspaceBytes(*st.runner, std::max<int64_t>(num_tokens, 1), hidden, inter,
                                static_cast<int>(num_experts), static_cast<int>(top_k),
-                               static_cast<tk::ActivationType>(activation));
+                               static_cast<tk::ActivationType>(activation), UsesAwq<S>::value);
   });
 }
 
@@ -759,6 +868,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFlashinferCutlassMoeMxfp4, jax_moe_fi::Mxfp4
                                   .Arg<ffi::AnyBuffer>()          // w2_bias [E,H] or [0]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // swiglu [3,E] or [0]
                                   .Ret<ffi::AnyBuffer>()          // out (bf16) [T, Hu]
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                                  .Attr<int64_t>("activation")
+                                  .Attr<int64_t>("gemm1_tactic")
+                                  .Attr<int64_t>("gemm2_tactic"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFlashinferCutlassMoeW4a8, jax_moe_fi::W4a8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()          // x (bf16) [T, H]
+                                  .Arg<ffi::AnyBuffer>()          // w13 (uint8) [E, N1, H/2]
+                                  .Arg<ffi::AnyBuffer>()          // w2 (uint8) [E, H, I/2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
+                                  .Arg<ffi::AnyBuffer>()          // w13_scale (bf16) [E, N1/64, H/128, 8, 8]
+                                  .Arg<ffi::AnyBuffer>()          // w2_scale (bf16) [E, H/64, I/128, 8, 8]
+                                  .Arg<ffi::AnyBuffer>()          // fc1_act_scale (bf16) [H]
+                                  .Arg<ffi::AnyBuffer>()          // fc2_act_scale (bf16) [I]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // fc1_alpha [E]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // fc2_alpha [E]
+                                  .Arg<ffi::AnyBuffer>()          // w13_bias [E,N1] or [0]
+                                  .Arg<ffi::AnyBuffer>()          // w2_bias [E,H] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // swiglu [3,E] or [0]
+                                  .Ret<ffi::AnyBuffer>()          // out (bf16) [T, H]
                                   .Ret<ffi::Buffer<ffi::U8>>()    // workspace
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("gemm1_tactic")

@@ -2,7 +2,7 @@
 // fused-MoE runner and the host-side queries the Python wrapper needs at trace time (workspace
 // size, tactic lists). Both live in libjax_moe_fi.so (ffi/flashinfer_cutlass_moe.cu), which this
 // module links (fp8_block's handler and workspace query: ffi/flashinfer_cutlass_moe_fp8_block.cu);
-// scheme ids: 0 bf16, 1 fp8, 2 mxfp4, 3 fp8_block, 4 f16.
+// scheme ids: 0 bf16, 1 fp8, 2 mxfp4, 3 fp8_block, 4 f16, 5 w4a8.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
@@ -34,6 +34,7 @@ extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeFp8(XLA_FFI_CallFrame* call_
 extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeMxfp4(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeFp8Block(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeF16(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeW4a8(XLA_FFI_CallFrame* call_frame);
 
 namespace jax_moe_fi {
 int CompiledSchemes();
@@ -61,7 +62,7 @@ void SegvTrace(int sig) {
 NB_MODULE(_jax_moe_flashinfer, m) {
   if (std::getenv("JAX_MOE_FI_SEGV_TRACE")) signal(SIGSEGV, SegvTrace);
   jax_moe_fi::Fp8BlockAfterLoad();
-  m.doc() = "FlashInfer CUTLASS fused-MoE (SM90; bf16, fp8, mxfp4, fp8_block, f16) as XLA FFI custom calls";
+  m.doc() = "FlashInfer CUTLASS fused-MoE (SM90; bf16, fp8, mxfp4, fp8_block, f16, w4a8) as XLA FFI custom calls";
 
   m.def("registrations", []() {
     nb::dict d;
@@ -75,12 +76,14 @@ NB_MODULE(_jax_moe_flashinfer, m) {
         nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeFp8Block));
     d["jax_moe_flashinfer_cutlass_moe_f16"] =
         nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeF16));
+    d["jax_moe_flashinfer_cutlass_moe_w4a8"] =
+        nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeW4a8));
     return d;
   }, "FFI target name -> handler capsule (api_version=1, platform CUDA).");
 
   m.def("compiled_schemes", []() { return jax_moe_fi::CompiledSchemes() | jax_moe_fi::CompiledSchemesFp8Block(); },
         "Bit mask of the quant schemes compiled in: 1 << 0 bf16, 1 << 1 fp8, 1 << 2 mxfp4, "
-        "1 << 3 fp8_block, 1 << 4 f16.");
+        "1 << 3 fp8_block, 1 << 4 f16, 1 << 5 w4a8.");
 
   m.def("workspace_size",
         [](int64_t t, int64_t h, int64_t i, int64_t e, int64_t k, int64_t act, int scheme, int device) {

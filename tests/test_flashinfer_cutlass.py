@@ -1124,3 +1124,357 @@ def test_f16_under_command_buffers(command_buffer_check):
         cases = [(t, k, w13, w2, {}), (1, k, w13, w2, {}), (t, k, w13, w2, oai)]
     """, 1e-2, script=_F16_COMMAND_BUFFER_SCRIPT)
     assert n == 3
+
+
+# ----------------------------------------------------------------------------- W4A8 (int4 x FP8)
+
+
+def _w4a8_problem(rng, t, e, k, h, i, activation="silu", *, static_a13=True):
+    """bf16 tokens and int4 group-128 weights (QuantConfig("w4a8", act="fp8_per_tensor")) with
+    calibrated static activation scales (a13 None with ``static_a13=False``: dynamic). Returns
+    x, q13, q2, tw, ids, quant."""
+    x, w13, w2, tw, ids = _problem(rng, t, e, k, h, i, activation)
+    a13 = calibrate_activation_scale("fp8_per_tensor", x) if static_a13 else None
+    h1 = jnp.einsum("th,enh->ten", x.astype(jnp.float32), w13.astype(jnp.float32))
+    h1 = jnp.take_along_axis(h1, ids[:, :, None], axis=1)  # the routed experts' rows [T, k, N1]
+    if fic.GATED[activation]:
+        gate, up = h1[..., :i], h1[..., i:]
+        inter = (jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=False)) * up
+    else:
+        inter = jnp.square(jnp.maximum(h1, 0.0))
+    a2 = calibrate_activation_scale("fp8_per_tensor", inter)
+    q13, q2, quant = quantize_weights("w4a8", w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=a2)
+    return x, q13, q2, tw, ids, quant
+
+
+def _decode_prepared_w4a8(prep):
+    """The prepared weight operands back through the inverse layouts: (codes13 int8 [E, N1, H],
+    scales13 float32 [E, N1, H/128], codes2 [E, H, I], scales2 [E, H, I/128])."""
+    from jax_moe import layouts as L
+    from jax_moe.quant.int4 import unpack_int4
+
+    out = []
+    for w, s in ((prep.w13, prep.w13_block_scale), (prep.w2, prep.w2_block_scale)):
+        out.append(np.asarray(unpack_int4(L.deinterleave_int4_weights_for_sm90_mixed_gemm(w))))
+        out.append(np.asarray(L.deinterleave_scales_for_sm90_mixed_gemm(s, 128).astype(jnp.float32)))
+    return out
+
+
+def _bf(a):
+    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def _f8(a):
+    """float -> float8_e4m3fn (nearest even, saturating at +-448) -> float32, as the runner's
+    conversions (satfinite)."""
+    a = jnp.clip(jnp.asarray(a, jnp.float32), -448.0, 448.0)
+    return np.asarray(a.astype(jnp.float8_e4m3fn).astype(jnp.float32))
+
+
+def _emulate_w4a8_runner(x, prep, tw, ids):
+    """What the handler computes, step by step from the definition in
+    jax_moe.backends.flashinfer_cutlass_w4a8 (its module docstring), on the prepared operands
+    decoded through the inverse layouts. numpy float64 sums over float32 terms."""
+    from jax_moe.backends import flashinfer_cutlass_w4a8 as w4
+
+    c13, s13, c2, s2 = _decode_prepared_w4a8(prep)
+    pq1, al1 = (np.asarray(a, np.float32) for a in w4.input_operands(jnp.asarray(x), prep))
+    pq2, al2 = np.asarray(prep.fc2_act_scale, np.float32), np.asarray(prep.g2_alphas, np.float32)
+    e, n1, h = c13.shape
+    i = c2.shape[2]
+    b13 = np.zeros((e, n1), np.float32) if prep.w13_bias is None else np.asarray(prep.w13_bias, np.float32)
+    b2 = np.zeros((e, h), np.float32) if prep.w2_bias is None else np.asarray(prep.w2_bias, np.float32)
+
+    def gemm(aq, codes, scales, alpha):  # per group of 128: partial sums, then * scale, * alpha
+        part = (aq.reshape(-1, 128)[None] * codes.reshape(codes.shape[0], -1, 128)).sum(-1, dtype=np.float64)
+        return _bf(alpha * (part * scales).sum(-1))
+
+    xb = _bf(np.asarray(x, np.float32))
+    out = np.zeros((x.shape[0], h), np.float64)
+    for t in range(x.shape[0]):
+        xq = _f8(_bf(xb[t] * pq1))
+        for j in range(ids.shape[1]):
+            ex = int(ids[t, j])
+            g1 = gemm(xq, c13[ex].astype(np.float32), s13[ex], al1[ex]) + b13[ex]
+            if fic.GATED[prep.activation]:
+                up, gate = g1[:i], g1[i:]
+                act = jax.nn.silu(gate) if prep.activation == "silu" else jax.nn.gelu(gate, approximate=False)
+                a = _bf(np.asarray(act) * up)
+            else:
+                a = _bf(np.square(np.maximum(g1, 0.0)))
+            y = gemm(_f8(_bf(a * pq2)), c2[ex].astype(np.float32), s2[ex], al2[ex])
+            out[t] += float(tw[t, j]) * (y + b2[ex])
+    return out
+
+
+@pytest.mark.parametrize("activation,layout", [("silu", "concat"), ("silu", "interleaved"), ("relu2", "concat")])
+def test_prepare_w4a8_decodes_to_the_checkpoint(rng, activation, layout):
+    """Written from flashinfer_cutlass_w4a8's words: decoded through the inverse layouts, the
+    prepared codes are the checkpoint's with rows [up; gate] (from [gate; up], or alternating
+    rows), the scales the checkpoint's rounded to bf16 in the same rows; w2 unchanged; the
+    pre-quant scales are bf(1 / a) broadcast and the alphas their float32 reciprocals (per-expert
+    a collapses to its max)."""
+    from jax_moe.layouts import reorder_rows_for_gated_act_gemm
+    from jax_moe.quant.int4 import unpack_int4
+
+    e, h, i = 3, 256, 128
+    _, q13, q2, _, _, quant = _w4a8_problem(rng, 1, e, 2, h, i, activation)
+    quant = quant.replace(a13_scale=jnp.asarray([0.01, 0.03, 0.02], jnp.float32))
+    n1 = 2 * i if fic.GATED[activation] else i
+    s13, codes13 = np.asarray(quant.w13_scale), np.asarray(unpack_int4(q13))  # [gate; up] rows
+    if layout == "interleaved":  # the same experts stored with alternating gate/up rows
+        q13 = reorder_rows_for_gated_act_gemm(q13)
+        quant = quant.replace(w13_scale=reorder_rows_for_gated_act_gemm(quant.w13_scale))
+    cfg = MoEConfig(e, 2, h, i, activation, layout)
+    prep = fic.prepare(q13, q2, cfg, quant)
+    assert prep.scheme == "w4a8" and prep.w13.dtype == jnp.uint8 and prep.w13.shape == (e, n1, h // 2)
+    assert prep.w13_block_scale.shape == (e, n1 // 64, h // 128, 8, 8) and prep.w13_block_scale.dtype == jnp.bfloat16
+    assert prep.w2_block_scale.shape == (e, h // 64, i // 128, 8, 8)
+    assert fic.problem_sizes(prep) == (e, h, i)
+    c13, p13, c2, p2 = _decode_prepared_w4a8(prep)
+    if fic.GATED[activation]:
+        want_c13 = np.concatenate([codes13[:, i:], codes13[:, :i]], axis=1)
+        want_s13 = np.concatenate([s13[:, i:], s13[:, :i]], axis=1)
+    else:
+        want_c13, want_s13 = codes13, s13
+    np.testing.assert_array_equal(c13, want_c13)
+    np.testing.assert_array_equal(p13, _bf(want_s13))
+    np.testing.assert_array_equal(c2, np.asarray(unpack_int4(q2)))
+    np.testing.assert_array_equal(p2, _bf(quant.w2_scale))
+    assert np.abs(p13 / want_s13 - 1).max() <= 2.0 ** -8
+    for pq, al, a, n in ((prep.fc1_act_scale, prep.g1_alphas, 0.03, h),
+                         (prep.fc2_act_scale, prep.g2_alphas, float(quant.a2_scale), i)):
+        assert pq.shape == (n,) and pq.dtype == jnp.bfloat16 and al.shape == (e,) and al.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(pq, np.float32), _bf(np.float32(1) / np.float32(a)))
+        np.testing.assert_allclose(np.asarray(al) * np.asarray(pq, np.float32)[0], 1.0, rtol=1e-7)
+        assert abs(float(al[0]) / a - 1) <= 2.0 ** -8
+    dyn = fic.prepare(q13, q2, cfg, quant.replace(a13_scale=None))
+    assert dyn.fc1_act_scale is None and dyn.g1_alphas is None and dyn.a13_scale is None
+
+
+@pytest.mark.parametrize("static_a13", [True, False], ids=["static", "dynamic"])
+def test_prepare_w4a8_emulated_runner_matches_xla(rng, static_a13):
+    """The runner's arithmetic as the definition writes it (bf16 pre-quant multiply then FP8,
+    int4 x FP8 per group of 128 times the bf16 group scale, alpha, bf16 GEMM outputs, activation
+    in bf16, GEMM2 likewise, weighted sum), on the decoded operands, equals the xla backend on
+    the same quantized checkpoint within 5e-2; static and dynamic a13."""
+    from jax_moe import fused_experts
+
+    t, e, k, h, i = 9, 4, 2, 256, 128
+    x, q13, q2, tw, ids, quant = _w4a8_problem(rng, t, e, k, h, i, static_a13=static_a13)
+    prep = fic.prepare(q13, q2, _cfg(e, k, h, i), quant)
+    out = _emulate_w4a8_runner(x, prep, tw, ids)
+    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla")
+    assert _rel_err(out, ref) < FP8_REL_TOL
+    # and the float32 reference on the unquantized weights is not far either (sanity of the test)
+    assert _rel_err(out, _reference(x, *(jnp.asarray(a) for a in
+                                         _dequant_w4a8(q13, q2, quant)), tw, ids)) < 0.15
+
+
+def _dequant_w4a8(q13, q2, quant):
+    from jax_moe.quant.scheme import dequantize_weights
+
+    return dequantize_weights(quant, q13, q2)
+
+
+def test_prepare_w4a8_emulated_runner_with_biases_and_swigluoai(rng):
+    """The same emulation with GPT-OSS's swigluoai (SwigluBias), interleaved rows and both
+    biases, against xla."""
+    from jax_moe import fused_experts
+
+    t, e, k, h, i = 7, 4, 2, 256, 128
+    x, q13, q2, tw, ids, quant = _w4a8_problem(rng, t, e, k, h, i)
+    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)), jnp.bfloat16).astype(jnp.float32)
+    b2 = jnp.asarray(0.3 * rng.standard_normal((e, h)), jnp.bfloat16).astype(jnp.float32)
+    kw = dict(activation="swigluoai", gate_up_layout="interleaved", w13_bias=b13, w2_bias=b2)
+    cfg = MoEConfig(e, k, h, i, "swigluoai", "interleaved")
+    prep = fic.prepare(q13, q2, cfg, quant, w13_bias=b13, w2_bias=b2)
+    # the emulation's activation step for SwigluBias, as in the mxfp4 emulation
+    c13, s13, c2, s2 = _decode_prepared_w4a8(prep)
+    alpha, beta, limit = np.asarray(prep.swiglu)
+    pq1, al1 = np.asarray(prep.fc1_act_scale, np.float32), np.asarray(prep.g1_alphas)
+    pq2, al2 = np.asarray(prep.fc2_act_scale, np.float32), np.asarray(prep.g2_alphas)
+    bb13, bb2 = np.asarray(prep.w13_bias, np.float32), np.asarray(prep.w2_bias, np.float32)
+
+    def gemm(aq, codes, scales, al):
+        part = (aq.reshape(-1, 128)[None] * codes.reshape(codes.shape[0], -1, 128)).sum(-1, dtype=np.float64)
+        return _bf(al * (part * scales).sum(-1))
+
+    out = np.zeros((t, h), np.float64)
+    for tt in range(t):
+        xq = _f8(_bf(_bf(np.asarray(x[tt], np.float32)) * pq1))
+        for j in range(k):
+            ex = int(ids[tt, j])
+            g1 = gemm(xq, c13[ex].astype(np.float32), s13[ex], al1[ex]) + bb13[ex]
+            u, g = g1[:i], np.minimum(g1[i:], limit[ex])
+            a = _bf(g / (1 + np.exp(-alpha[ex] * g)) * (np.clip(u, -limit[ex], limit[ex]) + beta[ex]))
+            y = gemm(_f8(_bf(a * pq2)), c2[ex].astype(np.float32), s2[ex], al2[ex])
+            out[tt] += float(tw[tt, j]) * (y + bb2[ex])
+    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla", **kw)
+    assert _rel_err(out, ref) < FP8_REL_TOL
+
+
+def test_w4a8_refusals_name_the_reason(rng):
+    """supports() says why (and prepare() raises it): per-token activations, no static a2, a
+    group other than 128, H or I not multiples of 128."""
+    e, k, h, i = 4, 2, 256, 128
+    _, q13, q2, _, _, quant = _w4a8_problem(rng, 1, e, k, h, i)
+    x, w13, w2, _, _ = _problem(rng, 1, e, k, h, i)
+    g64 = quantize_weights("w4a8", w13, w2, group_size=64, a2_scale=0.1)
+    cases = [(_cfg(e, k, h, i), quant.replace(act="fp8_per_token"), q13, q2, "act='fp8_per_tensor'"),
+             (_cfg(e, k, h, i), quant.replace(a2_scale=None), q13, q2, "static a2_scale"),
+             (_cfg(e, k, h, i), g64[2], g64[0], g64[1], "groups of 128")]
+    # H = 192 (a layer the group-128 checkpoint format cannot even hold: supports() alone)
+    ok, why = fic.supports(_cfg(e, k, 192, i), quant)
+    assert not ok and "multiples of 128" in why, why
+    for cfg, qc, a, b, reason in cases:
+        ok, why = fic.supports(cfg, qc)
+        assert not ok and reason in why, (reason, why)
+        with pytest.raises(ValueError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+            fic.prepare(a, b, cfg, qc)
+
+
+def test_prepare_w4a8_weights_value_errors(rng):
+    """Every argument is checked before anything is traced, and the error names it."""
+    from jax_moe.backends.flashinfer_cutlass_w4a8 import prepare_w4a8_weights as prep
+
+    e, k, h, i = 2, 2, 256, 128
+    _, q13, q2, _, _, quant = _w4a8_problem(rng, 1, e, k, h, i)
+    s13, s2 = quant.w13_scale, quant.w2_scale
+    cases = [((q13.astype(jnp.int8), s13, q2, s2), "w13 must be uint8"),
+             ((q13, s13.astype(jnp.bfloat16), q2, s2), "w13_scale must be float32"),
+             ((q13, s13[:, :, :1], q2, s2), r"w13_scale must have shape \[2, 256, 2\]"),
+             ((q13[:, :128], s13, q2, s2), "w13 must have shape"),
+             ((q13, s13, q2[:, :, :32], s2), "multiples of 128"),
+             ((q13, s13.at[0, 0, 0].set(jnp.nan), q2, s2), "w13_scale holds NaN"),
+             ((q13, s13, q2, -s2), "w2_scale must be positive")]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            prep(*args)
+
+
+def test_w4a8_apply_checks_and_shape_rule(rng, monkeypatch):
+    """apply_prepared raises ValueErrors on a bad Prepared before lowering; its abstract
+    evaluation (the custom call's shape rule) gives out [T, H] bf16 without a GPU, static and
+    dynamic a13."""
+    import dataclasses
+
+    t, e, k, h, i = 5, 4, 2, 256, 128
+    x, q13, q2, tw, ids, quant = _w4a8_problem(rng, t, e, k, h, i)
+    prep = fic.prepare(q13, q2, _cfg(e, k, h, i), quant)
+    bad = [(dict(w2_block_scale=prep.w2_block_scale.astype(jnp.float32)), "w2_block_scale must be bfloat16"),
+           (dict(w13_block_scale=None), "w13_block_scale must be bfloat16"),
+           (dict(fc2_act_scale=prep.fc2_act_scale[:64]), "fc2_act_scale must be bfloat16"),
+           (dict(g1_alphas=None), "both be set"),
+           (dict(w13=prep.w13.view(jnp.int8)), "w13 must be uint8")]
+    for change, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            fic.apply_prepared(x, dataclasses.replace(prep, **change), tw, ids)
+    with pytest.raises(ValueError, match="x_scale"):
+        fic.apply_prepared(x, prep, tw, ids, x_scale=jnp.float32(1.0))
+    monkeypatch.setattr(fic, "_register", lambda: None)
+    monkeypatch.setattr(fic, "workspace_size", lambda *a: 4096)
+    from jax_moe.backends import flashinfer_tuning
+
+    monkeypatch.setattr(flashinfer_tuning, "choice", lambda *a: (-1, -1))  # no tactic cache without a GPU
+    for p in (prep, fic.prepare(q13, q2, _cfg(e, k, h, i), quant.replace(a13_scale=None))):
+        out = jax.eval_shape(lambda xx, p=p: fic.apply_prepared(xx, p, tw, ids), x)
+        assert out.shape == (t, h) and out.dtype == jnp.bfloat16
+
+
+def _skip_unless_w4a8():
+    _skip_unless_available()
+    if "w4a8" not in fic.compiled_schemes():
+        pytest.skip("w4a8 not compiled into this build (JAX_MOE_FI_SCHEMES=...;w4a8)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,k", [(8, 2), (128, 8)])
+@pytest.mark.parametrize("t", [1, 37, 300])
+def test_w4a8_matches_xla_on_the_same_quantized_weights(rng, t, e, k):
+    """W4A8 against backend="xla" with the same QuantConfig (int4 weights dequantized, activations
+    fake-quantized per tensor with the static scales), through fused_experts under jit, twice
+    (bit-identical: no state leaks), and against the CPU emulation of the definition."""
+    _skip_unless_w4a8()
+    from jax_moe import fused_experts
+
+    h, i = 1024, 512
+    x, q13, q2, tw, ids, quant = _w4a8_problem(rng, t, e, k, h, i)
+    f = jax.jit(lambda *a: fused_experts(*a, quant=quant, backend="flashinfer_cutlass"))
+    out1, out2 = f(x, q13, q2, tw, ids), f(x, q13, q2, tw, ids)
+    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla")
+    assert out1.shape == (t, h) and out1.dtype == x.dtype and np.isfinite(np.asarray(out1, np.float32)).all()
+    assert _rel_err(out1, ref) < FP8_REL_TOL
+    np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
+    if t <= 37 and e == 8:  # the emulation is slow (numpy per slot)
+        prep = fic.prepare(q13, q2, _cfg(e, k, h, i), quant)
+        assert _rel_err(out1, _emulate_w4a8_runner(x, prep, tw, ids)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["gelu", "relu2"])
+def test_w4a8_other_activations_dynamic_a13_and_empty_experts(rng, activation):
+    """Prepared once, applied under jit: other activations, a dynamic a13 (amax / 448 per call),
+    and tokens routed to 3 of 16 experts only (13 experts get no rows)."""
+    _skip_unless_w4a8()
+    from jax_moe import fused_experts
+
+    t, e, k, h, i = 64, 16, 2, 512, 256
+    x, q13, q2, tw, _, quant = _w4a8_problem(rng, t, e, k, h, i, activation, static_a13=False)
+    ids = jnp.asarray(np.stack([rng.permutation(3)[:k] for _ in range(t)]).astype(np.int32))
+    prep = fic.prepare(q13, q2, _cfg(e, k, h, i, activation), quant)
+    out = jax.jit(fic.apply_prepared)(x, prep, tw, ids)
+    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, activation=activation, backend="xla")
+    assert _rel_err(out, ref) < FP8_REL_TOL
+
+
+@pytest.mark.gpu
+def test_w4a8_swigluoai_biases_and_router_weight_on_input(rng):
+    """The runner's optional operands on the W4A8 path: swigluoai (SwigluBias) with both biases
+    and interleaved rows, and Llama4's router weight on the input (top-1)."""
+    _skip_unless_w4a8()
+    from jax_moe import fused_experts
+
+    t, e, k, h, i = 37, 8, 2, 512, 256
+    x, q13, q2, tw, ids, quant = _w4a8_problem(rng, t, e, k, h, i)
+    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)), jnp.bfloat16).astype(jnp.float32)
+    b2 = jnp.asarray(0.3 * rng.standard_normal((e, h)), jnp.bfloat16).astype(jnp.float32)
+    tw1, ids1 = _routing(rng, t, e, 1)
+    for args, kw in (((x, q13, q2, tw, ids), dict(activation="swigluoai", w13_bias=b13, w2_bias=b2)),
+                     ((x, q13, q2, tw1, ids1), dict(apply_router_weight_on_input=True))):
+        out = jax.jit(lambda *a: fused_experts(*a, quant=quant, backend="flashinfer_cutlass", **kw))(*args)
+        ref = fused_experts(*args, quant=quant, backend="xla", **kw)
+        assert _rel_err(out, ref) < FP8_REL_TOL, kw
+
+
+@pytest.mark.gpu
+def test_w4a8_every_compiled_tactic(rng):
+    """Each compiled mixed-input GEMM1 (resp. GEMM2) tactic, the other on the built-in choice
+    (H = 1024, I = 512: every K tile divides both)."""
+    _skip_unless_w4a8()
+    from jax_moe import fused_experts
+
+    t, e, k, h, i = 37, 8, 2, 1024, 512
+    x, q13, q2, tw, ids, quant = _w4a8_problem(rng, t, e, k, h, i)
+    prep = fic.prepare(q13, q2, _cfg(e, k, h, i), quant)
+    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla")
+    for gemm_id in (1, 2):
+        assert all("swap_ab=1" in d and "fusion=none" in d for _, d, _ in fic.tactics(gemm_id, "w4a8"))
+    errors = _compiled_tactic_errors(x, prep, tw, ids, ref)
+    assert errors
+    bad = {d: err for d, err in errors.items() if not err < FP8_REL_TOL}
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+def test_w4a8_under_command_buffers(command_buffer_check):
+    """The w4a8 handler declares command-buffer compatibility: with XLA's command buffers forced
+    on, fresh inputs each round, against the xla backend (static scales)."""
+    _skip_unless_w4a8()
+    command_buffer_check("flashinfer_cutlass", """
+        t, e, k, h, i = 77, 16, 4, 512, 256
+        w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)
+        w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
+        q13, q2, quant = quantize_weights("w4a8", w13, w2, a13_scale=4.5 / 448, a2_scale=0.02)
+        cases = [(t, k, q13, q2, quant), (1, k, q13, q2, quant)]
+    """, 5e-2)

@@ -106,6 +106,28 @@ def test_flashinfer_cutlass_fp8_block_is_served_only_where_compiled(monkeypatch,
     assert not ok and "act='fp8_per_group'" in why, why
 
 
+@pytest.mark.parametrize("schemes", [("bf16", "fp8", "mxfp4"), ("bf16", "fp8", "mxfp4", "w4a8")])
+def test_flashinfer_cutlass_w4a8_is_served_only_where_compiled(monkeypatch, schemes):
+    """w4a8 is opt-in (JAX_MOE_FI_SCHEMES): on SM90 a build without it says so; a build with it
+    serves int4 x FP8 weights for prepared weights, and still refuses per-token activations and
+    a missing static a2_scale with their reasons."""
+    from jax_moe.backends import flashinfer_cutlass as fic
+
+    mask = sum(1 << fic.SCHEME_IDS[s] for s in schemes)
+    monkeypatch.setitem(fic._state, "module", _FlashinferModuleStandIn(mask))
+    monkeypatch.setitem(fic._state, "error", None)
+    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("w4a8"), H100)
+    if "w4a8" in schemes:
+        assert ok, why
+        assert oracle.select_backend(CFG, scheme("w4a8"), device=H100, prepared=True).name == "flashinfer_cutlass"
+    else:
+        assert not ok and why.startswith("scheme 'w4a8' is not compiled into this build (JAX_MOE_FI_SCHEMES)"), why
+    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("w4a8", act="fp8_per_token"), H100)
+    assert not ok and "act='fp8_per_tensor'" in why, why
+    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("w4a8", a2_scale=None), H100)
+    assert not ok and "static a2_scale" in why, why
+
+
 @pytest.mark.parametrize("device", [A100, H100, B200, RTX5090, CPU], ids=lambda d: d.describe())
 @pytest.mark.parametrize("scheme_name", sorted(oracle.SCHEME_ORDER))
 def test_every_device_and_scheme_falls_back_to_xla_with_reasons_in_order(device, scheme_name):

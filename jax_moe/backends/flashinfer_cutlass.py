@@ -6,7 +6,7 @@ erf form), ``swigluoai`` (GPT-OSS's, the runner's SwigluBias with per-expert alp
 limit) and ``relu2`` (not gated); optional biases on both GEMMs (``w13_bias [E, 2I]``,
 ``w2_bias [E, H]``, added before the router weight); router weight on the input for top-1
 (applied to x before the call); expert-parallel shards (ids of -1 are skipped by the runner and
-contribute nothing). Five schemes, each its own FFI target:
+contribute nothing). Six schemes, each its own FFI target:
 
 * ``bf16``: bf16 activations x bf16 weights -> bf16.
 * ``f16``: float16 activations x float16 weights -> float16 (biases float16 too): ``bf16``'s
@@ -32,6 +32,11 @@ contribute nothing). Five schemes, each its own FFI target:
   on TensorRT-LLM's block-scale grouped GEMM, which quantizes the activations itself per token
   per 128 columns (FlashInfer's ``use_deepseek_fp8_block_scale`` runner). Opt-in build; H and I
   multiples of 128; no tactics. Its own parts: :mod:`jax_moe.backends.flashinfer_cutlass_fp8_block`.
+* ``w4a8`` (``QuantConfig(scheme="w4a8", act="fp8_per_tensor")`` with a static ``a2_scale``):
+  signed int4 weights with a scale per 128 along K x FP8 E4M3 activations -> bf16, on the SM90
+  mixed-input grouped GEMMs (FlashInfer's ``isW4AFp8Quant`` runner); the runner quantizes its
+  bf16 input and the activation output with per-channel pre-quant scales. Opt-in build; H and I
+  multiples of 128. Its definition and own parts: :mod:`jax_moe.backends.flashinfer_cutlass_w4a8`.
 
 Routing happens before: the calls take top-k ids and weights.
 
@@ -88,10 +93,12 @@ NAME = "flashinfer_cutlass"
 # the mixed-input GEMM's 128-weight scale blocks), weights per stored element along K
 TARGETS = {"bf16": "jax_moe_flashinfer_cutlass_moe", "fp8": "jax_moe_flashinfer_cutlass_moe_fp8",
            "mxfp4": "jax_moe_flashinfer_cutlass_moe_mxfp4",
-           "fp8_block": "jax_moe_flashinfer_cutlass_moe_fp8_block", "f16": "jax_moe_flashinfer_cutlass_moe_f16"}
-SCHEME_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "fp8_block": 3, "f16": 4}
-ALIGN = {"bf16": 8, "fp8": 16, "mxfp4": MIXED_GEMM_SCALE_K, "fp8_block": FP8_BLOCK_SCALE, "f16": 8}
-PACK = {"bf16": 1, "fp8": 1, "mxfp4": 2, "fp8_block": 1, "f16": 1}
+           "fp8_block": "jax_moe_flashinfer_cutlass_moe_fp8_block", "f16": "jax_moe_flashinfer_cutlass_moe_f16",
+           "w4a8": "jax_moe_flashinfer_cutlass_moe_w4a8"}
+SCHEME_IDS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "fp8_block": 3, "f16": 4, "w4a8": 5}
+ALIGN = {"bf16": 8, "fp8": 16, "mxfp4": MIXED_GEMM_SCALE_K, "fp8_block": FP8_BLOCK_SCALE, "f16": 8,
+         "w4a8": MIXED_GEMM_SCALE_K}
+PACK = {"bf16": 1, "fp8": 1, "mxfp4": 2, "fp8_block": 1, "f16": 1, "w4a8": 2}
 # the unquantized schemes: their activations', weights', biases' and output's dtype
 FLOAT_SCHEMES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
 F16_NOT_BUILT = ("scheme 'f16' is not built (JAX_MOE_FI_SCHEMES): float16 weights need an opt-in build "
@@ -180,6 +187,12 @@ def supports(cfg, quant=None, device=None, *, dtype=None) -> tuple[bool, str]:
         from jax_moe.backends import flashinfer_cutlass_fp8_block as fp8b
 
         why = fp8b.refusal(cfg, quant)
+        if why:
+            return False, why
+    if scheme == "w4a8":
+        from jax_moe.backends import flashinfer_cutlass_w4a8 as w4
+
+        why = w4.refusal(cfg, quant)
         if why:
             return False, why
     ok, why = available(device)
@@ -285,7 +298,12 @@ class Prepared:
     with H, I padded and their folded E8M0 scales ``w13_block_scale``, ``w2_block_scale``
     (:func:`prepare_mxfp4_weights`); ``fp8_block``: ``w13_block_scale [E, 2I/128, H/128]`` and
     ``w2_block_scale [E, H/128, I/128]`` float32, the 128 x 128 block scales in w13's and w2's row
-    order (:mod:`jax_moe.layouts.blockscale`); None in the other schemes. FP8 only (None otherwise), float32:
+    order (:mod:`jax_moe.layouts.blockscale`); ``w4a8``: uint8 w13 [E, 2I, H/2], w2 [E, H, I/2]
+    (int4 codes in the mixed-input GEMM's unit order) and their folded bf16 group scales
+    ``w13_block_scale [E, 2I/64, H/128, 8, 8]``, ``w2_block_scale [E, H/64, I/128, 8, 8]``, the
+    FP8 quantizers' pre-quant scales ``fc1_act_scale [H]`` (None: dynamic a13) and
+    ``fc2_act_scale [I]`` bf16 with ``g1_alphas``/``g2_alphas [E]`` float32
+    (:mod:`jax_moe.backends.flashinfer_cutlass_w4a8`); None in the other schemes. FP8 only (None otherwise), float32:
     ``w13_scale [E]``; ``a13_scale []`` static input scale (None: dynamic per call);
     ``g1_alphas [E] = w13_scale * a13_scale`` (None when a13_scale is dynamic);
     ``a2_gscale [] = 1 / a2_scale``; ``g2_alphas [E] = w2_scale * a2_scale``.
@@ -311,6 +329,8 @@ class Prepared:
     swiglu: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=1))
     w13_block_scale: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
     w2_block_scale: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=0))
+    fc1_act_scale: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=None))
+    fc2_act_scale: jax.Array | None = dataclasses.field(default=None, metadata=dict(expert_axis=None, tp_axis=0))
     scheme: str = dataclasses.field(default="bf16", metadata=dict(static=True))
     activation: str = dataclasses.field(default="silu", metadata=dict(static=True))
 
@@ -366,8 +386,8 @@ def alignment(quant=None) -> int:
 def prepare(w13, w2, cfg, quant=None, *, w13_bias=None, w2_bias=None) -> Prepared:
     """vLLM-layout expert weights (as ``fused_experts`` takes them) -> :class:`Prepared`, once,
     at load time. ``cfg`` is the layer's :class:`jax_moe.config.MoEConfig`; ``quant`` None (bf16,
-    or f16 for float16 weights: :func:`float_scheme`) or a :class:`jax_moe.QuantConfig` that
-    :func:`supports` accepts; biases ``w13_bias [E, 2I]`` (vLLM's row order, like w13) and
+    or f16 for float16 weights: :func:`float_scheme`) or a :class:`jax_moe.QuantConfig` (fp8, mxfp4, fp8_block,
+    w4a8) that :func:`supports` accepts; biases ``w13_bias [E, 2I]`` (vLLM's row order, like w13) and
     ``w2_bias [E, H]`` or None."""
     if quant is None:  # float16 next to bfloat16 is an error before anything is traced
         scheme = float_scheme(w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
@@ -391,6 +411,10 @@ def prepare(w13, w2, cfg, quant=None, *, w13_bias=None, w2_bias=None) -> Prepare
         from jax_moe.backends import flashinfer_cutlass_fp8_block as fp8b
 
         return fp8b.prepare(w13, w2, cfg, quant, extras)
+    if scheme == "w4a8":
+        from jax_moe.backends import flashinfer_cutlass_w4a8 as w4
+
+        return w4.prepare(w13, w2, cfg, quant, extras)
     if scheme != "fp8":
         raise ValueError(f"{NAME}: scheme {scheme!r} is not built yet (have {sorted(TARGETS)})")
     if quant.act != "fp8_per_tensor" or quant.a2_scale is None:
@@ -509,6 +533,10 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
     if scheme in FLOAT_SCHEMES:
         float_scheme(x=x, **{"prepared.w13": w13, "prepared.w2": w2, "prepared.w13_bias": prepared.w13_bias,
                              "prepared.w2_bias": prepared.w2_bias})
+    if scheme == "w4a8":
+        from jax_moe.backends import flashinfer_cutlass_w4a8 as w4
+
+        w4.check_prepared(prepared)
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != t:
         raise ValueError(f"topk_weights {topk_weights.shape} / topk_ids {topk_ids.shape} must be [T, k]")
     if apply_router_weight_on_input and k != 1:
@@ -562,6 +590,10 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, gemm1_tacti
         dt = FLOAT_SCHEMES[scheme]
         out, _ = call(x.astype(dt), w13.astype(dt), w2.astype(dt), ids, tw, *extras, **attrs)
         return out
+    if scheme == "w4a8":
+        from jax_moe.backends import flashinfer_cutlass_w4a8 as w4
+
+        return w4.call(x, prepared, ids, tw, extras, attrs)
     if scheme == "mxfp4":
         xp = pad_axis(x.astype(jnp.bfloat16), hw, -1)  # the runner writes only the first h columns
         out, _ = call(xp, w13, w2, ids, tw, prepared.w13_block_scale, prepared.w2_block_scale,

@@ -119,6 +119,17 @@ def _random_prepared(scheme: str, activation: str, h: int, i: int, e: int):
         s13 = jnp.full((e,) + mixed_gemm_scale_shape(n1, h), 123, jnp.uint8)
         s2 = jnp.full((e,) + mixed_gemm_scale_shape(h, i), 123, jnp.uint8)
         return fic.Prepared(w13, w2, w13_block_scale=s13, w2_block_scale=s2, **extra)
+    if scheme == "w4a8":  # random int4 codes, bf16 scales 2**-4, unit activation scales
+        from jax_moe.layouts import mixed_gemm_scale_shape
+
+        w13 = jax.random.randint(kw, (e, n1, h // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+        w2 = jax.random.randint(k2, (e, h, i // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+        s13 = jnp.full((e,) + mixed_gemm_scale_shape(n1, h, 128, 2), 2.0 ** -4, jnp.bfloat16)
+        s2 = jnp.full((e,) + mixed_gemm_scale_shape(h, i, 128, 2), 2.0 ** -4, jnp.bfloat16)
+        ones = jnp.ones((e,), jnp.float32)
+        return fic.Prepared(w13, w2, w13_block_scale=s13, w2_block_scale=s2,
+                            fc1_act_scale=jnp.ones((h,), jnp.bfloat16), g1_alphas=ones,
+                            fc2_act_scale=jnp.ones((i,), jnp.bfloat16), g2_alphas=ones, **extra)
     dtype = jnp.float8_e4m3fn if scheme == "fp8" else fic.FLOAT_SCHEMES.get(scheme, jnp.bfloat16)
     w13 = (jax.random.normal(kw, (e, n1, h), jnp.float32) * h ** -0.5).astype(dtype)
     w2 = (jax.random.normal(k2, (e, h, i), jnp.float32) * i ** -0.5).astype(dtype)
