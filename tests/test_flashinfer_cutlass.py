@@ -64,6 +64,14 @@ def _skip_unless_available():
         pytest.skip(why)
 
 
+def _skip_unless_scheme(name: str):
+    """Skip unless the runner is usable here and scheme ``name`` is compiled into this build
+    (the opt-in ones: JAX_MOE_FI_SCHEMES=...;name)."""
+    _skip_unless_available()
+    if name not in fic.compiled_schemes():
+        pytest.skip(f"{name} not compiled into this build (JAX_MOE_FI_SCHEMES=...;{name})")
+
+
 def test_prepare_weights_swaps_gate_and_up():
     e, i, h = 2, 4, 8
     w13 = jnp.arange(e * 2 * i * h, dtype=jnp.float32).reshape(e, 2 * i, h)
@@ -572,12 +580,6 @@ def test_mxfp4_refusals_and_shape_checks(rng):
         fic.prepare_mxfp4_weights(q13.astype(jnp.int8), kw["quant"].w13_scale, q2, kw["quant"].w2_scale)
 
 
-def _skip_unless_mxfp4():
-    _skip_unless_available()
-    if "mxfp4" not in fic.compiled_schemes():
-        pytest.skip("mxfp4 not compiled into this build (JAX_MOE_FI_SCHEMES)")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "gpt_oss"])
 @pytest.mark.parametrize("e,k", [(8, 2), (128, 4)])
@@ -586,7 +588,7 @@ def test_mxfp4_matches_xla_on_the_same_quantized_weights(rng, t, e, k, gpt_oss):
     """W4A16 against backend="xla" with the same QuantConfig (the dequantized reference): silu
     with [gate; up] rows, and GPT-OSS's swigluoai with biases and interleaved rows; through
     fused_experts under jit, twice (no state leaks)."""
-    _skip_unless_mxfp4()
+    _skip_unless_scheme("mxfp4")
     from jax_moe import fused_experts
 
     x, q13, q2, tw, ids, kw = _mxfp4_problem(rng, t, e, k, 1024, 512, gpt_oss=gpt_oss)
@@ -602,7 +604,7 @@ def test_mxfp4_matches_xla_on_the_same_quantized_weights(rng, t, e, k, gpt_oss):
 def test_mxfp4_gpt_oss_shape_pads_h_and_i(rng):
     """GPT-OSS's H = I = 2880 (not multiples of 128: padded to 2944, output [T, 2880]),
     prepared once and applied under jit."""
-    _skip_unless_mxfp4()
+    _skip_unless_scheme("mxfp4")
     from jax_moe import fused_experts
 
     t, e, k, h, i = 37, 16, 4, 2880, 2880
@@ -619,7 +621,7 @@ def test_mxfp4_gpt_oss_shape_pads_h_and_i(rng):
 @pytest.mark.gpu
 def test_mxfp4_every_compiled_tactic(rng):
     """Each compiled mixed-input GEMM1 (resp. GEMM2) tactic, the other on the built-in choice."""
-    _skip_unless_mxfp4()
+    _skip_unless_scheme("mxfp4")
     from jax_moe import fused_experts
 
     t, e, k, h, i = 37, 8, 2, 1024, 512
@@ -775,12 +777,6 @@ def test_fp8_block_apply_checks_and_shape_rule(rng, monkeypatch):
     assert out.shape == (t, h) and out.dtype == jnp.bfloat16
 
 
-def _skip_unless_fp8_block():
-    _skip_unless_available()
-    if "fp8_block" not in fic.compiled_schemes():
-        pytest.skip("fp8_block not compiled into this build (JAX_MOE_FI_SCHEMES=...;fp8_block)")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("e,k", [(8, 2), (256, 8)])
 @pytest.mark.parametrize("t", [1, 37, 300])
@@ -788,7 +784,7 @@ def test_fp8_block_matches_xla_on_the_same_quantized_weights(rng, t, e, k):
     """DeepSeek-style FP8 block scales against backend="xla" with the same QuantConfig (weights
     dequantized, activations fake-quantized per token per 128 columns), through fused_experts
     under jit, twice (bit-identical: no state leaks between calls)."""
-    _skip_unless_fp8_block()
+    _skip_unless_scheme("fp8_block")
     from jax_moe import fused_experts
 
     h, i = 1024, 512
@@ -806,7 +802,7 @@ def test_fp8_block_matches_xla_on_the_same_quantized_weights(rng, t, e, k):
 def test_fp8_block_other_activations_and_empty_experts(rng, activation):
     """Prepared once, applied under jit: other activations, and tokens routed to 3 of 16
     experts only (13 experts get no rows)."""
-    _skip_unless_fp8_block()
+    _skip_unless_scheme("fp8_block")
     from jax_moe import fused_experts
 
     t, e, k, h, i = 64, 16, 2, 512, 256
@@ -823,7 +819,7 @@ def test_fp8_block_shapes_in_any_order(rng):
     """The block-scale GEMM lays its workspace out by the largest row count its runner was sized
     for, so each shape has its own runner: a small T traced after a large one (and run again
     after it) still fits the workspace XLA allocated and matches the reference."""
-    _skip_unless_fp8_block()
+    _skip_unless_scheme("fp8_block")
     from jax_moe import fused_experts
 
     e, k, h, i = 8, 2, 512, 256
@@ -840,7 +836,7 @@ def test_fp8_block_shapes_in_any_order(rng):
 def test_fp8_block_swigluoai_biases_and_router_weight_on_input(rng):
     """The runner's optional operands on the block-scale path: swigluoai (SwigluBias) with both
     biases and clamps that bite, and Llama4's router weight on the input (top-1)."""
-    _skip_unless_fp8_block()
+    _skip_unless_scheme("fp8_block")
     from jax_moe import fused_experts
 
     t, e, k, h, i = 37, 8, 2, 512, 256
@@ -860,7 +856,7 @@ def test_fp8_block_swigluoai_biases_and_router_weight_on_input(rng):
 def test_fp8_block_deepseek_v3_hidden_and_intermediate(rng):
     """DeepSeek-V3's H = 7168 and I = 2048 with k = 8 (16 experts instead of 256, to keep the
     random weights and the float32 reference's dequantized weights small)."""
-    _skip_unless_fp8_block()
+    _skip_unless_scheme("fp8_block")
     from jax_moe import fused_experts
 
     t, e, k, h, i = 37, 16, 8, 7168, 2048
@@ -874,7 +870,7 @@ def test_fp8_block_deepseek_v3_hidden_and_intermediate(rng):
 def test_fp8_block_under_command_buffers(command_buffer_check):
     """The fp8_block handler declares command-buffer compatibility: with XLA's command buffers
     forced on, fresh inputs each round, against the xla backend."""
-    _skip_unless_fp8_block()
+    _skip_unless_scheme("fp8_block")
     command_buffer_check("flashinfer_cutlass", """
         t, e, k, h, i = 77, 16, 4, 512, 256
         w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)
@@ -1004,19 +1000,13 @@ def test_f16_refused_with_its_reason_when_not_built(rng, monkeypatch):
     assert sel.name == "flashinfer_cutlass"
 
 
-def _skip_unless_f16():
-    _skip_unless_available()
-    if "f16" not in fic.compiled_schemes():
-        pytest.skip("f16 not compiled into this build (JAX_MOE_FI_SCHEMES=...;f16)")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("e,k", [(8, 2), (256, 8)])
 @pytest.mark.parametrize("t", [1, 37, 300])
 def test_f16_matches_xla_on_the_same_weights(rng, t, e, k):
     """float16 weights and activations through fused_experts under jit, twice (bit-identical: no
     state leaks), against backend="xla" on the same float16 weights; float16 out."""
-    _skip_unless_f16()
+    _skip_unless_scheme("f16")
     from jax_moe import fused_experts
 
     x, w13, w2, tw, ids = _f16_problem(rng, t, e, k, 1024, 512)
@@ -1034,7 +1024,7 @@ def test_f16_matches_xla_on_the_same_weights(rng, t, e, k):
 def test_f16_prepared_activations_and_empty_experts(rng, activation):
     """Prepared once, applied under jit twice: each activation, with tokens routed to 3 of 16
     experts only (13 experts get no rows); against the float32 reference and backend="xla"."""
-    _skip_unless_f16()
+    _skip_unless_scheme("f16")
     from jax_moe import fused_experts
 
     t, e, k, h, i = 64, 16, 2, 512, 256
@@ -1054,7 +1044,7 @@ def test_f16_prepared_activations_and_empty_experts(rng, activation):
 def test_f16_swigluoai_biases_and_router_weight_on_input(rng):
     """The runner's optional operands on the half path: GPT-OSS's swigluoai with float16 biases on
     both GEMMs and alternating gate/up rows, and Llama4's router weight on the input (top-1)."""
-    _skip_unless_f16()
+    _skip_unless_scheme("f16")
     from jax_moe import fused_experts
 
     t, e, k, h, i = 37, 8, 2, 512, 256
@@ -1072,7 +1062,7 @@ def test_f16_swigluoai_biases_and_router_weight_on_input(rng):
 @pytest.mark.gpu
 def test_f16_every_compiled_tactic(rng):
     """Each compiled f16 GEMM1 and GEMM2 tactic (finalize-fused included), the other default."""
-    _skip_unless_f16()
+    _skip_unless_scheme("f16")
     t, e, k, h, i = 37, 8, 2, 1024, 512
     x, w13, w2, tw, ids = _f16_problem(rng, t, e, k, h, i)
     ref = _reference(x, w13, w2, tw, ids)
@@ -1114,7 +1104,7 @@ print("OK", len(cases))
 def test_f16_under_command_buffers(command_buffer_check):
     """The f16 handler declares command-buffer compatibility: float16 inputs with XLA's command
     buffers forced on, fresh inputs each round (T = 77 and 1; swigluoai with biases), against xla."""
-    _skip_unless_f16()
+    _skip_unless_scheme("f16")
     n = command_buffer_check("flashinfer_cutlass", """
         t, e, k, h, i = 77, 16, 4, 512, 256
         w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.float16)
@@ -1382,12 +1372,6 @@ def test_w4a8_apply_checks_and_shape_rule(rng, monkeypatch):
         assert out.shape == (t, h) and out.dtype == jnp.bfloat16
 
 
-def _skip_unless_w4a8():
-    _skip_unless_available()
-    if "w4a8" not in fic.compiled_schemes():
-        pytest.skip("w4a8 not compiled into this build (JAX_MOE_FI_SCHEMES=...;w4a8)")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("e,k", [(8, 2), (128, 8)])
 @pytest.mark.parametrize("t", [1, 37, 300])
@@ -1395,7 +1379,7 @@ def test_w4a8_matches_xla_on_the_same_quantized_weights(rng, t, e, k):
     """W4A8 against backend="xla" with the same QuantConfig (int4 weights dequantized, activations
     fake-quantized per tensor with the static scales), through fused_experts under jit, twice
     (bit-identical: no state leaks), and against the CPU emulation of the definition."""
-    _skip_unless_w4a8()
+    _skip_unless_scheme("w4a8")
     from jax_moe import fused_experts
 
     h, i = 1024, 512
@@ -1416,7 +1400,7 @@ def test_w4a8_matches_xla_on_the_same_quantized_weights(rng, t, e, k):
 def test_w4a8_other_activations_dynamic_a13_and_empty_experts(rng, activation):
     """Prepared once, applied under jit: other activations, a dynamic a13 (amax / 448 per call),
     and tokens routed to 3 of 16 experts only (13 experts get no rows)."""
-    _skip_unless_w4a8()
+    _skip_unless_scheme("w4a8")
     from jax_moe import fused_experts
 
     t, e, k, h, i = 64, 16, 2, 512, 256
@@ -1432,7 +1416,7 @@ def test_w4a8_other_activations_dynamic_a13_and_empty_experts(rng, activation):
 def test_w4a8_swigluoai_biases_and_router_weight_on_input(rng):
     """The runner's optional operands on the W4A8 path: swigluoai (SwigluBias) with both biases
     and interleaved rows, and Llama4's router weight on the input (top-1)."""
-    _skip_unless_w4a8()
+    _skip_unless_scheme("w4a8")
     from jax_moe import fused_experts
 
     t, e, k, h, i = 37, 8, 2, 512, 256
@@ -1451,7 +1435,7 @@ def test_w4a8_swigluoai_biases_and_router_weight_on_input(rng):
 def test_w4a8_every_compiled_tactic(rng):
     """Each compiled mixed-input GEMM1 (resp. GEMM2) tactic, the other on the built-in choice
     (H = 1024, I = 512: every K tile divides both)."""
-    _skip_unless_w4a8()
+    _skip_unless_scheme("w4a8")
     from jax_moe import fused_experts
 
     t, e, k, h, i = 37, 8, 2, 1024, 512
@@ -1470,7 +1454,7 @@ def test_w4a8_every_compiled_tactic(rng):
 def test_w4a8_under_command_buffers(command_buffer_check):
     """The w4a8 handler declares command-buffer compatibility: with XLA's command buffers forced
     on, fresh inputs each round, against the xla backend (static scales)."""
-    _skip_unless_w4a8()
+    _skip_unless_scheme("w4a8")
     command_buffer_check("flashinfer_cutlass", """
         t, e, k, h, i = 77, 16, 4, 512, 256
         w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)

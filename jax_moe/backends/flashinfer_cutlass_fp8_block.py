@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.layouts import FP8_BLOCK_SCALE, fp8_block_scale_shape, swap_w13_to_w31_block_scales
+from jax_moe.quant.scheme import check_finite_positive
 
 SCHEME = "fp8_block"
 BLOCK = (FP8_BLOCK_SCALE, FP8_BLOCK_SCALE)  # the only weight block the kernel reads
@@ -48,19 +49,6 @@ def refusal(cfg, quant) -> str | None:
                 "do not keep whole 128-row scale blocks")
     return None
 
-
-def _finite_positive(name: str, s) -> None:
-    """ValueError naming ``name`` if a concrete scale holds NaN, inf or a value <= 0."""
-    if isinstance(s, jax.core.Tracer):
-        return
-    try:
-        v = np.asarray(s, np.float32)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return
-    if not np.all(np.isfinite(v)):
-        raise ValueError(f"{name} holds NaN or inf")
-    if not np.all(v > 0):
-        raise ValueError(f"{name} must be positive, got a minimum of {v.min()}")
 
 
 def prepare_fp8_block_weights(w13, w13_scale, w2, w2_scale, activation: str = "silu"):
@@ -98,7 +86,7 @@ def prepare_fp8_block_weights(w13, w13_scale, w2, w2_scale, activation: str = "s
     for name, (a, shape) in want.items():
         if a.shape != shape:
             raise ValueError(f"{name} must have shape {list(shape)} (E, rows/128, K/128), got {list(a.shape)}")
-        _finite_positive(name, a)
+        check_finite_positive(name, a)
     if GATED[activation]:
         w13 = runner_row_order(w13, activation)
         s13 = swap_w13_to_w31_block_scales(s13, i)

@@ -80,6 +80,7 @@ from jax_moe.layouts import (
     mixed_gemm_scale_shape,
 )
 from jax_moe.quant import fp8, int4
+from jax_moe.quant.scheme import check_finite_positive
 
 SCHEME = "w4a8"
 GROUP = int4.INT4_GROUP  # the only group size the kernel reads (INT4GroupwiseParams::int4_group_size)
@@ -104,19 +105,6 @@ def refusal(cfg, quant) -> str | None:
                 f"H={cfg.hidden_size} I={cfg.intermediate_size}")
     return None
 
-
-def _finite_positive(name: str, s) -> None:
-    """ValueError naming ``name`` if a concrete scale holds NaN, inf or a value <= 0."""
-    if isinstance(s, jax.core.Tracer):
-        return
-    try:
-        v = np.asarray(s, np.float32)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return
-    if not np.all(np.isfinite(v)):
-        raise ValueError(f"{name} holds NaN or inf")
-    if not np.all(v > 0):
-        raise ValueError(f"{name} must be positive, got a minimum of {v.min()}")
 
 
 def act_prequant_scale(a_scale):
@@ -162,8 +150,8 @@ def prepare_w4a8_weights(w13, w13_scale, w2, w2_scale, activation: str = "silu",
         if a.shape != shape:
             raise ValueError(f"{name} must have shape {list(shape)} for w2 {list(w2.shape)} and "
                              f"activation {activation!r}, got {list(a.shape)}")
-    _finite_positive("w13_scale", s13)
-    _finite_positive("w2_scale", s2)
+    check_finite_positive("w13_scale", s13)
+    check_finite_positive("w2_scale", s2)
     w13 = runner_row_order(w13, activation, gate_up_layout)
     s13 = runner_row_order(s13, activation, gate_up_layout)
     fold = lambda s: interleave_scales_for_sm90_mixed_gemm(s.astype(SCALE_DTYPE), group_size=GROUP)  # noqa: E731
@@ -187,7 +175,7 @@ def prepare(w13, w2, cfg, quant, extras: dict):
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     for name in ("a13_scale", "a2_scale"):
         if getattr(quant, name) is not None:
-            _finite_positive(name, getattr(quant, name))
+            check_finite_positive(name, getattr(quant, name))
     pq2, al2 = act_prequant_scale(quant.a2_scale)
     act = dict(fc2_act_scale=jnp.broadcast_to(pq2, (i,)), g2_alphas=jnp.broadcast_to(al2, (e,)))
     if quant.a13_scale is not None:

@@ -276,13 +276,24 @@ def _check_array(name, x, shapes, dtypes, *, positive=False, nonnegative=False, 
         if np.any(v == 255):
             raise ValueError(f"{name} holds 0xFF, the E8M0 NaN encoding")
         return
-    v = v.astype(np.float32)
+    _check_values(name, v.astype(np.float32), positive=positive, nonnegative=nonnegative)
+
+
+def _check_values(name, v, *, positive=False, nonnegative=False) -> None:
     if not np.all(np.isfinite(v)):
         raise ValueError(f"{name} holds NaN or inf")
     if positive and not np.all(v > 0):
         raise ValueError(f"{name} must be positive, got a minimum of {v.min()}")
     if nonnegative and not np.all(v >= 0):
         raise ValueError(f"{name} must be >= 0, got a minimum of {v.min()}")
+
+
+def check_finite_positive(name: str, s) -> None:
+    """ValueError naming ``name`` if a concrete scale holds NaN, inf or a value <= 0 (a traced
+    one is not checked here: it is checked where it was made)."""
+    v = _concrete(s)
+    if v is not None:
+        _check_values(name, v.astype(np.float32), positive=True)
 
 
 # ----------------------------------------------------------------------------- weights
