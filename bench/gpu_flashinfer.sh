@@ -4,10 +4,10 @@
 # pointing at a libjax_moe_fi.so built before (or JAX_MOE_FI_PREBUILT_XZ at an xz-packed one, as
 # the pack step writes it). Steps (STEPS, default "build test bench"):
 #   build  pip install -e . with the FlashInfer module (timed; ninja -j$(nproc)), for the schemes in
-#          (a build cut off by a command's time limit resumes where it stopped when the same
-#          command runs again on the still-warm machine: the build directory is kept)
-#          JAX_MOE_FI_SCHEMES (default "bf16;fp8"; "bf16;fp8;mxfp4" adds W4A16 MXFP4, ";fp8_block"
-#          DeepSeek-V3 FP8 block scales, ";w4a8" int4 x FP8 W4A8)
+#          JAX_MOE_FI_SCHEMES (default "bf16;fp8;mxfp4"; opt-in: ";fp8_block" DeepSeek-V3 FP8 block
+#          scales, ";f16" FP16, ";w4a8" int4 x FP8 W4A8). A build cut off by a command's time limit
+#          resumes where it stopped when the same command runs again on the still-warm machine
+#          (the build directory is kept).
 #   pack   xz the built libjax_moe_fi.so into $OUT (carry it back in as JAX_MOE_FI_PREBUILT_XZ to
 #          skip the kernel build on a fresh machine, e.g. a multi-GPU one)
 #   relink the same install against the libjax_moe_fi.so just built, as a prebuilt library
