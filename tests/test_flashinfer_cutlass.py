@@ -8,7 +8,7 @@ import pytest
 
 from jax_moe.backends import flashinfer_cutlass as fic
 from jax_moe.config import MoEConfig
-from jax_moe.quant.scheme import QuantConfig, calibrate_activation_scale, quantize_weights
+from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
 
 REL_TOL = 2e-2
 FP8_REL_TOL = 5e-2
@@ -70,6 +70,21 @@ def _skip_unless_scheme(name: str):
     _skip_unless_available()
     if name not in fic.compiled_schemes():
         pytest.skip(f"{name} not compiled into this build (JAX_MOE_FI_SCHEMES=...;{name})")
+
+
+def _jit_twice_matches_xla(x, q13, q2, tw, ids, quant, tol):
+    """fused_experts on flashinfer_cutlass under jit, twice: [T, H] in x's dtype, finite, within
+    ``tol`` of backend="xla" on the same QuantConfig, and bit-identical (no state leaks between
+    calls). Returns the first output."""
+    from jax_moe import fused_experts
+
+    f = jax.jit(lambda *a: fused_experts(*a, quant=quant, backend="flashinfer_cutlass"))
+    out1, out2 = f(x, q13, q2, tw, ids), f(x, q13, q2, tw, ids)
+    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla")
+    assert out1.shape == x.shape and out1.dtype == x.dtype and np.isfinite(np.asarray(out1, np.float32)).all()
+    assert _rel_err(out1, ref) < tol
+    np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
+    return out1
 
 
 def test_prepare_weights_swaps_gate_and_up():
@@ -785,16 +800,9 @@ def test_fp8_block_matches_xla_on_the_same_quantized_weights(rng, t, e, k):
     dequantized, activations fake-quantized per token per 128 columns), through fused_experts
     under jit, twice (bit-identical: no state leaks between calls)."""
     _skip_unless_scheme("fp8_block")
-    from jax_moe import fused_experts
-
     h, i = 1024, 512
     x, q13, q2, tw, ids, quant = _fp8_block_problem(rng, t, e, k, h, i)
-    f = jax.jit(lambda *a: fused_experts(*a, quant=quant, backend="flashinfer_cutlass"))
-    out1, out2 = f(x, q13, q2, tw, ids), f(x, q13, q2, tw, ids)
-    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla")
-    assert out1.shape == (t, h) and out1.dtype == x.dtype and np.isfinite(np.asarray(out1, np.float32)).all()
-    assert _rel_err(out1, ref) < FP8_REL_TOL
-    np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
+    _jit_twice_matches_xla(x, q13, q2, tw, ids, quant, FP8_REL_TOL)
 
 
 @pytest.mark.gpu
@@ -1380,16 +1388,9 @@ def test_w4a8_matches_xla_on_the_same_quantized_weights(rng, t, e, k):
     fake-quantized per tensor with the static scales), through fused_experts under jit, twice
     (bit-identical: no state leaks), and against the CPU emulation of the definition."""
     _skip_unless_scheme("w4a8")
-    from jax_moe import fused_experts
-
     h, i = 1024, 512
     x, q13, q2, tw, ids, quant = _w4a8_problem(rng, t, e, k, h, i)
-    f = jax.jit(lambda *a: fused_experts(*a, quant=quant, backend="flashinfer_cutlass"))
-    out1, out2 = f(x, q13, q2, tw, ids), f(x, q13, q2, tw, ids)
-    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla")
-    assert out1.shape == (t, h) and out1.dtype == x.dtype and np.isfinite(np.asarray(out1, np.float32)).all()
-    assert _rel_err(out1, ref) < FP8_REL_TOL
-    np.testing.assert_array_equal(np.asarray(out1), np.asarray(out2))
+    out1 = _jit_twice_matches_xla(x, q13, q2, tw, ids, quant, FP8_REL_TOL)
     if t <= 37 and e == 8:  # the emulation is slow (numpy per slot)
         prep = fic.prepare(q13, q2, _cfg(e, k, h, i), quant)
         assert _rel_err(out1, _emulate_w4a8_runner(x, prep, tw, ids)) < 1e-2

@@ -86,22 +86,29 @@ class _FlashinferModuleStandIn:
         return self.mask
 
 
-@pytest.mark.parametrize("schemes", [("bf16", "fp8", "mxfp4"), ("bf16", "fp8", "mxfp4", "fp8_block")])
-def test_flashinfer_cutlass_fp8_block_is_served_only_where_compiled(monkeypatch, schemes):
-    """fp8_block is opt-in (JAX_MOE_FI_SCHEMES): on SM90 a build without it says so; a build
-    with it serves DeepSeek-style FP8 block weights for prepared weights (the oracle's
-    AUTO_PREPARED), and still refuses activations other than per-group FP8 with its reason."""
+def _assert_served_only_where_compiled(monkeypatch, schemes, name):
+    """With a stand-in FlashInfer module compiled for ``schemes`` on SM90: scheme ``name`` is
+    served for prepared weights (the oracle selects flashinfer_cutlass) when compiled, else
+    refused with "scheme '<name>' is not compiled into this build (JAX_MOE_FI_SCHEMES)"."""
     from jax_moe.backends import flashinfer_cutlass as fic
 
     mask = sum(1 << fic.SCHEME_IDS[s] for s in schemes)
     monkeypatch.setitem(fic._state, "module", _FlashinferModuleStandIn(mask))
     monkeypatch.setitem(fic._state, "error", None)
-    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("fp8_block"), H100)
-    if "fp8_block" in schemes:
+    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme(name), H100)
+    if name in schemes:
         assert ok, why
-        assert oracle.select_backend(CFG, scheme("fp8_block"), device=H100, prepared=True).name == "flashinfer_cutlass"
+        assert oracle.select_backend(CFG, scheme(name), device=H100, prepared=True).name == "flashinfer_cutlass"
     else:
-        assert not ok and why.startswith("scheme 'fp8_block' is not compiled into this build (JAX_MOE_FI_SCHEMES)"), why
+        assert not ok and why.startswith(f"scheme '{name}' is not compiled into this build (JAX_MOE_FI_SCHEMES)"), why
+
+
+@pytest.mark.parametrize("schemes", [("bf16", "fp8", "mxfp4"), ("bf16", "fp8", "mxfp4", "fp8_block")])
+def test_flashinfer_cutlass_fp8_block_is_served_only_where_compiled(monkeypatch, schemes):
+    """fp8_block is opt-in (JAX_MOE_FI_SCHEMES): on SM90 a build without it says so; a build
+    with it serves DeepSeek-style FP8 block weights for prepared weights (the oracle's
+    AUTO_PREPARED), and still refuses activations other than per-group FP8 with its reason."""
+    _assert_served_only_where_compiled(monkeypatch, schemes, "fp8_block")
     _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("fp8_block", act="bf16"), H100)
     assert not ok and "act='fp8_per_group'" in why, why
 
@@ -111,17 +118,7 @@ def test_flashinfer_cutlass_w4a8_is_served_only_where_compiled(monkeypatch, sche
     """w4a8 is opt-in (JAX_MOE_FI_SCHEMES): on SM90 a build without it says so; a build with it
     serves int4 x FP8 weights for prepared weights, and still refuses per-token activations and
     a missing static a2_scale with their reasons."""
-    from jax_moe.backends import flashinfer_cutlass as fic
-
-    mask = sum(1 << fic.SCHEME_IDS[s] for s in schemes)
-    monkeypatch.setitem(fic._state, "module", _FlashinferModuleStandIn(mask))
-    monkeypatch.setitem(fic._state, "error", None)
-    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("w4a8"), H100)
-    if "w4a8" in schemes:
-        assert ok, why
-        assert oracle.select_backend(CFG, scheme("w4a8"), device=H100, prepared=True).name == "flashinfer_cutlass"
-    else:
-        assert not ok and why.startswith("scheme 'w4a8' is not compiled into this build (JAX_MOE_FI_SCHEMES)"), why
+    _assert_served_only_where_compiled(monkeypatch, schemes, "w4a8")
     _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("w4a8", act="fp8_per_token"), H100)
     assert not ok and "act='fp8_per_tensor'" in why, why
     _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("w4a8", a2_scale=None), H100)

@@ -217,6 +217,17 @@ def _register():
 # ----------------------------------------------------------------------------- load time
 
 
+def check_stored_operands(operands, activation: str) -> None:
+    """ValueError naming the argument unless each ``(name, array, dtype)`` of ``operands`` is a
+    rank-3 array of that dtype, and unless the runner has ``activation`` (:data:`GATED`)."""
+    for name, a, dt in operands:
+        if a.ndim != 3 or a.dtype != dt:
+            raise ValueError(f"{name} must be {np.dtype(dt).name} of rank 3, got "
+                             f"{np.dtype(a.dtype).name} {list(a.shape)}")
+    if activation not in GATED:
+        raise ValueError(f"activation {activation!r} is not wired up (have {sorted(GATED)})")
+
+
 def runner_row_order(w13, activation: str = "silu", gate_up_layout: str = "concat", axis: int = -2):
     """w13 [E, 2I, H] (or its bias [E, 2I] with ``axis=-1``) in vLLM's ``[gate; up]``
     (``"concat"``) or alternating (``"interleaved"``) rows -> ``[up; gate]``, any dtype.

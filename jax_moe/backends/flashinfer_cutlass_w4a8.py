@@ -128,17 +128,12 @@ def prepare_w4a8_weights(w13, w13_scale, w2, w2_scale, activation: str = "silu",
     Raises ValueError naming the argument for a wrong dtype or shape, H or I not a multiple of
     128, or (when concrete) a NaN, infinite or non-positive scale.
     """
-    from jax_moe.backends.flashinfer_cutlass import GATED, runner_row_order
+    from jax_moe.backends.flashinfer_cutlass import GATED, check_stored_operands, runner_row_order
 
     w13, w2 = jnp.asarray(w13), jnp.asarray(w2)
     s13, s2 = jnp.asarray(w13_scale), jnp.asarray(w2_scale)
-    for name, a, dt in (("w13", w13, jnp.uint8), ("w2", w2, jnp.uint8),
-                        ("w13_scale", s13, jnp.float32), ("w2_scale", s2, jnp.float32)):
-        if a.ndim != 3 or a.dtype != dt:
-            raise ValueError(f"{name} must be {np.dtype(dt).name} of rank 3, got "
-                             f"{np.dtype(a.dtype).name} {list(a.shape)}")
-    if activation not in GATED:
-        raise ValueError(f"activation {activation!r} is not wired up (have {sorted(GATED)})")
+    check_stored_operands((("w13", w13, jnp.uint8), ("w2", w2, jnp.uint8),
+                           ("w13_scale", s13, jnp.float32), ("w2_scale", s2, jnp.float32)), activation)
     e, h, i2 = w2.shape
     i = 2 * i2
     if h % ALIGN or i % ALIGN:
