@@ -62,9 +62,10 @@ if [[ " $steps " == *" relink "* ]]; then
 fi
 if [[ " $steps " == *" test "* ]]; then
   for s in bf16 fp8 mxfp4 fp8_block w4a8; do python3 -m jax_moe.info --scheme "$s" 2>&1 | filter; done | tee "$out/info.txt"
-  python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | filter \
+  # -v: a line per test, so a run cut off by the time limit still leaves its log
+  python3 -m pytest -v -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | filter \
     > "$out/pytest_gpu.log"
-  grep -E "passed|failed|error" "$out/pytest_gpu.log" | tail -15
+  grep -E " FAILED| ERROR|passed|failed" "$out/pytest_gpu.log" | tail -15
 fi
 if [[ " $steps " == *" bench "* ]]; then
   for s in ${BENCH_SCHEMES:-bf16 fp8}; do
