@@ -19,7 +19,8 @@
 #          PYTEST_ARGS is split on spaces; a -k expression goes in PYTEST_K (e.g. PYTEST_K="mxfp4 or fp8").
 #          Set JAX_MOE_COMMIT: the device's copy of the tree may not carry this checkout's git HEAD.
 #   bench  bench/moe_bench.py --write for each scheme in BENCH_SCHEMES (default "bf16 fp8"; mxfp4 too,
-#          e.g. BENCH_SCHEMES=mxfp4 BENCH_ARGS="--models gptoss"),
+#          e.g. BENCH_SCHEMES=mxfp4 BENCH_ARGS="--models gptoss"; fp8_block, w4a8 and f16 with a build
+#          of those opt-in schemes, e.g. BENCH_SCHEMES=fp8_block BENCH_ARGS="--models deepseek"),
 #          with BENCH_ARGS, each under BENCH_TIMEOUT seconds
 # Logs go to ${OUT:-/tmp/jax_moe_gpu}; a short summary is printed.
 set -uo pipefail

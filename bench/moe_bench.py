@@ -4,13 +4,16 @@
     python bench/moe_bench.py --models qwen3 --tokens 1 64 1024 --write
     python bench/moe_bench.py --scheme fp8    # FP8 per-tensor weights and activations
     python bench/moe_bench.py --scheme mxfp4 --models gptoss   # MXFP4 weights, bf16 activations
+    python bench/moe_bench.py --scheme fp8_block --models deepseek   # DeepSeek-V3 FP8 128x128 blocks
+    python bench/moe_bench.py --scheme w4a8   # int4 group-128 weights, FP8 activations
+    python bench/moe_bench.py --scheme f16    # float16 activations and weights
 
 Columns: each implementation's median time (ms), its speedup over the plain sort +
 ``jax.lax.ragged_dot`` MoE, and the floor ``max(bytes / bandwidth, FLOPs / peak)`` with the
 bandwidth and bf16 matmul peak measured in the same run. Implementations:
 
-- ``xla``: jax_moe's pure-JAX backend (blocked experts) on the scheme's weights (FP8, MXFP4:
-  dequantized in the graph, as the reference does).
+- ``xla``: jax_moe's pure-JAX backend (blocked experts) on the scheme's weights (quantized ones
+  dequantized in the graph, as the reference does; ``f16``: float16 tokens and weights).
 - ``ragged_dot``: the plain sort + ``jax.lax.ragged_dot`` MoE JAX users write today, always on
   bf16 weights (the baseline of the speedup column, whatever the scheme).
 - ``dense``: the dense jnp reference (bf16 only; per-slot gathered weights; skipped where it
@@ -20,9 +23,10 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
   once before timing (its ``prepare``, as ``MoEBlock.prepare()`` does; ``cutlass`` needs none and
   runs on the stored weights).
 
-The floor counts weight bytes at the scheme's width (FP8: 1 byte; MXFP4: half a byte plus one
-E8M0 byte per 32) and FLOPs at the measured bf16 matmul peak (x2 for FP8, the Hopper ratio;
-MXFP4 weights are multiplied in bf16).
+The floor counts weight bytes at the scheme's width (:data:`SCHEMES`: FP8 1 byte, FP8 block 1 byte
+plus a float32 scale per 128x128, MXFP4 half a byte plus one E8M0 byte per 32, W4A8 half a byte
+plus a float32 scale per 128) and FLOPs at the measured bf16 matmul peak, x2 where the products
+are FP8 (:data:`FP8_MATH`, the Hopper ratio; MXFP4 weights are multiplied in bf16).
 """
 
 from __future__ import annotations
@@ -48,7 +52,11 @@ from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights  # noqa: E402
 from jax_moe.routing import select_experts  # noqa: E402
 
-SCHEMES = {"bf16": 2, "fp8": 1, "mxfp4": 0.5 + 1 / 32}  # bytes per weight (MXFP4: with its scales)
+# bytes per weight, scales included
+SCHEMES = {"bf16": 2, "f16": 2, "fp8": 1, "fp8_block": 1 + 4 / (128 * 128), "mxfp4": 0.5 + 1 / 32,
+           "w4a8": 0.5 + 4 / 128}
+FP8_MATH = ("fp8", "fp8_block", "w4a8")  # schemes whose GEMMs run on FP8 tensor cores
+TOKEN_DTYPE = {"f16": jnp.float16}       # the tokens' dtype where it is not bfloat16
 
 @dataclasses.dataclass(frozen=True)
 class Model:
@@ -104,7 +112,7 @@ def roofline(m: Model, t: int, bw: float, peak: float, scheme: str = "bf16") -> 
     expert_bytes = SCHEMES[scheme] * 3 * m.h * m.i
     nbytes = touched * expert_bytes + 2 * 2 * t * m.h
     flops = 2 * t * m.k * 3 * m.h * m.i
-    peak = peak * (2 if scheme == "fp8" else 1)
+    peak = peak * (2 if scheme in FP8_MATH else 1)
     return 1e3 * max(nbytes / bw, flops / peak), nbytes, flops
 
 
@@ -117,9 +125,9 @@ def dense_reference(x, w13, w2, w, ids, cfg):
     return jnp.einsum("tkh,tk->th", y, w).astype(x.dtype)
 
 
-def implementations(cfg: MoEConfig, quant=None) -> dict:
+def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16) -> dict:
     """name -> (uses the scheme's weights?, prepare(w13, w2) -> weights (load time, untimed),
-    fn(x, weights, w, ids))."""
+    fn(x, weights, w, ids)); ``dtype``: the unquantized scheme weights' dtype (float16 for f16)."""
     same = lambda w13, w2: (w13, w2)  # noqa: E731
     impls = {
         "xla": (True, same, lambda x, ws, w, ids: xla.apply(x, *ws, w, ids, cfg, quant=quant)),
@@ -130,7 +138,7 @@ def implementations(cfg: MoEConfig, quant=None) -> dict:
     for name in oracle.MODULES:
         if name == "xla":
             continue
-        mod, ok, reason = oracle.probe(name, cfg, quant, None)
+        mod, ok, reason = oracle.probe(name, cfg, quant, None, oracle.call_features(dtype=dtype))
         if not ok:
             print(f"# {name}: not run ({reason})")
         elif hasattr(mod, "prepare") and hasattr(mod, "apply_prepared"):
@@ -146,7 +154,9 @@ def quantized(scheme: str, w13, w2, m: Model):
     activation scales calibrated on a random batch, as a checkpoint's would be."""
     if scheme == "bf16":
         return w13, w2, None
-    if scheme == "mxfp4":  # W4A16: bf16 activations, nothing to calibrate
+    if scheme == "f16":  # unquantized: the weights' dtype selects the scheme
+        return w13.astype(jnp.float16), w2.astype(jnp.float16), None
+    if scheme in ("mxfp4", "fp8_block"):  # bf16 activations / dynamic per-group: nothing to calibrate
         return quantize_weights(scheme, w13, w2)
     x = jax.random.normal(jax.random.key(7), (256, m.h), jnp.float32)
     a13 = calibrate_activation_scale("fp8_per_tensor", x)
@@ -164,7 +174,8 @@ def run_model(m: Model, tokens: list[int], bw: float, peak: float, dense_limit: 
     w13 = (jax.random.normal(k1, (m.e, 2 * m.i, m.h), jnp.bfloat16) * (m.h ** -0.5)).astype(jnp.bfloat16)
     w2 = (jax.random.normal(k2, (m.e, m.h, m.i), jnp.bfloat16) * (m.i ** -0.5)).astype(jnp.bfloat16)
     q13, q2, quant = quantized(scheme, w13, w2, m)
-    impls = implementations(cfg, quant)
+    tok_dtype = TOKEN_DTYPE.get(scheme, jnp.bfloat16)
+    impls = implementations(cfg, quant, tok_dtype)
     print(header(list(impls)), flush=True)
     weights = {name: prep(*((q13, q2) if scheme_w else (w13, w2)))
                for name, (scheme_w, prep, _) in impls.items()}  # load time, untimed
@@ -183,7 +194,8 @@ def run_model(m: Model, tokens: list[int], bw: float, peak: float, dense_limit: 
             if name == "dense" and t * m.k * 3 * m.h * m.i * 2 > dense_limit:
                 row[name] = None
                 continue
-            inputs = [(x, weights[name], w, ids) for x, w, ids in routed]
+            scheme_w = impls[name][0]
+            inputs = [(x.astype(tok_dtype) if scheme_w else x, weights[name], w, ids) for x, w, ids in routed]
             try:
                 row[name] = timeit(jax.jit(fn), inputs)
             except Exception as err:  # out of memory and the like: recorded, not fatal
@@ -279,7 +291,7 @@ def main(argv=None):
     if args.write:  # the section first, then each model's table as soon as it is measured
         with open(results, "a") as f:
             f.write(f"\n## {title}\n\n{args.scheme} weights, times in ms (median), floor = max(bytes / measured "
-                    f"bandwidth, FLOPs / measured peak{' x2 (fp8)' if args.scheme == 'fp8' else ''}); ragged_dot "
+                    f"bandwidth, FLOPs / measured peak{' x2 (fp8)' if args.scheme in FP8_MATH else ''}); ragged_dot "
                     f"is bf16.\n")
     for key in args.models:
         m = MODELS[key]
