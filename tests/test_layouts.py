@@ -134,6 +134,26 @@ def test_gptoss_pair_swap_matches_swap_then_reorder(rng):
     assert_bits_equal(L.reorder_rows_for_gated_act_gemm(concat), inter)  # concat -> interleaved
 
 
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_to_trtllm_gated_rows_reference_and_inverse(rng, layout):
+    # out[2j] = up_j, out[2j+1] = gate_j from [gate; up] or [g0, u0, g1, u1, ...]; axis -1 for a bias
+    i, h = 6, 3
+    gate, up = np.asarray(make(rng, (2, i, h))), np.asarray(make(rng, (2, i, h)))
+    stored = np.empty((2, 2 * i, h), np.float32)
+    if layout == "concat":
+        stored[:, :i], stored[:, i:] = gate, up
+    else:
+        stored[:, 0::2], stored[:, 1::2] = gate, up
+    want = np.empty_like(stored)
+    want[:, 0::2], want[:, 1::2] = up, gate
+    got = L.to_trtllm_gated_rows(stored, layout)
+    assert_bits_equal(got, want)
+    assert_bits_equal(L.from_trtllm_gated_rows(got, layout), stored)
+    assert_bits_equal(L.to_trtllm_gated_rows(stored[..., 0], layout, axis=-1), want[..., 0])
+    with pytest.raises(ValueError, match="gate_up_layout must be"):
+        L.to_trtllm_gated_rows(stored, "split")
+
+
 def test_gated_bias_axis(rng):
     b = make(rng, (3, 8))  # [E, 2I]
     assert_bits_equal(L.swap_row_pairs(b, axis=-1), rows_ref(b, lambda r: r ^ 1, axis=-1))
@@ -190,6 +210,30 @@ def test_shuffle_matrix_a_bias_axis(rng):
     b = make(rng, (2, 64))  # [E, M]: vLLM shuffles bias.reshape(-1, 1)
     assert_bits_equal(L.shuffle_matrix_a(b, axis=-1), shuffle_ref(b, axis=-1))
     assert_bits_equal(L.shuffle_matrix_a(b, axis=-1)[0], L.shuffle_matrix_a(b[0][:, None])[:, 0])
+
+
+def test_convert_to_block_layout_reference_and_inverse(rng):
+    # out[..., c, m, j] = x[..., m, c * bk + j]: K cut into chunks of bk, stored chunk-major
+    x = np.asarray(make(rng, (2, 5, 12)))
+    got = np.asarray(L.convert_to_block_layout(x, 4))
+    assert got.shape == (2, 3, 5, 4)
+    for c in range(3):
+        for m in range(5):
+            for j in range(4):
+                assert got[1, c, m, j] == x[1, m, 4 * c + j]
+    assert_bits_equal(L.convert_from_block_layout(got), x)
+    assert L.convert_to_block_layout(jnp.zeros((256, 384), jnp.float8_e4m3fn)).shape == (3, 256, 128)
+    with pytest.raises(ValueError, match="multiple of block_k=128"):
+        L.convert_to_block_layout(jnp.zeros((4, 200)))
+
+
+def test_trtllm_nvfp4_output_scales_numbers():
+    # (g1 / a2, g1, g2) with g1 = a13 * w13_scale_2, g2 = a2 * w2_scale_2
+    s = L.trtllm_nvfp4_output_scales(np.array([0.5, 2.0], np.float32), np.float32(0.25),
+                                     np.array([4.0, 8.0], np.float32), np.float32(0.5))
+    np.testing.assert_allclose(s.output1_scales_gate_scalar, [0.125, 0.5])
+    np.testing.assert_allclose(s.output1_scales_scalar, [0.25, 1.0])
+    np.testing.assert_allclose(s.output2_scales_scalar, [2.0, 4.0])
 
 
 def test_shuffle_matrix_a_errors(rng):

@@ -21,8 +21,13 @@ Typical compositions (per expert axis carried along):
   ``w2 = pad_axis(w2, Ip)``; ``w13 = shuffle_matrix_a(reorder_rows_for_gated_act_gemm(
   swap_w13_to_w31(w13)))``, ``w2 = shuffle_matrix_a(w2)``; scales from :func:`trtllm_fp8_output_scales`.
 * FlashInfer TRT-LLM MXFP4 (seed 002, GPT-OSS interleaved): ``swap_row_pairs`` on w13, its scales
-  and bias (``axis=-1``), then ``shuffle_matrix_a`` on weights and biases and
-  ``shuffle_matrix_sf_a`` on the scales.
+  and bias (``axis=-1``) -- :func:`to_trtllm_gated_rows` -- then ``shuffle_matrix_a`` on weights and
+  biases and ``shuffle_matrix_sf_a`` on the scales
+  (:func:`jax_moe.backends.flashinfer_trtllm.prepare_mxfp4_weights`; NVFP4 likewise with e4m3
+  block-16 scales and no padding: ``prepare_nvfp4_weights``).
+* FlashInfer TRT-LLM DeepSeek FP8 block scale: ``swap_w13_to_w31`` on w13 and its block scales,
+  then ``convert_to_block_layout(shuffle_matrix_a(w, FP8_BLOCK_EPILOGUE_TILE_M))`` on both weights
+  (``prepare_fp8_block_weights``).
 * FlashInfer CUTLASS MXFP4 W4A16 on SM90 (GPT-OSS): ``w31`` row order (as bf16) on w13, its
   scales and bias, I and H padded to :data:`MXFP4_PADDING` ``["flashinfer_cutlass"]`` (gate/up
   half by half), then ``interleave_fp4_weights_for_sm90_mixed_gemm`` on the packed weights and
@@ -36,7 +41,9 @@ from jax_moe.layouts.blockscale import (
     swap_w31_to_w13_block_scales,
 )
 from jax_moe.layouts.common import (
+    BLOCK_MAJOR_K,
     EPILOGUE_TILE_M,
+    FP8_BLOCK_EPILOGUE_TILE_M,
     FP8_BLOCK_SCALE,
     FP8_INTERMEDIATE_ALIGN,
     MIXED_GEMM_K_CHUNK,
@@ -71,6 +78,8 @@ from jax_moe.layouts.gated import (
     swap_row_pairs,
     swap_w13_to_w31,
     swap_w31_to_w13,
+    to_trtllm_gated_rows,
+    from_trtllm_gated_rows,
     undo_reorder_rows_for_gated_act_gemm,
 )
 from jax_moe.layouts.mixed_gemm import (
@@ -92,9 +101,12 @@ from jax_moe.layouts.scales import (
     nvfp4_alpha_scales,
     swizzle_mxfp4_scales,
     trtllm_fp8_output_scales,
+    trtllm_nvfp4_output_scales,
     unswizzle_mxfp4_scales,
 )
 from jax_moe.layouts.shuffle import (
+    convert_from_block_layout,
+    convert_to_block_layout,
     shuffle_matrix_a,
     shuffle_matrix_a_row_indices,
     shuffle_matrix_sf_a,
@@ -103,7 +115,9 @@ from jax_moe.layouts.shuffle import (
 )
 
 __all__ = [
+    "BLOCK_MAJOR_K",
     "EPILOGUE_TILE_M",
+    "FP8_BLOCK_EPILOGUE_TILE_M",
     "FP4_WORD_FIELDS",
     "FP8_BLOCK_SCALE",
     "FP8_INTERMEDIATE_ALIGN",
@@ -127,12 +141,15 @@ __all__ = [
     "TrtllmFp8OutputScales",
     "block_scale_deinterleave",
     "block_scale_interleave",
+    "convert_from_block_layout",
+    "convert_to_block_layout",
     "deinterleave_fp4_weights_for_sm90_mixed_gemm",
     "deinterleave_int4_weights_for_sm90_mixed_gemm",
     "deinterleave_scales_for_sm90_mixed_gemm",
     "fp8_alpha_scales",
     "fp8_block_scale_shape",
     "fp8_padded_intermediate",
+    "from_trtllm_gated_rows",
     "interleave_fp4_weights_for_sm90_mixed_gemm",
     "interleave_int4_weights_for_sm90_mixed_gemm",
     "interleave_scales_for_sm90_mixed_gemm",
@@ -156,7 +173,9 @@ __all__ = [
     "swap_w31_to_w13",
     "swap_w31_to_w13_block_scales",
     "swizzle_mxfp4_scales",
+    "to_trtllm_gated_rows",
     "trtllm_fp8_output_scales",
+    "trtllm_nvfp4_output_scales",
     "undo_reorder_rows_for_gated_act_gemm",
     "unpad_gate_up",
     "unshuffle_matrix_a",

@@ -26,6 +26,11 @@ Constants
 ``FP8_INTERMEDIATE_ALIGN = 16``
     FlashInfer FP8 MoE kernels need the intermediate size I to be a multiple of 16; vLLM pads
     I (per-tensor FP8, not block-quantized) before repacking (seed 000).
+``FP8_BLOCK_EPILOGUE_TILE_M = 64``, ``BLOCK_MAJOR_K = 128``
+    FlashInfer's TRT-LLM gen DeepSeek FP8 block-scale MoE takes its weights row-shuffled with
+    epilogue tile 64 (so ``shuffle_matrix_a`` works on 16-row blocks) and then in the
+    "BlockMajorK" layout, K cut into chunks of 128 bytes stored chunk-major (vLLM
+    ``_shuffle_deepseek_fp8_moe_weights``; FlashInfer ``convert_to_block_layout``, ``blockK``).
 ``FP8_BLOCK_SCALE = 128``
     DeepSeek-V3 FP8 block scales (FlashInfer CUTLASS ``fp8_block``): one float32 weight scale per
     128 x 128 block and one activation scale per token per 128 columns; H and I must be
@@ -61,6 +66,8 @@ SF_TILE_INNER_M = SF_TILE_M // SF_TILE_OUTER_M  # 4
 
 FP8_INTERMEDIATE_ALIGN = 16
 FP8_BLOCK_SCALE = 128
+FP8_BLOCK_EPILOGUE_TILE_M = 64
+BLOCK_MAJOR_K = 128
 
 MIXED_GEMM_ROW_GROUP = 16
 MIXED_GEMM_ROW_HALF = MIXED_GEMM_ROW_GROUP // 2  # 8: row r is paired with row r + 8
@@ -103,6 +110,8 @@ __all__ = [
     "SF_TILE_INNER_M",
     "FP8_INTERMEDIATE_ALIGN",
     "FP8_BLOCK_SCALE",
+    "FP8_BLOCK_EPILOGUE_TILE_M",
+    "BLOCK_MAJOR_K",
     "MIXED_GEMM_ROW_GROUP",
     "MIXED_GEMM_ROW_HALF",
     "MIXED_GEMM_K_CHUNK",

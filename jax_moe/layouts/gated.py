@@ -22,6 +22,12 @@ Orders (row ``r`` of the output, ``I`` = half the axis length):
   vLLM's GPT-OSS MXFP4 path (seed 002, ``swap_every_two_rows``): the checkpoint's interleaved
   ``[gate0, up0, gate1, up1, ...]`` becomes ``[up0, gate0, ...]`` — the same order that
   swap + reorder produce from ``[gate; up]``.
+* :func:`to_trtllm_gated_rows` — the row order of FlashInfer's TRT-LLM gen gated GEMM1 from
+  either stored layout: ``out[2i] = up_i``, ``out[2i + 1] = gate_i``. From ``"concat"``
+  (``[gate; up]``) it is the swap followed by the interleave (seed 000; vLLM's NVFP4 TRT-LLM
+  preparation does the same: ``reorder_w1w3_to_w3w1`` then FlashInfer's gated-act row indices);
+  from ``"interleaved"`` (``[gate0, up0, ...]``, GPT-OSS) it is the pairwise swap (seed 002).
+  Inverse: :func:`from_trtllm_gated_rows`.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ __all__ = [
     "reorder_rows_for_gated_act_gemm",
     "undo_reorder_rows_for_gated_act_gemm",
     "swap_row_pairs",
+    "to_trtllm_gated_rows",
+    "from_trtllm_gated_rows",
 ]
 
 
@@ -87,3 +95,23 @@ def swap_row_pairs(x, axis: int = -2):
     x, ax, i = _split("x", x, axis)
     pairs = x.reshape(x.shape[:ax] + (i, 2) + x.shape[ax + 1:])
     return jnp.flip(pairs, axis=ax + 1).reshape(x.shape)
+
+
+def to_trtllm_gated_rows(x, gate_up_layout: str = "concat", axis: int = -2):
+    """Stored gate/up entries along ``axis`` (``"concat"``: ``[gate; up]``; ``"interleaved"``:
+    ``[gate0, up0, gate1, up1, ...]``) -> ``[up0, gate0, up1, gate1, ...]``. Any dtype, exact.
+    Inverse: :func:`from_trtllm_gated_rows`."""
+    if gate_up_layout == "concat":
+        return reorder_rows_for_gated_act_gemm(swap_w13_to_w31(x, axis), axis)
+    if gate_up_layout == "interleaved":
+        return swap_row_pairs(x, axis)
+    raise ValueError(f"gate_up_layout must be 'concat' or 'interleaved', got {gate_up_layout!r}")
+
+
+def from_trtllm_gated_rows(x, gate_up_layout: str = "concat", axis: int = -2):
+    """Inverse of :func:`to_trtllm_gated_rows`: ``[up0, gate0, ...]`` -> the stored layout."""
+    if gate_up_layout == "concat":
+        return swap_w31_to_w13(undo_reorder_rows_for_gated_act_gemm(x, axis), axis)
+    if gate_up_layout == "interleaved":
+        return swap_row_pairs(x, axis)
+    raise ValueError(f"gate_up_layout must be 'concat' or 'interleaved', got {gate_up_layout!r}")

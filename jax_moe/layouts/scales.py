@@ -61,6 +61,7 @@ __all__ = [
     "fp8_alpha_scales",
     "TrtllmFp8OutputScales",
     "trtllm_fp8_output_scales",
+    "trtllm_nvfp4_output_scales",
     "Nvfp4Alphas",
     "nvfp4_alpha_scales",
 ]
@@ -207,12 +208,33 @@ def trtllm_fp8_output_scales(w13_scale, w13_input_scale, w2_scale, w2_input_scal
     * ``output2_scales_scalar = g2_alphas`` — dequantizes GEMM2.
     """
     g1, g2 = fp8_alpha_scales(w13_scale, w13_input_scale, w2_scale, w2_input_scale)
-    inv = jnp.float32(1.0) / _f32("w2_input_scale", w2_input_scale)
+    return _trtllm_output_scales(g1, g2, _f32("w2_input_scale", w2_input_scale))
+
+
+def _trtllm_output_scales(g1, g2, a2) -> TrtllmFp8OutputScales:
+    """The TRT-LLM gen epilogue triple from the two GEMM alphas and GEMM2's input scale ``a2``:
+    (``g1 / a2``, ``g1``, ``g2``), each squeezed to a per-expert vector."""
+    inv = jnp.float32(1.0) / a2
     return TrtllmFp8OutputScales(
         output1_scales_scalar=_per_expert(g1 * inv),
-        output1_scales_gate_scalar=g1,
-        output2_scales_scalar=g2,
+        output1_scales_gate_scalar=_per_expert(g1),
+        output2_scales_scalar=_per_expert(g2),
     )
+
+
+def trtllm_nvfp4_output_scales(w13_scale_2, a13_scale, w2_scale_2, a2_scale) -> TrtllmFp8OutputScales:
+    """TRT-LLM gen NVFP4 epilogue scales (``trtllm_fp4_block_scale_moe``'s ``output1_scale_scalar``,
+    ``output1_scale_gate_scalar``, ``output2_scale_scalar``), float32.
+
+    With ``g1_alphas, g2_alphas`` of :func:`nvfp4_alpha_scales` (``a13_scale * w13_scale_2``,
+    ``a2_scale * w2_scale_2``), the same triple as FP8 (:func:`trtllm_fp8_output_scales`):
+    ``(g1_alphas / a2_scale, g1_alphas, g2_alphas)`` -- vLLM's ``g1_scale_c``, ``g1_alphas``,
+    ``g2_alphas`` (``prepare_nvfp4_moe_layer_for_fi_or_cutlass``, FLASHINFER_TRTLLM branch).
+    ``w*_scale_2`` are vLLM's dequantization-side weight global scales (``1 / g`` of
+    :func:`jax_moe.quant.fp4.nvfp4_global_scale`).
+    """
+    al = nvfp4_alpha_scales(w13_scale_2, a13_scale, w2_scale_2, a2_scale)
+    return _trtllm_output_scales(al.g1_alphas, al.g2_alphas, _f32("a2_scale", a2_scale))
 
 
 class Nvfp4Alphas(NamedTuple):

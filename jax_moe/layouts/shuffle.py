@@ -19,6 +19,13 @@ Only whole rows move, so the same function serves FP8 ``[M, K]``, packed FP4 ``u
 (the low-nibble-first packing along K is untouched), block scales and biases (``axis=-1`` on
 ``[..., M]``, which is vLLM's ``bias.reshape(-1, 1)``).
 
+``convert_to_block_layout`` (TRT-LLM gen's "BlockMajorK" weight layout, FlashInfer
+``convert_to_block_layout`` in ``fused_moe/core.py``): a ``[..., M, K]`` matrix is cut along K
+into ``K / bk`` chunks of ``bk`` columns, and the chunks are stored one after another, each
+holding all M rows: ``out[..., c, m, j] = x[..., m, c * bk + j]``, shape ``[..., K/bk, M, bk]``.
+FlashInfer counts ``bk`` in bytes (128); for one-byte dtypes (FP8) bytes and elements agree.
+Inverse: :func:`convert_from_block_layout`.
+
 ``shuffle_matrix_sf_a`` = the same row shuffle of a row-major scale matrix (M a multiple of
 128, as FlashInfer asserts) followed by :func:`jax_moe.layouts.scales.block_scale_interleave`.
 """
@@ -32,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.layouts.common import (
+    BLOCK_MAJOR_K,
     EPILOGUE_TILE_M,
     SF_TILE_M,
     SHUFFLE_ROW_GROUPS,
@@ -48,6 +56,8 @@ __all__ = [
     "unshuffle_matrix_a",
     "shuffle_matrix_sf_a",
     "unshuffle_matrix_sf_a",
+    "convert_to_block_layout",
+    "convert_from_block_layout",
 ]
 
 
@@ -117,3 +127,27 @@ def unshuffle_matrix_sf_a(tiled, rows: int, cols: int, epilogue_tile_m: int = EP
     if rows % SF_TILE_M:
         raise ValueError(f"rows must be a multiple of {SF_TILE_M}, got {rows}")
     return unshuffle_matrix_a(block_scale_deinterleave(tiled, rows, cols, as_2d=as_2d), epilogue_tile_m, -2)
+
+
+@functools.partial(jax.jit, static_argnames=("block_k",))
+def convert_to_block_layout(x, block_k: int = BLOCK_MAJOR_K):
+    """``[..., M, K] -> [..., K/block_k, M, block_k]``: ``out[..., c, m, j] = x[..., m, c*block_k + j]``
+    (TRT-LLM gen BlockMajorK). Any dtype; K must be a multiple of ``block_k``.
+    Inverse: :func:`convert_from_block_layout`."""
+    x = jnp.asarray(x)
+    check_min_ndim("x", x, 2, "[..., M, K] matrix")
+    block_k = check_positive_int("block_k", block_k)
+    m, k = x.shape[-2:]
+    if k % block_k:
+        raise ValueError(f"x: K (axis -1) = {k} must be a multiple of block_k={block_k}")
+    y = x.reshape(x.shape[:-1] + (k // block_k, block_k))
+    return jnp.swapaxes(y, -3, -2)
+
+
+@jax.jit
+def convert_from_block_layout(x):
+    """Inverse of :func:`convert_to_block_layout`: ``[..., K/bk, M, bk] -> [..., M, K]``."""
+    x = jnp.asarray(x)
+    check_min_ndim("x", x, 3, "[..., K/bk, M, bk] blocks")
+    y = jnp.swapaxes(x, -3, -2)
+    return y.reshape(y.shape[:-2] + (y.shape[-2] * y.shape[-1],))
