@@ -154,6 +154,17 @@ foreach(_pair "CUBLAS;cublasLt.h" "CURAND;curand_kernel.h")
   file(COPY ${_hdrs} DESTINATION "${_textra}")
 endforeach()
 
+# TVM-FFI headers (headers only): FlashInfer's custom-routing kernels
+# (fused_moe/trtllm_backend/trtllm_fused_moe_routing_custom.cuh) include tvm_ffi_utils.h and check
+# their arguments with TVM_FFI_ICHECK. apache-tvm-ffi is a dependency of flashinfer-python; its
+# wheel ships the headers (tvm_ffi.libinfo.find_include_path(), which also holds dlpack/).
+execute_process(
+  COMMAND "${Python_EXECUTABLE}" -c "import tvm_ffi.libinfo as l; print(l.find_include_path())"
+  OUTPUT_VARIABLE _ttvm_inc OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+if(NOT _ttvm_inc OR NOT EXISTS "${_ttvm_inc}/tvm/ffi/error.h")
+  _trtllm_return("TVM-FFI headers not found (pip install apache-tvm-ffi, a flashinfer-python dependency)")
+endif()
+
 # FlashInfer includes "flashinfer/trtllm/batched_gemm/trtllmGen_bmm_export/...": link the pack's
 # export headers there, in the build tree (FlashInfer's JIT does the same with a symlink).
 set(_tgen "${CMAKE_CURRENT_BINARY_DIR}/trtllm_gen")
@@ -193,7 +204,7 @@ target_include_directories(jax_moe_trtllm PRIVATE
   "${_tfi_csrc}" "${_tfi_csrc}/nv_internal" "${_tfi_csrc}/nv_internal/include")
 target_include_directories(jax_moe_trtllm SYSTEM PRIVATE
   "${_tfi_dir}/data/include" "${_tfi_dir}/data/cutlass/include" "${_tfi_dir}/data/spdlog/include"
-  ${CUDAToolkit_INCLUDE_DIRS} "${_textra}")
+  ${CUDAToolkit_INCLUDE_DIRS} "${_textra}" "${_ttvm_inc}")
 foreach(_d ${_cccl_dirs})
   target_include_directories(jax_moe_trtllm SYSTEM PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${_d}>)
 endforeach()
