@@ -115,13 +115,19 @@ if(NOT _bmm_dir)
                  "include/trtllmGen_bmm_export/) were not found in the cubin pack "
                  "'${_bmm_rel}' under ${_bmm_candidates}; set JAX_MOE_TRTLLM_BMM_DIR")
 endif()
-if(NOT _bmm_rel)  # a pack given directly: its path relative to the cubin root is its last two parts
-  get_filename_component(_p1 "${_bmm_dir}" NAME)
-  get_filename_component(_p0 "${_bmm_dir}" DIRECTORY)
-  get_filename_component(_p0 "${_p0}" NAME)
-  set(_bmm_rel "${_p0}/${_p1}")
+# The cubin path relative to the cubin root is the found pack's own last two parts
+# (<hash>/batched_gemm-...): its kernel table names the cubins, so they must come from the same pack,
+# also when it is not the one this FlashInfer pins (said in the status line).
+get_filename_component(_p1 "${_bmm_dir}" NAME)
+get_filename_component(_p0 "${_bmm_dir}" DIRECTORY)
+get_filename_component(_p0 "${_p0}" NAME)
+set(_bmm_pin "${_bmm_rel}")
+set(_bmm_rel "${_p0}/${_p1}")
+set(_bmm_note "")
+if(_bmm_pin AND NOT _bmm_pin STREQUAL _bmm_rel)
+  set(_bmm_note "; NOT the pack this FlashInfer pins (${_bmm_pin})")
 endif()
-message(STATUS "jax_moe: TRT-LLM gen BMM pack: ${_bmm_dir} (cubin path '${_bmm_rel}')")
+message(STATUS "jax_moe: TRT-LLM gen BMM pack: ${_bmm_dir} (cubin path '${_bmm_rel}'${_bmm_note})")
 
 # ---------------------------------------------------------------- toolchain
 get_property(_langs GLOBAL PROPERTY ENABLED_LANGUAGES)
@@ -231,4 +237,4 @@ set_target_properties(_jax_moe_trtllm PROPERTIES INSTALL_RPATH "$ORIGIN"
 install(TARGETS _jax_moe_trtllm LIBRARY DESTINATION jax_moe)
 
 string(REPLACE ";" "," _tarch_str "${_trtllm_archs}")
-set(JAX_MOE_TRTLLM_STATUS "building for ${_tarch_str} (FP8 per-tensor; cubins from ${_bmm_rel})")
+set(JAX_MOE_TRTLLM_STATUS "building for ${_tarch_str} (FP8 per-tensor; cubins from ${_bmm_rel}${_bmm_note})")
