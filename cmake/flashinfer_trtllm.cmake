@@ -36,6 +36,26 @@
 #   -DCUTLASS_ENABLE_GDC_FOR_SM100=1 -DTLLM_GEN_GEMM_CUBIN_PATH="<pack path relative to the root>".
 #
 # Result: JAX_MOE_TRTLLM_STATUS (a sentence, printed by CMakeLists.txt).
+#
+# Compile check (no GPU; 2-core machine, nvcc 13.0, FlashInfer 0.7.2.post1's wheel sources,
+# bench/check_trtllm_build.sh). FlashInfer 0.7.2.post1 pins the pack
+# 8ee504560a86b6c72b8c941d3003e8fb1804b1b6/batched_gemm-fdba669-16ba8ed, which no machine here has
+# and no public place holds: FlashInfer's git dropped the export headers in March 2026 (the last
+# in-tree copy, 8b0cf4bb0, lacks what 0.7.2 uses) and PyPI's newest flashinfer-cubin is 0.6.13. The
+# stand-in was that wheel's pack, d2c5915bf45ae64308a947824c14966c2718a292/batched_gemm-91e0ba0-
+# 896b90b (export 7.0.4.0.4.0, 2108 kernels), kept outside the repository, with one line added to
+# its GemmGatedActOptions.h: gemmGatedAct::ActType::SiTuGlu before None (0.6.13's pack predates it;
+# 0.7.2's KernelRunner.h static_asserts SiTuGlu == 2, None == 3). With it, for sm_100a, every TU
+# compiles: the handler (163 s), trtllm_batched_gemm_runner (274 s), trtllm_fused_moe_runner (8 s),
+# the routing TUs (custom_cluster 718 s, custom_cluster_large 520 s, custom_block 414 s,
+# custom_entry 266 s, deepseek 192 s, llama4 43 s, dev_kernel 42 s, common 37 s, runner 9 s),
+# quantization.cu (133 s), the support code (< 20 s each): 1363 s wall with ninja -j2 (times per
+# TU from that run, two at a time). That link left TVMFFIBacktrace undefined (TVM_FFI_ICHECK in the
+# custom routing); with ffi/trtllm_tvm_ffi_backtrace.cc added (relinked, batched-GEMM runner rebuilt
+# alone in 140 s) the only undefined symbols left are the CUDA driver API (cuModuleLoadData,
+# cuLaunchKernelEx, cuTensorMapEncodeTiled, ...; no libcuda stub here, they resolve from the driver
+# JAX loads) and, in _jax_moe_trtllm, Python's C API and what libjax_moe_trtllm.so defines. The
+# stand-in checks the build only: its kernel table is not 0.7.2's, so nothing built from it may run.
 
 include_guard(GLOBAL)
 
@@ -115,13 +135,19 @@ if(NOT _bmm_dir)
                  "include/trtllmGen_bmm_export/) were not found in the cubin pack "
                  "'${_bmm_rel}' under ${_bmm_candidates}; set JAX_MOE_TRTLLM_BMM_DIR")
 endif()
-if(NOT _bmm_rel)  # a pack given directly: its path relative to the cubin root is its last two parts
-  get_filename_component(_p1 "${_bmm_dir}" NAME)
-  get_filename_component(_p0 "${_bmm_dir}" DIRECTORY)
-  get_filename_component(_p0 "${_p0}" NAME)
-  set(_bmm_rel "${_p0}/${_p1}")
+# The cubin path relative to the cubin root is the found pack's own last two parts
+# (<hash>/batched_gemm-...): its kernel table names the cubins, so they must come from the same pack,
+# also when it is not the one this FlashInfer pins (said in the status line).
+get_filename_component(_p1 "${_bmm_dir}" NAME)
+get_filename_component(_p0 "${_bmm_dir}" DIRECTORY)
+get_filename_component(_p0 "${_p0}" NAME)
+set(_bmm_pin "${_bmm_rel}")
+set(_bmm_rel "${_p0}/${_p1}")
+set(_bmm_note "")
+if(_bmm_pin AND NOT _bmm_pin STREQUAL _bmm_rel)
+  set(_bmm_note "; NOT the pack this FlashInfer pins (${_bmm_pin})")
 endif()
-message(STATUS "jax_moe: TRT-LLM gen BMM pack: ${_bmm_dir} (cubin path '${_bmm_rel}')")
+message(STATUS "jax_moe: TRT-LLM gen BMM pack: ${_bmm_dir} (cubin path '${_bmm_rel}'${_bmm_note})")
 
 # ---------------------------------------------------------------- toolchain
 get_property(_langs GLOBAL PROPERTY ENABLED_LANGUAGES)
@@ -154,6 +180,19 @@ foreach(_pair "CUBLAS;cublasLt.h" "CURAND;curand_kernel.h")
   file(COPY ${_hdrs} DESTINATION "${_textra}")
 endforeach()
 
+# TVM-FFI headers (headers only): FlashInfer's custom-routing kernels
+# (fused_moe/trtllm_backend/trtllm_fused_moe_routing_custom.cuh) include tvm_ffi_utils.h and check
+# their arguments with TVM_FFI_ICHECK. apache-tvm-ffi is a dependency of flashinfer-python; its
+# wheel ships the headers (tvm_ffi.libinfo.find_include_path(), which also holds dlpack/). The one
+# runtime symbol those checks reach, TVMFFIBacktrace, is defined by ffi/trtllm_tvm_ffi_backtrace.cc,
+# so libtvm_ffi.so is neither linked nor needed at run time.
+execute_process(
+  COMMAND "${Python_EXECUTABLE}" -c "import tvm_ffi.libinfo as l; print(l.find_include_path())"
+  OUTPUT_VARIABLE _ttvm_inc OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+if(NOT _ttvm_inc OR NOT EXISTS "${_ttvm_inc}/tvm/ffi/error.h")
+  _trtllm_return("TVM-FFI headers not found (pip install apache-tvm-ffi, a flashinfer-python dependency)")
+endif()
+
 # FlashInfer includes "flashinfer/trtllm/batched_gemm/trtllmGen_bmm_export/...": link the pack's
 # export headers there, in the build tree (FlashInfer's JIT does the same with a symlink).
 set(_tgen "${CMAKE_CURRENT_BINARY_DIR}/trtllm_gen")
@@ -184,7 +223,8 @@ endforeach()
 
 add_library(jax_moe_trtllm SHARED ${_tfi_sources}
   "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_trtllm_moe.cu"
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm_cubin_dir.cc")
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm_cubin_dir.cc"
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm_tvm_ffi_backtrace.cc")
 target_compile_definitions(jax_moe_trtllm PRIVATE
   TLLM_GEN_EXPORT_INTERFACE TLLM_GEN_EXPORT_FLASHINFER TLLM_ENABLE_CUDA ENABLE_BF16 ENABLE_FP8
   ENABLE_FP4 CUTLASS_ENABLE_GDC_FOR_SM100=1 "TLLM_GEN_GEMM_CUBIN_PATH=\"${_bmm_rel}\"")
@@ -193,7 +233,7 @@ target_include_directories(jax_moe_trtllm PRIVATE
   "${_tfi_csrc}" "${_tfi_csrc}/nv_internal" "${_tfi_csrc}/nv_internal/include")
 target_include_directories(jax_moe_trtllm SYSTEM PRIVATE
   "${_tfi_dir}/data/include" "${_tfi_dir}/data/cutlass/include" "${_tfi_dir}/data/spdlog/include"
-  ${CUDAToolkit_INCLUDE_DIRS} "${_textra}")
+  ${CUDAToolkit_INCLUDE_DIRS} "${_textra}" "${_ttvm_inc}")
 foreach(_d ${_cccl_dirs})
   target_include_directories(jax_moe_trtllm SYSTEM PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${_d}>)
 endforeach()
@@ -220,4 +260,4 @@ set_target_properties(_jax_moe_trtllm PROPERTIES INSTALL_RPATH "$ORIGIN"
 install(TARGETS _jax_moe_trtllm LIBRARY DESTINATION jax_moe)
 
 string(REPLACE ";" "," _tarch_str "${_trtllm_archs}")
-set(JAX_MOE_TRTLLM_STATUS "building for ${_tarch_str} (FP8 per-tensor; cubins from ${_bmm_rel})")
+set(JAX_MOE_TRTLLM_STATUS "building for ${_tarch_str} (FP8 per-tensor; cubins from ${_bmm_rel}${_bmm_note})")

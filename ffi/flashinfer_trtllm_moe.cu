@@ -42,7 +42,8 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-namespace moe = tensorrt_llm::kernels::trtllmgen_moe;
+// (not "moe": FlashInfer declares namespace moe::dev for its kernels)
+namespace tmoe = tensorrt_llm::kernels::trtllmgen_moe;
 namespace btg = batchedGemm::trtllm::gen;
 
 namespace jax_moe_trtllm {
@@ -64,18 +65,18 @@ struct Problem {
 
 // The runner for (scheme, tile, activation, device): built once per host thread, as FlashInfer's
 // launcher caches it (constructing it filters the whole cubin table).
-moe::MoE::Runner& GetRunner(int scheme, int64_t tile_n, int64_t activation, int device) {
+tmoe::MoE::Runner& GetRunner(int scheme, int64_t tile_n, int64_t activation, int device) {
   if (scheme != kSchemeFp8PerTensor) throw std::invalid_argument("unknown TRT-LLM gen scheme id");
   if (!KnownTile(tile_n)) throw std::invalid_argument("tile_n must be one of 8, 16, 32, 64, 128");
   using Key = std::tuple<int, int64_t, int64_t, int>;
-  static thread_local std::map<Key, moe::MoE::Runner> cache;
+  static thread_local std::map<Key, tmoe::MoE::Runner> cache;
   Key key{scheme, tile_n, activation, device};
   auto it = cache.find(key);
   if (it == cache.end()) {
     it = cache
              .try_emplace(key, btg::Dtype::E4m3, btg::Dtype::E4m3, /*useDeepSeekFp8=*/false,
                           static_cast<int32_t>(tile_n),
-                          static_cast<moe::MoE::ActivationType>(activation),
+                          static_cast<tmoe::MoE::ActivationType>(activation),
                           /*useShuffledMatrix=*/true, batchedGemm::gemm::MatrixLayout::MajorK,
                           batchedGemm::gemm::BiasType::None)
              .first;
@@ -83,8 +84,8 @@ moe::MoE::Runner& GetRunner(int scheme, int64_t tile_n, int64_t activation, int 
   return it->second;
 }
 
-moe::MoE::MoERunnerArgs BaseArgs(Problem const& p) {
-  moe::MoE::MoERunnerArgs args;
+tmoe::MoE::MoERunnerArgs BaseArgs(Problem const& p) {
+  tmoe::MoE::MoERunnerArgs args;
   args.num_tokens = static_cast<int32_t>(p.tokens);
   args.num_experts = static_cast<int32_t>(p.experts);
   args.local_expert_offset = 0;
@@ -94,7 +95,7 @@ moe::MoE::MoERunnerArgs BaseArgs(Problem const& p) {
   args.intermediate_size = static_cast<int32_t>(p.inter);
   args.top_k = static_cast<int32_t>(p.top_k);
   args.routed_scaling_factor = 1.0f;
-  args.activation_type = static_cast<moe::MoE::ActivationType>(p.activation);
+  args.activation_type = static_cast<tmoe::MoE::ActivationType>(p.activation);
   args.mDtypeElt = btg::Dtype::E4m3;
   args.mDtypeExpW = btg::Dtype::Fp32;
   args.mDtypeOut = btg::Dtype::Bfloat16;
@@ -104,7 +105,7 @@ moe::MoE::MoERunnerArgs BaseArgs(Problem const& p) {
   return args;
 }
 
-int64_t ResolveConfig(moe::MoE::Runner& runner, Problem const& p, int64_t config) {
+int64_t ResolveConfig(tmoe::MoE::Runner& runner, Problem const& p, int64_t config) {
   auto const k = static_cast<int32_t>(p.top_k);
   auto const h = static_cast<int32_t>(p.hidden);
   auto const i = static_cast<int32_t>(p.inter);
@@ -135,8 +136,8 @@ Plan MakePlan(Problem const& p, int64_t config, int device) {
   auto const t = static_cast<int32_t>(p.tokens);
   auto const k = static_cast<int32_t>(p.top_k);
   auto const tile = static_cast<int32_t>(p.tile_n);
-  int32_t const max_padded = moe::Routing::getMaxPermutedPaddedCount(t, k, e, tile);
-  int32_t const max_ctas = moe::Routing::getMaxNumCtasInBatchDim(t, k, e, tile);
+  int32_t const max_padded = tmoe::Routing::getMaxPermutedPaddedCount(t, k, e, tile);
+  int32_t const max_ctas = tmoe::Routing::getMaxNumCtasInBatchDim(t, k, e, tile);
   auto const args = BaseArgs(p);
   auto const [bmm1, bmm2] = runner.getWorkspaceSizeInBytes(args, config);
   int64_t const padded1 = max_padded + e;  // GEMM1 rows, as FlashInfer's launcher sizes them
@@ -223,7 +224,7 @@ std::vector<std::pair<std::string, std::string>> Cubins(int scheme, int64_t acti
       add(c.gemm2Config);
     } else {  // every kernel the runner may pick for this scheme, tile and activation
       for (int64_t idx = 0;; ++idx) {
-        moe::MoE::MoEConfig c;
+        tmoe::MoE::MoEConfig c;
         try {
           c = runner.getConfigComponents(idx);
         } catch (std::exception const&) {
@@ -257,7 +258,7 @@ ffi::Error Fp8PerTensorImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
       w2.element_type() != ffi::F8E4M3FN || out->element_type() != ffi::BF16)
     return InvalidArgument("trtllm fp8: x, w13, w2 must be float8_e4m3fn and out bfloat16");
   Problem const p{xd[0], xd[1], w2d[2], w13d[0], idd[1], activation, tile_n};
-  bool const gated = moe::MoE::isGatedActivation(static_cast<moe::MoE::ActivationType>(activation));
+  bool const gated = tmoe::MoE::isGatedActivation(static_cast<tmoe::MoE::ActivationType>(activation));
   if (w13d[1] != (gated ? 2 : 1) * p.inter || w13d[2] != p.hidden || w2d[0] != p.experts ||
       w2d[1] != p.hidden || idd[0] != p.tokens || topk_weights.dimensions().size() != 2 ||
       topk_weights.dimensions()[0] != p.tokens || topk_weights.dimensions()[1] != p.top_k)
@@ -285,7 +286,7 @@ ffi::Error Fp8PerTensorImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     args.output2_scales_scalar = out2_scale.typed_data();
     args.output = out->untyped_data();
 
-    moe::MoE::MoEWorkspace ws;
+    tmoe::MoE::MoEWorkspace ws;
     ws.routing_expert_indexes = topk_ids.typed_data();
     ws.permuted_idx_size = i32(plan.total_padded);
     ws.total_num_padded_tokens = i32(plan.total_padded);
@@ -304,7 +305,7 @@ ffi::Error Fp8PerTensorImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     ws.bmm2_workspace = at(plan.bmm2);
 
     // Routing from precomputed ids: no logits; the kernels build the permutation and CTA tables.
-    moe::Routing::Runner routing(static_cast<int32_t>(p.tile_n));
+    tmoe::Routing::Runner routing(static_cast<int32_t>(p.tile_n));
     routing.run(/*routingLogits=*/nullptr, /*routingBias=*/nullptr, args.num_tokens,
                 args.num_experts, args.top_k, /*numFusedSharedExpert=*/0, /*nGroups=*/0,
                 /*topkGroups=*/0, args.local_expert_offset, args.local_num_experts,
@@ -315,7 +316,7 @@ ffi::Error Fp8PerTensorImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                 i32(plan.tokens_per_expert), ws.cta_idx_xy_to_batch_idx,
                 ws.cta_idx_xy_to_mn_limit, ws.num_non_exiting_ctas, args.mDtypeElt,
                 btg::Dtype::Bfloat16, /*useRoutingScalesOnInput=*/false, /*useDeepSeekFp8=*/false,
-                moe::Routing::RoutingMethodType::TopK, stream, btg::Dtype::Fp32,
+                tmoe::Routing::RoutingMethodType::TopK, stream, btg::Dtype::Fp32,
                 /*normTopkProb=*/false, /*routing_replay_out=*/nullptr, enable_pdl);
 
     auto& runner = GetRunner(kSchemeFp8PerTensor, p.tile_n, p.activation, device);
