@@ -287,6 +287,9 @@ ffi::Error Fp8PerTensorImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     args.output = out->untyped_data();
 
     tmoe::MoE::MoEWorkspace ws;
+    // Read only: with precomputed ids and no logits, FlashInfer 0.7.2's routing kernels never write
+    // mPtrTopKPacked (only the DeepSeek and Llama4 kernels do, when they take the top-k from logits),
+    // and FlashInfer's own precomputed-ids launcher passes topk_ids the same way.
     ws.routing_expert_indexes = topk_ids.typed_data();
     ws.permuted_idx_size = i32(plan.total_padded);
     ws.total_num_padded_tokens = i32(plan.total_padded);
