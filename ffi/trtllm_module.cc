@@ -14,18 +14,21 @@ namespace nb = nanobind;
 struct XLA_FFI_CallFrame;
 struct XLA_FFI_Error;
 extern "C" XLA_FFI_Error* JaxMoeTrtllmFp8PerTensorMoe(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeTrtllmFp4BlockScaleMoe(XLA_FFI_CallFrame* call_frame);
 
 NB_MODULE(_jax_moe_trtllm, m) {
-  m.doc() = "FlashInfer TRT-LLM gen fused MoE (SM100; fp8 per-tensor) as XLA FFI custom calls";
+  m.doc() = "FlashInfer TRT-LLM gen fused MoE (SM100; fp8 per-tensor, fp4 block scale: nvfp4, mxfp4) as XLA FFI custom calls";
 
   m.def("registrations", []() {
     nb::dict d;
     d["jax_moe_trtllm_fp8_per_tensor_moe"] =
         nb::capsule(reinterpret_cast<void*>(&JaxMoeTrtllmFp8PerTensorMoe));
+    d["jax_moe_trtllm_fp4_block_scale_moe"] =
+        nb::capsule(reinterpret_cast<void*>(&JaxMoeTrtllmFp4BlockScaleMoe));
     return d;
   }, "FFI target name -> handler capsule (api_version=1, platform CUDA).");
 
-  m.def("schemes", []() { return std::vector<std::string>{"fp8"}; },
+  m.def("schemes", []() { return std::vector<std::string>{"fp8", "nvfp4", "mxfp4"}; },
         "The quant schemes compiled in, in jax_moe's names.");
 
   m.def("cubin_root", &jax_moe_trtllm::CubinRoot,
@@ -34,15 +37,16 @@ NB_MODULE(_jax_moe_trtllm, m) {
 
   m.def("workspace_size", &jax_moe_trtllm::WorkspaceSize, nb::arg("tokens"), nb::arg("hidden"),
         nb::arg("inter"), nb::arg("experts"), nb::arg("top_k"), nb::arg("activation"),
-        nb::arg("tile_n"), nb::arg("config") = -1, nb::arg("device") = 0,
-        "Bytes of the uint8 workspace result (needs an SM100 device).");
+        nb::arg("tile_n"), nb::arg("config") = -1, nb::arg("device") = 0, nb::arg("scheme") = 0,
+        "Bytes of the uint8 workspace result (needs an SM100 device; scheme: trtllm_module.h).");
 
   m.def("default_tile_n", &jax_moe_trtllm::DefaultTileN, nb::arg("tokens"), nb::arg("top_k"),
         nb::arg("experts"), "Tokens per CTA tile the handler uses for this shape by default.");
 
   m.def("default_config", &jax_moe_trtllm::DefaultConfig, nb::arg("tokens"), nb::arg("hidden"),
         nb::arg("inter"), nb::arg("experts"), nb::arg("top_k"), nb::arg("activation"),
-        nb::arg("tile_n"), nb::arg("device") = 0, "The runner's default config index.");
+        nb::arg("tile_n"), nb::arg("device") = 0, nb::arg("scheme") = 0,
+        "The runner's default config index.");
 
   m.def("cubins", &jax_moe_trtllm::Cubins, nb::arg("scheme") = 0, nb::arg("activation") = 3,
         nb::arg("tile_n") = -1, nb::arg("config") = -1, nb::arg("tokens") = 0,
