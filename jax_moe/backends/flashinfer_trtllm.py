@@ -9,25 +9,33 @@ FlashInfer's cache ``~/.cache/flashinfer/cubins``). :func:`supports` checks, in 
 is SM100/SM103, the scheme is built, the module is compiled, the activation and shapes fit, and the
 cubins the call needs are present (:func:`missing_cubins`).
 
-Scheme of this build: ``fp8`` (vLLM's FP8 per-tensor W8A8, FlashInfer's
-``trtllm_fp8_per_tensor_scale_moe`` with routing done before the call): activations quantized to
-float8_e4m3fn with the static per-tensor ``a13_scale``; FP8 weights with per-tensor or per-expert
-scales; GEMM1 with the gated activation (``silu``) fused and the result re-quantized to FP8 with
-``1 / a2_scale``; GEMM2; the weighted top-k reduce -> bfloat16.
+Schemes with a handler (:data:`TARGETS`; ``ffi/flashinfer_trtllm_moe.cu``), routing done before
+the call in both:
 
-Schemes with their load-time side only (:data:`PREPARED_ONLY`): the weight preparation (pure jnp,
-CPU-tested against the layouts as documented in words), the Prepared pytrees, the shape rules
+* ``fp8`` (vLLM's FP8 per-tensor W8A8, FlashInfer's ``trtllm_fp8_per_tensor_scale_moe``):
+  activations quantized to float8_e4m3fn with the static per-tensor ``a13_scale``; FP8 weights
+  with per-tensor or per-expert scales; GEMM1 with the gated activation (``silu``) fused and the
+  result re-quantized to FP8 with ``1 / a2_scale``; GEMM2; the weighted top-k reduce -> bfloat16.
+  Compiles and links for sm_100a against a stand-in cubin pack; never run on an SM100 GPU.
+* ``mxfp4`` (GPT-OSS, seed 002) and ``nvfp4``: one target, ``jax_moe_trtllm_fp4_block_scale_moe``
+  (FlashInfer's ``trtllm_fp4_block_scale_moe``), which tells NVFP4 x NVFP4, MXFP4 x BF16 and
+  MXFP4 x MXFP8 apart by the operands' dtypes. The FP4 handler compiles for sm_100a against the
+  stand-in pack (see the README for what was built and linked); it has never run.
+
+  - ``mxfp4``: H and I padded to 256, w13 rows ``[up0, gate0, ...]``, ``shuffle_matrix_a`` on
+    weights and biases, ``shuffle_matrix_sf_a`` on the E8M0 scales, float32 biases, swigluoai
+    alpha/beta/limit per expert, BF16 or MXFP8 activations (:func:`prepare_mxfp4_weights`,
+    :class:`Mxfp4Prepared`, :func:`tile_tokens_dim`); the result is sliced back to H.
+  - ``nvfp4``: the same rows and shuffles with e4m3 block-16 scales, not padded; the epilogue
+    scalars ``g1_alphas / a2``, ``g1_alphas``, ``g2_alphas`` (:func:`prepare_nvfp4_weights`,
+    :class:`Nvfp4Prepared`); x quantized to NVFP4 with linear-layout scales.
+
+A scheme with its load-time side only (:data:`PREPARED_ONLY`): the weight preparation (pure jnp,
+CPU-tested against the layouts as documented in words), the Prepared pytree, the shape rules
 (:func:`kernel_sizes`, :func:`input_shapes`, :func:`quantize_input`, :func:`check_call`) and the
-oracle reasons are written; the FFI handlers are not written or compiled yet, so :func:`supports`
-says so once the shapes fit, and :func:`apply_prepared` refuses them.
+oracle reasons are written; the FFI handler is not written or compiled yet, so :func:`supports`
+says so once the shapes fit, and :func:`apply_prepared` refuses it.
 
-* ``mxfp4`` (GPT-OSS, seed 002; ``trtllm_fp4_block_scale_moe``): H and I padded to 256, w13 rows
-  ``[up0, gate0, ...]``, ``shuffle_matrix_a`` on weights and biases, ``shuffle_matrix_sf_a`` on
-  the E8M0 scales, float32 biases, swigluoai alpha/beta/limit per expert, BF16 or MXFP8
-  activations (:func:`prepare_mxfp4_weights`, :class:`Mxfp4Prepared`, :func:`tile_tokens_dim`).
-* ``nvfp4`` (``trtllm_fp4_block_scale_moe``): the same rows and shuffles with e4m3 block-16
-  scales, not padded; the epilogue scalars ``g1_alphas / a2``, ``g1_alphas``, ``g2_alphas``
-  (:func:`prepare_nvfp4_weights`, :class:`Nvfp4Prepared`).
 * ``fp8_block`` (DeepSeek-V3; ``trtllm_fp8_block_scale_moe``): w13 ``[up; gate]``, weights
   row-shuffled with epilogue tile 64 and stored BlockMajorK, block scales only swapped
   (:func:`prepare_fp8_block_weights`, :class:`Fp8BlockPrepared`).
@@ -85,11 +93,14 @@ from jax_moe.quant import fp4, fp8
 
 NAME = "flashinfer_trtllm"
 SMS = (100, 103)                      # compute capabilities the cubins run on (10.0, 10.3)
-TARGETS = {"fp8": "jax_moe_trtllm_fp8_per_tensor_moe"}
-SCHEME_IDS = {"fp8": 0}               # ffi/trtllm_module.h
-# vLLM's other TRT-LLM rows: weight preparation, Prepared pytrees, shape rules and oracle reasons
-# are written and CPU-tested here; their FFI handlers are not written/compiled yet
-PREPARED_ONLY = ("fp8_block", "nvfp4", "mxfp4")
+TARGETS = {"fp8": "jax_moe_trtllm_fp8_per_tensor_moe",
+           "nvfp4": "jax_moe_trtllm_fp4_block_scale_moe",
+           "mxfp4": "jax_moe_trtllm_fp4_block_scale_moe"}
+# the runner a (scheme, activation format) builds: ffi/trtllm_module.h's kScheme* (scheme_id())
+SCHEME_IDS = {"fp8": 0, "nvfp4": 1, "mxfp4": 2, "mxfp4_mxfp8": 3}
+# vLLM's other TRT-LLM row: weight preparation, Prepared pytree, shape rules and oracle reasons
+# are written and CPU-tested here; its FFI handler is not written/compiled yet
+PREPARED_ONLY = ("fp8_block",)
 # the FlashInfer entry point each scheme's handler wraps
 KERNELS = {"fp8": "trtllm_fp8_per_tensor_scale_moe", "fp8_block": "trtllm_fp8_block_scale_moe",
            "nvfp4": "trtllm_fp4_block_scale_moe", "mxfp4": "trtllm_fp4_block_scale_moe"}
@@ -107,9 +118,11 @@ MIN_EXPERTS_MULTIPLE = {"fp8_block": 4}  # vLLM's TrtLlmFp8Experts asserts E % 4
 TILE_TOKENS_IMBALANCE = 1.3           # seed 002's _get_tile_tokens_dim
 TILE_TOKENS_RANGE = (8, 64)
 TILE_NS = (8, 16, 32, 64, 128)        # tokens per CTA tile the runner has kernels for
+MAX_TILE_N_BF16_ACT = 64              # FP4 weights x bf16 activations: no tile-128 kernels
+MXFP4_ACTS = ("bf16", "mxfp8")        # the activation formats trtllm_fp4_block_scale_moe takes for MXFP4
 MAX_TOP_K = 32                        # the routing kernels' MaxSupportedTopExperts
 MAX_EXPERTS = 512                     # the routing kernels' largest expert count (one block)
-FEATURES = frozenset()                # no biases, no router weight on input yet
+FEATURES = frozenset()                # no router weight on input; biases: MXFP4 only (prepare())
 CUBIN_ENV = "JAX_MOE_TRTLLM_CUBIN_DIR"
 
 _state = {"module": None, "error": None, "registered": False}
@@ -145,18 +158,51 @@ def cubin_root() -> str:
     return os.path.join(base, ".cache", "flashinfer", "cubins")
 
 
-def required_cubins(cfg=None, num_tokens: int = 0, scheme: str = "fp8", device: int = 0):
-    """``[(relative path, sha256)]`` of the cubins the runner may load: for ``num_tokens > 0`` the
-    two kernels of that call's default tactic, else every kernel of the scheme and activation."""
+def scheme_id(scheme: str, act: str | None = None) -> int:
+    """The module's scheme id (:data:`SCHEME_IDS`) of a jax_moe scheme and its activation format:
+    ``mxfp4`` names two runners, BF16 activations (act ``bf16``) and MXFP8 (act ``mxfp8``)."""
+    if scheme == "mxfp4" and act == "mxfp8":
+        return SCHEME_IDS["mxfp4_mxfp8"]
+    if scheme not in TARGETS:
+        raise ValueError(f"{NAME}: no handler for scheme {scheme!r} (have {', '.join(sorted(TARGETS))})")
+    return SCHEME_IDS[scheme]
+
+
+def _kernel_dims(cfg, scheme: str) -> tuple[int, int]:
+    """(H, I) the kernel runs with for ``cfg`` (:func:`kernel_sizes` of the prepared layer)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    if scheme == "mxfp4":
+        return mxfp4_padded_sizes(NAME, h, i)
+    if scheme == "nvfp4":
+        return h, i
+    return h, fp8_padded_intermediate(i)
+
+
+def default_tile(scheme: str, num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Tokens per CTA tile when the caller gives none: :func:`tile_tokens_dim` (seed 002's rule for
+    ``trtllm_fp4_block_scale_moe``, within [8, 64]) for the FP4 schemes, else
+    :func:`default_tile_n`."""
+    if scheme in ("nvfp4", "mxfp4"):
+        return tile_tokens_dim(num_tokens, top_k, num_experts)
+    return default_tile_n(num_tokens, top_k, num_experts)
+
+
+def required_cubins(cfg=None, num_tokens: int = 0, scheme: str = "fp8", device: int = 0,
+                    act: str | None = None):
+    """``[(relative path, sha256)]`` of the cubins the runner of ``scheme`` (``act``: the
+    activation format, for ``mxfp4``) may load: for ``num_tokens > 0`` the two kernels of that
+    call's default tile and tactic, else every kernel of the scheme and activation."""
     mod = _module()
     if mod is None:
         raise RuntimeError(_state["error"])
-    act = ACTIVATION_CODES[getattr(cfg, "activation", "silu")]
+    sid = scheme_id(scheme, act)
+    code = ACTIVATION_CODES[getattr(cfg, "activation", "silu")]
     if num_tokens > 0:
-        h, i = cfg.hidden_size, fp8_padded_intermediate(cfg.intermediate_size)
+        h, i = _kernel_dims(cfg, scheme)
         e, k = cfg.num_experts, cfg.top_k
-        return list(mod.cubins(SCHEME_IDS[scheme], act, -1, -1, num_tokens, h, i, e, k, device))
-    return list(mod.cubins(SCHEME_IDS[scheme], act, device=device))
+        tile = default_tile(scheme, num_tokens, k, e)
+        return list(mod.cubins(sid, code, tile, -1, num_tokens, h, i, e, k, device))
+    return list(mod.cubins(sid, code, device=device))
 
 
 def missing_cubins(cubins, root: str | None = None, verify: bool = False) -> list[str]:
@@ -175,10 +221,12 @@ def missing_cubins(cubins, root: str | None = None, verify: bool = False) -> lis
     return out
 
 
-def _cubin_refusal() -> str | None:
-    """Why the cubins are not usable (None: every kernel of the compiled scheme is present)."""
+def _cubin_refusal(cfg=None, quant=None) -> str | None:
+    """Why the cubins are not usable (None: every kernel of the runner of ``quant``'s scheme and
+    ``cfg``'s activation is present; default: FP8, silu)."""
+    scheme = "fp8" if quant is None else quant.scheme
     try:
-        needed = required_cubins()
+        needed = required_cubins(cfg, scheme=scheme, act=getattr(quant, "act", None))
     except (RuntimeError, ValueError) as e:  # the runner throws when it has no kernel at all
         return f"cannot list the TRT-LLM gen cubins: {e}"
     missing = missing_cubins(needed)
@@ -215,6 +263,8 @@ def _scheme_refusal(cfg, quant) -> str | None:
             return (f"intermediate size {i} must be a multiple of {NVFP4_INTERMEDIATE_ALIGN} (w13's 2I "
                     f"scale rows fill {SF_TILE_M}-row tiles; NVFP4 is not padded)")
     elif scheme == "mxfp4":
+        if quant.act not in MXFP4_ACTS:
+            return f"MXFP4 takes bf16 or MXFP8 activations (act in {list(MXFP4_ACTS)}), not {quant.act!r}"
         for dim, v in (("hidden", h), ("intermediate", i)):
             if v % fp4.MX_BLOCK:
                 return f"{dim} size {v} must be a multiple of the MXFP4 scale block {fp4.MX_BLOCK}"
@@ -273,11 +323,12 @@ def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
     if _module() is None:
         return False, _state["error"]
     if scheme not in compiled_schemes():
-        return False, f"scheme {scheme!r} is not compiled into this build"
+        return False, (f"scheme {scheme!r}: this build of jax_moe._jax_moe_trtllm has no {TARGETS[scheme]} "
+                       f"handler (it serves {', '.join(compiled_schemes()) or 'nothing'}); rebuild it")
     why = _config_refusal(cfg, quant)
     if why:
         return False, why
-    why = _cubin_refusal()
+    why = _cubin_refusal(cfg, quant)
     if why:
         return False, why
     return True, f"FlashInfer TRT-LLM gen fused MoE (SM100; {', '.join(compiled_schemes())})"
@@ -698,13 +749,14 @@ def default_tile_n(num_tokens: int, top_k: int, num_experts: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def workspace_size(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
-                   activation: str = "silu", tile_n: int = 8, config: int = -1) -> int:
-    """Bytes of the uint8 workspace result (asks the module; needs an SM100 device)."""
+                   activation: str = "silu", tile_n: int = 8, config: int = -1, scheme: int = 0) -> int:
+    """Bytes of the uint8 workspace result (asks the module; needs an SM100 device). ``hidden``,
+    ``inter``: the kernel's sizes (:func:`kernel_sizes`); ``scheme``: :func:`scheme_id`."""
     mod = _module()
     if mod is None:
         raise RuntimeError(_state["error"])
     return int(mod.workspace_size(num_tokens, hidden, inter, num_experts, top_k,
-                                  ACTIVATION_CODES[activation], tile_n, config))
+                                  ACTIVATION_CODES[activation], tile_n, config, scheme=scheme))
 
 
 def output_shapes(num_tokens: int, hidden: int, workspace_bytes: int):
@@ -803,6 +855,10 @@ def check_call(x, prepared, topk_weights, topk_ids, tile_n=None):
         raise ValueError(f"topk_ids: top_k {k} must be in [1, min({MAX_TOP_K}, E={e})]")
     if tile_n is not None and tile_n not in TILE_NS:
         raise ValueError(f"tile_n must be one of {TILE_NS}, got {tile_n!r}")
+    if tile_n is not None and tile_n > MAX_TILE_N_BF16_ACT and isinstance(prepared, Mxfp4Prepared) \
+            and prepared.act == "bf16":
+        raise ValueError(f"tile_n must be at most {MAX_TILE_N_BF16_ACT} for MXFP4 with bf16 activations, "
+                         f"got {tile_n}")
     return t, h, ip, e, k
 
 
@@ -810,24 +866,42 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, tile_n: int
                    config: int = -1):
     """``y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` on the TRT-LLM gen runner.
 
-    x [T, H] float (quantized here to FP8 with ``prepared.a13_scale``); topk_weights [T, k] float;
-    topk_ids [T, k] int32 in [0, E). ``tile_n``: tokens per CTA tile (default
-    :func:`default_tile_n`); ``config``: the runner's config index (-1: its default). -> bf16 [T, H].
+    x [T, H] float, quantized here (:func:`quantize_input`: FP8 with ``prepared.a13_scale``; NVFP4
+    with ``a1_gscale``; for MXFP4 zero-padded to Hp, as bf16 or MXFP8); topk_weights [T, k] float;
+    topk_ids [T, k] int32 in [0, E); ``prepared``: :class:`Prepared`, :class:`Nvfp4Prepared` or
+    :class:`Mxfp4Prepared`. ``tile_n``: tokens per CTA tile (default :func:`default_tile`);
+    ``config``: the runner's config index (-1: its default). -> bf16 [T, H].
     """
     t, h, ip, e, k = check_call(x, prepared, topk_weights, topk_ids, tile_n)
     if prepared.scheme not in TARGETS:
         raise ValueError(f"{NAME}: scheme {prepared.scheme!r} is prepared, but its {KERNELS[prepared.scheme]} "
                          f"handler is not built into this module (have {', '.join(sorted(TARGETS))})")
-    tile_n = default_tile_n(t, k, e) if tile_n is None else tile_n
+    tile_n = default_tile(prepared.scheme, t, k, e) if tile_n is None else tile_n
+    sid = scheme_id(prepared.scheme, getattr(prepared, "act", None))
     _register()
-    ws = workspace_size(t, h, ip, e, k, prepared.activation, tile_n, config)
-    xq = fp8.quantize_fp8_static(x.astype(jnp.float32), prepared.a13_scale)
-    out, _ = jax.ffi.ffi_call(TARGETS["fp8"], output_shapes(t, h, ws))(
-        xq, topk_ids, topk_weights.astype(jnp.float32), prepared.w13, prepared.w2,
-        prepared.out1_scale, prepared.out1_gate_scale, prepared.out2_scale,
-        activation=np.int64(ACTIVATION_CODES[prepared.activation]), tile_n=np.int64(tile_n),
-        config=np.int64(config), enable_pdl=True)
-    return out
+    ws = workspace_size(t, h, ip, e, k, prepared.activation, tile_n, config, sid)
+    attrs = dict(activation=np.int64(ACTIVATION_CODES[prepared.activation]), tile_n=np.int64(tile_n),
+                 config=np.int64(config), enable_pdl=True)
+    ids, w = topk_ids, topk_weights.astype(jnp.float32)
+    xs = quantize_input(x, prepared)
+    if isinstance(prepared, Prepared):
+        out, _ = jax.ffi.ffi_call(TARGETS["fp8"], output_shapes(t, h, ws))(
+            xs[0], ids, w, prepared.w13, prepared.w2, prepared.out1_scale, prepared.out1_gate_scale,
+            prepared.out2_scale, **attrs)
+        return out
+    absent = jnp.zeros((0,), jnp.float32)  # the handler's "not given" for an optional operand
+    opt = lambda a: absent if a is None else a  # noqa: E731
+    x_scale = xs[1] if len(xs) > 1 else jnp.zeros((0,), jnp.uint8)
+    p = prepared
+    if isinstance(p, Nvfp4Prepared):
+        extra = (absent, absent, absent, absent, p.w2, p.w2_scale, absent,
+                 p.out1_scale, p.out1_gate_scale, p.out2_scale)
+    else:
+        extra = (opt(p.w13_bias), opt(p.swiglu_alpha), opt(p.swiglu_beta), opt(p.swiglu_limit),
+                 p.w2, p.w2_scale, opt(p.w2_bias), absent, absent, absent)
+    out, _ = jax.ffi.ffi_call(TARGETS[p.scheme], output_shapes(t, h, ws))(
+        xs[0], x_scale, ids, w, p.w13, p.w13_scale, *extra, **attrs)
+    return out[:, : kernel_sizes(p)[1]]  # MXFP4: the padded columns of Hp dropped
 
 
 def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None, w2_bias=None,
