@@ -5,6 +5,8 @@
 //   JaxMoeTrtllmFp4BlockScaleMoe  FP4 block-scale weights (FlashInfer: trtllm_fp4_block_scale_moe):
 //                                 NVFP4 x NVFP4, MXFP4 x BF16, MXFP4 x MXFP8 (the scheme ids of
 //                                 trtllm_module.h), told apart by the operands' dtypes
+//   JaxMoeTrtllmFp8BlockScaleMoe  DeepSeek FP8 128x128 block scale (FlashInfer:
+//                                 trtllm_fp8_block_scale_moe with DeepSeekFp8 quantization)
 //
 // One call = FlashInfer's routing kernels in precomputed-ids mode (build the expert-sorted
 // permutation and the CTA tables) + MoE::Runner::run (permute + GEMM1 with the gated activation
@@ -41,7 +43,16 @@
 //   out1_scale, out1_gate_scale, out2_scale  float32 [E] (NVFP4: required; MXFP4: absent)
 //   -> out       bfloat16 [T, H]
 //   -> workspace uint8 [total]
-// Attributes (both): activation (runner ActivationType value), tile_n (tokens per CTA tile, one of
+//
+// FP8 block scale (DeepSeek-V3; weights BlockMajorK, prepare_fp8_block_weights):
+//   x            float8_e4m3fn [T, H]           one float32 scale per token per 128 columns:
+//   x_scale      float32 [H/128, T]             (transposed, as the runner reads it)
+//   topk_ids, topk_weights                      as for FP8
+//   w13          float8_e4m3fn [E, H/128, 2I, 128]   w13_scale float32 [E, 2I/128, H/128]
+//   w2           float8_e4m3fn [E, I/128, H, 128]    w2_scale  float32 [E, H/128, I/128]
+//   -> out       bfloat16 [T, H]
+//   -> workspace uint8 [total]   (GEMM1's output and the separate activation's, with their scales)
+// Attributes (all): activation (runner ActivationType value), tile_n (tokens per CTA tile, one of
 // kTileNs; MXFP4 x BF16: up to 64), config (runner config index; -1: its default for the shape),
 // enable_pdl.
 
@@ -88,6 +99,7 @@ bool KnownTile(int64_t tile_n) {
 struct SchemeTypes {
   btg::Dtype act, weights;
   int64_t sf_vec;
+  bool deepseek = false;  // DeepSeek FP8: 128x128 block scales, BlockMajorK weights, unfused activation
 };
 
 SchemeTypes TypesOf(int scheme) {
@@ -96,6 +108,7 @@ SchemeTypes TypesOf(int scheme) {
     case kSchemeNvfp4: return {btg::Dtype::E2m1, btg::Dtype::E2m1, 16};
     case kSchemeMxfp4Bf16: return {btg::Dtype::Bfloat16, btg::Dtype::MxE2m1, 32};
     case kSchemeMxfp4Mxfp8: return {btg::Dtype::MxE4m3, btg::Dtype::MxE2m1, 32};
+    case kSchemeFp8Block: return {btg::Dtype::E4m3, btg::Dtype::E4m3, 128, true};
     default: throw std::invalid_argument("unknown TRT-LLM gen scheme id " + std::to_string(scheme));
   }
 }
@@ -109,8 +122,9 @@ struct Problem {
 
 // The runner for (scheme, tile, activation, device): built once per host thread, as FlashInfer's
 // launcher caches it (constructing it filters the whole cubin table). Weights are shuffled
-// (useShuffledMatrix) and MajorK for every scheme here; GEMM1 biases, when given, are per expert
-// (BiasType::None is FlashInfer's choice too: BiasType::Mn is its LoRA-delta path).
+// (useShuffledMatrix) for every scheme here, MajorK except DeepSeek FP8's BlockMajorK; GEMM1
+// biases, when given, are per expert (BiasType::None is FlashInfer's choice too: BiasType::Mn is
+// its LoRA-delta path).
 tmoe::MoE::Runner& GetRunner(int scheme, int64_t tile_n, int64_t activation, int device) {
   SchemeTypes const types = TypesOf(scheme);
   if (!KnownTile(tile_n)) throw std::invalid_argument("tile_n must be one of 8, 16, 32, 64, 128");
@@ -122,10 +136,12 @@ tmoe::MoE::Runner& GetRunner(int scheme, int64_t tile_n, int64_t activation, int
   auto it = cache.find(key);
   if (it == cache.end()) {
     it = cache
-             .try_emplace(key, types.act, types.weights, /*useDeepSeekFp8=*/false,
+             .try_emplace(key, types.act, types.weights, types.deepseek,
                           static_cast<int32_t>(tile_n),
                           static_cast<tmoe::MoE::ActivationType>(activation),
-                          /*useShuffledMatrix=*/true, batchedGemm::gemm::MatrixLayout::MajorK,
+                          /*useShuffledMatrix=*/true,
+                          types.deepseek ? batchedGemm::gemm::MatrixLayout::BlockMajorK
+                                         : batchedGemm::gemm::MatrixLayout::MajorK,
                           batchedGemm::gemm::BiasType::None)
              .first;
   }
@@ -147,7 +163,7 @@ tmoe::MoE::MoERunnerArgs BaseArgs(Problem const& p) {
   args.mDtypeElt = TypesOf(p.scheme).act;
   args.mDtypeExpW = btg::Dtype::Fp32;
   args.mDtypeOut = btg::Dtype::Bfloat16;
-  args.mUseDeepSeekFp8 = false;
+  args.mUseDeepSeekFp8 = TypesOf(p.scheme).deepseek;
   args.mUseRoutingScalesOnInput = false;
   args.do_finalize = true;
   return args;
@@ -172,8 +188,8 @@ int64_t ResolveConfig(tmoe::MoE::Runner& runner, Problem const& p, int64_t confi
 // scheme does not use that buffer (its pointer stays null).
 struct Plan {
   int64_t tokens_per_expert, total_padded, expanded_to_permuted, permuted_to_token, histogram,
-      cta_to_batch, cta_to_mn_limit, non_exiting_ctas, gemm1_out, gemm1_out_scale, gemm2_out,
-      bmm1, bmm2, total;
+      cta_to_batch, cta_to_mn_limit, non_exiting_ctas, gemm1_out, gemm1_out_scale,
+      activation_out = -1, activation_out_scale = -1, gemm2_out, bmm1, bmm2, total;
   int32_t max_padded;
   int64_t config;
 };
@@ -211,6 +227,22 @@ Plan MakePlan(Problem const& p, int64_t config, int device) {
     plan.gemm1_out = take(padded1 * 2 * p.inter);                    // fp8
     plan.gemm1_out_scale = take(4 * (2 * p.inter / 128) * padded1);  // float32
     plan.gemm2_out = take(2 * int64_t{max_padded} * p.hidden);       // bf16
+  } else if (types.deepseek) {
+    // DeepSeek FP8, sized as FlashInfer's FP8 block-scale launcher does: GEMM1 writes both gated
+    // halves (fp8, float32 scales [2I/128, max_padded]), a separate kernel the activation (fp8
+    // [rows1, I], scales [I/128, rows1]); GEMM2 bf16. Rows: Routing::maybeGetMinTokenCount.
+    bool const gated =
+        tmoe::MoE::isGatedActivation(static_cast<tmoe::MoE::ActivationType>(p.activation));
+    int64_t const n1 = (gated ? 2 : 1) * p.inter;
+    int64_t const rows1 = tmoe::Routing::maybeGetMinTokenCount(
+        max_padded, static_cast<int32_t>(p.inter), 8);
+    int64_t const rows2 = tmoe::Routing::maybeGetMinTokenCount(
+        max_padded, static_cast<int32_t>(p.hidden), 16);
+    plan.gemm1_out = take(rows1 * n1);
+    plan.gemm1_out_scale = take(4 * (n1 / 128) * int64_t{max_padded});
+    plan.activation_out = take(rows1 * p.inter);
+    plan.activation_out_scale = take(4 * (p.inter / 128) * rows1);
+    plan.gemm2_out = take(2 * rows2 * p.hidden);
   } else {
     // FP4 block scale, sized as FlashInfer's FP4 launcher does: GEMM1's output is the activation
     // of GEMM2 (I wide, in the activation dtype: E2M1 pairs, E4M3 bytes or bf16), with its block
@@ -339,6 +371,8 @@ tmoe::MoE::MoEWorkspace BindWorkspace(Plan const& plan, Problem const& p, uint8_
   ws.hidden_states_scale_linear = nullptr;  // the FP4 activations' scales come in linear already
   ws.gemm1_output = at(plan.gemm1_out);
   ws.gemm1_output_scale = static_cast<float*>(at(plan.gemm1_out_scale));
+  ws.activation_output = at(plan.activation_out);
+  ws.activation_output_scale = static_cast<float*>(at(plan.activation_out_scale));
   ws.gemm2_output = at(plan.gemm2_out);
   ws.bmm1_workspace = at(plan.bmm1);
   ws.bmm2_workspace = at(plan.bmm2);
@@ -360,7 +394,7 @@ void RunRouting(Problem const& p, Plan const& plan, uint8_t* base, tmoe::MoE::Mo
               /*expertIds=*/topk_ids, ws.expert_weights, i32(plan.tokens_per_expert),
               ws.cta_idx_xy_to_batch_idx, ws.cta_idx_xy_to_mn_limit, ws.num_non_exiting_ctas,
               args.mDtypeElt, btg::Dtype::Bfloat16, /*useRoutingScalesOnInput=*/false,
-              /*useDeepSeekFp8=*/false, tmoe::Routing::RoutingMethodType::TopK, stream,
+              args.mUseDeepSeekFp8, tmoe::Routing::RoutingMethodType::TopK, stream,
               btg::Dtype::Fp32, /*normTopkProb=*/false, /*routing_replay_out=*/nullptr, enable_pdl);
 }
 
@@ -531,6 +565,52 @@ ffi::Error Fp4BlockScaleImpl(
                 workspace);
 }
 
+ffi::Error Fp8BlockScaleImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                             ffi::Buffer<ffi::F32> x_scale, ffi::Buffer<ffi::S32> topk_ids,
+                             ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer w13,
+                             ffi::Buffer<ffi::F32> w13_scale, ffi::AnyBuffer w2,
+                             ffi::Buffer<ffi::F32> w2_scale, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                             ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t activation,
+                             int64_t tile_n, int64_t config, bool enable_pdl) {
+  constexpr int64_t B = 128;  // the block of the scales and of BlockMajorK
+  auto const xd = x.dimensions(), xsd = x_scale.dimensions(), w13d = w13.dimensions();
+  auto const w2d = w2.dimensions(), s13d = w13_scale.dimensions(), s2d = w2_scale.dimensions();
+  auto const od = out->dimensions();
+  if (xd.size() != 2 || xsd.size() != 2 || w13d.size() != 4 || w2d.size() != 4 ||
+      s13d.size() != 3 || s2d.size() != 3 || od.size() != 2 || topk_ids.dimensions().size() != 2)
+    return InvalidArgument("trtllm fp8 block: x [T,H], x_scale [H/128,T], w13 [E,H/128,2I,128], "
+                           "w2 [E,I/128,H,128], w13_scale/w2_scale [E,*,*], out [T,H] ranks");
+  if (x.element_type() != ffi::F8E4M3FN || w13.element_type() != ffi::F8E4M3FN ||
+      w2.element_type() != ffi::F8E4M3FN)
+    return InvalidArgument("trtllm fp8 block: x, w13, w2 must be float8_e4m3fn");
+  Problem const p{kSchemeFp8Block, xd[0], xd[1], w2d[1] * w2d[3], w2d[0], topk_ids.dimensions()[1],
+                  activation, tile_n};
+  bool const gated = tmoe::MoE::isGatedActivation(static_cast<tmoe::MoE::ActivationType>(activation));
+  int64_t const n1 = (gated ? 2 : 1) * p.inter;
+  if (p.hidden % B || w2d[3] != B || w13d[3] != B)
+    return InvalidArgument("trtllm fp8 block: H must be a multiple of 128 and the weights' last "
+                           "dimension 128 (BlockMajorK)");
+  if (w13d[0] != p.experts || w13d[1] != p.hidden / B || w13d[2] != n1 || w2d[2] != p.hidden ||
+      xsd[0] != p.hidden / B || xsd[1] != p.tokens || s13d[0] != p.experts || s13d[1] != n1 / B ||
+      s13d[2] != p.hidden / B || s2d[0] != p.experts || s2d[1] != p.hidden / B ||
+      s2d[2] != p.inter / B || od[0] != p.tokens || od[1] != p.hidden ||
+      !TopkShapesFit(topk_ids, topk_weights, p.tokens))
+    return InvalidArgument("trtllm fp8 block: inconsistent shapes of x, x_scale, w13, w13_scale, "
+                           "w2, w2_scale, topk_ids/weights, out");
+  if (p.tokens == 0) return ffi::Error::Success();
+
+  auto args = BaseArgs(p);
+  args.hidden_states = x.untyped_data();
+  args.hidden_states_scale = x_scale.typed_data();
+  args.gemm1_weights = w13.untyped_data();
+  args.gemm1_weights_scale = w13_scale.typed_data();
+  args.gemm2_weights = w2.untyped_data();
+  args.gemm2_weights_scale = w2_scale.typed_data();
+  args.output = out->typed_data();
+  return Launch("trtllm fp8 block", p, args, config, device, stream, enable_pdl, topk_ids,
+                topk_weights, workspace);
+}
+
 }  // namespace
 }  // namespace jax_moe_trtllm
 
@@ -575,6 +655,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeTrtllmFp4BlockScaleMoe, jax_moe_trtllm::Fp4B
                                   .Arg<ffi::Buffer<ffi::F32>>()   // output1_scales_scalar [E] or absent
                                   .Arg<ffi::Buffer<ffi::F32>>()   // output1_scales_gate_scalar
                                   .Arg<ffi::Buffer<ffi::F32>>()   // output2_scales_scalar
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out bf16 [T, H]
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                                  .Attr<int64_t>("activation")
+                                  .Attr<int64_t>("tile_n")
+                                  .Attr<int64_t>("config")
+                                  .Attr<bool>("enable_pdl"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeTrtllmFp8BlockScaleMoe, jax_moe_trtllm::Fp8BlockScaleImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()          // x fp8 [T, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x_scale [H/128, T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids [T, k]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights [T, k]
+                                  .Arg<ffi::AnyBuffer>()          // w13 fp8 [E, H/128, 2I, 128]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w13_scale [E, 2I/128, H/128]
+                                  .Arg<ffi::AnyBuffer>()          // w2 fp8 [E, I/128, H, 128]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w2_scale [E, H/128, I/128]
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // out bf16 [T, H]
                                   .Ret<ffi::Buffer<ffi::U8>>()    // workspace
                                   .Attr<int64_t>("activation")

@@ -15,9 +15,10 @@ struct XLA_FFI_CallFrame;
 struct XLA_FFI_Error;
 extern "C" XLA_FFI_Error* JaxMoeTrtllmFp8PerTensorMoe(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeTrtllmFp4BlockScaleMoe(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeTrtllmFp8BlockScaleMoe(XLA_FFI_CallFrame* call_frame);
 
 NB_MODULE(_jax_moe_trtllm, m) {
-  m.doc() = "FlashInfer TRT-LLM gen fused MoE (SM100; fp8 per-tensor, fp4 block scale: nvfp4, mxfp4) as XLA FFI custom calls";
+  m.doc() = "FlashInfer TRT-LLM gen fused MoE (SM100; fp8 per-tensor, fp4 block scale: nvfp4, mxfp4; fp8 block scale) as XLA FFI custom calls";
 
   m.def("registrations", []() {
     nb::dict d;
@@ -25,10 +26,12 @@ NB_MODULE(_jax_moe_trtllm, m) {
         nb::capsule(reinterpret_cast<void*>(&JaxMoeTrtllmFp8PerTensorMoe));
     d["jax_moe_trtllm_fp4_block_scale_moe"] =
         nb::capsule(reinterpret_cast<void*>(&JaxMoeTrtllmFp4BlockScaleMoe));
+    d["jax_moe_trtllm_fp8_block_scale_moe"] =
+        nb::capsule(reinterpret_cast<void*>(&JaxMoeTrtllmFp8BlockScaleMoe));
     return d;
   }, "FFI target name -> handler capsule (api_version=1, platform CUDA).");
 
-  m.def("schemes", []() { return std::vector<std::string>{"fp8", "nvfp4", "mxfp4"}; },
+  m.def("schemes", []() { return std::vector<std::string>{"fp8", "nvfp4", "mxfp4", "fp8_block"}; },
         "The quant schemes compiled in, in jax_moe's names.");
 
   m.def("cubin_root", &jax_moe_trtllm::CubinRoot,

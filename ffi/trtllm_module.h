@@ -16,6 +16,8 @@ constexpr int kSchemeFp8PerTensor = 0;  // E4m3 x E4m3, per-tensor scales (JaxMo
 constexpr int kSchemeNvfp4 = 1;        // E2m1 x E2m1 (e4m3 block-16 scales)
 constexpr int kSchemeMxfp4Bf16 = 2;    // bf16 activations x MxE2m1 weights (E8M0 block-32 scales)
 constexpr int kSchemeMxfp4Mxfp8 = 3;   // MxE4m3 activations x MxE2m1 weights
+// JaxMoeTrtllmFp8BlockScaleMoe:
+constexpr int kSchemeFp8Block = 4;     // DeepSeek FP8: E4m3 x E4m3, 128x128 block scales, BlockMajorK
 
 // Bytes of the uint8 workspace result for this problem (needs an SM100 device: the runner filters
 // its cubin table by the device's architecture). config -1: the runner's default for the shape.
