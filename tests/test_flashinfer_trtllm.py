@@ -33,7 +33,7 @@ class FakeModule:
     """Stands in for jax_moe._jax_moe_trtllm: its scheme list, cubin list and workspace size; it
     records the arguments of its cubin and workspace queries."""
 
-    def __init__(self, cubins=CUBINS, workspace=4096, schemes=("fp8", "nvfp4", "mxfp4")):
+    def __init__(self, cubins=CUBINS, workspace=4096, schemes=("fp8", "nvfp4", "mxfp4", "fp8_block")):
         self._cubins, self._ws, self._schemes = cubins, workspace, list(schemes)
         self.calls = []
 
@@ -241,10 +241,7 @@ NAME = "flashinfer_trtllm"
 
 
 @pytest.mark.parametrize("cfg,scheme_name,start", [
-    (CFG, "fp8_block", "scheme 'fp8_block': weight preparation and shape rules are written (prepare()), but "
-                       "its trtllm_fp8_block_scale_moe handler is not built into this module "
-                       "(have fp8, mxfp4, nvfp4)"),
-    (CFG, "bf16", "does not serve scheme 'bf16' (serves fp8, mxfp4, nvfp4; weight preparation only: fp8_block)"),
+    (CFG, "bf16", "does not serve scheme 'bf16' (serves fp8, fp8_block, mxfp4, nvfp4)"),
     (MoEConfig(128, 8, 2000, 768), "fp8", "hidden size 2000 must be a multiple of 128"),
     (MoEConfig(128, 8, 2048, 768, "relu2"), "fp8", "activation 'relu2' is not wired up"),
     (MoEConfig(1024, 8, 2048, 768), "fp8", "1024 experts exceed the routing kernels' 512"),
@@ -527,9 +524,6 @@ def test_shape_rules_of_the_prepared_schemes():
             == trt.kernel_sizes(prep)[2]
         with pytest.raises(ValueError, match=f"x \\[T, {hm + 32}\\] does not match prepared {prep.scheme}"):
             trt.check_call(jnp.zeros((t, hm + 32)), prep, jnp.zeros((t, 2)), jnp.zeros((t, 2), jnp.int32))
-        if prep is fb:
-            with pytest.raises(ValueError, match="handler is not built into this module"):
-                trt.apply_prepared(jnp.zeros((t, hm)), prep, jnp.zeros((t, 2)), jnp.zeros((t, 2), jnp.int32))
     x = jnp.asarray(np.random.default_rng(9).standard_normal((t, h)), jnp.float32)
     q, sf = trt.quantize_input(x, mx)  # MXFP8 of x zero-extended to Hp
     ref_q, ref_sf = fp4.quantize_mxfp8(jnp.pad(x, ((0, 0), (0, 256 - h))))
@@ -731,16 +725,17 @@ def test_serves_fp4_with_module_and_cubins(quant, sid, device, fake_module):
     assert oracle.select_backend(CFG, quant, device=device, backend="flashinfer_trtllm").name == NAME
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "fp8_block"])
 def test_refuses_fp4_when_the_module_predates_its_target(name, monkeypatch, tmp_path):
-    """A module built before the FP4 handler (schemes() == ["fp8"]) is refused with what it lacks."""
+    """A module built before the FP4 / FP8-block handlers (schemes() == ["fp8"]) is refused with
+    what it lacks."""
     monkeypatch.setitem(trt._state, "module", FakeModule(schemes=("fp8",)))
     monkeypatch.setitem(trt._state, "error", None)
     monkeypatch.setenv(trt.CUBIN_ENV, str(tmp_path))
     _write_cubins(tmp_path)
     ok, why = trt.supports(CFG, _scheme(name), B200)
     assert not ok and why == (f"scheme '{name}': this build of jax_moe._jax_moe_trtllm has no "
-                              f"jax_moe_trtllm_fp4_block_scale_moe handler (it serves fp8); rebuild it")
+                              f"{trt.TARGETS[name]} handler (it serves fp8); rebuild it")
 
 
 def test_refuses_mxfp4_with_another_activation_format(fake_module):
@@ -750,10 +745,50 @@ def test_refuses_mxfp4_with_another_activation_format(fake_module):
 
 
 def test_scheme_id_names_the_runner():
-    assert [trt.scheme_id(*a) for a in (("fp8",), ("nvfp4", "nvfp4"), ("mxfp4", "bf16"), ("mxfp4", "mxfp8"))] \
-        == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="no handler for scheme 'fp8_block'"):
-        trt.scheme_id("fp8_block")
+    assert [trt.scheme_id(*a) for a in (("fp8",), ("nvfp4", "nvfp4"), ("mxfp4", "bf16"), ("mxfp4", "mxfp8"),
+                                        ("fp8_block", "fp8_per_group"))] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="no handler for scheme 'w4a8'"):
+        trt.scheme_id("w4a8")
+
+
+# ----------------------------------------------------------------------------- FP8 block-scale handler
+
+
+def _fp8_block_prepared(e=4, h=256, i=128):
+    q13, q2, quant = quantize_weights("fp8_block", *_rng_weights(e, h, i, seed=14))
+    return trt.prepare(q13, q2, MoEConfig(e, 2, h, i), quant)
+
+
+def test_fp8_block_call_operands_and_shape_rule(fp4_module):
+    """DeepSeek FP8: x e4m3 [T, H] with float32 scales [H/128, T], BlockMajorK weights and their
+    block scales; out bf16 [T, H]; workspace sized for scheme id 4 with default_tile_n."""
+    prep = _fp8_block_prepared()
+    out, (target, ins, outs, params) = _fp4_call(prep)
+    assert (out.shape, out.dtype) == ((5, 256), jnp.bfloat16)
+    assert target == "jax_moe_trtllm_fp8_block_scale_moe"
+    assert _sig(ins) == [((5, 256), "float8_e4m3fn"), ((2, 5), "float32"), ((5, 2), "int32"), ((5, 2), "float32"),
+                         ((4, 2, 256, 128), "float8_e4m3fn"), ((4, 2, 2), "float32"),
+                         ((4, 1, 256, 128), "float8_e4m3fn"), ((4, 2, 1), "float32")]
+    assert _sig(outs) == [((5, 256), "bfloat16"), ((4096,), "uint8")]
+    assert params["tile_n"] == trt.default_tile_n(5, 2, 4)
+    _, args, kwargs = [c for c in fp4_module.calls if c[0] == "workspace_size"][-1]
+    assert args[:5] == (5, 256, 128, 4, 2) and kwargs == {"scheme": 4}
+
+
+def test_fp8_block_value_errors_name_the_argument(no_module):
+    prep = _fp8_block_prepared()
+    with pytest.raises(ValueError, match=r"x \[T, 128\] does not match prepared fp8_block"):
+        trt.apply_prepared(jnp.zeros((5, 128)), prep, jnp.zeros((5, 2)), jnp.zeros((5, 2), jnp.int32))
+    with pytest.raises(ValueError, match="topk_ids must be int32"):
+        trt.apply_prepared(jnp.zeros((5, 256)), prep, jnp.zeros((5, 2)), jnp.zeros((5, 2), jnp.uint32))
+
+
+def test_serves_fp8_block_with_module_and_cubins(fake_module):
+    _write_cubins(fake_module)
+    ok, why = trt.supports(CFG, _scheme("fp8_block"), B200)
+    assert ok, why
+    _, args, _ = [c for c in trt._state["module"].calls if c[0] == "cubins"][-1]
+    assert args[0] == 4
 
 
 # ----------------------------------------------------------------------------- GPU (SM100 only)
@@ -854,3 +889,26 @@ def test_gpu_mxfp4_gpt_oss_matches_xla(act, t):
     ref = fused_experts(x, q13, q2, w, ids, quant=quant, activation="swigluoai", gate_up_layout="interleaved",
                         w13_bias=b13, w2_bias=b2, backend="xla")
     assert got.shape == (t, h) and _rel_err(got, ref) < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm100(), reason="needs compute capability 10.x (SM100) for the TRT-LLM gen cubins")
+@pytest.mark.parametrize("t", [1, 37, 300])
+def test_gpu_fp8_block_matches_xla(t):
+    """DeepSeek FP8 128x128 block scale through jax_moe_trtllm_fp8_block_scale_moe against the xla
+    backend on the same quantized weights."""
+    from jax_moe import fused_experts
+
+    e, k, h, i = 8, 2, 256, 256
+    rng = np.random.default_rng(200 + t)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) * 0.05, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)) * 0.05, jnp.float32)
+    q13, q2, quant = quantize_weights("fp8_block", w13, w2)
+    w, ids = _routing(rng, t, e, k)
+    ok, why = trt.supports(MoEConfig(e, k, h, i), quant)
+    if not ok:
+        pytest.skip(why)
+    got = fused_experts(x, q13, q2, w, ids, quant=quant, backend="flashinfer_trtllm")
+    ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
+    assert _rel_err(got, ref) < 0.05

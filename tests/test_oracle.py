@@ -56,7 +56,7 @@ REASONS = [
     (H100, "w4a8", "cutlass", "scheme 'w4a8' is not built yet (have bf16, fp8)"),
     (H100, "fp8", "cutlass", "simulated: jax_moe._jax_moe_cutlass is not built"),
     (B200, "nvfp4", "flashinfer_trtllm", "simulated: jax_moe._jax_moe_trtllm is not built"),
-    (B200, "fp8_block", "flashinfer_trtllm", "scheme 'fp8_block': weight preparation and shape rules are written"),
+    (B200, "fp8_block", "flashinfer_trtllm", "simulated: jax_moe._jax_moe_trtllm is not built"),
     (B200, "mxfp4", "flashinfer_trtllm", "simulated: jax_moe._jax_moe_trtllm is not built"),
     (B200, "fp8", "flashinfer_trtllm", "simulated: jax_moe._jax_moe_trtllm is not built"),
     (B200, "nvfp4", "flashinfer_cutedsl", "nvidia-cutlass-dsl is not installed"),

@@ -30,15 +30,16 @@ the call in both:
     scalars ``g1_alphas / a2``, ``g1_alphas``, ``g2_alphas`` (:func:`prepare_nvfp4_weights`,
     :class:`Nvfp4Prepared`); x quantized to NVFP4 with linear-layout scales.
 
-A scheme with its load-time side only (:data:`PREPARED_ONLY`): the weight preparation (pure jnp,
-CPU-tested against the layouts as documented in words), the Prepared pytree, the shape rules
-(:func:`kernel_sizes`, :func:`input_shapes`, :func:`quantize_input`, :func:`check_call`) and the
-oracle reasons are written; the FFI handler is not written or compiled yet, so :func:`supports`
-says so once the shapes fit, and :func:`apply_prepared` refuses it.
-
-* ``fp8_block`` (DeepSeek-V3; ``trtllm_fp8_block_scale_moe``): w13 ``[up; gate]``, weights
+* ``fp8_block`` (DeepSeek-V3; ``jax_moe_trtllm_fp8_block_scale_moe``, FlashInfer's
+  ``trtllm_fp8_block_scale_moe`` with DeepSeek FP8 quantization): w13 ``[up; gate]``, weights
   row-shuffled with epilogue tile 64 and stored BlockMajorK, block scales only swapped
-  (:func:`prepare_fp8_block_weights`, :class:`Fp8BlockPrepared`).
+  (:func:`prepare_fp8_block_weights`, :class:`Fp8BlockPrepared`); x quantized to FP8 per token
+  per 128 columns, scales handed over ``[H/128, T]``. Compiles for sm_100a against the stand-in
+  pack; never run.
+
+Every scheme's weight preparation is pure jnp, CPU-tested against the layouts as documented in
+words; the shape rules are :func:`kernel_sizes`, :func:`input_shapes`, :func:`quantize_input`,
+:func:`check_call`. :data:`PREPARED_ONLY` (schemes prepared here without a handler) is empty now.
 
 Weight layout (:func:`prepare`, once, at load time; seed 000, :mod:`jax_moe.layouts`): I is
 zero-padded to :data:`jax_moe.layouts.FP8_INTERMEDIATE_ALIGN` (each gate/up half at its own end,
@@ -95,12 +96,12 @@ NAME = "flashinfer_trtllm"
 SMS = (100, 103)                      # compute capabilities the cubins run on (10.0, 10.3)
 TARGETS = {"fp8": "jax_moe_trtllm_fp8_per_tensor_moe",
            "nvfp4": "jax_moe_trtllm_fp4_block_scale_moe",
-           "mxfp4": "jax_moe_trtllm_fp4_block_scale_moe"}
+           "mxfp4": "jax_moe_trtllm_fp4_block_scale_moe",
+           "fp8_block": "jax_moe_trtllm_fp8_block_scale_moe"}
 # the runner a (scheme, activation format) builds: ffi/trtllm_module.h's kScheme* (scheme_id())
-SCHEME_IDS = {"fp8": 0, "nvfp4": 1, "mxfp4": 2, "mxfp4_mxfp8": 3}
-# vLLM's other TRT-LLM row: weight preparation, Prepared pytree, shape rules and oracle reasons
-# are written and CPU-tested here; its FFI handler is not written/compiled yet
-PREPARED_ONLY = ("fp8_block",)
+SCHEME_IDS = {"fp8": 0, "nvfp4": 1, "mxfp4": 2, "mxfp4_mxfp8": 3, "fp8_block": 4}
+# schemes whose weights are prepared here but whose FFI handler is not written (none now)
+PREPARED_ONLY: tuple[str, ...] = ()
 # the FlashInfer entry point each scheme's handler wraps
 KERNELS = {"fp8": "trtllm_fp8_per_tensor_scale_moe", "fp8_block": "trtllm_fp8_block_scale_moe",
            "nvfp4": "trtllm_fp4_block_scale_moe", "mxfp4": "trtllm_fp4_block_scale_moe"}
@@ -173,7 +174,7 @@ def _kernel_dims(cfg, scheme: str) -> tuple[int, int]:
     h, i = cfg.hidden_size, cfg.intermediate_size
     if scheme == "mxfp4":
         return mxfp4_padded_sizes(NAME, h, i)
-    if scheme == "nvfp4":
+    if scheme in ("nvfp4", "fp8_block"):
         return h, i
     return h, fp8_padded_intermediate(i)
 
@@ -298,8 +299,8 @@ def _config_refusal(cfg, quant) -> str | None:
     scheme = scheme_of(quant)
     built = ", ".join(sorted(TARGETS))
     if scheme not in TARGETS and scheme not in PREPARED_ONLY:
-        return (f"does not serve scheme {scheme!r} (serves {built}; weight preparation only: "
-                f"{', '.join(PREPARED_ONLY)})")
+        only = f"; weight preparation only: {', '.join(PREPARED_ONLY)}" if PREPARED_ONLY else ""
+        return f"does not serve scheme {scheme!r} (serves {built}{only})"
     why = _scheme_refusal(cfg, quant)
     if why:
         return why
@@ -866,10 +867,10 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, tile_n: int
                    config: int = -1):
     """``y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` on the TRT-LLM gen runner.
 
-    x [T, H] float, quantized here (:func:`quantize_input`: FP8 with ``prepared.a13_scale``; NVFP4
-    with ``a1_gscale``; for MXFP4 zero-padded to Hp, as bf16 or MXFP8); topk_weights [T, k] float;
-    topk_ids [T, k] int32 in [0, E); ``prepared``: :class:`Prepared`, :class:`Nvfp4Prepared` or
-    :class:`Mxfp4Prepared`. ``tile_n``: tokens per CTA tile (default :func:`default_tile`);
+    x [T, H] float, quantized here (:func:`quantize_input`: FP8 with ``prepared.a13_scale``; FP8
+    per token per 128 columns; NVFP4 with ``a1_gscale``; for MXFP4 zero-padded to Hp, as bf16 or
+    MXFP8); topk_weights [T, k] float;
+    topk_ids [T, k] int32 in [0, E); ``prepared``: any of :data:`PREPARED_TYPES`. ``tile_n``: tokens per CTA tile (default :func:`default_tile`);
     ``config``: the runner's config index (-1: its default). -> bf16 [T, H].
     """
     t, h, ip, e, k = check_call(x, prepared, topk_weights, topk_ids, tile_n)
@@ -888,6 +889,10 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, tile_n: int
         out, _ = jax.ffi.ffi_call(TARGETS["fp8"], output_shapes(t, h, ws))(
             xs[0], ids, w, prepared.w13, prepared.w2, prepared.out1_scale, prepared.out1_gate_scale,
             prepared.out2_scale, **attrs)
+        return out
+    if isinstance(prepared, Fp8BlockPrepared):
+        out, _ = jax.ffi.ffi_call(TARGETS["fp8_block"], output_shapes(t, h, ws))(
+            xs[0], xs[1], ids, w, prepared.w13, prepared.w13_scale, prepared.w2, prepared.w2_scale, **attrs)
         return out
     absent = jnp.zeros((0,), jnp.float32)  # the handler's "not given" for an optional operand
     opt = lambda a: absent if a is None else a  # noqa: E731
