@@ -559,7 +559,7 @@ def _scheme(name, e=128, **changes):
     (MoEConfig(128, 40, 2048, 768), _scheme("mxfp4"), "top_k 40 must be in [1, min(32, E)]"),
     (MoEConfig(1024, 8, 2048, 768), _scheme("mxfp4", 1024), "1024 experts exceed the routing kernels' 512"),
 ])
-def test_prepared_only_schemes_give_shape_reasons_first(cfg, quant, start, fake_module):
+def test_fp4_and_fp8_block_schemes_give_shape_reasons_first(cfg, quant, start, fake_module):
     _write_cubins(fake_module)
     ok, why = trt.supports(cfg, quant, B200)
     assert not ok and why.startswith(start), why
