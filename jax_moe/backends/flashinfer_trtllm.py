@@ -39,7 +39,7 @@ the call in both:
 
 Every scheme's weight preparation is pure jnp, CPU-tested against the layouts as documented in
 words; the shape rules are :func:`kernel_sizes`, :func:`input_shapes`, :func:`quantize_input`,
-:func:`check_call`. :data:`PREPARED_ONLY` (schemes prepared here without a handler) is empty now.
+:func:`check_call`.
 
 Weight layout (:func:`prepare`, once, at load time; seed 000, :mod:`jax_moe.layouts`): I is
 zero-padded to :data:`jax_moe.layouts.FP8_INTERMEDIATE_ALIGN` (each gate/up half at its own end,
@@ -100,8 +100,6 @@ TARGETS = {"fp8": "jax_moe_trtllm_fp8_per_tensor_moe",
            "fp8_block": "jax_moe_trtllm_fp8_block_scale_moe"}
 # the runner a (scheme, activation format) builds: ffi/trtllm_module.h's kScheme* (scheme_id())
 SCHEME_IDS = {"fp8": 0, "nvfp4": 1, "mxfp4": 2, "mxfp4_mxfp8": 3, "fp8_block": 4}
-# schemes whose weights are prepared here but whose FFI handler is not written (none now)
-PREPARED_ONLY: tuple[str, ...] = ()
 # the FlashInfer entry point each scheme's handler wraps
 KERNELS = {"fp8": "trtllm_fp8_per_tensor_scale_moe", "fp8_block": "trtllm_fp8_block_scale_moe",
            "nvfp4": "trtllm_fp4_block_scale_moe", "mxfp4": "trtllm_fp4_block_scale_moe"}
@@ -295,19 +293,11 @@ def _scheme_refusal(cfg, quant) -> str | None:
 
 def _config_refusal(cfg, quant) -> str | None:
     """What in (cfg, quant) this build cannot serve, whatever the device (None: nothing): an
-    unknown scheme, the scheme's contract (:func:`_scheme_refusal`), then a handler not built."""
+    unknown scheme, then the scheme's contract (:func:`_scheme_refusal`)."""
     scheme = scheme_of(quant)
-    built = ", ".join(sorted(TARGETS))
-    if scheme not in TARGETS and scheme not in PREPARED_ONLY:
-        only = f"; weight preparation only: {', '.join(PREPARED_ONLY)}" if PREPARED_ONLY else ""
-        return f"does not serve scheme {scheme!r} (serves {built}{only})"
-    why = _scheme_refusal(cfg, quant)
-    if why:
-        return why
     if scheme not in TARGETS:
-        return (f"scheme {scheme!r}: weight preparation and shape rules are written (prepare()), but its "
-                f"{KERNELS[scheme]} handler is not built into this module (have {built})")
-    return None
+        return f"does not serve scheme {scheme!r} (serves {', '.join(sorted(TARGETS))})"
+    return _scheme_refusal(cfg, quant)
 
 
 def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
@@ -387,10 +377,10 @@ def prepare(w13, w2, cfg, quant=None, *, w13_bias=None, w2_bias=None):
     """vLLM-layout experts (as ``fused_experts`` takes them) -> the runner's layout, once, at load
     time: :class:`Prepared` (``fp8``), :class:`Mxfp4Prepared`, :class:`Nvfp4Prepared` or
     :class:`Fp8BlockPrepared` by ``quant.scheme``. ValueError with the reason when the scheme's
-    contract refuses (cfg, quant) (:func:`_scheme_refusal`); a scheme whose handler is not built
-    is still prepared. Biases: MXFP4 only (``w13_bias [E, 2I]``, ``w2_bias [E, H]``)."""
+    contract refuses (cfg, quant) (:func:`_scheme_refusal`), whether or not this build's module has
+    the scheme's handler. Biases: MXFP4 only (``w13_bias [E, 2I]``, ``w2_bias [E, H]``)."""
     scheme = scheme_of(quant)
-    if scheme not in TARGETS and scheme not in PREPARED_ONLY:
+    if scheme not in TARGETS:
         raise ValueError(f"{NAME}: {_config_refusal(cfg, quant)}")
     if scheme != "mxfp4" and (w13_bias is not None or w2_bias is not None):
         raise ValueError(f"{NAME}: expert biases (w13_bias/w2_bias) are not supported yet for scheme {scheme!r}")
@@ -874,9 +864,6 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, tile_n: int
     ``config``: the runner's config index (-1: its default). -> bf16 [T, H].
     """
     t, h, ip, e, k = check_call(x, prepared, topk_weights, topk_ids, tile_n)
-    if prepared.scheme not in TARGETS:
-        raise ValueError(f"{NAME}: scheme {prepared.scheme!r} is prepared, but its {KERNELS[prepared.scheme]} "
-                         f"handler is not built into this module (have {', '.join(sorted(TARGETS))})")
     tile_n = default_tile(prepared.scheme, t, k, e) if tile_n is None else tile_n
     sid = scheme_id(prepared.scheme, getattr(prepared, "act", None))
     _register()
