@@ -87,6 +87,21 @@ def _jit_twice_matches_xla(x, q13, q2, tw, ids, quant, tol):
     return out1
 
 
+def _optional_operands_match_xla(rng, x, w13, w2, tw, ids, swiglu: dict, tol: float, quant=None):
+    """The runner's optional operands: the routed call with ``swiglu`` (swigluoai and its biases,
+    as fused_experts keywords), then Llama4's router weight on the input with fresh top-1 routing.
+    fused_experts on flashinfer_cutlass under jit: x's dtype, within ``tol`` of backend="xla"."""
+    from jax_moe import fused_experts
+
+    tw1, ids1 = _routing(rng, x.shape[0], w13.shape[0], 1)
+    for args, kw in (((x, w13, w2, tw, ids), swiglu),
+                     ((x, w13, w2, tw1, ids1), dict(apply_router_weight_on_input=True))):
+        out = jax.jit(lambda *a: fused_experts(*a, quant=quant, backend="flashinfer_cutlass", **kw))(*args)
+        ref = fused_experts(*args, quant=quant, backend="xla", **kw)
+        assert out.dtype == x.dtype
+        assert _rel_err(out, ref) < tol, kw
+
+
 def test_prepare_weights_swaps_gate_and_up():
     e, i, h = 2, 4, 8
     w13 = jnp.arange(e * 2 * i * h, dtype=jnp.float32).reshape(e, 2 * i, h)
@@ -281,19 +296,22 @@ def test_slots_of_experts_owned_elsewhere_are_skipped(rng):
 # ----------------------------------------------------------------------------- FP8 per-tensor
 
 
+def _gemm2_inputs(x, w13, i, activation):
+    """float32 ``[T, E, I]``: every token's GEMM2 input through every expert (activation of
+    x W13_e^T), what a static a2_scale is calibrated on."""
+    h1 = jnp.einsum("th,enh->ten", x.astype(jnp.float32), w13.astype(jnp.float32))
+    if fic.GATED[activation]:
+        gate, up = h1[..., :i], h1[..., i:]
+        return (jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=False)) * up
+    return jnp.square(jnp.maximum(h1, 0.0))
+
+
 def _fp8_problem(rng, t, e, k, h, i, *, static_a13=True, activation="silu"):
     """Random bf16 tokens and fp8-quantized weights (per-expert scales) with a calibrated static
     a2_scale (and a13_scale unless ``static_a13`` is False)."""
     x, w13, w2, tw, ids = _problem(rng, t, e, k, h, i, activation)
     a13 = calibrate_activation_scale("fp8_per_tensor", x) if static_a13 else None
-    # GEMM2's input after the activation: calibrated on the float reference's intermediate.
-    h1 = jnp.einsum("th,enh->ten", x.astype(jnp.float32), w13.astype(jnp.float32))
-    if fic.GATED[activation]:
-        gate, up = h1[..., :i], h1[..., i:]
-        inter = (jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=False)) * up
-    else:
-        inter = jnp.square(jnp.maximum(h1, 0.0))
-    a2 = calibrate_activation_scale("fp8_per_tensor", inter)
+    a2 = calibrate_activation_scale("fp8_per_tensor", _gemm2_inputs(x, w13, i, activation))
     q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=a2)
     return x, q13, q2, tw, ids, quant
 
@@ -845,19 +863,13 @@ def test_fp8_block_swigluoai_biases_and_router_weight_on_input(rng):
     """The runner's optional operands on the block-scale path: swigluoai (SwigluBias) with both
     biases and clamps that bite, and Llama4's router weight on the input (top-1)."""
     _skip_unless_scheme("fp8_block")
-    from jax_moe import fused_experts
-
     t, e, k, h, i = 37, 8, 2, 512, 256
     x, w13, w2, tw, ids = _problem(rng, t, e, k, h, i)
     b13 = jnp.asarray(rng.standard_normal((e, 2 * i)), jnp.bfloat16).astype(jnp.float32)
     b2 = jnp.asarray(0.3 * rng.standard_normal((e, h)), jnp.bfloat16).astype(jnp.float32)
     q13, q2, quant = quantize_weights("fp8_block", 4 * w13.astype(jnp.float32), w2)
-    tw1, ids1 = _routing(rng, t, e, 1)
-    for args, kw in (((x, q13, q2, tw, ids), dict(activation="swigluoai", w13_bias=b13, w2_bias=b2)),
-                     ((x, q13, q2, tw1, ids1), dict(apply_router_weight_on_input=True))):
-        out = jax.jit(lambda *a: fused_experts(*a, quant=quant, backend="flashinfer_cutlass", **kw))(*args)
-        ref = fused_experts(*args, quant=quant, backend="xla", **kw)
-        assert _rel_err(out, ref) < FP8_REL_TOL, kw
+    _optional_operands_match_xla(rng, x, q13, q2, tw, ids, dict(activation="swigluoai", w13_bias=b13, w2_bias=b2),
+                                 FP8_REL_TOL, quant)
 
 
 @pytest.mark.gpu
@@ -1053,18 +1065,11 @@ def test_f16_swigluoai_biases_and_router_weight_on_input(rng):
     """The runner's optional operands on the half path: GPT-OSS's swigluoai with float16 biases on
     both GEMMs and alternating gate/up rows, and Llama4's router weight on the input (top-1)."""
     _skip_unless_scheme("f16")
-    from jax_moe import fused_experts
-
     t, e, k, h, i = 37, 8, 2, 512, 256
     x, w13, w2, tw, ids, kw = _gpt_oss_problem(rng, t, e, k, h, i, "bf16")
     x, w13, w2 = (a.astype(jnp.float16) for a in (x, w13, w2))
-    tw1, ids1 = _routing(rng, t, e, 1)
-    for args, opts in (((x, w13, w2, tw, ids), kw),
-                       ((x, w13, w2, tw1, ids1), dict(apply_router_weight_on_input=True))):
-        out = jax.jit(lambda *a: fused_experts(*a, backend="flashinfer_cutlass", **opts))(*args)
-        ref = fused_experts(*args, backend="xla", **opts)
-        assert out.dtype == jnp.float16
-        assert _rel_err(out, ref) < 1e-2, opts
+    assert x.dtype == jnp.float16
+    _optional_operands_match_xla(rng, x, w13, w2, tw, ids, kw, 1e-2)
 
 
 @pytest.mark.gpu
@@ -1133,13 +1138,7 @@ def _w4a8_problem(rng, t, e, k, h, i, activation="silu", *, static_a13=True):
     x, q13, q2, tw, ids, quant."""
     x, w13, w2, tw, ids = _problem(rng, t, e, k, h, i, activation)
     a13 = calibrate_activation_scale("fp8_per_tensor", x) if static_a13 else None
-    h1 = jnp.einsum("th,enh->ten", x.astype(jnp.float32), w13.astype(jnp.float32))
-    h1 = jnp.take_along_axis(h1, ids[:, :, None], axis=1)  # the routed experts' rows [T, k, N1]
-    if fic.GATED[activation]:
-        gate, up = h1[..., :i], h1[..., i:]
-        inter = (jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=False)) * up
-    else:
-        inter = jnp.square(jnp.maximum(h1, 0.0))
+    inter = jnp.take_along_axis(_gemm2_inputs(x, w13, i, activation), ids[:, :, None], axis=1)  # routed [T, k, I]
     a2 = calibrate_activation_scale("fp8_per_tensor", inter)
     q13, q2, quant = quantize_weights("w4a8", w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=a2)
     return x, q13, q2, tw, ids, quant
@@ -1418,18 +1417,12 @@ def test_w4a8_swigluoai_biases_and_router_weight_on_input(rng):
     """The runner's optional operands on the W4A8 path: swigluoai (SwigluBias) with both biases
     and interleaved rows, and Llama4's router weight on the input (top-1)."""
     _skip_unless_scheme("w4a8")
-    from jax_moe import fused_experts
-
     t, e, k, h, i = 37, 8, 2, 512, 256
     x, q13, q2, tw, ids, quant = _w4a8_problem(rng, t, e, k, h, i)
     b13 = jnp.asarray(rng.standard_normal((e, 2 * i)), jnp.bfloat16).astype(jnp.float32)
     b2 = jnp.asarray(0.3 * rng.standard_normal((e, h)), jnp.bfloat16).astype(jnp.float32)
-    tw1, ids1 = _routing(rng, t, e, 1)
-    for args, kw in (((x, q13, q2, tw, ids), dict(activation="swigluoai", w13_bias=b13, w2_bias=b2)),
-                     ((x, q13, q2, tw1, ids1), dict(apply_router_weight_on_input=True))):
-        out = jax.jit(lambda *a: fused_experts(*a, quant=quant, backend="flashinfer_cutlass", **kw))(*args)
-        ref = fused_experts(*args, quant=quant, backend="xla", **kw)
-        assert _rel_err(out, ref) < FP8_REL_TOL, kw
+    _optional_operands_match_xla(rng, x, q13, q2, tw, ids, dict(activation="swigluoai", w13_bias=b13, w2_bias=b2),
+                                 FP8_REL_TOL, quant)
 
 
 @pytest.mark.gpu
