@@ -87,6 +87,21 @@ def _jit_twice_matches_xla(x, q13, q2, tw, ids, quant, tol):
     return out1
 
 
+def _three_expert_ids(rng, t: int, k: int):
+    """int32 [T, k] top-k ids drawn from experts 0, 1 and 2 only: every other expert gets no rows."""
+    return jnp.asarray(np.stack([rng.permutation(3)[:k] for _ in range(t)]).astype(np.int32))
+
+
+def _prepared_matches_xla(x, q13, q2, tw, ids, quant, cfg, tol):
+    """Prepared once (fic.prepare), applied under jit: within ``tol`` of backend="xla" on the same
+    QuantConfig."""
+    from jax_moe import fused_experts
+
+    out = jax.jit(fic.apply_prepared)(x, fic.prepare(q13, q2, cfg, quant), tw, ids)
+    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, activation=cfg.activation, backend="xla")
+    assert _rel_err(out, ref) < tol
+
+
 def _optional_operands_match_xla(rng, x, w13, w2, tw, ids, swiglu: dict, tol: float, quant=None):
     """The runner's optional operands: the routed call with ``swiglu`` (swigluoai and its biases,
     as fused_experts keywords), then Llama4's router weight on the input with fresh top-1 routing.
@@ -829,15 +844,10 @@ def test_fp8_block_other_activations_and_empty_experts(rng, activation):
     """Prepared once, applied under jit: other activations, and tokens routed to 3 of 16
     experts only (13 experts get no rows)."""
     _skip_unless_scheme("fp8_block")
-    from jax_moe import fused_experts
-
     t, e, k, h, i = 64, 16, 2, 512, 256
     x, q13, q2, tw, _, quant = _fp8_block_problem(rng, t, e, k, h, i, activation)
-    ids = jnp.asarray(np.stack([rng.permutation(3)[:k] for _ in range(t)]).astype(np.int32))
-    prep = fic.prepare(q13, q2, _cfg(e, k, h, i, activation), quant)
-    out = jax.jit(fic.apply_prepared)(x, prep, tw, ids)
-    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, activation=activation, backend="xla")
-    assert _rel_err(out, ref) < FP8_REL_TOL
+    _prepared_matches_xla(x, q13, q2, tw, _three_expert_ids(rng, t, k), quant, _cfg(e, k, h, i, activation),
+                          FP8_REL_TOL)
 
 
 @pytest.mark.gpu
@@ -1049,7 +1059,7 @@ def test_f16_prepared_activations_and_empty_experts(rng, activation):
 
     t, e, k, h, i = 64, 16, 2, 512, 256
     x, w13, w2, tw, _ = _f16_problem(rng, t, e, k, h, i, activation)
-    ids = jnp.asarray(np.stack([rng.permutation(3)[:k] for _ in range(t)]).astype(np.int32))
+    ids = _three_expert_ids(rng, t, k)
     prep = fic.prepare(w13, w2, _cfg(e, k, h, i, activation))
     assert prep.scheme == "f16"
     f = jax.jit(fic.apply_prepared)
@@ -1401,15 +1411,10 @@ def test_w4a8_other_activations_dynamic_a13_and_empty_experts(rng, activation):
     """Prepared once, applied under jit: other activations, a dynamic a13 (amax / 448 per call),
     and tokens routed to 3 of 16 experts only (13 experts get no rows)."""
     _skip_unless_scheme("w4a8")
-    from jax_moe import fused_experts
-
     t, e, k, h, i = 64, 16, 2, 512, 256
     x, q13, q2, tw, _, quant = _w4a8_problem(rng, t, e, k, h, i, activation, static_a13=False)
-    ids = jnp.asarray(np.stack([rng.permutation(3)[:k] for _ in range(t)]).astype(np.int32))
-    prep = fic.prepare(q13, q2, _cfg(e, k, h, i, activation), quant)
-    out = jax.jit(fic.apply_prepared)(x, prep, tw, ids)
-    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, activation=activation, backend="xla")
-    assert _rel_err(out, ref) < FP8_REL_TOL
+    _prepared_matches_xla(x, q13, q2, tw, _three_expert_ids(rng, t, k), quant, _cfg(e, k, h, i, activation),
+                          FP8_REL_TOL)
 
 
 @pytest.mark.gpu
