@@ -38,3 +38,14 @@ def test_each_scheme_runs_and_prints_a_row_per_token_count(moe_bench, scheme, ca
     assert [r.split(" | ")[1] for r in rows] == ["1", "5"]
     for r in rows:  # the xla column is a time, never n/a
         assert float(r.split(" | ")[2]) > 0
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_mxfp4"])
+def test_load_layer_writes_loads_and_matches_the_format_reference(monkeypatch, model, capsys):
+    """bench/load_layer.py: a synthetic checkpoint in the release's on-disk form (DeepSeek-V3 FP8
+    blocks + shared expert, GPT-OSS MXFP4) loads, runs, and matches its float32 reference."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import load_layer
+
+    assert load_layer.main(["--model", model, "--tokens", "3"]) == 0
+    assert "PASS" in capsys.readouterr().out
