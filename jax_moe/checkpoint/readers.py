@@ -139,30 +139,36 @@ def _per_expert(src: TensorSource, p: str, names: tuple[str, str, str], spec: La
 
 
 def _stack_mlps(src, prefixes, names, inter, h, spec, dtype) -> ExpertWeights:
-    """Gated MLPs under each prefix -> ExpertWeights with len(prefixes) experts (float or FP8 block)."""
+    """Gated MLPs under each prefix -> ExpertWeights with len(prefixes) experts (float or FP8 block).
+
+    FP8 block weights whose I is not a multiple of the block's rows are zero-padded to the next
+    multiple (gate, up rows and down columns of zeros add nothing to the output), so that the
+    gate and up scale blocks stack; the block scales keep their stored shapes."""
     gate, up, down = names
     e = len(prefixes)
     if dtype not in FLOATS + (FP8,):
         raise ValueError(f"checkpoint tensor {prefixes[0] + gate!r} has dtype {dtype}; expert weights are read "
                          f"as {list(FLOATS)} or {FP8} with block scales")
-    w13 = np.empty((e, 2 * inter, h), _np_dtype(dtype))
-    w2 = np.empty((e, h, inter), _np_dtype(dtype))
+    bn, bk = spec.fp8_block
+    ip = -(-inter // bn) * bn if dtype == FP8 else inter
+    if dtype == FP8 and -(-ip // bk) != -(-inter // bk):
+        raise ValueError(f"{prefixes[0]}: intermediate size {inter} is not a multiple of the FP8 weight block "
+                         f"{spec.fp8_block}, and padding it would change the scale grid; load with quant=None")
+    alloc = np.zeros if ip != inter else np.empty
+    w13 = alloc((e, 2 * ip, h), _np_dtype(dtype))
+    w2 = alloc((e, h, ip), _np_dtype(dtype))
     for i, p in enumerate(prefixes):
         w13[i, :inter] = src.take(p + gate, (inter, h), [dtype])
-        w13[i, inter:] = src.take(p + up, (inter, h), [dtype])
-        w2[i] = src.take(p + down, (h, inter), [dtype])
+        w13[i, ip:ip + inter] = src.take(p + up, (inter, h), [dtype])
+        w2[i, :, :inter] = src.take(p + down, (h, inter), [dtype])
     if dtype != FP8:
         return ExpertWeights(w13, w2)
-    bn, bk = spec.fp8_block
-    if inter % bn:
-        raise ValueError(f"{prefixes[0]}: intermediate size {inter} is not a multiple of the FP8 weight block "
-                         f"({bn} rows), so gate and up blocks cannot be stacked natively; load with quant=None")
-    s13 = np.empty((e, 2 * inter // bn, math.ceil(h / bk)), np.float32)
-    s2 = np.empty((e, math.ceil(h / bn), math.ceil(inter / bk)), np.float32)
-    half = inter // bn
+    half, kb = ip // bn, -(-h // bk)
+    s13 = np.empty((e, 2 * half, kb), np.float32)
+    s2 = np.empty((e, -(-h // bn), -(-inter // bk)), np.float32)
     for i, p in enumerate(prefixes):
-        s13[i, :half] = src.take(p + gate + "_scale_inv", (half, s13.shape[2]), SCALES)
-        s13[i, half:] = src.take(p + up + "_scale_inv", (half, s13.shape[2]), SCALES)
+        s13[i, :half] = src.take(p + gate + "_scale_inv", (half, kb), SCALES)
+        s13[i, half:] = src.take(p + up + "_scale_inv", (half, kb), SCALES)
         s2[i] = src.take(p + down + "_scale_inv", s2.shape[1:], SCALES)
     return ExpertWeights(w13, w2, QuantConfig("fp8_block", s13, s2, block_shape=(bn, bk)))
 
