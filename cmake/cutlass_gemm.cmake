@@ -1,4 +1,4 @@
-# cmake/cutlass_gemm.cmake -- jax_moe's own CUTLASS kernels (issue 5): the SM90 bf16 and fp8 grouped GEMMs
+# cmake/cutlass_gemm.cmake -- jax_moe's own CUTLASS kernels: the SM90 bf16 and fp8 grouped GEMMs
 # (ffi/cutlass_grouped_gemm*) behind the XLA FFI targets jax_moe_cutlass_grouped_gemm and
 # jax_moe_cutlass_grouped_gemm_fp8, in the nanobind module jax_moe._jax_moe_cutlass. Included from
 # CMakeLists.txt once the CUDA language is enabled.
@@ -7,6 +7,8 @@
 #   1. CUTLASS_DIR (cache variable or environment): a CUTLASS checkout (include/, tools/util/include/)
 #   2. FLASHINFER_SRC_DIR (cache variable or environment): <dir>/data/cutlass/{include,tools/util/include}
 #   3. the installed flashinfer-python package (importlib.util.find_spec, no import): the same data dir
+#   4. the nvidia-cutlass package (a build requirement in pyproject.toml; cutlass_library/source/...),
+#      so a plain `pip install .` on a machine with nvcc builds this backend without FlashInfer
 # JAX_MOE_WITH_CUTLASS (default ON) builds it when the headers are found and JAX_MOE_CUDA_ARCHS
 # includes 90a; otherwise the module is skipped with a status line and jax_moe.backends.cutlass says why.
 # Only sm_90a code is generated for these TUs, whatever else the other CUDA targets build for.
@@ -29,6 +31,15 @@ function(jax_moe_find_cutlass out_inc out_util)
   jax_moe_find_flashinfer_dir(_fi)
   if(_fi)
     list(APPEND _cands "${_fi}/data/cutlass")
+  endif()
+  if(Python_EXECUTABLE)
+    execute_process(
+      COMMAND "${Python_EXECUTABLE}" -c
+        "import importlib.util as u, os; s = u.find_spec('cutlass_library'); print(os.path.join(list(s.submodule_search_locations)[0], 'source') if s and s.submodule_search_locations else '')"
+      OUTPUT_VARIABLE _nv OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    if(_nv)
+      list(APPEND _cands "${_nv}")
+    endif()
   endif()
   foreach(_c IN LISTS _cands)
     if(EXISTS "${_c}/include/cutlass/gemm/group_array_problem_shape.hpp")
@@ -60,7 +71,7 @@ else()
   jax_moe_find_cutlass(_cutlass_inc _cutlass_util)
   if(NOT _cutlass_inc)
     set(JAX_MOE_CUTLASS_STATUS
-        "skipped: CUTLASS headers not found (set CUTLASS_DIR or FLASHINFER_SRC_DIR, or install flashinfer-python)")
+        "skipped: CUTLASS headers not found (install nvidia-cutlass, or set CUTLASS_DIR or FLASHINFER_SRC_DIR)")
   else()
     jax_moe_header_count(_n_kinds kNumCutlassGemmKinds)
     jax_moe_header_count(_n_tiles kNumCutlassTiles)

@@ -1,13 +1,33 @@
-"""Test-suite wiring: ``@pytest.mark.gpu`` tests run only where JAX sees an NVIDIA GPU; the CPU
-platform gets 8 devices so that the parallel tests can build meshes anywhere."""
+"""Test-suite wiring:
+
+* ``@pytest.mark.gpu`` tests run only where JAX sees an NVIDIA GPU; ``@pytest.mark.slow`` tests
+  are left out of the everyday command (``-m "not slow"``) and run in CI;
+* the CPU platform gets 8 devices so that the parallel tests can build meshes anywhere;
+* compiled programs go to JAX's persistent compilation cache in ``JAX_MOE_TEST_CACHE`` (default
+  ``<repo>/.jax_cache``; ``JAX_MOE_TEST_CACHE=off`` disables it), so a second run compiles
+  almost nothing;
+* under pytest-xdist (``-n auto``) each worker allocates GPU memory on demand instead of XLA's
+  75% preallocation, and ``-n auto`` starts at most :data:`GPU_WORKERS` workers on a GPU machine
+  (compilation is what the workers share out; the GPU is shared).
+"""
 
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest
+
+GPU_WORKERS = 4
+_CACHE = os.environ.get("JAX_MOE_TEST_CACHE",
+                        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"))
+if _CACHE != "off":
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _has_gpu() -> bool:
@@ -18,6 +38,12 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core on CPU, at most GPU_WORKERS where a GPU is shared."""
+    cores = os.cpu_count() or 1
+    return min(cores, GPU_WORKERS) if HAS_GPU else cores
 
 
 def pytest_collection_modifyitems(config, items):
