@@ -39,11 +39,17 @@ SHARDS = 4
 # ----------------------------------------------------------------------------- writing
 
 
+def _random_bytes(rng, shape) -> np.ndarray:
+    return np.frombuffer(bytearray(rng.bytes(int(np.prod(shape)))), np.uint8).reshape(shape)
+
+
 def _fp8_codes(rng, shape):
-    """Random float8_e4m3fn bytes with magnitudes in [0.5, 7.5] (exponent fields 6..9; never NaN)."""
-    r = rng.integers(0, 256, size=shape, dtype=np.uint8)
-    exp = ((r >> 3) & 0x3) + 6
-    return ((r & 0x80) | (exp << 3).astype(np.uint8) | (r & 0x07)).view(ml_dtypes.float8_e4m3fn)
+    """Random float8_e4m3fn bytes: random sign, mantissa and low exponent bit, exponent field 6 or 7,
+    so magnitudes lie in [0.5, 2) (never NaN)."""
+    r = _random_bytes(rng, shape)
+    r &= 0x8F
+    r |= 0x30
+    return r.view(ml_dtypes.float8_e4m3fn)
 
 
 def write_checkpoint(model: str, out: str, seed: int = 0) -> None:
@@ -81,9 +87,9 @@ def write_checkpoint(model: str, out: str, seed: int = 0) -> None:
                    num_experts_per_tok=k, experts_per_token=k, swiglu_limit=7.0, num_hidden_layers=LAYER + 1,
                    quantization_config=dict(quant_method="mxfp4", modules_to_not_convert=["model.layers.*.mlp.router"]))
         x = p + "experts."
-        shards[0][x + "gate_up_proj_blocks"] = rng.integers(0, 256, (e, 2 * i, h // 32, 16), dtype=np.uint8)
+        shards[0][x + "gate_up_proj_blocks"] = _random_bytes(rng, (e, 2 * i, h // 32, 16))
         shards[0][x + "gate_up_proj_scales"] = rng.integers(118, 122, (e, 2 * i, h // 32), dtype=np.uint8)
-        shards[1][x + "down_proj_blocks"] = rng.integers(0, 256, (e, h, i // 32, 16), dtype=np.uint8)
+        shards[1][x + "down_proj_blocks"] = _random_bytes(rng, (e, h, i // 32, 16))
         shards[1][x + "down_proj_scales"] = rng.integers(118, 122, (e, h, i // 32), dtype=np.uint8)
         shards[2][x + "gate_up_proj_bias"] = (0.1 * rng.standard_normal((e, 2 * i))).astype(ml_dtypes.bfloat16)
         shards[2][x + "down_proj_bias"] = (0.1 * rng.standard_normal((e, h))).astype(ml_dtypes.bfloat16)
@@ -110,10 +116,23 @@ def write_checkpoint(model: str, out: str, seed: int = 0) -> None:
 _E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
-def _fp8_weight(f, name):
+def _fp8_matvec(f, name, x):
+    """(weight * weight_scale_inv over 128x128 blocks) @ x for x [K] -> [N], block by block."""
     q = f(name + ".weight").astype(np.float32)
     s = f(name + ".weight_scale_inv").astype(np.float32)
-    return q * np.repeat(np.repeat(s, 128, 0), 128, 1)[: q.shape[0], : q.shape[1]]
+    n, k = q.shape
+    nb, kb = s.shape
+    qp = np.zeros((nb * 128, kb * 128), np.float32)
+    qp[:n, :k] = q
+    xp = np.zeros(kb * 128, np.float32)
+    xp[:k] = x
+    parts = np.einsum("ibjc,jc->ibj", qp.reshape(nb, 128, kb, 128), xp.reshape(kb, 128))
+    return (parts * s[:, None, :]).sum(-1).reshape(-1)[:n]
+
+
+def _fp8_mlp(f, q, x):
+    a = _silu(_fp8_matvec(f, q + "gate_proj", x)) * _fp8_matvec(f, q + "up_proj", x)
+    return _fp8_matvec(f, q + "down_proj", a)
 
 
 def _mxfp4_weight(blocks, scales):
@@ -156,12 +175,9 @@ def reference(model: str, ckpt: str, x: np.ndarray) -> np.ndarray:
             sel = np.argsort(-np.where(keep, choice[t], -np.inf), kind="stable")[:k]
             w = s[t, sel] / s[t, sel].sum() * cfg["routed_scaling_factor"]
             for wj, ex in zip(w, sel):
-                q = f"{p}experts.{ex}."
-                a = _silu(_fp8_weight(f, q + "gate_proj") @ x[t]) * (_fp8_weight(f, q + "up_proj") @ x[t])
-                out[t] += wj * (_fp8_weight(f, q + "down_proj") @ a)
-        q = p + "shared_experts."
-        a = _silu(x @ _fp8_weight(f, q + "gate_proj").T) * (x @ _fp8_weight(f, q + "up_proj").T)
-        return out + a @ _fp8_weight(f, q + "down_proj").T
+                out[t] += wj * _fp8_mlp(f, f"{p}experts.{ex}.", x[t])
+            out[t] += _fp8_mlp(f, p + "shared_experts.", x[t])
+        return out
     xx = p + "experts."
     logits = x @ f(p + "router.weight").astype(np.float32).T + f(p + "router.bias").astype(np.float32)
     b13, s13 = f(xx + "gate_up_proj_blocks"), f(xx + "gate_up_proj_scales")
