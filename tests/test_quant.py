@@ -179,15 +179,21 @@ def test_fp8_zero_and_constant_inputs_never_make_nan(rng):
     assert float(s) > 0
 
 
-def test_fp8_static_scale_saturates_instead_of_nan(rng):
+def test_fp8_static_scale_saturates_finite_values_instead_of_nan(rng):
     scale = np.float32(0.01)  # representable range +-4.48
-    x = np.concatenate([normal(rng, 16), np.array([5.0, -7.0, 1e30, -np.inf], np.float32)])
+    x = np.concatenate([normal(rng, 16), np.array([5.0, -7.0, 1e30, -1e30], np.float32)])
     q = fp8.quantize_fp8_static(x, scale)
     qf = f32(q)
     assert not np.any(np.isnan(qf))
     np.testing.assert_array_equal(qf[-4:], [448.0, -448.0, 448.0, -448.0])
     inside = np.abs(x) < 4.4
     assert fp8_elementwise_ok(x[inside], qf[inside] * scale, scale)
+
+
+def test_fp8_static_scale_makes_an_infinity_nan_not_448():
+    """The NaN/Inf rule (jax_moe.quant): E4M3 holds no infinity, and saturating one would hide it."""
+    qf = f32(fp8.quantize_fp8_static(np.array([np.inf, -np.inf, np.nan, 1.0], np.float32), np.float32(0.01)))
+    assert np.isnan(qf[:3]).all() and qf[3] == 96.0  # 100 rounds to the E4M3 96
 
 
 # =========================================================================== E2M1 codec
@@ -613,3 +619,166 @@ def test_quantizing_a_few_experts_at_a_time_is_exact(rng, scheme, monkeypatch):
     chunked = sc.quantize_weights(scheme, w13, w2)
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked), strict=True):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+# =========================================================================== NaN / inf: one rule
+
+
+def _with_bad(rng, shape, bad, where):
+    x = normal(rng, *shape)
+    x[where] = bad
+    return x
+
+
+BAD = [np.nan, np.inf, -np.inf]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=["nan", "inf", "-inf"])
+def test_nonfinite_rule_fp8_every_granularity(rng, bad):
+    """E4M3 holds NaN: the element becomes NaN; the scale (over the finite values) and every other
+    element are exactly what they are without it."""
+    x = _with_bad(rng, (2, 4, 256), bad, (1, 2, 7))
+    clean = x.copy()
+    clean[1, 2, 7] = 0.0
+    quantizers = {
+        "per_tensor": (fp8.quantize_fp8_per_tensor, lambda q, s: fp8.dequantize_fp8(q, s)),
+        "per_expert": (fp8.quantize_fp8_per_expert, lambda q, s: fp8.dequantize_fp8(q, s)),
+        "per_token": (fp8.quantize_fp8_per_token, lambda q, s: fp8.dequantize_fp8(q, s)),
+        "per_channel": (fp8.quantize_fp8_per_channel, lambda q, s: fp8.dequantize_fp8(q, s)),
+        "block": (fp8.quantize_fp8_block, lambda q, s: fp8.dequantize_fp8_block(q, s)),
+        "group": (fp8.quantize_fp8_per_token_group, lambda q, s: fp8.dequantize_fp8_per_token_group(q, s)),
+        "static": (lambda v: (fp8.quantize_fp8_static(v, np.float32(0.01)), np.float32(0.01)),
+                   lambda q, s: fp8.dequantize_fp8(q, s)),
+    }
+    for name, (quant, deq) in quantizers.items():
+        q, s = quant(x)
+        qc, sc = quant(clean)
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(sc), err_msg=name)
+        d, dc = np.asarray(deq(q, s)), np.asarray(deq(qc, sc))
+        assert np.isnan(d[1, 2, 7]), name
+        mask = np.ones(d.shape, bool)
+        mask[1, 2, 7] = False
+        np.testing.assert_array_equal(d[mask], dc[mask], err_msg=name)
+
+
+@pytest.mark.parametrize("bad", BAD, ids=["nan", "inf", "-inf"])
+def test_nonfinite_rule_mxfp4_block_gets_the_e8m0_nan_byte(rng, bad):
+    """The issue's repro: a block holding NaN gave 32 zeros (byte 253), an inf kept the inf and
+    zeroed its 31 neighbours. Now the byte is 0xFF and the block is 32 NaNs; the other blocks are
+    as without it."""
+    x = _with_bad(rng, (3, 128), bad, (1, 40))
+    clean = x.copy()
+    clean[1, 40] = 0.0
+    p, s = fp4.quantize_mxfp4(x)
+    pc, sc = fp4.quantize_mxfp4(clean)
+    s, sc = np.asarray(s), np.asarray(sc)
+    assert s[1, 1] == 0xFF == fp4.E8M0_NAN
+    s_others = np.ones(s.shape, bool)
+    s_others[1, 1] = False
+    np.testing.assert_array_equal(s[s_others], sc[s_others])
+    d = np.asarray(fp4.dequantize_mxfp4(p, s))
+    assert np.isnan(d[1, 32:64]).all()
+    others = np.ones(d.shape, bool)
+    others[1, 32:64] = False
+    np.testing.assert_array_equal(d[others], np.asarray(fp4.dequantize_mxfp4(pc, sc))[others])
+    # the issue's exact block: ones with one NaN
+    one = np.ones((1, 32), np.float32)
+    one[0, 3] = bad
+    p, s = fp4.quantize_mxfp4(one)
+    assert int(np.asarray(s)[0, 0]) == 0xFF and np.isnan(np.asarray(fp4.dequantize_mxfp4(p, s))).all()
+
+
+@pytest.mark.parametrize("bad", BAD, ids=["nan", "inf", "-inf"])
+def test_nonfinite_rule_mxfp8_element_is_nan_scale_from_finite_values(rng, bad):
+    x = _with_bad(rng, (3, 128), bad, (1, 40))
+    clean = x.copy()
+    clean[1, 40] = 0.0
+    q, s = fp4.quantize_mxfp8(x)
+    qc, sc = fp4.quantize_mxfp8(clean)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(sc))
+    d, dc = np.array(fp4.dequantize_mxfp8(q, s)), np.array(fp4.dequantize_mxfp8(qc, sc))
+    assert np.isnan(d[1, 40]) and np.isnan(d).sum() == 1
+    d[1, 40] = dc[1, 40]
+    np.testing.assert_array_equal(d, dc)
+
+
+@pytest.mark.parametrize("bad", BAD, ids=["nan", "inf", "-inf"])
+def test_nonfinite_rule_nvfp4_block_scale_is_nan(rng, bad):
+    x = _with_bad(rng, (3, 64), bad, (1, 20))
+    clean = x.copy()
+    clean[1, 20] = 0.0
+    p, s, g = fp4.quantize_nvfp4(x)
+    pc, sc, gc = fp4.quantize_nvfp4(clean)
+    assert float(g) == float(gc)  # the global amax is over finite values
+    s32, sc32 = f32(s).copy(), f32(sc)
+    assert np.isnan(s32[1, 1]) and np.asarray(s).view(np.uint8)[1, 1] & 0x7F == 0x7F
+    s32[1, 1] = sc32[1, 1]
+    np.testing.assert_array_equal(s32, sc32)
+    d = np.array(fp4.dequantize_nvfp4(p, s, g))
+    assert np.isnan(d[1, 16:32]).all() and np.isnan(d).sum() == 16
+    d[1, 16:32] = 0
+    dc = np.array(fp4.dequantize_nvfp4(pc, sc, gc))
+    dc[1, 16:32] = 0
+    np.testing.assert_array_equal(d, dc)
+    # per-expert global scales: only that expert's amax, over its finite values
+    g_e = np.asarray(fp4.nvfp4_global_scale(x[:, None, :], per_expert=True))
+    np.testing.assert_array_equal(g_e, np.asarray(fp4.nvfp4_global_scale(clean[:, None, :], per_expert=True)))
+
+
+@pytest.mark.parametrize("bad", BAD, ids=["nan", "inf", "-inf"])
+def test_nonfinite_rule_int4_group_scale_is_nan(rng, bad):
+    x = _with_bad(rng, (3, 256), bad, (2, 200))
+    clean = x.copy()
+    clean[2, 200] = 0.0
+    p, s = int4.quantize_int4(x, 128)
+    pc, sc = int4.quantize_int4(clean, 128)
+    s, sc = np.asarray(s), np.asarray(sc)
+    assert np.isnan(s[2, 1]) and np.isfinite(np.delete(s.ravel(), 2 * 2 + 1)).all()
+    d = np.asarray(int4.dequantize_int4(p, s, 128))
+    assert np.isnan(d[2, 128:]).all() and np.isnan(d).sum() == 128
+    np.testing.assert_array_equal(d[:2], np.asarray(int4.dequantize_int4(pc, sc, 128))[:2])
+
+
+@pytest.mark.parametrize("act", ["fp8_per_tensor", "fp8_per_token", "fp8_per_group", "mxfp8", "nvfp4"])
+def test_nonfinite_token_leaves_the_other_tokens_of_a_dynamic_activation_scale_alone(rng, act):
+    """A NaN or inf in one token: that token is NaN (somewhere) after fake quantization, every
+    other token bit-identical to the result without it, even with one scale for the tensor."""
+    scheme = {"fp8_per_group": "fp8_block", "mxfp8": "mxfp4", "nvfp4": "nvfp4"}.get(act, "fp8")
+    w13, w2 = make_weights(rng)
+    _, _, cfg = quantize_weights(scheme, w13, w2, act=act)
+    x = normal(rng, 6, 128)
+    for bad in BAD:
+        xb = x.copy()
+        xb[3, 5] = bad
+        got, want = np.asarray(quantize_activation(cfg, xb, 1)), np.asarray(quantize_activation(cfg, x, 1))
+        assert np.isnan(got[3]).any()
+        np.testing.assert_array_equal(np.delete(got, 3, 0), np.delete(want, 3, 0))
+
+
+def test_nonfinite_weights_quantize_weights_and_validate(rng):
+    """fp8 / fp8_block weights keep finite scales and carry the NaN in the element (accepted);
+    the packed formats carry it in a block scale, which validate() refuses by name."""
+    w13, w2 = make_weights(rng)
+    w13 = np.array(w13)
+    w13[2, 5, 9] = np.nan
+    for scheme in ("fp8", "fp8_block"):
+        q13, q2, cfg = quantize_weights(scheme, w13, w2)
+        cfg.validate(3, 128, 128, True, w13=q13, w2=q2)
+        deq, _ = dequantize_weights(cfg, q13, q2)
+        assert np.isnan(np.asarray(deq)).sum() == 1 and np.isnan(np.asarray(deq)[2, 5, 9])
+    for scheme, msg in (("nvfp4", "w13_scale holds NaN"), ("mxfp4", "w13_scale holds 0xFF"),
+                        ("w4a8", "w13_scale holds NaN")):
+        q13, q2, cfg = quantize_weights(scheme, w13, w2)
+        with pytest.raises(ValueError, match=msg):
+            cfg.validate(3, 128, 128, True, w13=q13, w2=q2)
+        deq, _ = dequantize_weights(cfg, q13, q2)
+        bad = np.isnan(np.asarray(deq))
+        assert bad[2, 5, :].any() and not bad[:2].any() and not np.delete(bad[2], 5, 0).any()
+
+
+def test_calibrated_scale_ignores_nonfinite_values(rng):
+    x = normal(rng, 8, 64)
+    xb = x.copy()
+    xb[0, 0], xb[1, 1] = np.nan, np.inf
+    for act in ("fp8_per_tensor", "nvfp4"):
+        assert float(calibrate_activation_scale(act, xb)) == float(calibrate_activation_scale(act, np.where(np.isfinite(xb), xb, 0)))

@@ -21,6 +21,9 @@ NVFP4 (block 16 along K)
   448), ``RCP_6 = float32(1) / float32(6)``.
 * elements: ``e2m1(x * (g / float(s)))`` (one IEEE division per block); a block whose stored
   ``s`` is 0 encodes zeros.
+* a block holding a NaN or an infinity (E2M1 has neither) gets the E4M3 NaN (0x7F) as its
+  stored ``s``, so all 16 of its elements dequantize to NaN; the global scale's amax and the
+  other blocks' amaxes are taken over finite values only (the :mod:`jax_moe.quant` rule).
 * dequant: ``(e2m1 * float(s)) * (1 / g)``  (``e2m1 * float(s)`` is exact in float32).
 
 Reciprocals are written out instead of divisions by a broadcast operand (XLA would rewrite
@@ -30,14 +33,18 @@ is within an ulp of the textbook formula and bit-reproducible.
 MXFP4 (OCP MX, block 32 along K)
 --------------------------------
 * shared exponent ``e = clamp(floor(log2(amax(block))) - 2, -127, 127)`` (2 is E2M1's emax),
-  stored as an E8M0 byte ``e + 127`` (uint8; value ``2**(byte - 127)``; 255 would be NaN and is
-  never produced). An all-zero block gets ``e = -127`` (byte 0).
+  stored as an E8M0 byte ``e + 127`` (uint8; value ``2**(byte - 127)``). An all-zero block gets
+  ``e = -127`` (byte 0).
+* a block holding a NaN or an infinity (E2M1 has neither) gets the byte 0xFF, the E8M0 NaN, so
+  all 32 of its elements dequantize to NaN (never zeros, never an Inf among zeros); its element
+  codes are those of the finite values (the non-finite ones encode 0).
 * elements: ``e2m1(x / 2**e)`` with saturation to +-6; dequant ``e2m1 * 2**e``.
 
 MXFP8 (OCP MX, block 32 along K; activations)
 ---------------------------------------------
 As MXFP4 with E4M3 elements (emax 8): ``e = clamp(floor(log2(amax)) - 8, -127, 127)``, elements
-``float8_e4m3fn(clip(x / 2**e, -448, 448))``.
+``float8_e4m3fn(clip(x / 2**e, -448, 448))``. E4M3 elements hold NaN: a NaN or an infinity becomes a NaN
+element, and the block's scale comes from its finite values (the byte is never 0xFF).
 
 K must be a multiple of the block (16 or 32); a ValueError names the argument otherwise.
 """
@@ -50,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe.quant.fp8 import FP8_DTYPE, FP8_MAX, cast_to_fp8, expand_prefix, reciprocal
+from jax_moe.quant.fp8 import FP8_DTYPE, FP8_MAX, cast_to_fp8, expand_prefix, finite_absmax, nonfinite_to_nan, reciprocal
 
 E2M1_MAX = 6.0
 RCP_6 = np.float32(1) / np.float32(E2M1_MAX)
@@ -59,6 +66,7 @@ E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0
 NVFP4_BLOCK = 16
 MX_BLOCK = 32
 E8M0_BIAS = 127
+E8M0_NAN = 0xFF  # the E8M0 NaN: the scale of an MXFP4 block that held NaN or inf
 E2M1_EMAX = 2
 E4M3_EMAX = 8
 # Smallest amax used for a global scale, so 448 * 6 / amax stays finite.
@@ -71,6 +79,7 @@ _MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, Fa
 __all__ = [
     "E2M1_MAX",
     "E2M1_VALUES",
+    "E8M0_NAN",
     "NVFP4_BLOCK",
     "MX_BLOCK",
     "e2m1_encode",
@@ -148,12 +157,13 @@ def unpack_fp4(packed):
 @functools.partial(jax.jit, static_argnames=("per_expert",))
 def nvfp4_global_scale(x, per_expert: bool = False):
     """``448 * 6 / amax`` as float32: x [...] -> [] (per tensor) or x [E, ...] -> [E] (per expert).
-    An all-zero tensor gets a large finite scale (amax is floored at 1e-30)."""
+    An all-zero tensor gets a large finite scale (amax is floored at 1e-30); non-finite elements
+    are left out of the amax."""
     x = jnp.asarray(x, jnp.float32)
     if per_expert:
-        amax = jnp.max(jnp.abs(x.reshape(x.shape[0], -1)), axis=1)
+        amax = finite_absmax(x.reshape(x.shape[0], -1), axis=1)
     else:
-        amax = jnp.max(jnp.abs(x))
+        amax = finite_absmax(x)
     return jnp.float32(FP8_MAX * E2M1_MAX) / jnp.maximum(amax, jnp.float32(_MIN_GLOBAL_AMAX))
 
 
@@ -165,6 +175,7 @@ def quantize_nvfp4(x, global_scale=None):
     axes ([E] for weights [E, N, K]; [T] for per-row activation scales); None computes one for
     the whole tensor with :func:`nvfp4_global_scale`.
     Returns (packed [..., K/2] uint8, block_scale [..., K/16] float8_e4m3fn, global_scale float32).
+    A block holding NaN or inf gets a NaN block scale (all 16 elements dequantize to NaN).
     """
     x = jnp.asarray(x, jnp.float32)
     _check_k("x", x, NVFP4_BLOCK, "NVFP4")
@@ -174,11 +185,14 @@ def quantize_nvfp4(x, global_scale=None):
     g = expand_prefix(global_scale, x.ndim)  # broadcasts against [..., K/16]
     kb = x.shape[-1] // NVFP4_BLOCK
     blocks = x.reshape(x.shape[:-1] + (kb, NVFP4_BLOCK))
+    bad = ~jnp.all(jnp.isfinite(blocks), axis=-1)  # [..., K/16]: the block holds NaN or inf
+    blocks = jnp.where(jnp.isfinite(blocks), blocks, 0.0)
     amax = jnp.max(jnp.abs(blocks), axis=-1)  # [..., K/16]
     s = cast_to_fp8((amax * RCP_6) * g)
     sf = s.astype(jnp.float32)
     mult = jnp.where(sf > 0, g / jnp.where(sf > 0, sf, 1.0), 0.0)
     codes = e2m1_encode(blocks * mult[..., None]).reshape(x.shape)
+    s = jnp.where(bad, jnp.asarray(jnp.nan, FP8_DTYPE), s)  # E4M3 NaN: the block dequantizes to NaN
     return pack_fp4(codes), s, global_scale
 
 
@@ -228,12 +242,20 @@ def e8m0_to_float(scale):
     return jnp.where(b == 255, jnp.float32(jnp.nan), val)
 
 
-def _mx_blocks(x, emax):
+def _mx_blocks(x, emax, nan_scale: bool):
+    """Blocks of 32 along K: (x scaled by 2**-e, the E8M0 bytes). The exponent comes from the finite
+    values; a non-finite value scales to NaN. ``nan_scale`` (E2M1 elements, which hold no NaN):
+    a block holding NaN or inf gets the byte 0xFF and its non-finite values scale to 0."""
     kb = x.shape[-1] // MX_BLOCK
-    blocks = x.reshape(x.shape[:-1] + (kb, MX_BLOCK))
-    e = e8m0_exponent(jnp.max(jnp.abs(blocks), axis=-1), emax)
+    blocks = nonfinite_to_nan(x.reshape(x.shape[:-1] + (kb, MX_BLOCK)))
+    e = e8m0_exponent(finite_absmax(blocks, axis=-1), emax)
     scaled = blocks * _pow2(-e)[..., None]  # -e in [-127, 127]; -127 only for e = 127 (never: amax < 2**128)
-    return scaled, (e + E8M0_BIAS).astype(jnp.uint8)
+    byte = (e + E8M0_BIAS).astype(jnp.uint8)
+    if nan_scale:
+        bad = jnp.any(jnp.isnan(blocks), axis=-1)
+        scaled = jnp.where(jnp.isnan(scaled), 0.0, scaled)
+        byte = jnp.where(bad, jnp.uint8(E8M0_NAN), byte)
+    return scaled, byte
 
 
 def _mx_apply(v, scale):
@@ -246,10 +268,11 @@ def _mx_apply(v, scale):
 
 @jax.jit
 def quantize_mxfp4(x):
-    """MXFP4: x [..., K] float, K % 32 == 0 -> (packed [..., K/2] uint8, scale [..., K/32] uint8 E8M0)."""
+    """MXFP4: x [..., K] float, K % 32 == 0 -> (packed [..., K/2] uint8, scale [..., K/32] uint8 E8M0).
+    A block holding NaN or inf gets the scale byte 0xFF (E8M0 NaN): it dequantizes to 32 NaNs."""
     x = jnp.asarray(x, jnp.float32)
     _check_k("x", x, MX_BLOCK, "MXFP4")
-    scaled, scale = _mx_blocks(x, E2M1_EMAX)
+    scaled, scale = _mx_blocks(x, E2M1_EMAX, nan_scale=True)
     return pack_fp4(e2m1_encode(scaled).reshape(x.shape)), scale
 
 
@@ -263,10 +286,11 @@ def dequantize_mxfp4(packed, scale, dtype=jnp.float32):
 
 @jax.jit
 def quantize_mxfp8(x):
-    """MXFP8: x [..., K] float, K % 32 == 0 -> (q [..., K] float8_e4m3fn, scale [..., K/32] uint8 E8M0)."""
+    """MXFP8: x [..., K] float, K % 32 == 0 -> (q [..., K] float8_e4m3fn, scale [..., K/32] uint8 E8M0).
+    NaN and inf become NaN elements; the scale is taken over the block's finite values."""
     x = jnp.asarray(x, jnp.float32)
     _check_k("x", x, MX_BLOCK, "MXFP8")
-    scaled, scale = _mx_blocks(x, E4M3_EMAX)
+    scaled, scale = _mx_blocks(x, E4M3_EMAX, nan_scale=False)
     return cast_to_fp8(scaled).reshape(x.shape).astype(FP8_DTYPE), scale
 
 

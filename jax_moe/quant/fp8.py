@@ -33,6 +33,12 @@ static                  [...]                given (vLLM's static input scales)
 
 Blocks and groups that run past the end of N or K are partial: their scale is the amax of the
 elements that exist.
+
+Non-finite values (the rule of :mod:`jax_moe.quant`): every amax above is taken over the
+*finite* elements only (:func:`finite_absmax`), so a NaN or an infinity never changes how the
+other elements of its tensor, token or block are quantized; the non-finite element itself
+becomes NaN (E4M3 has a NaN, 0x7F, but no infinity; an infinity is never saturated to 448).
+A finite value beyond ``448 * scale`` (a static scale) still saturates to +-448.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ __all__ = [
     "MIN_SCALE",
     "RCP_448",
     "reciprocal",
+    "finite_absmax",
+    "nonfinite_to_nan",
     "amax_to_scale",
     "cast_to_fp8",
     "expand_prefix",
@@ -100,8 +108,22 @@ def expand_prefix(s, ndim: int):
     return s.reshape(s.shape + (1,) * (ndim - s.ndim))
 
 
-def _absmax(x, axis=None, keepdims=False):
-    return jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)), axis=axis, keepdims=keepdims)
+def finite_absmax(x, axis=None, keepdims=False):
+    """``max |x|`` over the finite elements of ``x`` (float32; 0 where there are none, an empty
+    tensor included): the amax of every scale in :mod:`jax_moe.quant`, so that a NaN or an
+    infinity never moves the scale its finite neighbours are quantized with."""
+    a = jnp.abs(jnp.asarray(x, jnp.float32))
+    return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=axis, keepdims=keepdims, initial=0.0)
+
+
+def nonfinite_to_nan(x):
+    """float32 ``x`` with +-inf replaced by NaN (no format here holds an infinity, and saturating
+    one would turn an overflow into a plausible finite value); NaN stays NaN."""
+    x = jnp.asarray(x, jnp.float32)
+    return jnp.where(jnp.isinf(x), jnp.float32(jnp.nan), x)
+
+
+_absmax = finite_absmax
 
 
 @jax.jit
@@ -110,9 +132,9 @@ def quantize_fp8_static(x, scale):
 
     x [...] float; scale [] float32, or any shape that indexes x's leading axes ([E] for
     x [E, ...], [T] for x [T, K]), or x's rank with singleton axes. Returns q, x's shape,
-    float8_e4m3fn. Values beyond ``448 * scale`` saturate to +-448.
+    float8_e4m3fn. Finite values beyond ``448 * scale`` saturate to +-448; NaN and +-inf give NaN.
     """
-    x = jnp.asarray(x, jnp.float32)
+    x = nonfinite_to_nan(x)
     return cast_to_fp8(x * reciprocal(expand_prefix(scale, x.ndim)))
 
 
@@ -140,7 +162,7 @@ def quantize_fp8_per_token(x):
 
     x [..., K] float -> (q [..., K] float8_e4m3fn, scale [..., 1] float32).
     """
-    x = jnp.asarray(x, jnp.float32)
+    x = nonfinite_to_nan(x)
     scale = amax_to_scale(_absmax(x, axis=-1, keepdims=True))
     return cast_to_fp8(x * reciprocal(scale)), scale
 
@@ -183,7 +205,7 @@ def quantize_fp8_block(w, block_shape=(128, 128)):
 @functools.partial(jax.jit, static_argnames=("block_shape",))
 def _quantize_fp8_block(w, block_shape):
     bn, bk = block_shape
-    w = jnp.asarray(w, jnp.float32)
+    w = nonfinite_to_nan(w)
     if w.ndim < 2:
         raise ValueError(f"w must have rank >= 2 ([..., N, K]), got shape {list(w.shape)}")
     n, k = w.shape[-2:]
@@ -215,7 +237,7 @@ def quantize_fp8_per_token_group(x, group_size: int = 128):
 
 @functools.partial(jax.jit, static_argnames=("g",))
 def _quantize_fp8_per_token_group(x, g):
-    x = jnp.asarray(x, jnp.float32)
+    x = nonfinite_to_nan(x)
     k = x.shape[-1]
     kb = math.ceil(k / g)
     groups = _pad_to(x, -1, g).reshape(x.shape[:-1] + (kb, g))

@@ -7,6 +7,9 @@ Per group of ``g`` consecutive elements of the last axis K:
     q     = clip(round_half_to_even(x * (1 / scale)), -8, 7)   int4
 
 (reciprocals written out, as in :mod:`jax_moe.quant.fp8`, for bit-reproducible results).
+int4 holds no NaN: a group holding a NaN or an infinity gets a NaN scale (its elements are
+stored as 0), so the whole group dequantizes to NaN; the amax is otherwise taken over finite
+values (the :mod:`jax_moe.quant` rule).
 ``|x / scale| <= 7`` up to rounding, so -8 appears only with a caller-supplied smaller scale.
 Packing: two's-complement nibbles, two per uint8 along K; element ``2i`` in the LOW nibble,
 element ``2i+1`` in the HIGH nibble. ``[..., K]`` -> ``[..., K/2]`` uint8.
@@ -20,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe.quant.fp8 import amax_to_scale, reciprocal
+from jax_moe.quant.fp8 import amax_to_scale, finite_absmax, reciprocal
 
 INT4_MIN = -8
 INT4_MAX = 7
@@ -68,13 +71,17 @@ def _check_group(name: str, k, group_size: int) -> None:
 
 @functools.partial(jax.jit, static_argnames=("group_size",))
 def quantize_int4(w, group_size: int = INT4_GROUP):
-    """w [..., K] float, K % group_size == 0 -> (packed [..., K/2] uint8, scale [..., K/g] float32)."""
+    """w [..., K] float, K % group_size == 0 -> (packed [..., K/2] uint8, scale [..., K/g] float32).
+    A group holding NaN or inf gets a NaN scale (it dequantizes to NaN)."""
     w = jnp.asarray(w, jnp.float32)
     k = w.shape[-1] if w.ndim else 0
     _check_group("w", k, group_size)
     groups = w.reshape(w.shape[:-1] + (k // group_size, group_size))
-    scale = amax_to_scale(jnp.max(jnp.abs(groups), axis=-1), float(INT4_MAX))
+    finite = jnp.isfinite(groups)
+    scale = amax_to_scale(finite_absmax(groups, axis=-1), float(INT4_MAX))
     q = jnp.clip(jnp.round(groups * reciprocal(scale)[..., None]), INT4_MIN, INT4_MAX)  # jnp.round: half to even
+    q = jnp.where(finite, q, 0.0)
+    scale = jnp.where(jnp.all(finite, axis=-1), scale, jnp.float32(jnp.nan))
     return pack_int4(q.astype(jnp.int8).reshape(w.shape)), scale
 
 

@@ -36,6 +36,12 @@ Static activation scales are [] or [E] float32. vLLM's FP8 and FlashInfer paths 
 for all experts (the max over experts); :func:`quantize_activation` does the same unless it is
 given ``expert_ids`` to pick each row's expert's scale. "Dynamic per tensor" depends on which
 rows are quantized together: the whole tensor passed in.
+
+Non-finite values follow the rule of :mod:`jax_moe.quant`. Stored weights whose scales encode a
+NaN (an NVFP4 block scale 0x7F, an MXFP4 byte 0xFF, a NaN w4a8 group scale: what quantizing
+non-finite weights gives) are refused by :meth:`QuantConfig.validate` wherever the scales are
+concrete, with a ValueError naming the scale; FP8 weights keep finite scales and carry a NaN
+element instead, which reaches only the tokens routed to that expert.
 """
 
 from __future__ import annotations
@@ -376,7 +382,7 @@ def quantize_activation(quant: QuantConfig, x, stage: int, *, expert_ids=None):
         return x
     static = _static_scale(quant.a13_scale if stage == 1 else quant.a2_scale, x, expert_ids)
     if act == "fp8_per_tensor":
-        s = fp8.amax_to_scale(jnp.max(jnp.abs(x))) if static is None else static
+        s = fp8.amax_to_scale(fp8.finite_absmax(x)) if static is None else static
         return fp8.dequantize_fp8(fp8.quantize_fp8_static(x, s), s)
     if act == "fp8_per_token":
         q, s = fp8.quantize_fp8_per_token(x)
@@ -408,10 +414,10 @@ def nvfp4_activation_global_scale(quant: QuantConfig, stage: int, x=None, *, exp
 
 def calibrate_activation_scale(act: str, x, per_expert: bool = False):
     """A static (dequant-side) activation scale from a calibration batch: ``amax * (1 / 448)``
-    for ``fp8_per_tensor``, ``amax * (1 / (448 * 6))`` for ``nvfp4`` (vLLM's ``input_scale``).
-    x [...] -> [] float32, or x [E, ...] -> [E] with ``per_expert``."""
+    for ``fp8_per_tensor``, ``amax * (1 / (448 * 6))`` for ``nvfp4`` (vLLM's ``input_scale``),
+    the amax over finite values. x [...] -> [] float32, or x [E, ...] -> [E] with ``per_expert``."""
     x = jnp.asarray(x, jnp.float32)
-    amax = jnp.max(jnp.abs(x.reshape(x.shape[0], -1)), axis=1) if per_expert else jnp.max(jnp.abs(x))
+    amax = fp8.finite_absmax(x.reshape(x.shape[0], -1), axis=1) if per_expert else fp8.finite_absmax(x)
     if act == "fp8_per_tensor":
         return fp8.amax_to_scale(amax)
     if act == "nvfp4":
