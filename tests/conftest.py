@@ -40,6 +40,15 @@ def _has_gpu() -> bool:
 HAS_GPU = _has_gpu()
 
 
+def pytest_runtest_logreport(report):
+    """With ``JAX_MOE_TEST_TIMES=<file>``, append ``<seconds> <outcome> <test id>`` per test phase
+    as it ends (so a run cut off by a time limit still says where the time went)."""
+    path = os.environ.get("JAX_MOE_TEST_TIMES")
+    if path and (report.when == "call" or report.outcome != "passed"):
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.2f} {report.outcome} {report.nodeid}\n")
+
+
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core on CPU, at most GPU_WORKERS where a GPU is shared."""
     cores = os.cpu_count() or 1

@@ -138,6 +138,9 @@ class SafetensorsDir(TensorSource):
         self._stack = contextlib.ExitStack()
 
     def _handle(self, name: str):
+        """The open shard holding ``name``. One shard is open at a time: its memory-mapped pages
+        are let go before the next shard is mapped, so resident memory stays near what the
+        reader keeps plus one shard."""
         from safetensors import safe_open
 
         shard = self._shard_of[name]
@@ -145,6 +148,7 @@ class SafetensorsDir(TensorSource):
             path = os.path.join(self.model_dir, shard)
             if not os.path.exists(path):
                 raise ValueError(f"checkpoint tensor {name!r} is mapped to shard {shard!r}, which is missing")
+            self.close()
             self._handles[shard] = self._stack.enter_context(safe_open(path, framework="numpy"))
         return self._handles[shard]
 
