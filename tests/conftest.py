@@ -44,7 +44,7 @@ def pytest_runtest_logreport(report):
     """With ``JAX_MOE_TEST_TIMES=<file>``, append ``<seconds> <outcome> <test id>`` per test phase
     as it ends (so a run cut off by a time limit still says where the time went)."""
     path = os.environ.get("JAX_MOE_TEST_TIMES")
-    if path and (report.when == "call" or report.outcome != "passed"):
+    if path and not os.environ.get("PYTEST_XDIST_WORKER") and (report.when == "call" or report.outcome != "passed"):
         with open(path, "a") as f:
             f.write(f"{report.duration:.2f} {report.outcome} {report.nodeid}\n")
 
