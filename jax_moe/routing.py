@@ -11,6 +11,18 @@ Modes (vLLM names):
 - ``routed_scaling_factor`` multiplies the final weights.
 
 Ties go to the lowest expert id (``jax.lax.top_k`` keeps the lower index first).
+
+Numerics (float32 throughout): without a correction bias the choice is made on the logits,
+which order the experts exactly as their softmax or sigmoid scores do, but never tie where
+those scores round to the same float32 (a sigmoid saturates at 1 for logits above ~17 and
+underflows below ~-88). Renormalized weights are a softmax of the chosen experts' log-scores:
+``softmax(l_sel)`` for softmax scoring, ``softmax(log_sigmoid(l_sel))`` for sigmoid scoring, so
+``select_experts(jnp.full((1, 4), -90.), 2, scoring="sigmoid")`` gives ``[0.5, 0.5]`` and
+logits -87 and -88 give ``[0.731, 0.269]``, where dividing by a sum of underflowed sigmoids
+gave NaN or ``[1, 0]``.
+
+A non-finite logit stays in its own token: that token's weights are NaN, its ids are still in
+``[0, E)``, and no other token is affected.
 """
 
 from __future__ import annotations
@@ -18,20 +30,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_moe.config import FLOAT_DTYPES, check_dtype, check_shape
+from jax_moe.config import FLOAT_DTYPES, check_dtype, check_int, check_positive_finite, check_shape
 
 SCORINGS = ("softmax", "sigmoid")
 
 
-def _validate(router_logits, top_k, scoring, num_expert_group, topk_group, bias):
+def _validate(router_logits, top_k, scoring, num_expert_group, topk_group, bias, routed_scaling_factor):
+    """Check every argument; returns (top_k, num_expert_group, topk_group, routed_scaling_factor)
+    as Python ints and a float."""
     if getattr(router_logits, "ndim", None) != 2:
         raise ValueError(
             f"router_logits must have rank 2 [T, E], got shape {list(getattr(router_logits, 'shape', ()))}"
         )
     check_dtype("router_logits", router_logits, FLOAT_DTYPES)
     num_experts = router_logits.shape[1]
-    if not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    top_k = check_int("top_k", top_k)
+    scale = check_positive_finite("routed_scaling_factor", routed_scaling_factor)
+    if num_expert_group is not None:
+        num_expert_group = check_int("num_expert_group", num_expert_group)
+    if topk_group is not None:
+        topk_group = check_int("topk_group", topk_group)
     if top_k > num_experts:
         raise ValueError(f"top_k={top_k} must be <= the number of experts E={num_experts}")
     if scoring not in SCORINGS:
@@ -54,6 +72,8 @@ def _validate(router_logits, top_k, scoring, num_expert_group, topk_group, bias)
             raise ValueError("grouped top-k with e_score_correction_bias needs >= 2 experts per group")
     if bias is not None:
         check_shape("e_score_correction_bias", bias, (num_experts,))
+        check_dtype("e_score_correction_bias", bias, FLOAT_DTYPES)
+    return top_k, num_expert_group, topk_group, scale
 
 
 def _group_mask(choice: jax.Array, num_expert_group: int, topk_group: int, biased: bool) -> jax.Array:
@@ -82,21 +102,31 @@ def select_experts(
 ) -> tuple[jax.Array, jax.Array]:
     """Pick ``top_k`` experts per token.
 
-    router_logits: [T, E] float. Returns (topk_weights [T, k] float32, topk_ids [T, k] int32).
+    router_logits: [T, E] float (numpy or jax); ``top_k`` an int (numpy ints too; not a bool);
+    ``routed_scaling_factor`` finite and > 0. Returns (topk_weights [T, k] float32,
+    topk_ids [T, k] int32). Numerics: see the module note.
     """
-    _validate(router_logits, top_k, scoring, num_expert_group, topk_group, e_score_correction_bias)
-    logits = router_logits.astype(jnp.float32)
-    scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
-    choice = scores
-    if e_score_correction_bias is not None:
-        choice = scores + e_score_correction_bias.astype(jnp.float32)[None, :]
+    top_k, num_expert_group, topk_group, scale = _validate(
+        router_logits, top_k, scoring, num_expert_group, topk_group, e_score_correction_bias, routed_scaling_factor)
+    logits = jnp.asarray(router_logits).astype(jnp.float32)
+    biased = e_score_correction_bias is not None
+    if biased:  # the bias shifts the scores themselves (vLLM): choose on scores + bias
+        scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
+        choice = scores + jnp.asarray(e_score_correction_bias).astype(jnp.float32)[None, :]
+    else:  # the logits order the experts as their scores do, without float32 ties
+        choice = logits
     if num_expert_group is not None:
-        mask = _group_mask(choice, num_expert_group, topk_group, e_score_correction_bias is not None)
+        mask = _group_mask(choice, num_expert_group, topk_group, biased)
         choice = jnp.where(mask, choice, -jnp.inf)
     _, ids = jax.lax.top_k(choice, top_k)
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    if routed_scaling_factor != 1.0:
-        weights = weights * jnp.float32(routed_scaling_factor)
+    chosen = jnp.take_along_axis(logits, ids, axis=-1)
+    if scoring == "softmax":
+        # renormalized: softmax over the chosen logits (= p_sel / sum p_sel, without underflow)
+        weights = jax.nn.softmax(chosen, axis=-1) if renormalize else jnp.take_along_axis(
+            jax.nn.softmax(logits, axis=-1), ids, axis=-1)
+    else:
+        # renormalized: softmax of the log-sigmoids (= sigmoid_sel / sum sigmoid_sel, stably)
+        weights = jax.nn.softmax(jax.nn.log_sigmoid(chosen), axis=-1) if renormalize else jax.nn.sigmoid(chosen)
+    if scale != 1.0:
+        weights = weights * jnp.float32(scale)
     return weights.astype(jnp.float32), ids.astype(jnp.int32)
