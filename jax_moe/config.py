@@ -25,7 +25,8 @@ class MoEConfig:
     """Shapes and the expert function of one MoE layer.
 
     num_experts (E), top_k (k), hidden_size (H), intermediate_size (I, per expert, after the
-    gate/up split). ``swiglu_alpha``/``swiglu_limit`` are GPT-OSS's ``swigluoai`` constants.
+    gate/up split): ints (numpy ints accepted, bools refused), >= 1. ``swiglu_alpha``/``swiglu_limit``
+    are GPT-OSS's ``swigluoai`` constants: finite and > 0 (checked for every activation).
     """
 
     num_experts: int
@@ -41,10 +42,11 @@ class MoEConfig:
     expert_shard: bool = False
 
     def __post_init__(self):
+        # ints (numpy ints too, never bools) stored as Python ints; the swiglu constants finite and > 0
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            object.__setattr__(self, name, check_int(name, getattr(self, name)))
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            object.__setattr__(self, name, check_positive_finite(name, getattr(self, name)))
         if self.top_k > self.num_experts and not self.expert_shard:
             raise ValueError(
                 f"top_k={self.top_k} must be <= num_experts={self.num_experts}"
@@ -68,6 +70,48 @@ class MoEConfig:
     def w13_rows(self) -> int:
         """Rows of w13 per expert: 2I for gated activations, I otherwise."""
         return 2 * self.intermediate_size if self.gated else self.intermediate_size
+
+
+def as_jax(*arrays):
+    """numpy arrays (and numpy leaves inside pytrees such as a QuantConfig) as jax arrays, the rest
+    as it is (jax arrays, committed or not, sharded or not; None; Python scalars). A numpy weight
+    indexed by a traced expert id inside a strategy's loop raises TracerArrayConversionError;
+    converting once at the entry points lets every strategy, at every T, take numpy."""
+    import jax
+
+    def conv(a):
+        return jax.numpy.asarray(a) if isinstance(a, (np.ndarray, np.generic)) else a
+
+    out = tuple(jax.tree.map(conv, a) for a in arrays)
+    return out if len(out) != 1 else out[0]
+
+
+def check_int(name: str, v, minimum: int = 1) -> int:
+    """``v`` as a Python int if it is an integer (Python or numpy, not a bool) ``>= minimum``, else
+    ValueError naming ``name``."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {v!r} ({type(v).__name__})")
+    if v < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {v!r}")
+    return int(v)
+
+
+def check_positive_finite(name: str, v) -> float:
+    """``v`` as a Python float if it is a real number (Python, numpy, or a concrete 0-d array; not
+    a bool), finite and > 0, else ValueError naming ``name``."""
+    import numbers
+
+    is_real = isinstance(v, numbers.Real) or (hasattr(v, "dtype") and np.dtype(v.dtype).kind in "fiu")
+    if isinstance(v, (bool, np.bool_)) or not is_real:
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r} ({type(v).__name__})")
+    try:
+        f = float(v)
+    except Exception:  # an array of several elements, a tracer
+        raise ValueError(f"{name} must be a finite number > 0 (a concrete scalar), got {v!r}") from None
+    if not np.isfinite(f) or f <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+    return f
 
 
 def check_shape(name: str, x, shape: Sequence[int | None], what: str = "") -> None:

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jax_moe import oracle
-from jax_moe.config import ACTIVATIONS, FLOAT_DTYPES, MoEConfig, check_dtype, check_rank, check_shape
+from jax_moe.config import ACTIVATIONS, FLOAT_DTYPES, MoEConfig, as_jax, check_dtype, check_rank, check_shape
 from jax_moe.routing import select_experts
 
 
@@ -72,8 +72,11 @@ def fused_experts(
     x [T, H] float; w13 [E, 2I, H] (gate rows then up rows; [E, I, H] for ``relu2``);
     w2 [E, H, I]; topk_weights [T, k] float; topk_ids [T, k] int32 in [0, E).
     With ``quant`` (a :class:`jax_moe.QuantConfig`), w13/w2 are the stored quantized tensors.
-    Returns [T, H] in x's dtype.
+    Returns [T, H] in x's dtype. Any array may be numpy or jax (committed or not).
+    ``swiglu_alpha``/``swiglu_limit`` must be finite and > 0 (ValueError naming them).
     """
+    x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, quant = as_jax(
+        x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, quant)
     cfg = moe_config_from_arrays(
         x, w13, w2, topk_ids, activation=activation, gate_up_layout=gate_up_layout, quant=quant,
         swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
@@ -127,8 +130,10 @@ def fused_moe(
 ) -> jax.Array:
     """Routing (:func:`jax_moe.select_experts`) then :func:`fused_experts`.
 
-    router_logits [T, E]; ``expert_options`` are fused_experts' keyword arguments.
+    router_logits [T, E]; ``top_k`` an int (numpy ints too, not a bool); ``routed_scaling_factor``
+    finite and > 0; ``expert_options`` are fused_experts' keyword arguments. Arrays may be numpy.
     """
+    x, w13, w2, router_logits, e_score_correction_bias = as_jax(x, w13, w2, router_logits, e_score_correction_bias)
     check_shape("router_logits", router_logits, (x.shape[0] if getattr(x, "ndim", 0) == 2 else None, None),
                 "[T, E] with T = x.shape[0]")
     if w13.ndim >= 1 and router_logits.shape[1] != w13.shape[0]:
