@@ -299,3 +299,162 @@ def test_the_batched_stage_is_chosen_by_the_batched_feature(rng, monkeypatch):
     monkeypatch.setattr(flashinfer_cutlass, "supports", lambda *a, **k: (True, "ok"))
     with pytest.raises(ValueError, match="does not take the batched expert format"):
         run_experts_batched(x, counts, w13, w2, cfg, backend="flashinfer_cutlass")
+
+
+# ----------------------------------------------------------------------------- issue 15: robustness
+
+BAD_VALUES = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf, "overflow": 1e30}
+
+
+def _poison(w, expert, bad):
+    """w with one expert's weights made bad: one NaN/inf entry, or every entry huge (the GEMMs overflow)."""
+    w = np.array(w)
+    if bad == 1e30:
+        w[expert] *= np.float32(1e30)
+    else:
+        w[expert].flat[3] = bad
+    return jnp.asarray(w)
+
+
+def test_issue_repro_overflow_in_an_unused_expert_leaves_every_token_finite():
+    """Issue 15, repro 1: all 40 rows were NaN (the dense strategy, picked automatically)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)
+    w13 = rng.standard_normal((8, 8, 16)).astype(np.float32)
+    clean = jnp.asarray(w13)
+    w13[7] *= 1e20
+    w2 = jnp.asarray(rng.standard_normal((8, 16, 8)), jnp.float32)
+    ids = jnp.tile(jnp.array([[0, 1]], jnp.int32), (40, 1))
+    out = fused_experts(x, jnp.asarray(w13), w2, jnp.full((40, 2), .5), ids, activation="relu2")
+    want = fused_experts(x, clean, w2, jnp.full((40, 2), .5), ids, activation="relu2")
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
+@pytest.mark.parametrize("where,bad", [(w, b) for w in ("w13", "w2", "w13_bias", "w2_bias") for b in BAD_VALUES
+                                       if not (b == "overflow" and w.endswith("bias"))])
+@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+def test_a_bad_unused_expert_never_reaches_a_token(rng, strategy, where, bad):
+    """Experts 5..7 receive no token; one of them holds a NaN/inf or overflows (relu2 squares a
+    GEMM1 output of ~1e30). Every strategy gives exactly what it gives with clean weights."""
+    cfg, x, w13, w2, w, _, biases = make_moe(rng, 30, 8, 2, 32, 16, activation="relu2" if bad == "overflow"
+                                             else "silu", bias=True)
+    ids = jnp.asarray(rng.integers(0, 5, (30, 2)), jnp.int32)
+    args = dict(w13=w13, w2=w2, **biases)
+    want = xla.apply(x, args["w13"], args["w2"], w, ids, cfg, strategy=strategy, w13_bias=args["w13_bias"],
+                     w2_bias=args["w2_bias"])
+    args[where] = _poison(args[where], 6, BAD_VALUES[bad])
+    out = xla.apply(x, args["w13"], args["w2"], w, ids, cfg, strategy=strategy, w13_bias=args["w13_bias"],
+                    w2_bias=args["w2_bias"])
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
+@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+def test_a_bad_used_expert_stays_in_the_tokens_routed_to_it(rng, strategy):
+    cfg, x, w13, w2, w, _, _ = make_moe(rng, 30, 8, 2, 32, 16)
+    ids = np.asarray(rng.integers(0, 8, (30, 2)), np.int32)
+    ids[ids == 3] = 4
+    ids[:5, 0] = 3  # tokens 0..4 use expert 3
+    ids = jnp.asarray(ids)
+    want = np.asarray(xla.apply(x, w13, w2, w, ids, cfg, strategy=strategy))
+    out = np.asarray(xla.apply(x, _poison(w13, 3, np.nan), w2, w, ids, cfg, strategy=strategy))
+    assert np.isnan(out[:5]).all()
+    np.testing.assert_array_equal(out[5:], want[5:])
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+def test_a_bad_token_stays_in_its_own_row(rng, strategy, bad):
+    cfg, x, w13, w2, w, ids, _ = make_moe(rng, 30, 8, 2, 32, 16)
+    want = np.asarray(xla.apply(x, w13, w2, w, ids, cfg, strategy=strategy))
+    out = np.asarray(xla.apply(x.at[7, 3].set(BAD_VALUES[bad]), w13, w2, w, ids, cfg, strategy=strategy))
+    assert not np.isfinite(out[7]).all()
+    np.testing.assert_array_equal(np.delete(out, 7, 0), np.delete(want, 7, 0))
+
+
+@pytest.mark.parametrize("t", [1, 10, 60, 200])
+@pytest.mark.parametrize("strategy", [None, *xla.STRATEGIES])
+def test_numpy_arrays_are_taken_at_every_t_and_strategy(rng, t, strategy):
+    """Issue 15, repro 2: numpy weights raised TracerArrayConversionError at T=200 (blocked)."""
+    cfg, x, w13, w2, w, ids, bias = make_moe(rng, t, 8, 2, 32, 16, bias=True)
+    np_args = [np.asarray(a) for a in (x, w13, w2, w, ids)]
+    np_bias = {k: np.asarray(v) for k, v in bias.items()}
+    want = xla.apply(x, w13, w2, w, ids, cfg, strategy=strategy, **bias)
+    got = xla.apply(*np_args, cfg, strategy=strategy, **np_bias)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if strategy is None:
+        logits = np.asarray(rng.standard_normal((t, 8)), np.float32)
+        got = fused_moe(np_args[0], np_args[1], np_args[2], logits, np.int64(2), **np_bias)
+        want = fused_moe(x, w13, w2, jnp.asarray(logits), 2, **bias)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        got = fused_experts(*np_args, **np_bias)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(fused_experts(x, w13, w2, w, ids, **bias)))
+
+
+@pytest.mark.parametrize("strategy", [None, *xla.STRATEGIES])
+def test_vmap_over_every_strategy(rng, strategy):
+    cfg, x, w13, w2, _, _, _ = make_moe(rng, 24, 8, 2, 32, 16)
+    xs = jnp.asarray(rng.standard_normal((3, 24, 32)), jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((3, 24, 8)), jnp.float32)
+
+    def one(x, lg):
+        w, ids = select_experts(lg, 2)
+        return xla.apply(x, w13, w2, w, ids, cfg, strategy=strategy)
+
+    got = jax.jit(jax.vmap(one))(xs, logits)
+    for b in range(3):
+        np.testing.assert_allclose(np.asarray(got[b]), np.asarray(one(xs[b], logits[b])), rtol=1e-6, atol=1e-6)
+
+
+def test_ragged_dot_under_nested_vmap_and_with_batched_weights(rng):
+    cfg, x, w13, w2, w, ids, _ = make_moe(rng, 12, 4, 2, 16, 8)
+    w13s = jnp.stack([w13, 2 * w13])
+    f = lambda w13, x: xla.apply(x, w13, w2, w, ids, cfg, strategy="ragged_dot")  # noqa: E731
+    got = jax.vmap(jax.vmap(f, in_axes=(None, 0)), in_axes=(0, None))(w13s, jnp.stack([x, -x]))
+    for i, ww in enumerate((w13, 2 * w13)):
+        for j, xx in enumerate((x, -x)):
+            np.testing.assert_allclose(np.asarray(got[i, j]), np.asarray(f(ww, xx)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(top_k=True), "top_k must be an int, got True"),
+        (dict(top_k=2.0), "top_k must be an int"),
+        (dict(num_experts=np.bool_(True)), "num_experts must be an int"),
+        (dict(swiglu_limit=float("nan")), "swiglu_limit must be a finite number > 0"),
+        (dict(swiglu_limit=-7.0), "swiglu_limit must be a finite number > 0"),
+        (dict(swiglu_limit=float("inf")), "swiglu_limit must be a finite number > 0"),
+        (dict(swiglu_alpha=0.0), "swiglu_alpha must be a finite number > 0"),
+        (dict(swiglu_alpha=float("nan")), "swiglu_alpha must be a finite number > 0"),
+        (dict(swiglu_alpha=None), "swiglu_alpha must be a finite number > 0"),
+    ],
+)
+def test_moe_config_checks_ints_and_swiglu_constants(kwargs, match):
+    base = dict(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, activation="swigluoai")
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(**{**base, **kwargs})
+
+
+def test_moe_config_takes_numpy_ints_as_python_ints():
+    cfg = MoEConfig(np.int64(8), np.int32(2), np.int64(32), np.uint16(16), swiglu_limit=np.float32(6.0))
+    assert (cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size) == (8, 2, 32, 16)
+    assert all(type(v) is int for v in (cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size))
+    assert type(cfg.swiglu_limit) is float and cfg == MoEConfig(8, 2, 32, 16, swiglu_limit=6.0)
+
+
+def test_fused_moe_and_fused_experts_check_top_k_and_scalars(rng):
+    a = _args(rng)
+    logits = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
+    out = fused_moe(a["x"], a["w13"], a["w2"], logits, np.int64(2))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(fused_moe(a["x"], a["w13"], a["w2"], logits, 2)))
+    with pytest.raises(ValueError, match="top_k must be an int, got True"):
+        fused_moe(a["x"], a["w13"], a["w2"], logits, True)
+    for bad in (float("nan"), -1.0, 0.0, float("inf")):
+        with pytest.raises(ValueError, match="routed_scaling_factor"):
+            fused_moe(a["x"], a["w13"], a["w2"], logits, 2, routed_scaling_factor=bad)
+        with pytest.raises(ValueError, match="swiglu_limit"):
+            fused_experts(*a.values(), activation="swigluoai", swiglu_limit=bad)
+        with pytest.raises(ValueError, match="swiglu_alpha"):
+            fused_moe(a["x"], a["w13"], a["w2"], logits, 2, activation="swigluoai", swiglu_alpha=bad)

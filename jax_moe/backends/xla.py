@@ -22,17 +22,34 @@ trace time (:func:`pick_strategy`):
 
 finalize: each slot's output row is gathered and reduced over k with the router weights, in
 float32.
+
+Non-finite isolation: a NaN, an infinity or an overflow in an expert no token routes to, or in
+one token, never reaches another token, on every strategy. ``gather`` and ``blocked`` compute
+only the (token, expert) pairs that were routed (padding rows and skipped slots are dropped by
+index, never multiplied in); ``dense`` computes every pair but selects the routed ones with
+``where`` after GEMM1 and after GEMM2, before the router weights multiply anything;
+``ragged_dot`` feeds ``jax.lax.ragged_dot`` weights whose non-finite entries are zeroed (its
+lowering multiplies every row by every expert's weights, with zeros for the other experts'
+rows, and ``0 * nan`` is NaN) and recomputes exactly the rows of any routed expert whose weights
+are not finite. A dynamic activation scale taken over a whole tensor (``fp8_per_tensor``,
+``nvfp4`` without a static scale) is taken over the routed rows only, and over finite values
+only (:mod:`jax_moe.quant`), so one bad token does not move it either.
+
+Inputs and transformations: numpy or jax arrays at every T; ``jax.vmap`` works on every
+strategy (``ragged_dot`` batches itself sequentially: ``jax.lax.ragged_dot`` has no batching
+rule).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from jax_moe.activations import activate
-from jax_moe.config import MoEConfig, check_dtype, check_rank
+from jax_moe.config import MoEConfig, as_jax, check_dtype, check_rank
 from jax_moe.permute import batched_rows_used, sort_by_expert
 from jax_moe.quant import fp4
 from jax_moe.quant.scheme import (
@@ -63,8 +80,9 @@ def supports(cfg: MoEConfig, quant=None, device=None) -> tuple[bool, str]:
 
 def needs_whole_gemm2_input(quant) -> bool:
     """Dynamic tensor-wide activation scales at GEMM2's input (``fp8_per_tensor`` or ``nvfp4``
-    without ``a2_scale``) are a max over every routed row, which only the ``ragged_dot``
-    strategy sees at once."""
+    without ``a2_scale``) are a max over every routed row: ``blocked`` then runs GEMM1 over every
+    block first, takes the scale, then GEMM2 (``gather``, ``dense`` and ``ragged_dot`` see all
+    rows at once anyway)."""
     return quant is not None and quant.act in ("fp8_per_tensor", "nvfp4") and quant.a2_scale is None
 
 
@@ -122,25 +140,39 @@ def _batched_dot_t(a, w, precision):
     )
 
 
-def _experts_mlp(xb, experts, w13, w2, cfg, quant, w13_bias, w2_bias, used=None):
-    """GEMM1 -> activation -> GEMM2 for row groups ``xb [G, M, H]``, group g on expert
-    ``experts[g]``. Returns ``[G, M, H]`` in x's dtype (float32 when quantized). ``used`` [G, M]
-    bool (optional): the other rows are zeroed after GEMM1 (bias included), so that a dynamic
-    scale at GEMM2's input is taken over the used rows only (every activation maps 0 to 0)."""
+def _gemm1_act(xb, experts, w13, cfg, quant, w13_bias, used=None):
+    """GEMM1 (+ bias) -> activation for row groups ``xb [G, M, H]``, group g on expert
+    ``experts[g]``: ``[G, M, I]`` float32. ``used`` [G, M] bool (optional): the other rows are
+    zeroed after GEMM1 (with ``where``: whatever GEMM1 gave there, NaN included), so that a
+    dynamic scale at GEMM2's input is taken over the used rows only (every activation maps 0 to 0)."""
     cdt = _compute_dtype(xb, quant)
-    prec = _precision(quant, xb)
-    h = _batched_dot_t(xb.astype(cdt), _gathered_weights(w13, quant, "w13", experts, cdt), prec)
+    h = _batched_dot_t(xb.astype(cdt), _gathered_weights(w13, quant, "w13", experts, cdt), _precision(quant, xb))
     if w13_bias is not None:
         h = h + w13_bias[experts][:, None, :].astype(jnp.float32)
     if used is not None:
         h = jnp.where(used[..., None], h, 0.0)
-    a = activate(h, cfg)
-    if quant is not None:
-        a = quantize_activation(quant, a, 2)
+    return activate(h, cfg)
+
+
+def _gemm2(a, experts, w2, quant, w2_bias, x_dtype):
+    """GEMM2 (+ bias) of activations ``a [G, M, I]`` (already quantized when ``quant`` says so), in
+    x's compute dtype: ``[G, M, H]`` in x's dtype (float32 when quantized)."""
+    cdt = jnp.float32 if quant is not None else x_dtype
+    prec = jax.lax.Precision.HIGHEST if quant is not None or x_dtype == jnp.float32 else None
     y = _batched_dot_t(a.astype(cdt), _gathered_weights(w2, quant, "w2", experts, cdt), prec)
     if w2_bias is not None:
         y = y + w2_bias[experts][:, None, :].astype(jnp.float32)
-    return y.astype(xb.dtype if quant is None else jnp.float32)
+    return y.astype(x_dtype if quant is None else jnp.float32)
+
+
+def _experts_mlp(xb, experts, w13, w2, cfg, quant, w13_bias, w2_bias, used=None):
+    """GEMM1 -> activation -> GEMM2 for row groups ``xb [G, M, H]``, group g on expert
+    ``experts[g]``. Returns ``[G, M, H]`` in x's dtype (float32 when quantized). ``used``: as
+    :func:`_gemm1_act`."""
+    a = _gemm1_act(xb, experts, w13, cfg, quant, w13_bias, used)
+    if quant is not None:
+        a = quantize_activation(quant, a, 2)
+    return _gemm2(a, experts, w2, quant, w2_bias, xb.dtype)
 
 
 def pick_blocks_per_step(cfg: MoEConfig) -> int:
@@ -152,9 +184,14 @@ def pick_blocks_per_step(cfg: MoEConfig) -> int:
 
 
 def _blocked_experts(xq, sort, cfg, w13, w2, quant, w13_bias, w2_bias, block_size, blocks_per_step):
-    """Run the experts block by block. Returns (y [NB*B + 1, H], row_of_slot [T*k] int32)."""
+    """Run the experts block by block. Returns (y [NB*B + 1, H], row_of_slot [T*k] int32).
+
+    With a dynamic tensor-wide scale at GEMM2's input (:func:`needs_whole_gemm2_input`) it takes
+    two passes: GEMM1 and the activation over every block (padding rows zeroed), the scale over
+    all of them, then GEMM2 block by block."""
     n_slots = sort.sorted_slots.shape[0]
     e_count, k, h = cfg.num_experts, cfg.top_k, cfg.hidden_size
+    t = xq.shape[0]
     b, g = block_size, blocks_per_step
     nb = -(-n_slots // b) + min(e_count, n_slots)
     nb = -(-nb // g) * g
@@ -171,26 +208,43 @@ def _blocked_experts(xq, sort, cfg, w13, w2, quant, w13_bias, w2_bias, block_siz
     row_of_slot = sorted_row[sort.inverse]
     # Padded row -> token (T for padding rows, which gather zeros).
     token_of_row = (
-        jnp.full((nb * b,), xq.shape[0], jnp.int32).at[sorted_row].set(sort.sorted_slots // k, mode="drop")
+        jnp.full((nb * b,), t, jnp.int32).at[sorted_row].set(sort.sorted_slots // k, mode="drop")
     )
     block_expert = jnp.searchsorted(pad_start, jnp.arange(nb, dtype=jnp.int32) * b, side="right") - 1
     block_expert = jnp.clip(block_expert, 0, e_count - 1)
     x_pad = jnp.concatenate([xq, jnp.zeros((1, h), xq.dtype)], axis=0)
     out_dtype = xq.dtype if quant is None else jnp.float32
+    steps = nb // g
+    firsts = jnp.arange(steps, dtype=jnp.int32) * g
+    toks_s, experts_s = token_of_row.reshape(steps, g, b), block_expert.reshape(steps, g)
 
-    def step(_, blk):
-        first, toks, experts = blk
+    def skip_or(run, zeros):
+        def step(_, blk):
+            first = blk[0]
+            return None, jax.lax.cond(first < blocks_used, run, lambda _: zeros, blk)
+        return step
 
-        def run(_):
+    if needs_whole_gemm2_input(quant):
+        inter = cfg.intermediate_size
+
+        def act(blk):
+            _, toks, experts = blk
+            return _gemm1_act(x_pad[toks], experts, w13, cfg, quant, w13_bias, used=toks < t)
+
+        _, a = jax.lax.scan(skip_or(act, jnp.zeros((g, b, inter), jnp.float32)), None, (firsts, toks_s, experts_s))
+        a = quantize_activation(quant, a, 2)  # one scale over every routed row (padding rows are 0)
+
+        def second(blk):
+            _, a_blk, experts = blk
+            return _gemm2(a_blk, experts, w2, quant, w2_bias, xq.dtype)
+
+        _, ys = jax.lax.scan(skip_or(second, jnp.zeros((g, b, h), out_dtype)), None, (firsts, a, experts_s))
+    else:
+        def run(blk):
+            _, toks, experts = blk
             return _experts_mlp(x_pad[toks], experts, w13, w2, cfg, quant, w13_bias, w2_bias)
 
-        y = jax.lax.cond(first < blocks_used, run, lambda _: jnp.zeros((g, b, h), out_dtype), None)
-        return None, y
-
-    steps = nb // g
-    blocks = (jnp.arange(steps, dtype=jnp.int32) * g, token_of_row.reshape(steps, g, b),
-              block_expert.reshape(steps, g))
-    _, ys = jax.lax.scan(step, None, blocks)
+        _, ys = jax.lax.scan(skip_or(run, jnp.zeros((g, b, h), out_dtype)), None, (firsts, toks_s, experts_s))
     ys = jnp.concatenate([ys.reshape(nb * b, h), jnp.zeros((1, h), out_dtype)], axis=0)
     return ys, row_of_slot
 
@@ -200,47 +254,107 @@ def _gather_experts(xq, topk_ids, cfg, w13, w2, quant, w13_bias, w2_bias):
     n = topk_ids.size
     flat = topk_ids.reshape(-1)
     valid = (flat >= 0) & (flat < cfg.num_experts)
+    # a slot of another rank's expert (-1) runs on expert 0 and is dropped by index below; its
+    # GEMM1 output is zeroed so that it takes no part in a dynamic scale at GEMM2's input
     y = _experts_mlp(xq[jnp.arange(n) // cfg.top_k][:, None, :], jnp.clip(flat, 0, cfg.num_experts - 1),
-                     w13, w2, cfg, quant, w13_bias, w2_bias)[:, 0, :]
+                     w13, w2, cfg, quant, w13_bias, w2_bias, used=valid[:, None])[:, 0, :]
     y = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)], axis=0)
     return y, jnp.where(valid, jnp.arange(n, dtype=jnp.int32), n)
 
 
+def _ragged_dot_impl(rows, w, counts, precision):
+    """``rows [M, K]`` against ``w [E, N, K]``, rows in runs of ``counts [E]`` per expert (rows past
+    ``sum(counts)`` give 0): ``[M, N]`` float32, with non-finite weights kept to their own rows.
+
+    ``jax.lax.ragged_dot`` lowers (CPU, GPU) to every row times every expert's weights, the other
+    experts' rows selected to zero: one NaN or inf weight would reach every row. It gets the
+    weights with non-finite entries zeroed, which is exact for the rows of every expert whose
+    weights are finite; the rows of a routed expert with non-finite weights are recomputed
+    against its own weights (a rare path, skipped by ``cond`` when there is none)."""
+    finite = jnp.isfinite(w)
+    safe = jnp.where(finite, w, jnp.zeros((), w.dtype))
+    out = jax.lax.ragged_dot(rows, jnp.swapaxes(safe, 1, 2), counts, precision=precision,
+                             preferred_element_type=jnp.float32)
+    bad = ~jnp.all(finite, axis=(1, 2)) & (counts > 0)
+    offsets = jnp.concatenate([jnp.zeros((1,), counts.dtype), jnp.cumsum(counts)])
+    row = jnp.arange(rows.shape[0], dtype=counts.dtype)
+
+    def exact(e, out):
+        def redo(out):
+            mine = (row >= offsets[e]) & (row < offsets[e + 1])
+            full = jax.lax.dot_general(rows, w[e], (((1,), (1,)), ((), ())), precision=precision,
+                                       preferred_element_type=jnp.float32)
+            return jnp.where(mine[:, None], full, out)
+
+        return jax.lax.cond(bad[e], redo, lambda o: o, out)
+
+    return jax.lax.cond(jnp.any(bad), lambda o: jax.lax.fori_loop(0, w.shape[0], exact, o), lambda o: o, out)
+
+
+@functools.lru_cache(maxsize=None)
+def _ragged_dot_fn(precision):
+    """:func:`_ragged_dot_impl` as a function ``jax.vmap`` can batch: ``jax.lax.ragged_dot`` has no
+    batching rule here, so a batch runs one element at a time (``jax.lax.map``)."""
+
+    @jax.custom_batching.custom_vmap
+    def f(rows, w, counts):
+        return _ragged_dot_impl(rows, w, counts, precision)
+
+    @f.def_vmap
+    def _batched(axis_size, in_batched, *args):
+        batched = tuple(a for a, b in zip(args, in_batched) if b)
+
+        def one(parts):
+            it = iter(parts)
+            return f(*(next(it) if b else a for a, b in zip(args, in_batched)))
+
+        return jax.lax.map(one, batched), True
+
+    return f
+
+
 def _ragged_experts(xq, sort, cfg, w13, w2, quant, w13_bias, w2_bias):
-    """Sorted rows through ``jax.lax.ragged_dot``. Returns (y [T*k, H], row_of_slot [T*k])."""
+    """Sorted rows through ``jax.lax.ragged_dot`` (:func:`_ragged_dot_impl`). Returns
+    (y [T*k, H], row_of_slot [T*k])."""
     k = cfg.top_k
     cdt = _compute_dtype(xq, quant)
-    prec = _precision(quant, xq)
+    dot = _ragged_dot_fn(_precision(quant, xq))
     if quant is not None:
         w13, w2 = dequantize_weights(quant, w13, w2, dtype=cdt)
     rows = xq[sort.sorted_slots // k].astype(cdt)
     sorted_expert = jnp.searchsorted(sort.offsets, jnp.arange(rows.shape[0]), side="right") - 1
     sorted_expert = jnp.clip(sorted_expert, 0, cfg.num_experts - 1)
-    h1 = jax.lax.ragged_dot(rows, jnp.swapaxes(w13, 1, 2), sort.counts, precision=prec,
-                            preferred_element_type=jnp.float32)
+    valid = jnp.arange(rows.shape[0]) < sort.offsets[-1]  # rows of local experts (EP: -1 ids sort last)
+    h1 = dot(rows, w13.astype(cdt), sort.counts)
     if w13_bias is not None:
         h1 = h1 + w13_bias[sorted_expert].astype(jnp.float32)
+    h1 = jnp.where(valid[:, None], h1, 0.0)  # no part in a dynamic scale at GEMM2's input
     a = activate(h1, cfg)
     if quant is not None:
         a = quantize_activation(quant, a, 2)
-    y = jax.lax.ragged_dot(a.astype(cdt), jnp.swapaxes(w2, 1, 2), sort.counts, precision=prec,
-                           preferred_element_type=jnp.float32)
+    y = dot(a.astype(cdt), w2.astype(cdt), sort.counts)
     if w2_bias is not None:
         y = y + w2_bias[sorted_expert].astype(jnp.float32)
-    valid = jnp.arange(rows.shape[0]) < sort.offsets[-1]
     y = jnp.where(valid[:, None], y, 0.0)
     return y.astype(xq.dtype if quant is None else jnp.float32), sort.inverse
 
 
 def _dense_experts(xq, topk_weights, topk_ids, cfg, w13, w2, quant, w13_bias, w2_bias):
-    """Every expert on every token. Returns the weighted sum [T, H] float32 directly."""
+    """Every expert on every token, the routed (expert, token) pairs selected with ``where`` after
+    GEMM1 and after GEMM2, before the router weights multiply anything: a non-finite value (or an
+    overflow) of an expert a token does not route to never reaches that token. Returns the
+    weighted sum [T, H] float32 directly."""
     cdt = _compute_dtype(xq, quant)
     prec = _precision(quant, xq)
     if quant is not None:
         w13, w2 = dequantize_weights(quant, w13, w2, dtype=cdt)
+    # hit[e, t]: token t routes to expert e (ids outside [0, E) hit nothing)
+    onehot = jax.nn.one_hot(topk_ids, cfg.num_experts, dtype=jnp.float32)  # [T, k, E]
+    hit = jnp.any(onehot > 0, axis=1).T[:, :, None]
     h1 = jnp.einsum("th,enh->etn", xq.astype(cdt), w13, precision=prec, preferred_element_type=jnp.float32)
     if w13_bias is not None:
         h1 = h1 + w13_bias.astype(jnp.float32)[:, None, :]
+    h1 = jnp.where(hit, h1, 0.0)  # routed pairs only, also for a dynamic scale at GEMM2's input
     a = activate(h1, cfg)
     if quant is not None:
         a = quantize_activation(quant, a, 2)
@@ -248,8 +362,9 @@ def _dense_experts(xq, topk_weights, topk_ids, cfg, w13, w2, quant, w13_bias, w2
     if w2_bias is not None:
         y = y + w2_bias.astype(jnp.float32)[:, None, :]
     y = y.astype(xq.dtype if quant is None else jnp.float32).astype(jnp.float32)
-    # combine[t, e] = sum_j w[t, j] * [ids[t, j] == e]; ids outside [0, E) match nothing
-    combine = jnp.einsum("tk,tke->te", topk_weights, jax.nn.one_hot(topk_ids, cfg.num_experts, dtype=jnp.float32))
+    y = jnp.where(hit, y, 0.0)
+    # combine[t, e] = sum_j w[t, j] * [ids[t, j] == e]
+    combine = jnp.einsum("tk,tke->te", topk_weights, onehot)
     return jnp.einsum("eth,te->th", y, combine, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -307,12 +422,14 @@ def apply(
     float x with the global scale ``1 / quant.a13_scale``
     (:func:`jax_moe.quant.scheme.nvfp4_activation_global_scale`). They are dequantized, which
     gives exactly what quantizing the float x here would; the result is then float32."""
+    x, w13, w2, topk_weights, topk_ids, quant, w13_bias, w2_bias, x_scale = as_jax(
+        x, w13, w2, topk_weights, topk_ids, quant, w13_bias, w2_bias, x_scale)
     t, k = topk_ids.shape
     out_dtype = x.dtype if x_scale is None else jnp.float32
     if t == 0:
         return jnp.zeros((0, cfg.hidden_size), out_dtype)
     if strategy is None:
-        strategy = "ragged_dot" if needs_whole_gemm2_input(quant) else pick_strategy(t, cfg)
+        strategy = pick_strategy(t, cfg)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     weights = topk_weights.astype(jnp.float32)
@@ -368,6 +485,8 @@ def apply_batched(
 
     Every row of the capacity is computed (two batched matmuls over E): a reference and a
     CPU path, not a fast one for a capacity far above the counts."""
+    x, counts, w13, w2, quant, w13_bias, w2_bias, x_scale = as_jax(
+        x, counts, w13, w2, quant, w13_bias, w2_bias, x_scale)
     check_rank("x", x, 3, "[E, C, H]")
     check_rank("counts", counts, 1, "[E]")
     e, c = x.shape[:2]
