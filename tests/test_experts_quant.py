@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_moe import fused_experts, select_experts
+from jax_moe import fused_experts, fused_moe, select_experts
 from jax_moe.backends import xla
 from jax_moe.config import MoEConfig
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
@@ -142,3 +142,100 @@ def test_unquantized_weights_with_quant_are_rejected(rng):
     _, _, quant = quantize_weights("fp8", w13, w2)
     with pytest.raises(ValueError, match="w13"):
         fused_experts(x, w13, w2, w, ids, quant=quant)
+
+
+# ----------------------------------------------------------------------------- issue 15: robustness
+
+
+def _nan_in_unused_expert(rng, scheme, t, **opts):
+    """A layer whose expert E-1 receives no token and holds one NaN weight (before quantization:
+    fp8 keeps it as a NaN byte, the packed formats in a block scale)."""
+    cfg, x, w13, w2, _, _ = _moe(rng)
+    x = x[:1].repeat(t, 0) + jnp.asarray(rng.standard_normal((t, H)), jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((t, E)), jnp.float32).at[:, E - 1].set(-1e4)
+    w, ids = select_experts(logits, K)
+    bad13 = np.array(w13)
+    bad13[E - 1, 0, 0] = np.nan
+    clean = quantize_weights(scheme, w13, w2, **opts)
+    bad = quantize_weights(scheme, bad13, w2, **opts)
+    return cfg, x, w, ids, clean, bad
+
+
+@pytest.mark.parametrize("t", [1, 40, 300])
+def test_issue_repro_nan_byte_in_an_unused_fp8_expert_on_the_default_path(rng, t):
+    """Issue 15, repro 1: one NaN byte in an unused expert made 300/300 tokens NaN on the default
+    FP8 path (dynamic fp8_per_tensor, served by ragged_dot)."""
+    cfg, x, w, ids, (c13, c2, cq), (b13, b2, bq) = _nan_in_unused_expert(rng, "fp8", t)
+    assert np.isnan(np.asarray(b13[E - 1].astype(jnp.float32))).sum() == 1  # a NaN byte, finite scales
+    out = jax.jit(lambda *a: fused_experts(*a[:5], quant=a[5]))(x, b13, b2, w, ids, bq)
+    want = fused_experts(x, c13, c2, w, ids, quant=cq)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
+@pytest.mark.parametrize("act", ["fp8_per_tensor", "fp8_per_token"])
+@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+def test_nan_in_an_unused_fp8_expert_on_every_strategy(rng, strategy, act):
+    cfg, x, w, ids, (c13, c2, cq), (b13, b2, bq) = _nan_in_unused_expert(rng, "fp8", 40, act=act)
+    out = xla.apply(x, b13, b2, w, ids, cfg, quant=bq, strategy=strategy)
+    want = xla.apply(x, c13, c2, w, ids, cfg, quant=cq, strategy=strategy)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
+@pytest.mark.parametrize("scheme,opts", [("fp8", dict(act="fp8_per_tensor")), ("nvfp4", dict())],
+                         ids=["fp8_per_tensor", "nvfp4"])
+@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+def test_a_nan_token_leaves_a_dynamic_tensor_wide_scale_alone(rng, strategy, scheme, opts):
+    """A dynamic per-tensor scale (GEMM1's and GEMM2's inputs) is taken over finite values: one
+    NaN token leaves every other token exactly as without it."""
+    cfg, x, w13, w2, w, ids = _moe(rng)
+    q13, q2, quant = quantize_weights(scheme, w13, w2, **opts)
+    want = np.asarray(xla.apply(x, q13, q2, w, ids, cfg, quant=quant, strategy=strategy))
+    out = np.asarray(xla.apply(x.at[5, 7].set(jnp.nan), q13, q2, w, ids, cfg, quant=quant, strategy=strategy))
+    assert np.isnan(out[5]).all()
+    np.testing.assert_array_equal(np.delete(out, 5, 0), np.delete(want, 5, 0))
+
+
+@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+def test_every_strategy_takes_one_dynamic_gemm2_scale_over_the_routed_rows(rng, strategy):
+    """fp8_per_tensor without a2_scale: the scale at GEMM2's input is the max over every routed row
+    (blocked takes it in two passes), as the reference takes it."""
+    cfg, x, w13, w2, w, ids = _moe(rng)
+    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor")
+    out = xla.apply(x, q13, q2, w, ids, cfg, quant=quant, strategy=strategy, block_size=16)
+    assert rel(out, moe_reference(x, q13, q2, w, ids, cfg, quant=quant)) < 1e-3
+
+
+def test_issue_repro_vmap_over_the_default_fp8_path(rng):
+    """Issue 15, repro 3: NotImplementedError (ragged_dot vmap over any dim but 0)."""
+    cfg, x, w13, w2, _, _ = _moe(rng)
+    q13, q2, qc = quantize_weights("fp8", w13, w2)
+    xs = jnp.asarray(rng.standard_normal((2, 10, H)), jnp.float32)
+    lgs = jnp.asarray(rng.standard_normal((2, 10, E)), jnp.float32)
+    got = jax.vmap(lambda x, lg: fused_moe(x, q13, q2, lg, 2, quant=qc))(xs, lgs)
+    for b in range(2):
+        np.testing.assert_allclose(np.asarray(got[b]), np.asarray(fused_moe(xs[b], q13, q2, lgs[b], 2, quant=qc)),
+                                   rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+def test_vmap_over_quantized_weights_on_every_strategy(rng, strategy):
+    cfg, x, w13, w2, w, ids = _moe(rng)
+    q13, q2, quant = quantize_weights("mxfp4", w13, w2, act="mxfp8")
+    f = lambda x: xla.apply(x, q13, q2, w[:10], ids[:10], cfg, quant=quant, strategy=strategy)  # noqa: E731
+    xs = jnp.stack([x[:10], x[10:20]])
+    got = jax.vmap(f)(xs)
+    for b in range(2):
+        np.testing.assert_allclose(np.asarray(got[b]), np.asarray(f(xs[b])), rtol=1e-6, atol=1e-6)
+
+
+def test_numpy_quantized_weights_and_scales(rng):
+    cfg, x, w13, w2, w, ids = _moe(rng)
+    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_token")
+    np_quant = jax.tree.map(np.asarray, quant)
+    for t in (3, T):
+        want = fused_experts(x[:t], q13, q2, w[:t], ids[:t], quant=quant)
+        got = fused_experts(np.asarray(x[:t]), np.asarray(q13), np.asarray(q2), np.asarray(w[:t]),
+                            np.asarray(ids[:t]), quant=np_quant)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
