@@ -52,6 +52,13 @@ activations (``act="nvfp4"``, for a backend listing it in ``PREQUANTIZED_INPUT``
 quantizes its own tokens and the quantized bytes travel (NVFP4: packed E2M1 and the linear
 block scales, swizzled to 128x4 tiles after the exchange for a backend that reads those). A
 dynamic scale is the max over every device's tokens, so each token is quantized as on one device.
+
+Non-finite isolation (as on one device, :mod:`jax_moe.backends.xla`): a NaN, an infinity or an
+overflow in an expert no token routes to, or in one token, reaches no other token under any
+strategy, expert format or mesh. Every exchange moves rows selected with ``where`` (never rows
+multiplied by a zero mask), each device's backend isolates its own experts, slots of experts
+owned elsewhere (-1) contribute exact zeros, and a dynamic scale taken before the dispatch is a
+max over finite values.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_moe import oracle
+from jax_moe.config import as_jax
 from jax_moe.experts import moe_config_from_arrays, run_experts, run_experts_batched
 from jax_moe.layouts.scales import block_scale_interleave
 from jax_moe.permute import batched_finalize, batched_layout, to_batched
@@ -356,6 +364,8 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
 
     ``pcfg.expert_format="batched"``: after the dispatch each device lays its received token
     copies out as [E_local, M, H] and runs the backend's batched stage (module note)."""
+    x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, quant = as_jax(
+        x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, quant)
     e = w13.shape[0]
     ep, tp = pcfg.size(pcfg.ep_axis), pcfg.size(pcfg.tp_axis)
     _token_shards(x, pcfg, e)
@@ -413,7 +423,7 @@ def _quantize_nvfp4_before_dispatch(x, quant, pcfg: ParallelConfig):
     taken over every device's tokens, as one device takes it over all of them."""
     x = x.astype(jnp.float32)
     if quant.a13_scale is None:
-        amax = jax.lax.pmax(jnp.max(jnp.abs(x)), pcfg.token_axes)
+        amax = jax.lax.pmax(fp8.finite_absmax(x), pcfg.token_axes)  # over finite values (jax_moe.quant)
         quant = quant.replace(a13_scale=fp8.amax_to_scale(amax, fp8.FP8_MAX * fp4.E2M1_MAX))
     packed, sf, _ = fp4.quantize_nvfp4(x, nvfp4_activation_global_scale(quant, 1))
     return quant, (packed, jax.lax.bitcast_convert_type(sf, jnp.uint8))
@@ -516,7 +526,7 @@ def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelC
                 return mod.apply_prepared(xr, prep, wr, idr, **apply_opts).astype(jnp.float32)
 
             return _run_strategy(x, w, ids, run, pcfg, e_local).astype(x.dtype)
-        amax = jax.lax.pmax(jnp.max(jnp.abs(x.astype(jnp.float32))), pcfg.token_axes)
+        amax = jax.lax.pmax(fp8.finite_absmax(x), pcfg.token_axes)  # over finite values (jax_moe.quant)
         scale = mod.input_scale(x, prep, amax)
         payload = jax.lax.bitcast_convert_type(mod.quantize_input(x, scale), jnp.uint8)
 

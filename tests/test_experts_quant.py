@@ -190,6 +190,7 @@ def test_a_nan_token_leaves_a_dynamic_tensor_wide_scale_alone(rng, strategy, sch
     """A dynamic per-tensor scale (GEMM1's and GEMM2's inputs) is taken over finite values: one
     NaN token leaves every other token exactly as without it."""
     cfg, x, w13, w2, w, ids = _moe(rng)
+    x = x.at[5].multiply(1e-3)  # token 5 never holds a max: with its NaN left out, the scales are the same
     q13, q2, quant = quantize_weights(scheme, w13, w2, **opts)
     want = np.asarray(xla.apply(x, q13, q2, w, ids, cfg, quant=quant, strategy=strategy))
     out = np.asarray(xla.apply(x.at[5, 7].set(jnp.nan), q13, q2, w, ids, cfg, quant=quant, strategy=strategy))

@@ -542,3 +542,63 @@ def test_batched_format_refusals(rng):
     x, _, _, w, ids, _ = moe(rng, 8)
     with pytest.raises(ValueError, match="parallel_apply_prepared runs the standard expert format only"):
         parallel_apply_prepared(x, None, w, ids, pcfg)
+
+
+# ------------------------------------------------- issue 15: non-finite isolation on 8 CPU devices
+
+# (ragged_all_to_all has no XLA:CPU implementation: tests/test_gpu_parallel.py runs it)
+ISOLATION_RUNS = [(m, s, f) for m in range(len(MESHES)) for s in ("naive", "all_to_all")
+                  for f in ("standard", "batched")]
+
+
+def _isolation_ids(run):
+    m, s, f = run
+    return "-".join([["ep8", "ep4-tp2", "dp2-ep4"][m], s, f])
+
+
+@pytest.mark.parametrize("run", ISOLATION_RUNS, ids=_isolation_ids)
+def test_a_bad_unused_expert_or_token_stays_put_under_every_parallel_strategy(rng, run):
+    """Issue 15: a NaN in an unused expert turned every token into NaN under ep4 x tp2 and
+    dp2 x ep4. Expert 13 (device 6 of ep8, 3 of ep4) holds a NaN, expert 14 an inf, expert 15
+    overflows; no token routes to them. Token 5 holds a NaN: only its row is NaN."""
+    m, strategy, fmt = run
+    shape, names, axes = MESHES[m]
+    pcfg = ParallelConfig(cpu_mesh(shape, names), strategy=strategy, expert_format=fmt, **axes)
+    x, w13, w2, _, _, b = moe(rng, 32, activation="relu2", bias=True)
+    w, ids = select_experts(jnp.asarray(rng.standard_normal((32, E)), jnp.float32).at[:, 13:].set(-1e4), K)
+    want = np.asarray(_parallel_out(pcfg, x, w13, w2, w, ids, b, activation="relu2"))
+    bad13, bad2 = np.array(w13), np.array(w2)
+    bad13[13, 0, 0], bad2[14, 1, 1] = np.nan, np.inf
+    bad13[15] *= np.float32(1e30)
+    x = x.at[5, 3].set(jnp.nan)
+    out = np.asarray(_parallel_out(pcfg, x, jnp.asarray(bad13), jnp.asarray(bad2), w, ids, b, activation="relu2"))
+    assert np.isnan(out[5]).all()
+    assert np.isfinite(np.delete(out, 5, 0)).all()
+    np.testing.assert_array_equal(np.delete(out, 5, 0), np.delete(want, 5, 0))
+
+
+@pytest.mark.parametrize("scheme,act", [("fp8", "fp8_per_tensor"), ("nvfp4", "nvfp4")])
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_dynamic_scales_ignore_a_nan_token_and_a_nan_byte_in_an_unused_expert(rng, strategy, scheme, act):
+    """The default FP8 path (dynamic per-tensor scales) and NVFP4 (quantized before the dispatch
+    with the max over every device's tokens): a NaN token and a NaN weight byte of an unused
+    expert stay in place."""
+    pcfg = ParallelConfig(cpu_mesh((2, 4), ("dp", "ep")), ep_axis="ep", dp_axis="dp", strategy=strategy)
+    x, w13, w2, _, _, _ = moe(rng, 32)
+    x = x.at[9].multiply(1e-3)  # token 9 never holds a max: with its NaN left out, the scales are the same
+    w, ids = select_experts(jnp.asarray(rng.standard_normal((32, E)), jnp.float32).at[:, 15].set(-1e4), K)
+    q13, q2, quant = quantize_weights(scheme, w13, w2, act=act)
+    want = np.asarray(_run_parallel(pcfg, x, q13, q2, w, ids, quant)[0])
+    if scheme == "fp8":
+        q13 = q13.at[15, 0, 0].set(jnp.nan)  # one NaN byte in the unused expert
+    out = np.asarray(_run_parallel(pcfg, x.at[9, 2].set(jnp.nan), q13, q2, w, ids, quant)[0])
+    assert np.isnan(out[9]).all()
+    np.testing.assert_array_equal(np.delete(out, 9, 0), np.delete(want, 9, 0))
+
+
+def test_numpy_arrays_under_expert_parallelism(rng):
+    pcfg = ParallelConfig(cpu_mesh((4,), ("ep",)), ep_axis="ep")
+    x, w13, w2, w, ids, _ = moe(rng, 32)
+    p = shard_weights(np.asarray(w13), np.asarray(w2), pcfg)
+    out = parallel_fused_experts(np.asarray(x), p["w13"], p["w2"], np.asarray(w), np.asarray(ids), pcfg)
+    assert rel(out, fused_experts(x, w13, w2, w, ids)) < 1e-5
