@@ -102,8 +102,9 @@ def rel_err(got, want) -> float:
 
 
 def dequant(q, s):
-    s = np.asarray(s, np.float32)
-    return np.asarray(q, np.float32) * (s[:, None] if s.ndim else s)
+    """float32 values of FP8 rows with per-row (or one) scales (jnp: traceable under vmap/jit)."""
+    s = jnp.asarray(s, jnp.float32)
+    return jnp.asarray(q).astype(jnp.float32) * (s[:, None] if s.ndim else s)
 
 
 # ---------------------------------------------------------------- CPU: references vs numpy
@@ -235,6 +236,58 @@ def test_kernels_chain_to_the_moe(rng, minus_one, activation):
     assert rel_err(jax.jit(_pipeline, static_argnums=5)(x, w13, w2, w, ids, activation), want) < 1e-5
     got = _pipeline(x, w13, w2, w, ids, activation, "fp8_per_token")
     assert rel_err(got, want) < 5e-2
+
+
+# ---------------------------------------------------------------- issue 15: numpy, vmap, non-finite rows
+
+
+def _chain_case(rng, t=12, k=2, e=4, h=16, i=8):
+    ids, w = routing(rng, t, k, e, minus_one=True)
+    return (normal(rng, (t, h), jnp.float32), normal(rng, (e, 2 * i, h), jnp.float32, 0.25),
+            normal(rng, (e, h, i), jnp.float32, 0.3), w, ids)
+
+
+@pytest.mark.parametrize("quant", [None, "fp8_per_token"])
+def test_kernels_take_numpy_and_batch_under_vmap(rng, quant):
+    """Every kernel (the CUDA custom calls declare ``vmap_method="sequential"``; their references
+    batch natively) under jax.vmap, and on numpy arrays."""
+    cases = [_chain_case(rng) for _ in range(3)]
+    stacked = [jnp.stack(parts) for parts in zip(*cases)]
+    got = jax.vmap(lambda *a: _pipeline(*a, "silu", quant))(*stacked)
+    for b, case in enumerate(cases):
+        want = _pipeline(*case, "silu", quant)
+        np.testing.assert_allclose(np.asarray(got[b]), np.asarray(want), rtol=1e-6, atol=1e-6)
+        np_case = [np.asarray(a) for a in case]
+        np.testing.assert_array_equal(np.asarray(_pipeline(*np_case, "silu", quant)), np.asarray(want))
+
+
+@pytest.mark.parametrize("quant", [None, "fp8_per_token"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_nonfinite_token_stays_in_its_own_rows(rng, quant, bad):
+    x, w13, w2, w, ids = _chain_case(rng)
+    ids = ids.at[4].set(jnp.array([1, 2], jnp.int32))
+    want = np.asarray(_pipeline(x, w13, w2, w, ids, "silu", quant))
+    got = np.asarray(_pipeline(x.at[4, 3].set(bad), w13, w2, w, ids, "silu", quant))
+    assert not np.isfinite(got[4]).all()
+    np.testing.assert_array_equal(np.delete(got, 4, 0), np.delete(want, 4, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, "fp8_per_token"])
+def test_cuda_kernels_under_vmap(rng, quant):
+    need_cuda()
+    ids = jnp.stack([routing(rng, 40, 4, 16, minus_one=True)[0] for _ in range(2)])
+    x = jnp.stack([normal(rng, (40, 256), jnp.bfloat16) for _ in range(2)])
+
+    def step(x, ids):
+        s = ffi.sort_by_expert(ids, 16)
+        return kernels.permute_rows(x, s.sorted_slots, 4, valid_rows=s.offsets[-1], quant=quant)
+
+    got = jax.jit(jax.vmap(step))(x, ids)
+    for b in range(2):
+        want = jax.jit(step)(x[b], ids[b])
+        for g, wnt in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g[b], np.float32), np.asarray(wnt, np.float32))
 
 
 # ---------------------------------------------------------------- CPU: argument checks
