@@ -217,33 +217,46 @@ def run_child(model: str, ckpt: str, tokens: int) -> dict:
     rng = np.random.default_rng(1)
     h = MODELS[model]["H"]
     x = rng.standard_normal((tokens, h)).astype(np.float32)
-    fwd = nnx_jit(block)
+    fwd = jitted(block)
     y = np.asarray(fwd(jnp.asarray(x, jnp.bfloat16)), np.float32)
     ref = reference(model, ckpt, np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32))
     err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
-    times = {}
+    times, shared_times = {}, {}
+    shared = None if block.shared is None else jitted(block.shared)
     for t in (1, 64, 1024):
-        xt = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-        jax.block_until_ready(fwd(xt))
-        samples = []
-        for _ in range(10):
-            s = time.perf_counter()
-            jax.block_until_ready(fwd(xt))
-            samples.append(time.perf_counter() - s)
-        times[t] = 1e3 * float(np.median(samples))
+        xt = [jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16) for _ in range(3)]
+        times[t] = median_ms(fwd, xt)
+        if shared is not None:
+            shared_times[t] = median_ms(shared, xt)
     return dict(model=model, device=jax.devices()[0].device_kind, backend=backend,
                 quant=block.quant.get_value().scheme if block.quant is not None else None,
                 load_s=load_s, prepare_s=prepare_s, peak_rss_gib_after_load=rss_load,
                 peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                finite=bool(np.isfinite(y).all()), rel_err=err, forward_ms=times)
+                finite=bool(np.isfinite(y).all()), rel_err=err, forward_ms=times,
+                shared_experts_ms=shared_times or None)
 
 
-def nnx_jit(block):
-    """The block's forward under ``nnx.jit`` (x [T, H] -> [T, H])."""
+def jitted(module):
+    """``x -> module(x)`` under ``jax.jit`` with the module's state as an argument (split once)."""
+    import jax
     from flax import nnx
 
-    step = nnx.jit(lambda m, v: m(v))
-    return lambda x: step(block, x)
+    graphdef, state = nnx.split(module)
+    fn = jax.jit(lambda s, v: nnx.merge(graphdef, s)(v))
+    return lambda v: fn(state, v)
+
+
+def median_ms(fn, inputs, iters: int = 20) -> float:
+    """Median ms of ``fn(x)`` over ``iters`` calls rotating through ``inputs``, after warm-up."""
+    import jax
+
+    jax.block_until_ready(fn(inputs[0]))
+    samples = []
+    for n in range(iters):
+        s = time.perf_counter()
+        jax.block_until_ready(fn(inputs[n % len(inputs)]))
+        samples.append(time.perf_counter() - s)
+    return 1e3 * float(np.median(samples))
 
 
 def main(argv=None) -> int:

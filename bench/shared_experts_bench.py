@@ -33,15 +33,16 @@ MODELS = {  # E, H, I, k, shared experts of size I, scheme
 
 
 def runner(w13, w2, k: int, quant):
-    """(fn(x, weights, ids), backend name) for these experts on the backend prepare() would pick."""
+    """(fn(weights, x, topk_weights, ids), weights, backend name) for these experts on the backend
+    ``MoEBlock.prepare()`` would pick (weights are arguments, never captured constants)."""
     e, _, h = w13.shape
     cfg = MoEConfig(e, k, h, w2.shape[2])
     sel = oracle.select_backend(cfg, quant, prepared=True, features=oracle.call_features(
         dtype=w13.dtype if quant is None else None))
     if hasattr(sel.module, "prepare") and hasattr(sel.module, "apply_prepared"):
-        p = sel.module.prepare(w13, w2, cfg, quant)
-        return jax.jit(lambda x, w, ids: sel.module.apply_prepared(x, p, w, ids)), sel.name
-    return jax.jit(lambda x, w, ids: fused_experts(x, w13, w2, w, ids, quant=quant)), sel.name
+        return (lambda p, x, w, ids: sel.module.apply_prepared(x, p, w, ids),
+                sel.module.prepare(w13, w2, cfg, quant), sel.name)
+    return (lambda p, x, w, ids: fused_experts(x, p[0], p[1], w, ids, quant=p[2]), (w13, w2, quant), sel.name)
 
 
 def split_shared(s13, s2, pieces: int):
@@ -67,9 +68,13 @@ def run(model: str, tokens: list[int]) -> list[str]:
         w13, w2, q["routed"] = quantize_weights(scheme, w13, w2)
         s13, s2, q["shared"] = quantize_weights(scheme, s13, s2)
         all13, all2, q["fused"] = quantize_weights(scheme, all13, all2)
-    routed, name = runner(w13, w2, k, q.get("routed"))
-    shared, _ = runner(s13, s2, 1, q.get("shared"))
-    fused, _ = runner(all13, all2, k + s, q.get("fused"))
+    f_routed, p_routed, name = runner(w13, w2, k, q.get("routed"))
+    f_shared, p_shared, _ = runner(s13, s2, 1, q.get("shared"))
+    f_fused, p_fused, _ = runner(all13, all2, k + s, q.get("fused"))
+    del w13, w2, s13, s2, all13, all2
+    routed = jax.jit(f_routed)
+    fused = jax.jit(f_fused)
+    sep = jax.jit(lambda pr, ps, x, w, ids, o, z: f_routed(pr, x, w, ids) + f_shared(ps, x, o, z))
     rows = []
     for t in tokens:
         x = jax.random.normal(k5, (t, h), jnp.float32).astype(jnp.bfloat16)
@@ -78,11 +83,10 @@ def run(model: str, tokens: list[int]) -> list[str]:
         ones, zeros = jnp.ones((t, 1), jnp.float32), jnp.zeros((t, 1), jnp.int32)
         fids = jnp.concatenate([ids, jnp.broadcast_to(jnp.arange(e, e + s, dtype=jnp.int32), (t, s))], 1)
         fw = jnp.concatenate([w, jnp.ones((t, s), jnp.float32)], 1)
-        sep = jax.jit(lambda x, w, ids, o, z: routed(x, w, ids) + shared(x, o, z))
-        t_routed = timeit(routed, [(x, w, ids)])
-        t_sep = timeit(sep, [(x, w, ids, ones, zeros)])
-        t_fused = timeit(fused, [(x, fw, fids)])
-        y_sep, y_fused = sep(x, w, ids, ones, zeros), fused(x, fw, fids)
+        t_routed = timeit(routed, [(p_routed, x, w, ids)])
+        t_sep = timeit(sep, [(p_routed, p_shared, x, w, ids, ones, zeros)])
+        t_fused = timeit(fused, [(p_fused, x, fw, fids)])
+        y_sep, y_fused = sep(p_routed, p_shared, x, w, ids, ones, zeros), fused(p_fused, x, fw, fids)
         err = float(jnp.linalg.norm((y_sep - y_fused).astype(jnp.float32)) / jnp.linalg.norm(y_sep.astype(jnp.float32)))
         rows.append(f"| {model} | {scheme} | {name} | {t} | {t_routed:.3f} | {t_sep:.3f} | {t_fused:.3f} | "
                     f"{t_sep / t_fused:.2f} | {err:.1e} |")
