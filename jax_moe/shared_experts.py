@@ -5,9 +5,13 @@ Kimi-K2, GLM-4.5, Qwen2-MoE, Llama-4).
 
 ``W13 [1, 2Is, H]`` and ``W2 [1, H, Is]`` are one expert of intermediate size ``Is`` (DeepSeek's
 ``n_shared_experts`` experts of size I are one MLP of size ``n_shared_experts * I``); ``g`` is 1,
-or Qwen2-MoE's ``sigmoid(x @ gate^T)`` with ``gate [1, H]``. The MLP runs as a one-expert MoE
-through the same backends as the routed experts (float, FP8 block, ...), so it quantizes and
-prepares like them.
+or Qwen2-MoE's ``sigmoid(x @ gate^T)`` with ``gate [1, H]``.
+
+How it runs: as a dense MLP in XLA (:func:`dense_mlp`: two plain matmuls, cuBLAS on a GPU; stored
+quantized weights are dequantized first, one expert's worth), which also differentiates; after
+:meth:`SharedExperts.prepare` picked a kernel backend, as a one-expert call on that backend's
+prepared weights. ``bench/shared_experts_bench.py`` measures both against fusing the shared MLP
+into the routed call as extra always-selected experts.
 """
 
 from __future__ import annotations
@@ -16,8 +20,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_moe.activations import activate
 from jax_moe.config import MoEConfig
 from jax_moe.expert_weights import ExpertsModule, normal_init
+from jax_moe.quant.scheme import dequantize_weights
+
+
+def dense_mlp(x: jax.Array, w13: jax.Array, w2: jax.Array, cfg: MoEConfig, quant=None) -> jax.Array:
+    """One expert as a dense MLP: x [T, H] -> ``W2 act(W13 x)`` [T, H] in x's dtype.
+
+    w13 [1, 2I, H], w2 [1, H, I] in x's dtype, or stored quantized with ``quant`` (dequantized to
+    x's dtype here). Products accumulate in float32; the activation runs in float32."""
+    if quant is not None:
+        w13, w2 = dequantize_weights(quant, w13, w2, x.dtype)
+    h = jnp.dot(x, w13[0].astype(x.dtype).T, preferred_element_type=jnp.float32)
+    a = activate(h, cfg).astype(x.dtype)
+    return jnp.dot(a, w2[0].astype(x.dtype).T, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 class SharedExperts(ExpertsModule):
@@ -50,4 +68,8 @@ class SharedExperts(ExpertsModule):
             weights = jnp.ones((t, 1), jnp.float32)
         else:
             weights = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), self.gate.get_value().T))
-        return self._run_experts(x, weights, jnp.zeros((t, 1), jnp.int32))
+        if self.prepared is not None:
+            return self._run_experts(x, weights, jnp.zeros((t, 1), jnp.int32))
+        quant = None if self.quant is None else self.quant.get_value()
+        y = dense_mlp(x.astype(self.dtype), self.w13.get_value(), self.w2.get_value(), self.config, quant)
+        return y if self.gate is None else (y.astype(jnp.float32) * weights).astype(self.dtype)
