@@ -9,20 +9,26 @@ cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/jax_moe_wheel}"; mkdir -p "$out/dist"
 py="${PYTHON:-python3}"
 filter() { grep --line-buffered -v "^[WIE][0-9]\{4\}"; }
+wheel="${WHEEL:-}"   # WHEEL=path: test a wheel built before instead of building one
+if [ -z "$wheel" ]; then
+  t0=$(date +%s)
+  "$py" -m pip wheel -v --no-build-isolation --no-deps -w "$out/dist" . > "$out/wheel.log" 2>&1 \
+    || { tail -30 "$out/wheel.log"; exit 1; }
+  echo "== wheel build: $(( $(date +%s) - t0 )) s"
+  grep -o "jax_moe: .*" "$out/wheel.log" | sort -u
+  wheel=$(ls "$out"/dist/jax_moe-*.whl)
+fi
+ls -la "$wheel"
+site=$(mktemp -d)/site   # a fresh install location; the machine's jax, numpy, flax stay visible
 t0=$(date +%s)
-"$py" -m pip wheel -v --no-build-isolation --no-deps -w "$out/dist" . > "$out/wheel.log" 2>&1 \
-  || { tail -30 "$out/wheel.log"; exit 1; }
-echo "== wheel build: $(( $(date +%s) - t0 )) s"
-grep -o "jax_moe: .*" "$out/wheel.log" | sort -u
-ls -la "$out"/dist/*.whl
-env_dir=$(mktemp -d)/venv
-"$py" -m venv --system-site-packages "$env_dir"     # a fresh environment with the machine's jax
-t0=$(date +%s)
-"$env_dir/bin/python" -m pip install -q --no-deps "$out"/dist/jax_moe-*.whl || exit 1
-echo "== wheel install into a fresh environment: $(( $(date +%s) - t0 )) s"
+"$py" -m pip install -q --no-deps --target "$site" "$wheel" || exit 1
+echo "== wheel install into a fresh location: $(( $(date +%s) - t0 )) s"
 work=$(mktemp -d); cp -r bench "$work/"; cd "$work"   # outside the checkout: the wheel's jax_moe is imported
-"$env_dir/bin/python" -m jax_moe.info 2>&1 | filter | tail -6
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+"$py" -c "import jax_moe; print('jax_moe from', jax_moe.__file__)"
+"$py" -m jax_moe.info 2>&1 | filter | tail -6
 t0=$(date +%s)
-timeout 300 "$env_dir/bin/python" bench/moe_bench.py --models qwen3 --tokens 1 1024 2>&1 | filter | grep "^|\|^#" | tail -6
+timeout 300 "$py" bench/moe_bench.py --models qwen3 --tokens 1 1024 2>&1 | filter | grep "^|\|^#" | tail -6
 echo "== bench/moe_bench.py --models qwen3 --tokens 1 1024 from the wheel: $(( $(date +%s) - t0 )) s"
-for extra in ${WHEEL_EXTRA:-}; do timeout 300 "$env_dir/bin/python" $extra 2>&1 | filter | tail -14; done
+IFS=';' read -ra extras <<< "${WHEEL_EXTRA:-}"   # ';'-separated scripts with their arguments
+for extra in "${extras[@]}"; do timeout 300 "$py" $extra 2>&1 | filter | tail -24; done
