@@ -12,7 +12,9 @@ trace time (:func:`pick_strategy`):
   A ``lax.scan`` takes ``G`` blocks per step, gathers their rows and their experts' weights,
   runs GEMM1 -> activation -> GEMM2 as batched matmuls, and skips steps with no rows. Nothing
   of size ``[T*k, E, ...]`` or ``[E, T, H]`` is built: memory is ``O(T*k*H + blocks*B*H)``
-  whatever E is.
+  whatever E is. A dynamic tensor-wide scale at GEMM2's input (the default FP8 path:
+  ``fp8_per_tensor`` without ``a2_scale``) takes two scans: GEMM1 and the activation over every
+  block, the scale over all routed rows, then GEMM2 (``blocks*B*I`` more floats).
 - ``"dense"``: every expert on every token as two batched matmuls over E, combined with the
   router weights. It reads each expert's weights exactly once, which is the floor when the
   batch is small (weight-bound) yet touches most experts; picked only then, and only when its
