@@ -170,12 +170,10 @@ class MoEBlock(ExpertsModule):
             self.shared.quantize(scheme, **{k: v for k, v in options.items() if k not in ("a13_scale", "a2_scale")})
 
     def prepare(self, backend: str | None = None, device=None) -> str:
-        """Repack the routed (and shared) experts once for the fastest backend here; returns the
-        routed experts' backend (see :meth:`ExpertsModule.prepare`)."""
-        name = super().prepare(backend, device)
-        if self.shared is not None:
-            self.shared.prepare(backend, device)
-        return name
+        """Repack the routed experts once for the fastest backend here; returns its name (see
+        :meth:`ExpertsModule.prepare`). Shared experts stay a dense MLP in XLA: on an H100 that
+        was the fastest way to run them (``bench/shared_experts_bench.py``, bench/RESULTS.md)."""
+        return super().prepare(backend, device)
 
     # ------------------------------------------------------------------ forward
 
