@@ -7,12 +7,13 @@ finalize) -> ``[T, H]``. ``fused_moe`` does both; ``MoEBlock`` is the Flax NNX m
 from jax_moe.config import ACTIVATIONS, MoEConfig
 from jax_moe.routing import select_experts
 from jax_moe.experts import fused_experts, fused_moe
-from jax_moe.quant.scheme import QuantConfig
+from jax_moe.quant.scheme import QuantConfig, quantize_weights
 
 __all__ = [
     "ACTIVATIONS",
     "MoEConfig",
     "QuantConfig",
+    "quantize_weights",
     "select_experts",
     "fused_experts",
     "fused_moe",
