@@ -1,7 +1,7 @@
 """One process of tests/test_multiprocess.py: ``python tests/multiprocess_worker.py RANK NPROC PORT``.
 
 Each process has 4 CPU devices; ``jax.distributed.initialize`` joins them into one global
-device list, and the README's several-hosts recipe runs unchanged on a mesh over all of them.
+device list, and the several-hosts recipe of docs/PARALLEL.md runs unchanged on a mesh over all of them.
 Every process loads the same weights (``shard_weights`` places them) and brings its own tokens
 (a global array from process-local data). Prints one JSON line: the largest difference of this
 process's output shards from the single-device result, per case."""
@@ -51,7 +51,7 @@ for name, (shape, names, axes, strategy, scheme, eager) in CASES.items():
     pcfg = ParallelConfig(Mesh(devices.reshape(shape), names), strategy=strategy, **axes)
     tok = NamedSharding(pcfg.mesh, pcfg.token_spec)
 
-    def tokens(a):  # this process's rows of the batch -> the global array (the README's recipe)
+    def tokens(a):  # this process's rows of the batch -> the global array (docs/PARALLEL.md's recipe)
         rows = [index[0] for index in tok.addressable_devices_indices_map(a.shape).values()]
         lo, hi = min(r.start or 0 for r in rows), max(r.stop or len(a) for r in rows)
         return jax.make_array_from_process_local_data(tok, a[lo:hi], a.shape)

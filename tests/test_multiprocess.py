@@ -1,4 +1,4 @@
-"""The several-hosts recipe of the README on one machine: two processes with 4 CPU devices each,
+"""The several-hosts recipe of docs/PARALLEL.md on one machine: two processes with 4 CPU devices each,
 joined by ``jax.distributed.initialize`` (gloo collectives), run jax_moe.parallel on meshes
 over all 8 devices (tests/multiprocess_worker.py) and get the single-device result."""
 
