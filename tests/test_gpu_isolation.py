@@ -1,0 +1,191 @@
+"""Non-finite isolation on the GPU backends (issue 15): a NaN, an infinity or an overflow in an
+expert no token routes to leaves every output row finite, bit-identical to the same backend's
+output with clean weights, and within the scheme's bound of ``backend="xla"`` on the clean
+weights (the used experts are the same there).
+
+Backends: ``cutlass`` through ``fused_experts`` (bf16; FP8 with static per-tensor, dynamic
+per-tensor and per-token activations) and ``flashinfer_cutlass`` prepared once
+(``prepare`` + ``apply_prepared``: bf16, FP8, MXFP4). A scheme this build lacks is skipped with
+the reason, as tests/test_flashinfer_cutlass.py does. Every test is ``gpu``: skipped without one.
+
+On an H100: ``python -m pytest -q -m gpu tests/test_gpu_isolation.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_moe import fused_experts
+from jax_moe.config import MoEConfig
+from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
+
+pytestmark = pytest.mark.gpu
+
+T, E, K, H, I = 96, 8, 2, 256, 128
+UNUSED = (6, 7)  # no token routes to these experts
+BAD = {"nan": np.nan, "inf": np.inf, "overflow": "overflow"}
+TOL = {"bf16": 2e-2, "fp8": 5e-2, "mxfp4": 5e-2}
+
+
+def _rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _problem(rng, activation="silu"):
+    """bf16 tokens, float32 weights (quantized or cast by each test), top-K routing over experts
+    0..5 only."""
+    rows = 2 * I if activation != "relu2" else I
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    w13 = (rng.standard_normal((E, rows, H)) / np.sqrt(H)).astype(np.float32)
+    w2 = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(np.float32)
+    used = E - len(UNUSED)
+    ids = jnp.asarray(np.stack([rng.permutation(used)[:K] for _ in range(T)]).astype(np.int32))
+    tw = rng.random((T, K)).astype(np.float32) + 0.1
+    tw = jnp.asarray(tw / tw.sum(1, keepdims=True))
+    return x, w13, w2, tw, ids, MoEConfig(E, K, H, I, activation)
+
+
+def _poison(w13, w2, bad, dtype=np.float32):
+    """Copies of the float weights with the unused experts made bad: a NaN / inf in one weight of
+    each GEMM, or every weight of the expert near the dtype's largest finite value (its GEMMs
+    overflow)."""
+    w13, w2 = w13.copy(), w2.copy()
+    if bad == "overflow":
+        big = float(ml_dtypes.finfo(dtype).max) / 4
+        for w in (w13, w2):
+            w[list(UNUSED)] = np.sign(w[list(UNUSED)] + 1e-3) * big
+    else:
+        w13[UNUSED[0], 3, 5] = bad
+        w2[UNUSED[1], 7, 1] = bad
+        w13[UNUSED[1], 0, 0] = -bad if bad == np.inf else bad
+    return w13, w2
+
+
+def _check(out_bad, out_clean, ref, tol):
+    bad, clean = np.asarray(out_bad, np.float32), np.asarray(out_clean, np.float32)
+    assert np.isfinite(bad).all(), f"{int((~np.isfinite(bad).all(1)).sum())} of {T} rows are not finite"
+    np.testing.assert_array_equal(bad, clean)
+    assert _rel_err(bad, ref) < tol
+
+
+# ----------------------------------------------------------------------------- cutlass
+
+
+def _skip_unless_cutlass():
+    from jax_moe.backends import cutlass
+
+    ok, why = cutlass.available()
+    if not ok:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+def test_cutlass_bf16_unused_expert_never_reaches_a_token(rng, bad, activation):
+    _skip_unless_cutlass()
+    x, w13, w2, tw, ids, _ = _problem(rng, activation)
+    b13, b2 = _poison(w13, w2, BAD[bad], ml_dtypes.bfloat16)
+    f = jax.jit(lambda w13, w2: fused_experts(x, w13, w2, tw, ids, activation=activation, backend="cutlass"))
+    as_bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    ref = fused_experts(x, as_bf16(w13), as_bf16(w2), tw, ids, activation=activation, backend="xla")
+    _check(f(as_bf16(b13), as_bf16(b2)), f(as_bf16(w13), as_bf16(w2)), ref, TOL["bf16"])
+
+
+# weight scales per expert or per channel: the used experts' scales do not depend on the bad one
+FP8_MODES = {"static": dict(act="fp8_per_tensor", weight_scale="per_expert"),
+             "dynamic": dict(act="fp8_per_tensor", weight_scale="per_expert"),
+             "per_token": dict(act="fp8_per_token", weight_scale="per_channel")}
+
+
+def _fp8(w13, w2, mode, x):
+    opts = dict(FP8_MODES[mode])
+    if mode == "static":
+        opts.update(a13_scale=calibrate_activation_scale("fp8_per_tensor", x), a2_scale=0.02)
+    return quantize_weights("fp8", w13, w2, **opts)
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+@pytest.mark.parametrize("mode", list(FP8_MODES))
+def test_cutlass_fp8_unused_expert_never_reaches_a_token(rng, bad, mode):
+    """The NaN or inf becomes a NaN byte of the unused expert (jax_moe.quant's rule: its scale stays
+    finite); an overflowing expert gets a large, finite scale."""
+    _skip_unless_cutlass()
+    x, w13, w2, tw, ids, _ = _problem(rng)
+    c13, c2, cq = _fp8(w13, w2, mode, x)
+    q13, q2, bq = _fp8(*_poison(w13, w2, BAD[bad]), mode, x)
+    if bad != "overflow":
+        assert np.isnan(np.asarray(q13[UNUSED[0]].astype(jnp.float32))).any()
+    f = jax.jit(lambda q13, q2, quant: fused_experts(x, q13, q2, tw, ids, quant=quant, backend="cutlass"))
+    ref = fused_experts(x, c13, c2, tw, ids, quant=cq, backend="xla")
+    _check(f(q13, q2, bq), f(c13, c2, cq), ref, TOL["fp8"])
+
+
+# ----------------------------------------------------------------------------- flashinfer_cutlass, prepared
+
+
+def _skip_unless_fi_scheme(name: str):
+    from jax_moe.backends import flashinfer_cutlass as fic
+
+    ok, why = fic.available()
+    if not ok:
+        pytest.skip(why)
+    if name not in fic.compiled_schemes():
+        pytest.skip(f"{name} not compiled into this build (JAX_MOE_FI_SCHEMES=...;{name})")
+
+
+def _prepared(q13, q2, cfg, quant, x, tw, ids):
+    from jax_moe.backends import flashinfer_cutlass as fic
+
+    return jax.jit(fic.apply_prepared)(x, fic.prepare(q13, q2, cfg, quant), tw, ids)
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+def test_flashinfer_cutlass_prepared_bf16(rng, bad):
+    _skip_unless_fi_scheme("bf16")
+    x, w13, w2, tw, ids, cfg = _problem(rng)
+    b13, b2 = _poison(w13, w2, BAD[bad], ml_dtypes.bfloat16)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    ref = fused_experts(x, bf(w13), bf(w2), tw, ids, backend="xla")
+    _check(_prepared(bf(b13), bf(b2), cfg, None, x, tw, ids), _prepared(bf(w13), bf(w2), cfg, None, x, tw, ids),
+           ref, TOL["bf16"])
+
+
+@pytest.mark.parametrize("static_a13", [True, False], ids=["static-a13", "dynamic-a13"])
+@pytest.mark.parametrize("bad", list(BAD))
+def test_flashinfer_cutlass_prepared_fp8(rng, bad, static_a13):
+    """FP8 per-tensor activations with a static a2_scale (what the runner takes), per-expert
+    weight scales."""
+    _skip_unless_fi_scheme("fp8")
+    x, w13, w2, tw, ids, cfg = _problem(rng)
+    b13, b2 = _poison(w13, w2, BAD[bad])
+    a13 = calibrate_activation_scale("fp8_per_tensor", x) if static_a13 else None
+    opts = dict(act="fp8_per_tensor", a13_scale=a13, a2_scale=0.02)
+    c13, c2, cq = quantize_weights("fp8", w13, w2, **opts)
+    q13, q2, bq = quantize_weights("fp8", b13, b2, **opts)
+    ref = fused_experts(x, c13, c2, tw, ids, quant=cq, backend="xla")
+    _check(_prepared(q13, q2, cfg, bq, x, tw, ids), _prepared(c13, c2, cfg, cq, x, tw, ids), ref, TOL["fp8"])
+
+
+@pytest.mark.parametrize("bad", [*BAD, "nan-scale-byte"])
+def test_flashinfer_cutlass_prepared_mxfp4(rng, bad):
+    """MXFP4 (W4A16): a NaN or inf quantizes to the E8M0 NaN byte 0xFF of its block (jax_moe.quant's
+    rule), an overflowing expert to the largest exponents; ``nan-scale-byte`` writes 0xFF into
+    every scale of the unused experts."""
+    _skip_unless_fi_scheme("mxfp4")
+    x, w13, w2, tw, ids, cfg = _problem(rng)
+    c13, c2, cq = quantize_weights("mxfp4", w13, w2)
+    if bad == "nan-scale-byte":
+        q13, q2 = c13, c2
+        bq = cq.replace(w13_scale=cq.w13_scale.at[list(UNUSED)].set(0xFF),
+                        w2_scale=cq.w2_scale.at[list(UNUSED)].set(0xFF))
+    else:
+        q13, q2, bq = quantize_weights("mxfp4", *_poison(w13, w2, BAD[bad]))
+        if bad != "overflow":
+            assert (np.asarray(bq.w13_scale)[UNUSED[0]] == 0xFF).any()
+    ref = fused_experts(x, c13, c2, tw, ids, quant=cq, backend="xla")
+    _check(_prepared(q13, q2, cfg, bq, x, tw, ids), _prepared(c13, c2, cfg, cq, x, tw, ids), ref, TOL["mxfp4"])
