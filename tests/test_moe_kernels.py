@@ -279,8 +279,8 @@ def test_cuda_kernels_under_vmap(rng, quant):
     ids = jnp.stack([routing(rng, 40, 4, 16, minus_one=True)[0] for _ in range(2)])
     x = jnp.stack([normal(rng, (40, 256), jnp.bfloat16) for _ in range(2)])
 
-    def step(x, ids):
-        s = ffi.sort_by_expert(ids, 16)
+    def step(x, ids):  # jax_moe.permute's sort: ffi.sort_by_expert declares no vmap_method
+        s = sort_by_expert(ids, 16)
         return kernels.permute_rows(x, s.sorted_slots, 4, valid_rows=s.offsets[-1], quant=quant)
 
     got = jax.jit(jax.vmap(step))(x, ids)
