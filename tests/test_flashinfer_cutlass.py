@@ -470,7 +470,7 @@ def test_autotuned_tactics_are_compiled_cached_and_correct(rng, tmp_path, monkey
     """JAX_MOE_FI_AUTOTUNE=1 tunes a shape at trace time (under jit), writes the choice to the
     cache file, and the tuned call still matches the reference."""
     _skip_unless_available()
-    from jax_moe.backends import flashinfer_tuning as tuning
+    from jax_moe.backends.flashinfer_cutlass import tuning
 
     monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path / "tactics.json"))
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "1")
@@ -789,7 +789,7 @@ def test_prepare_fp8_block_weights_value_errors(rng):
     e, k, h, i = 2, 2, 256, 128
     _, q13, q2, _, _, quant = _fp8_block_problem(rng, 1, e, k, h, i)
     s13, s2 = quant.w13_scale, quant.w2_scale
-    from jax_moe.backends.flashinfer_cutlass_fp8_block import prepare_fp8_block_weights as prep
+    from jax_moe.backends.flashinfer_cutlass.fp8_block import prepare_fp8_block_weights as prep
 
     nan13 = s13.at[0, 0, 0].set(jnp.nan)
     cases = [((q13.astype(jnp.bfloat16), s13, q2, s2), "w13 must be float8_e4m3fn"),
@@ -819,8 +819,8 @@ def test_fp8_block_apply_checks_and_shape_rule(rng, monkeypatch):
         fic.apply_prepared(x, dataclasses.replace(prep, w13_block_scale=None), tw, ids)
     with pytest.raises(ValueError, match="no tactics"):
         fic.apply_prepared(x, prep, tw, ids, gemm1_tactic=0)
-    monkeypatch.setattr(fic, "_register", lambda: None)
-    monkeypatch.setattr(fic, "workspace_size", lambda *a: 4096)
+    monkeypatch.setattr(fic.native, "register", lambda: None)
+    monkeypatch.setattr(fic.native, "workspace_size", lambda *a: 4096)
     out = jax.eval_shape(lambda xx: fic.apply_prepared(xx, prep, tw, ids), x)
     assert out.shape == (t, h) and out.dtype == jnp.bfloat16
 
@@ -920,8 +920,8 @@ def _f16_problem(rng, t, e, k, h, i, activation="silu"):
 
 def _with_compiled(monkeypatch, schemes):
     """A simulated native module serving ``schemes`` (no GPU: the shape rule and refusals only)."""
-    monkeypatch.setattr(fic, "available", lambda device=None: (True, "simulated"))
-    monkeypatch.setattr(fic, "compiled_schemes", lambda: tuple(schemes))
+    monkeypatch.setattr(fic.native, "available", lambda device=None: (True, "simulated"))
+    monkeypatch.setattr(fic.native, "compiled_schemes", lambda: tuple(schemes))
 
 
 def test_prepare_f16_keeps_float16_and_the_bf16_layout(rng):
@@ -982,9 +982,9 @@ def test_f16_apply_shape_rule_gives_float16(rng, monkeypatch):
     t, e, k, h, i = 5, 4, 2, 64, 32
     x, w13, w2, tw, ids = _f16_problem(rng, t, e, k, h, i)
     _with_compiled(monkeypatch, ("bf16", "f16"))
-    monkeypatch.setattr(fic, "_register", lambda: None)
-    monkeypatch.setattr(fic, "workspace_size", lambda *a: 4096)
-    from jax_moe.backends import flashinfer_tuning
+    monkeypatch.setattr(fic.native, "register", lambda: None)
+    monkeypatch.setattr(fic.native, "workspace_size", lambda *a: 4096)
+    from jax_moe.backends.flashinfer_cutlass import tuning as flashinfer_tuning
 
     monkeypatch.setattr(flashinfer_tuning, "choice", lambda *a: (-1, -1))  # no tuning cache lookup
     cfg = MoEConfig(e, k, h, i, "swigluoai")
@@ -1180,9 +1180,9 @@ def _f8(a):
 
 def _emulate_w4a8_runner(x, prep, tw, ids):
     """What the handler computes, step by step from the definition in
-    jax_moe.backends.flashinfer_cutlass_w4a8 (its module docstring), on the prepared operands
+    jax_moe.backends.flashinfer_cutlass.w4a8 (its module docstring), on the prepared operands
     decoded through the inverse layouts. numpy float64 sums over float32 terms."""
-    from jax_moe.backends import flashinfer_cutlass_w4a8 as w4
+    from jax_moe.backends.flashinfer_cutlass import w4a8 as w4
 
     c13, s13, c2, s2 = _decode_prepared_w4a8(prep)
     pq1, al1 = (np.asarray(a, np.float32) for a in w4.input_operands(jnp.asarray(x), prep))
@@ -1216,7 +1216,7 @@ def _emulate_w4a8_runner(x, prep, tw, ids):
 
 @pytest.mark.parametrize("activation,layout", [("silu", "concat"), ("silu", "interleaved"), ("relu2", "concat")])
 def test_prepare_w4a8_decodes_to_the_checkpoint(rng, activation, layout):
-    """Written from flashinfer_cutlass_w4a8's words: decoded through the inverse layouts, the
+    """Written from flashinfer_cutlass.w4a8's words: decoded through the inverse layouts, the
     prepared codes are the checkpoint's with rows [up; gate] (from [gate; up], or alternating
     rows), the scales the checkpoint's rounded to bf16 in the same rows; w2 unchanged; the
     pre-quant scales are bf(1 / a) broadcast and the alphas their float32 reciprocals (per-expert
@@ -1343,7 +1343,7 @@ def test_w4a8_refusals_name_the_reason(rng):
 
 def test_prepare_w4a8_weights_value_errors(rng):
     """Every argument is checked before anything is traced, and the error names it."""
-    from jax_moe.backends.flashinfer_cutlass_w4a8 import prepare_w4a8_weights as prep
+    from jax_moe.backends.flashinfer_cutlass.w4a8 import prepare_w4a8_weights as prep
 
     e, k, h, i = 2, 2, 256, 128
     _, q13, q2, _, _, quant = _w4a8_problem(rng, 1, e, k, h, i)
@@ -1379,9 +1379,9 @@ def test_w4a8_apply_checks_and_shape_rule(rng, monkeypatch):
             fic.apply_prepared(x, dataclasses.replace(prep, **change), tw, ids)
     with pytest.raises(ValueError, match="x_scale"):
         fic.apply_prepared(x, prep, tw, ids, x_scale=jnp.float32(1.0))
-    monkeypatch.setattr(fic, "_register", lambda: None)
-    monkeypatch.setattr(fic, "workspace_size", lambda *a: 4096)
-    from jax_moe.backends import flashinfer_tuning
+    monkeypatch.setattr(fic.native, "register", lambda: None)
+    monkeypatch.setattr(fic.native, "workspace_size", lambda *a: 4096)
+    from jax_moe.backends.flashinfer_cutlass import tuning as flashinfer_tuning
 
     monkeypatch.setattr(flashinfer_tuning, "choice", lambda *a: (-1, -1))  # no tactic cache without a GPU
     for p in (prep, fic.prepare(q13, q2, _cfg(e, k, h, i), quant.replace(a13_scale=None))):

@@ -197,8 +197,8 @@ def test_flashinfer_cutlass_is_picked_for_prepared_weights(monkeypatch, scheme_n
                                                           prepared, reason):
     from jax_moe.backends import flashinfer_cutlass as fic
 
-    monkeypatch.setattr(fic, "available", lambda device=None: (True, "simulated"))
-    monkeypatch.setattr(fic, "compiled_schemes", lambda: ("bf16", "fp8", "mxfp4"))
+    monkeypatch.setattr(fic.native, "available", lambda device=None: (True, "simulated"))
+    monkeypatch.setattr(fic.native, "compiled_schemes", lambda: ("bf16", "fp8", "mxfp4"))
     q = scheme(scheme_name, **changes)
     sel = oracle.select_backend(CFG, q, device=H100)
     assert sel.name == plain
@@ -209,8 +209,8 @@ def test_flashinfer_cutlass_is_picked_for_prepared_weights(monkeypatch, scheme_n
 def test_flashinfer_cutlass_scheme_left_out_of_the_build(monkeypatch):
     from jax_moe.backends import flashinfer_cutlass as fic
 
-    monkeypatch.setattr(fic, "available", lambda device=None: (True, "simulated"))
-    monkeypatch.setattr(fic, "compiled_schemes", lambda: ("bf16", "fp8"))
+    monkeypatch.setattr(fic.native, "available", lambda device=None: (True, "simulated"))
+    monkeypatch.setattr(fic.native, "compiled_schemes", lambda: ("bf16", "fp8"))
     sel = oracle.select_backend(CFG, scheme("mxfp4"), device=H100, prepared=True)
     assert sel.name == "xla"
     assert dict(sel.reasons)["flashinfer_cutlass"] == ("scheme 'mxfp4' is not compiled into this build "

@@ -14,17 +14,23 @@ ones (:mod:`jax_moe.quant.fp8`, block (128, 128)) in the layout of
 :mod:`jax_moe.layouts.blockscale`: w13's rows and their scales' rows as ``[up; gate]``.
 Requirements: H and I multiples of 128, w13 in ``[gate; up]`` (concat) order for a gated
 activation (alternating rows cannot keep whole 128-row scale blocks), scales finite and positive.
-The handler is ``jax_moe_flashinfer_cutlass_moe_fp8_block`` (ffi/flashinfer_cutlass_moe_fp8_block.cu);
-:mod:`jax_moe.backends.flashinfer_cutlass` routes ``prepare``/``apply_prepared``/``supports`` of
-this scheme here.
+The handler is ``jax_moe_flashinfer_cutlass_moe_fp8_block`` (ffi/flashinfer_cutlass_moe_fp8_block.cu).
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe.backends.flashinfer_cutlass import native
+from jax_moe.backends.flashinfer_cutlass.common import (
+    GATED,
+    NAME,
+    Prepared,
+    check_stored_operands,
+    extras,
+    runner_row_order,
+)
 from jax_moe.layouts import FP8_BLOCK_SCALE, fp8_block_scale_shape, swap_w13_to_w31_block_scales
 from jax_moe.quant.scheme import check_finite_positive
 
@@ -50,7 +56,6 @@ def refusal(cfg, quant) -> str | None:
     return None
 
 
-
 def prepare_fp8_block_weights(w13, w13_scale, w2, w2_scale, activation: str = "silu"):
     """Stored DeepSeek-V3 FP8 experts -> the runner's operands, once, at load time.
 
@@ -65,8 +70,6 @@ def prepare_fp8_block_weights(w13, w13_scale, w2, w2_scale, activation: str = "s
     Raises ValueError naming the argument for a wrong dtype or shape, H or I not a multiple of
     128, or (when concrete) a NaN, infinite or non-positive scale.
     """
-    from jax_moe.backends.flashinfer_cutlass import GATED, check_stored_operands, runner_row_order
-
     w13, w2 = jnp.asarray(w13), jnp.asarray(w2)
     s13, s2 = jnp.asarray(w13_scale), jnp.asarray(w2_scale)
     check_stored_operands((("w13", w13, jnp.float8_e4m3fn), ("w2", w2, jnp.float8_e4m3fn),
@@ -88,28 +91,20 @@ def prepare_fp8_block_weights(w13, w13_scale, w2, w2_scale, activation: str = "s
     return w13, s13, w2, s2
 
 
-def prepare(w13, w2, cfg, quant, extras: dict):
-    """:func:`jax_moe.backends.flashinfer_cutlass.prepare` for ``quant.scheme == "fp8_block"``:
-    a ``Prepared`` with the operands of :func:`prepare_fp8_block_weights` (scales in
-    ``w13_block_scale`` / ``w2_block_scale``) and the optional operands ``extras`` (biases,
-    SwigluBias parameters, already in the runner's layout)."""
-    from jax_moe.backends.flashinfer_cutlass import NAME, Prepared
-
+def prepare(w13, w2, cfg, quant, *, w13_bias=None, w2_bias=None) -> Prepared:
+    """A ``Prepared`` with the operands of :func:`prepare_fp8_block_weights` (scales in
+    ``w13_block_scale`` / ``w2_block_scale``) and the optional operands (biases, SwigluBias
+    parameters) in the runner's layout."""
+    extra = extras(cfg, w13_bias, w2_bias)
     why = refusal(cfg, quant)
     if why:
         raise ValueError(f"{NAME}: {why}")
     w13p, s13, w2p, s2 = prepare_fp8_block_weights(w13, quant.w13_scale, w2, quant.w2_scale, cfg.activation)
     return Prepared(w13p, w2p, w13_block_scale=s13, w2_block_scale=s2, scheme=SCHEME,
-                    activation=cfg.activation, **extras)
+                    activation=cfg.activation, **extra)
 
 
-def result_shapes(t: int, h: int, workspace_bytes: int):
-    """The custom call's results (its shape rule): ``out [T, H]`` bf16 and the workspace
-    ``[W]`` uint8 (W from ``workspace_size``, asked of the runner at trace time)."""
-    return (jax.ShapeDtypeStruct((t, h), jnp.bfloat16), jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
-
-
-def check_prepared(prepared) -> None:
+def check_prepared(prepared, x) -> None:
     """ValueError unless ``prepared`` holds this scheme's operands in the layout's shapes and
     dtypes (the handler checks them again)."""
     e, n1, h = prepared.w13.shape
@@ -124,17 +119,12 @@ def check_prepared(prepared) -> None:
             raise ValueError(f"prepared.{name} must be float32 {list(want)} (use prepare())")
 
 
-def call(x, prepared, ids, tw, extras, activation_code: int):
+def call(x, prepared, ids, tw, extra_operands, attrs: dict, x_scale=None):
     """The custom call: x [T, H] (cast to bf16), ``prepared`` (checked by the caller), ids [T, k]
-    int32, tw [T, k] float32, ``extras`` the (w13_bias, w2_bias, swiglu) operands (empty arrays:
-    none). Returns y [T, H] bf16."""
-    from jax_moe.backends import flashinfer_cutlass as fic
-
+    int32, tw [T, k] float32, ``extra_operands`` the (w13_bias, w2_bias, swiglu) operands (empty
+    arrays: none), ``attrs``: only the activation is read (no tactics). Returns y [T, H] bf16."""
     t, h = x.shape
-    e, n1, _ = prepared.w13.shape
-    i = prepared.w2.shape[2]
-    ws = fic.workspace_size(int(t), int(h), int(i), int(e), int(ids.shape[1]), prepared.activation, SCHEME)
-    f = jax.ffi.ffi_call(fic.TARGETS[SCHEME], result_shapes(t, h, ws))
-    out, _ = f(x.astype(jnp.bfloat16), prepared.w13, prepared.w2, ids, tw, prepared.w13_block_scale,
-               prepared.w2_block_scale, *extras, activation=np.int64(activation_code))
+    out, _ = native.custom_call(prepared, t, h, ids.shape[1])(
+        x.astype(jnp.bfloat16), prepared.w13, prepared.w2, ids, tw, prepared.w13_block_scale,
+        prepared.w2_block_scale, *extra_operands, activation=attrs["activation"])
     return out

@@ -13,7 +13,9 @@ device kind, the build's tactic list, scheme, activation and (T, H, I, E, k).
 
 :func:`jax_moe.backends.flashinfer_cutlass.apply_prepared` asks :func:`choice` for its default
 tactics: a cached pair if there is one; with ``JAX_MOE_FI_AUTOTUNE=1`` a missing shape is tuned
-there, at trace time (GPU work outside the traced function, once per shape and process).
+there, at trace time (GPU work outside the traced function, once per shape and process). What is
+timed is the ``run`` handed in (``apply_prepared`` itself, with explicit tactics), on stand-in
+operands of the scheme (its module's ``random_operands``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,18 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_moe.backends.flashinfer_cutlass import native
+from jax_moe.backends.flashinfer_cutlass.common import (
+    ACTIVATION_CODES,
+    FLOAT_SCHEMES,
+    GATED,
+    NO_TACTICS,
+    SCHEME_IDS,
+    Prepared,
+    problem_sizes,
+)
+from jax_moe.backends.flashinfer_cutlass.schemes import SCHEMES
 
 AUTOTUNE_ENV = "JAX_MOE_FI_AUTOTUNE"
 CACHE_ENV = "JAX_MOE_FI_TUNING_CACHE"
@@ -67,9 +81,7 @@ def _save() -> None:
 
 def key(scheme: str, activation: str, t: int, h: int, i: int, e: int, k: int) -> str:
     """Cache key: device kind, a digest of this build's tactic lists, the problem."""
-    from jax_moe.backends import flashinfer_cutlass as fic
-
-    lists = "|".join(d for g in (1, 2) for _, d, _ in fic.tactics(g, scheme))
+    lists = "|".join(d for g in (1, 2) for _, d, _ in native.tactics(g, scheme))
     build = hashlib.sha1(lists.encode()).hexdigest()[:10]
     return f"{jax.devices()[0].device_kind}/{build}/{scheme}/{activation}/T{t}/H{h}/I{i}/E{e}/k{k}"
 
@@ -79,12 +91,13 @@ def cached(scheme, activation, t, h, i, e, k) -> tuple[int, int] | None:
     return _memory.get(key(scheme, activation, t, h, i, e, k))
 
 
-def choice(prepared, t: int, k: int) -> tuple[int, int]:
+def choice(prepared, t: int, k: int, run) -> tuple[int, int]:
     """(gemm1, gemm2) tactics for ``prepared`` at T=t, top_k=k: cached, tuned now (with
-    ``JAX_MOE_FI_AUTOTUNE=1``), or (-1, -1) for the handler's built-in rule."""
-    from jax_moe.backends import flashinfer_cutlass as fic
-
-    e, h, i = fic.problem_sizes(prepared)
+    ``JAX_MOE_FI_AUTOTUNE=1``, timing ``run``: :func:`tune`), or (-1, -1) for the handler's
+    built-in rule."""
+    if prepared.scheme in NO_TACTICS:
+        return -1, -1
+    e, h, i = problem_sizes(prepared)
     shape = (prepared.scheme, prepared.activation, int(t), h, i, e, int(k))
     hit = cached(*shape)
     if hit is not None:
@@ -93,7 +106,7 @@ def choice(prepared, t: int, k: int) -> tuple[int, int]:
         # In a thread of its own: JAX's trace state is per thread, so the timing runs eagerly
         # even when the caller is being traced under jit.
         result = {}
-        worker = threading.Thread(target=lambda: result.update(pick=tune_shape(*shape)))
+        worker = threading.Thread(target=lambda: result.update(pick=tune_shape(*shape, run)))
         worker.start()
         worker.join()
         if "pick" not in result:
@@ -102,42 +115,14 @@ def choice(prepared, t: int, k: int) -> tuple[int, int]:
     return -1, -1
 
 
-def _random_prepared(scheme: str, activation: str, h: int, i: int, e: int):
-    from jax_moe.backends import flashinfer_cutlass as fic
-
-    kw, k2 = jax.random.split(jax.random.key(1234))
-    n1 = 2 * i if fic.GATED[activation] else i
-    # swigluoai needs its per-expert (alpha, beta, limit) operand; GPT-OSS's values
+def _random_prepared(scheme: str, activation: str, h: int, i: int, e: int) -> Prepared:
+    """Stand-in operands of the shape (the scheme module's ``random_operands``)."""
+    keys = jax.random.split(jax.random.key(1234))
+    n1 = 2 * i if GATED[activation] else i
     extra = dict(scheme=scheme, activation=activation)
-    if activation == "swigluoai":
+    if activation == "swigluoai":  # its per-expert (alpha, beta, limit) operand; GPT-OSS's values
         extra["swiglu"] = jnp.asarray(np.array([1.702, 1.0, 7.0], np.float32)[:, None].repeat(e, 1))
-    if scheme == "mxfp4":  # random codes, scales 2**-4: the speed does not depend on the values
-        from jax_moe.layouts import mixed_gemm_scale_shape
-
-        w13 = jax.random.randint(kw, (e, n1, h // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-        w2 = jax.random.randint(k2, (e, h, i // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-        s13 = jnp.full((e,) + mixed_gemm_scale_shape(n1, h), 123, jnp.uint8)
-        s2 = jnp.full((e,) + mixed_gemm_scale_shape(h, i), 123, jnp.uint8)
-        return fic.Prepared(w13, w2, w13_block_scale=s13, w2_block_scale=s2, **extra)
-    if scheme == "w4a8":  # random int4 codes, bf16 scales 2**-4, unit activation scales
-        from jax_moe.layouts import mixed_gemm_scale_shape
-
-        w13 = jax.random.randint(kw, (e, n1, h // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-        w2 = jax.random.randint(k2, (e, h, i // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-        s13 = jnp.full((e,) + mixed_gemm_scale_shape(n1, h, 128, 2), 2.0 ** -4, jnp.bfloat16)
-        s2 = jnp.full((e,) + mixed_gemm_scale_shape(h, i, 128, 2), 2.0 ** -4, jnp.bfloat16)
-        ones = jnp.ones((e,), jnp.float32)
-        return fic.Prepared(w13, w2, w13_block_scale=s13, w2_block_scale=s2,
-                            fc1_act_scale=jnp.ones((h,), jnp.bfloat16), g1_alphas=ones,
-                            fc2_act_scale=jnp.ones((i,), jnp.bfloat16), g2_alphas=ones, **extra)
-    dtype = jnp.float8_e4m3fn if scheme == "fp8" else fic.FLOAT_SCHEMES.get(scheme, jnp.bfloat16)
-    w13 = (jax.random.normal(kw, (e, n1, h), jnp.float32) * h ** -0.5).astype(dtype)
-    w2 = (jax.random.normal(k2, (e, h, i), jnp.float32) * i ** -0.5).astype(dtype)
-    if scheme in fic.FLOAT_SCHEMES:
-        return fic.Prepared(w13, w2, **extra)
-    ones = jnp.ones((e,), jnp.float32)
-    return fic.Prepared(w13, w2, w13_scale=ones, a13_scale=jnp.float32(1.0), g1_alphas=ones,
-                        a2_gscale=jnp.float32(1.0), g2_alphas=ones, **extra)
+    return Prepared(**SCHEMES[scheme].random_operands(scheme, keys, e, n1, h, i), **extra)
 
 
 def _median_ms(fn, args, iters: int) -> float:
@@ -151,40 +136,38 @@ def _median_ms(fn, args, iters: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def tune(prepared, t: int, k: int, *, iters: int = 7, verbose: bool = False) -> tuple[int, int]:
-    """Measure and cache the fastest (gemm1, gemm2) tactic pair for ``prepared``'s shape at T=t."""
-    from jax_moe.backends import flashinfer_cutlass as fic
-
-    e, h, i = fic.problem_sizes(prepared)
-    return tune_shape(prepared.scheme, prepared.activation, int(t), h, i, e, int(k), iters=iters,
+def tune(prepared, t: int, k: int, run, *, iters: int = 7, verbose: bool = False) -> tuple[int, int]:
+    """Measure and cache the fastest (gemm1, gemm2) tactic pair for ``prepared``'s shape at T=t:
+    ``run(x, prepared, topk_weights, topk_ids, gemm1_tactic=, gemm2_tactic=)`` (``apply_prepared``)
+    timed under jit."""
+    e, h, i = problem_sizes(prepared)
+    return tune_shape(prepared.scheme, prepared.activation, int(t), h, i, e, int(k), run, iters=iters,
                       verbose=verbose)
 
 
-def tune_shape(scheme, activation, t, h, i, e, k, *, iters: int = 7, verbose: bool = False) -> tuple[int, int]:
-    from jax_moe.backends import flashinfer_cutlass as fic
-
+def tune_shape(scheme, activation, t, h, i, e, k, run, *, iters: int = 7, verbose: bool = False) -> tuple[int, int]:
     prep = _random_prepared(scheme, activation, h, i, e)
     kx, kr = jax.random.split(jax.random.key(t))
-    x = jax.random.normal(kx, (t, h), fic.FLOAT_SCHEMES.get(scheme, jnp.bfloat16))
+    x = jax.random.normal(kx, (t, h), FLOAT_SCHEMES.get(scheme, jnp.bfloat16))
     ids = jnp.argsort(jax.random.uniform(kr, (t, e)), axis=1)[:, :k].astype(jnp.int32)
     tw = jnp.full((t, k), 1.0 / k, jnp.float32)
 
     def timed(g1, g2):
-        fn = jax.jit(lambda x_, p_, w_, i_: fic.apply_prepared(x_, p_, w_, i_, gemm1_tactic=g1, gemm2_tactic=g2))
+        fn = jax.jit(lambda x_, p_, w_, i_: run(x_, p_, w_, i_, gemm1_tactic=g1, gemm2_tactic=g2))
         try:
             return _median_ms(fn, (x, prep, tw, ids), iters)
         except Exception:  # a tactic that cannot run this shape (e.g. an alignment rule)
             return float("inf")
 
-    d1, d2 = fic._module().default_tactics(t, h, i, e, k, fic.ACTIVATION_CODES[activation], fic.SCHEME_IDS[scheme])
+    d1, d2 = native._module().default_tactics(t, h, i, e, k, ACTIVATION_CODES[activation], SCHEME_IDS[scheme])
     rows = t * k / e  # mean rows per expert: swapping A/B pays with few, never with many
     def candidates(gemm_id):
         out = []
-        for idx, desc, ok in fic.tactics(gemm_id, scheme):
+        for idx, desc, ok in native.tactics(gemm_id, scheme):
             swap = "swap_ab=1" in desc
             if ok and not (swap and rows >= 256) and not (not swap and rows <= 8):
                 out.append(idx)
-        return out or [idx for idx, _, ok in fic.tactics(gemm_id, scheme) if ok]
+        return out or [idx for idx, _, ok in native.tactics(gemm_id, scheme) if ok]
 
     g1s, g2s = candidates(1), candidates(2)
     t1 = {g1: timed(g1, d2) for g1 in g1s}

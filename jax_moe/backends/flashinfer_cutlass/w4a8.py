@@ -45,7 +45,7 @@ Stored: ``w13 [E, N1, H/2]`` uint8 (int4 codes, :mod:`jax_moe.quant.int4` packin
 [E, H, I/128]``; static per-tensor activation scales ``a13_scale``, ``a2_scale`` ([] or [E]:
 the max over experts, as the xla backend; ``x ~= q * a``). Prepared:
 
-* weights: rows in the runner's order (:func:`jax_moe.backends.flashinfer_cutlass.runner_row_order`),
+* weights: rows in the runner's order (:func:`jax_moe.backends.flashinfer_cutlass.common.runner_row_order`),
   then the mixed-input GEMM's unit order
   (:func:`jax_moe.layouts.interleave_int4_weights_for_sm90_mixed_gemm`; FlashInfer's
   ``interleave_moe_weights_for_sm90_mixed_gemm(w, "int4")``);
@@ -69,10 +69,19 @@ handler's built-in choice takes only tiles whose K divides the GEMM's K.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe.backends.flashinfer_cutlass import native
+from jax_moe.backends.flashinfer_cutlass.common import (
+    GATED,
+    NAME,
+    Prepared,
+    check_stored_operands,
+    extras,
+    random_weights,
+    runner_row_order,
+)
 from jax_moe.layouts import (
     MIXED_GEMM_SCALE_K,
     interleave_int4_weights_for_sm90_mixed_gemm,
@@ -106,7 +115,6 @@ def refusal(cfg, quant) -> str | None:
     return None
 
 
-
 def act_prequant_scale(a_scale):
     """A per-tensor FP8 dequantization scale ``a`` ([] or [E]: the max over experts) -> the
     runner's ``(pre-quant scale bf(1 / a) [] bfloat16, alpha 1 / float32(bf(1 / a)) [] float32)``
@@ -128,8 +136,6 @@ def prepare_w4a8_weights(w13, w13_scale, w2, w2_scale, activation: str = "silu",
     Raises ValueError naming the argument for a wrong dtype or shape, H or I not a multiple of
     128, or (when concrete) a NaN, infinite or non-positive scale.
     """
-    from jax_moe.backends.flashinfer_cutlass import GATED, check_stored_operands, runner_row_order
-
     w13, w2 = jnp.asarray(w13), jnp.asarray(w2)
     s13, s2 = jnp.asarray(w13_scale), jnp.asarray(w2_scale)
     check_stored_operands((("w13", w13, jnp.uint8), ("w2", w2, jnp.uint8),
@@ -154,14 +160,13 @@ def prepare_w4a8_weights(w13, w13_scale, w2, w2_scale, activation: str = "silu",
             interleave_int4_weights_for_sm90_mixed_gemm(w2), fold(s2))
 
 
-def prepare(w13, w2, cfg, quant, extras: dict):
-    """:func:`jax_moe.backends.flashinfer_cutlass.prepare` for ``quant.scheme == "w4a8"``: a
-    ``Prepared`` with the operands of :func:`prepare_w4a8_weights` (scales in
+def prepare(w13, w2, cfg, quant, *, w13_bias=None, w2_bias=None) -> Prepared:
+    """A ``Prepared`` with the operands of :func:`prepare_w4a8_weights` (scales in
     ``w13_block_scale`` / ``w2_block_scale``), the activation operands (``fc1_act_scale [H]``,
     ``g1_alphas [E]``, ``a13_scale []``: None when a13 is dynamic; ``fc2_act_scale [I]``,
-    ``g2_alphas [E]``) and ``extras`` (biases, SwigluBias parameters, in the runner's layout)."""
-    from jax_moe.backends.flashinfer_cutlass import NAME, Prepared
-
+    ``g2_alphas [E]``) and the optional operands (biases, SwigluBias parameters) in the runner's
+    layout."""
+    extra = extras(cfg, w13_bias, w2_bias)
     why = refusal(cfg, quant)
     if why:
         raise ValueError(f"{NAME}: {why}")
@@ -178,7 +183,7 @@ def prepare(w13, w2, cfg, quant, extras: dict):
         act.update(a13_scale=jnp.max(jnp.asarray(quant.a13_scale, jnp.float32)),
                    fc1_act_scale=jnp.broadcast_to(pq1, (h,)), g1_alphas=jnp.broadcast_to(al1, (e,)))
     return Prepared(w13p, w2p, w13_block_scale=s13, w2_block_scale=s2, scheme=SCHEME,
-                    activation=cfg.activation, **act, **extras)
+                    activation=cfg.activation, **act, **extra)
 
 
 def input_operands(x, prepared):
@@ -191,7 +196,7 @@ def input_operands(x, prepared):
     return jnp.broadcast_to(pq, (h,)), jnp.broadcast_to(al, (e,))
 
 
-def check_prepared(prepared) -> None:
+def check_prepared(prepared, x) -> None:
     """ValueError unless ``prepared`` holds this scheme's operands in their shapes and dtypes
     (the handler checks them again)."""
     w13, w2 = prepared.w13, prepared.w2
@@ -218,24 +223,27 @@ def check_prepared(prepared) -> None:
             raise ValueError(f"prepared.{name} must be {np.dtype(dt).name} {list(shape)} (use prepare())")
 
 
-def result_shapes(t: int, h: int, workspace_bytes: int):
-    """The custom call's results (its shape rule): ``out [T, H]`` bf16 and the workspace
-    ``[W]`` uint8 (W from ``workspace_size``, asked of the runner at trace time)."""
-    return (jax.ShapeDtypeStruct((t, h), jnp.bfloat16), jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
-
-
-def call(x, prepared, ids, tw, extras, attrs: dict):
+def call(x, prepared, ids, tw, extra_operands, attrs: dict, x_scale=None):
     """The custom call: x [T, H] (cast to bf16), ``prepared`` (checked by the caller), ids
-    [T, k] int32, tw [T, k] float32, ``extras`` the (w13_bias, w2_bias, swiglu) operands (empty
-    arrays: none), ``attrs`` (activation, gemm1_tactic, gemm2_tactic). Returns y [T, H] bf16."""
-    from jax_moe.backends import flashinfer_cutlass as fic
-
+    [T, k] int32, tw [T, k] float32, ``extra_operands`` the (w13_bias, w2_bias, swiglu) operands
+    (empty arrays: none), ``attrs`` (activation, gemm1_tactic, gemm2_tactic). Returns y [T, H] bf16."""
     t, h = x.shape
-    e, _, i = fic.problem_sizes(prepared)
-    ws = fic.workspace_size(int(t), int(h), int(i), int(e), int(ids.shape[1]), prepared.activation, SCHEME)
     pq1, al1 = input_operands(x, prepared)
-    f = jax.ffi.ffi_call(fic.TARGETS[SCHEME], result_shapes(t, h, ws))
-    out, _ = f(x.astype(jnp.bfloat16), prepared.w13, prepared.w2, ids, tw, prepared.w13_block_scale,
-               prepared.w2_block_scale, pq1, prepared.fc2_act_scale, al1.astype(jnp.float32),
-               prepared.g2_alphas, *extras, **attrs)
+    out, _ = native.custom_call(prepared, t, h, ids.shape[1])(
+        x.astype(jnp.bfloat16), prepared.w13, prepared.w2, ids, tw, prepared.w13_block_scale,
+        prepared.w2_block_scale, pq1, prepared.fc2_act_scale, al1.astype(jnp.float32),
+        prepared.g2_alphas, *extra_operands, **attrs)
     return out
+
+
+def random_operands(scheme: str, keys, num_experts: int, n1: int, hidden: int, inter: int) -> dict:
+    """Stand-in int4 codes, bf16 group scales 2**-4 and unit activation scales for timing tactics."""
+    w13, w2 = random_weights(keys, num_experts, n1, hidden, inter, jnp.uint8)
+    ones = jnp.ones((num_experts,), jnp.float32)
+    return dict(w13=w13, w2=w2,
+                w13_block_scale=jnp.full((num_experts,) + mixed_gemm_scale_shape(n1, hidden, GROUP, 2), 2.0 ** -4,
+                                         SCALE_DTYPE),
+                w2_block_scale=jnp.full((num_experts,) + mixed_gemm_scale_shape(hidden, inter, GROUP, 2), 2.0 ** -4,
+                                        SCALE_DTYPE),
+                fc1_act_scale=jnp.ones((hidden,), SCALE_DTYPE), g1_alphas=ones,
+                fc2_act_scale=jnp.ones((inter,), SCALE_DTYPE), g2_alphas=ones)
