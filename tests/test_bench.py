@@ -30,7 +30,8 @@ def test_every_scheme_has_its_weight_width_and_math(moe_bench):
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU demo")
-@pytest.mark.parametrize("scheme", ["bf16", "f16", "fp8", "fp8_block", "mxfp4", "w4a8"])
+@pytest.mark.parametrize("scheme", [s if s in ("bf16", "fp8_block") else pytest.param(s, marks=pytest.mark.slow)
+                                    for s in ("bf16", "f16", "fp8", "fp8_block", "mxfp4", "w4a8")])
 def test_each_scheme_runs_and_prints_a_row_per_token_count(moe_bench, scheme, capsys):
     assert scheme in moe_bench.SCHEMES
     moe_bench.main(["--scheme", scheme, "--tokens", "1", "5"])
@@ -40,7 +41,7 @@ def test_each_scheme_runs_and_prints_a_row_per_token_count(moe_bench, scheme, ca
         assert float(r.split(" | ")[2]) > 0
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny_mxfp4"])
+@pytest.mark.parametrize("model", [pytest.param("tiny", marks=pytest.mark.slow), "tiny_mxfp4"])
 def test_load_layer_writes_loads_and_matches_the_format_reference(monkeypatch, model, capsys):
     """bench/load_layer.py: a synthetic checkpoint in the release's on-disk form (DeepSeek-V3 FP8
     blocks + shared expert, GPT-OSS MXFP4) loads, runs, and matches its float32 reference."""

@@ -604,7 +604,7 @@ def test_prepare_mxfp4_emulated_runner_matches_xla(rng):
             g = np.minimum(g, limit[ex])
             a = g / (1 + np.exp(-alpha[ex] * g)) * (np.clip(u, -limit[ex], limit[ex]) + beta[ex])
             out[tt] += float(tw[tt, j]) * (p2[ex] @ a + b2[ex])
-    ref = fused_experts(x.astype(jnp.float32), q13, q2, tw, ids, backend="xla", **kw)
+    ref = jax.jit(lambda x: fused_experts(x, q13, q2, tw, ids, backend="xla", **kw))(x.astype(jnp.float32))
     assert _rel_err(out[:, :h], ref) < 1e-5
 
 
@@ -760,7 +760,7 @@ def test_prepare_fp8_block_emulated_runner_matches_xla(rng):
     a = jax.nn.silu(h1[..., i:]) * h1[..., :i]  # rows [up (I); gate (I)]
     y = jnp.einsum("tki,tkhi->tkh", group_q(a), w2[ids], precision="highest")
     emulated = jnp.einsum("tk,tkh->th", tw, y)
-    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla")
+    ref = jax.jit(lambda x: fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla"))(x)
     assert _rel_err(emulated, ref) < 1e-2
 
 
@@ -1271,7 +1271,7 @@ def test_prepare_w4a8_emulated_runner_matches_xla(rng, static_a13):
     x, q13, q2, tw, ids, quant = _w4a8_problem(rng, t, e, k, h, i, static_a13=static_a13)
     prep = fic.prepare(q13, q2, _cfg(e, k, h, i), quant)
     out = _emulate_w4a8_runner(x, prep, tw, ids)
-    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla")
+    ref = jax.jit(lambda x: fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla"))(x)
     assert _rel_err(out, ref) < FP8_REL_TOL
     # and the float32 reference on the unquantized weights is not far either (sanity of the test)
     assert _rel_err(out, _reference(x, *(jnp.asarray(a) for a in
@@ -1317,7 +1317,7 @@ def test_prepare_w4a8_emulated_runner_with_biases_and_swigluoai(rng):
             a = _bf(g / (1 + np.exp(-alpha[ex] * g)) * (np.clip(u, -limit[ex], limit[ex]) + beta[ex]))
             y = gemm(_f8(_bf(a * pq2)), c2[ex].astype(np.float32), s2[ex], al2[ex])
             out[tt] += float(tw[tt, j]) * (y + bb2[ex])
-    ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla", **kw)
+    ref = jax.jit(lambda x: fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla", **kw))(x)
     assert _rel_err(out, ref) < FP8_REL_TOL
 
 

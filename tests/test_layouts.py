@@ -248,7 +248,8 @@ def test_shuffle_matrix_a_errors(rng):
 
 
 # ------------------------------------------------------------------ 128x4 block-scale interleave
-@pytest.mark.parametrize("shape", [(128, 4), (130, 5), (256, 12), (3, 2), (200, 9)])
+@pytest.mark.parametrize("shape", [(128, 4), (130, 5)] + [pytest.param(s, marks=pytest.mark.slow)
+                                                          for s in ((256, 12), (3, 2), (200, 9))])
 @pytest.mark.parametrize("dtype", ["uint8", "float8_e4m3fn", "bfloat16"])
 def test_block_scale_interleave_reference_and_inverse(rng, shape, dtype):
     sf = make(rng, shape, dtype)

@@ -30,7 +30,7 @@ def test_moeblock_runs_in_a_jitted_flax_model_with_leading_dims(rng):
 def test_moeblock_gradients_flow_to_experts_and_router(rng):
     block = MoEBlock(16, 8, 4, 2, rngs=nnx.Rngs(1), dtype=jnp.float32)
     x = jnp.asarray(rng.standard_normal((6, 16)), jnp.float32)
-    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(block)
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2)))(block)  # jitted: eager op-by-op costs seconds
     assert float(jnp.abs(grads.w13.get_value()).sum()) > 0
     assert float(jnp.abs(grads.router.get_value()).sum()) > 0
 
@@ -39,6 +39,11 @@ def test_moeblock_rejects_wrong_hidden_size():
     block = MoEBlock(16, 8, 4, 2, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="x must have shape \\[..., H=16\\]"):
         block(jnp.ones((3, 15)))
+
+
+def _call(block, x):
+    """block(x) under nnx.jit (an eager call runs op by op: seconds on a CPU)."""
+    return nnx.jit(lambda m, v: m(v))(block, x)
 
 
 # ------------------------------------------------------------------ checkpoint layouts
@@ -92,7 +97,7 @@ def test_load_softmax_topk_layouts(rng, layout, prefix, names):
     t[prefix + "gate.weight"] = rng.standard_normal((E, H)).astype(np.float32)
     x = rng.standard_normal((T, H)).astype(np.float32)
     block = MoEBlock.from_checkpoint(layout, t, prefix, top_k=K, dtype=jnp.float32)
-    np.testing.assert_allclose(np.asarray(block(jnp.asarray(x))),
+    np.testing.assert_allclose(np.asarray(_call(block, jnp.asarray(x))),
                                _softmax_topk_reference(t, prefix, x, *names), rtol=2e-4, atol=2e-5)
 
 
@@ -127,7 +132,7 @@ def test_load_deepseek_v3(rng):
             u = x[n] @ t[f"{prefix}experts.{m}.up_proj.weight"].T
             ref[n] += wj * (_silu(g) * u) @ t[f"{prefix}experts.{m}.down_proj.weight"].T
     block = MoEBlock.from_checkpoint("deepseek_v3", t, prefix, top_k=K, dtype=jnp.float32)
-    np.testing.assert_allclose(np.asarray(block(jnp.asarray(x))), ref, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(_call(block, jnp.asarray(x))), ref, rtol=2e-4, atol=2e-5)
 
 
 def test_load_gpt_oss(rng):
@@ -156,7 +161,7 @@ def test_load_gpt_oss(rng):
             act = (up + 1) * gate / (1 + np.exp(-1.702 * gate))
             ref[n] += wj * (act @ t[prefix + "experts.down_proj"][e] + t[prefix + "experts.down_proj_bias"][e])
     block = MoEBlock.from_checkpoint("gpt_oss", t, prefix, top_k=K, dtype=jnp.float32)
-    np.testing.assert_allclose(np.asarray(block(jnp.asarray(x))), ref, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(_call(block, jnp.asarray(x))), ref, rtol=2e-4, atol=2e-5)
 
 
 def test_unknown_layout_and_missing_tensor_raise(rng):
@@ -206,7 +211,7 @@ def test_prepare_repacks_once_and_calls_stay_equal(rng, monkeypatch):
     monkeypatch.setitem(oracle.MODULES, "flashinfer_cutlass", "jax_moe_test_doubling")
     block = MoEBlock(64, 32, 8, 2, rngs=nnx.Rngs(0), dtype=jnp.float32)
     x = jnp.asarray(rng.standard_normal((2, 5, 64)), jnp.float32)
-    before = block(x)
+    before = _call(block, x)
     assert block.prepare() == "flashinfer_cutlass"  # picked without being forced
     assert _DoublingBackend.calls == 1 and block.w13 is None and block.w2 is None
     after = nnx.jit(lambda m, v: m(v))(block, x)
@@ -242,7 +247,7 @@ def test_prepare_hands_expert_biases_to_backends_that_take_them(rng, monkeypatch
     block.w13_bias = nnx.Param(jnp.asarray(rng.standard_normal((8, 64)), jnp.float32))
     block.w2_bias = nnx.Param(jnp.asarray(rng.standard_normal((8, 64)), jnp.float32))
     x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
-    before = block(x)
+    before = _call(block, x)
     assert block.prepare() == "xla"  # this stand-in does not say it takes biases
     mod.FEATURES = frozenset({"bias"})
     block2 = MoEBlock(64, 32, 8, 2, rngs=nnx.Rngs(0), dtype=jnp.float32, expert_bias=True)
@@ -255,7 +260,7 @@ def test_prepare_hands_expert_biases_to_backends_that_take_them(rng, monkeypatch
 def test_quantized_block_runs_jitted_and_stays_close(rng):
     block = MoEBlock(64, 32, 8, 2, rngs=nnx.Rngs(0), dtype=jnp.float32)
     x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
-    before = np.asarray(block(x))
+    before = np.asarray(_call(block, x))
     block.quantize("fp8", act="fp8_per_token")
     after = np.asarray(nnx.jit(lambda m, v: m(v))(block, x))
     # FP8 weights and activations against the unquantized block (not the dequantized reference):
@@ -268,10 +273,10 @@ def test_quantized_block_runs_jitted_and_stays_close(rng):
 def test_prepare_on_cpu_keeps_the_xla_backend(rng):
     block = MoEBlock(64, 32, 8, 2, rngs=nnx.Rngs(0))
     x = jnp.asarray(rng.standard_normal((5, 64)), jnp.bfloat16)
-    before = block(x)
+    before = _call(block, x)
     assert block.prepare() == "xla"
     assert block.w13 is not None and block.prepared is None
-    np.testing.assert_array_equal(np.asarray(block(x), np.float32), np.asarray(before, np.float32))
+    np.testing.assert_array_equal(np.asarray(_call(block, x), np.float32), np.asarray(before, np.float32))
 
 
 def test_forced_backend_that_cannot_serve_raises_at_prepare():
