@@ -14,6 +14,7 @@ from jax_moe import oracle
 from jax_moe.backends import flashinfer_trtllm as trt
 from jax_moe.config import MoEConfig
 from jax_moe.device import DeviceInfo
+from jax_moe.layouts import mxfp4_padded_sizes
 from jax_moe.quant import fp4
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
 
@@ -162,7 +163,7 @@ def _prepared(e=4, h=128, i=24):
 
 def test_shape_rule(monkeypatch, fake_module):
     """Under eval_shape: out bf16 [T, H]; the workspace size comes from the module's query."""
-    monkeypatch.setattr(trt, "_register", lambda: None)
+    monkeypatch.setattr(trt.native, "register", lambda: None)
     trt.workspace_size.cache_clear()
     prep = _prepared()
     x = jax.ShapeDtypeStruct((5, 128), jnp.bfloat16)
@@ -348,7 +349,7 @@ def test_prepare_mxfp4_weights_match_the_documented_layout(layout):
     b2 = jnp.asarray(rng.standard_normal((e, h)), jnp.bfloat16)
     w13p, s13p, b13p, w2p, s2p, b2p = trt.prepare_mxfp4_weights(q13, quant.w13_scale, q2, quant.w2_scale,
                                                                 b13, b2, gate_up_layout=layout)
-    assert trt.mxfp4_padded_sizes(trt.NAME, h, i) == (256, 256)
+    assert mxfp4_padded_sizes(trt.NAME, h, i) == (256, 256)
     assert [(a.shape, a.dtype) for a in (w13p, s13p, b13p, w2p, s2p, b2p)] == [
         ((e, 512, 128), jnp.uint8), ((e, 512, 8), jnp.uint8), ((e, 512), jnp.float32),
         ((e, 256, 128), jnp.uint8), ((e, 256, 8), jnp.uint8), ((e, 256), jnp.float32)]
@@ -633,7 +634,7 @@ def _fp4_call(prep, t=5, tile_n=None):
 
 @pytest.fixture
 def fp4_module(monkeypatch, fake_module):
-    monkeypatch.setattr(trt, "_register", lambda: None)
+    monkeypatch.setattr(trt.native, "register", lambda: None)
     trt.workspace_size.cache_clear()
     yield trt._state["module"]
     trt.workspace_size.cache_clear()
