@@ -92,7 +92,8 @@ def _check_call(x, prepared: Prepared, topk_weights, topk_ids, gemm1_tactic: int
         raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k={k}")
     pre_quantized = x.dtype == jnp.float8_e4m3fn
     if pre_quantized and (scheme != PREQUANTIZED or x_scale is None):
-        raise ValueError(f"x is float8_e4m3fn: only scheme {PREQUANTIZED!r} takes a pre-quantized x, with its x_scale")
+        raise ValueError(f"x is float8_e4m3fn: only scheme {PREQUANTIZED!r} takes a pre-quantized x, "
+                         "with its x_scale")
     if pre_quantized and apply_router_weight_on_input:
         raise ValueError("apply_router_weight_on_input needs a float x (the weight scales x before quantization)")
     if x_scale is not None and scheme != PREQUANTIZED:

@@ -59,8 +59,8 @@ def prepare_mxfp4_weights(w13, w13_scale, w2, w2_scale, activation: str = "silu"
     Out: ``(w13, w13_scale, w2, w2_scale)`` with ``(Hp, Ip) = mxfp4_padded_sizes(NAME, H, I)``:
 
     * ``w13 [E, 2Ip, Hp/2]`` uint8: rows as ``[up (I); 0 (Ip - I); gate (I); 0]``
-      (:func:`~jax_moe.backends.flashinfer_cutlass.common.runner_row_order`, then each half zero-padded), bytes zero-padded to ``Hp/2``,
-      then in the mixed-input GEMM's byte order
+      (:func:`~jax_moe.backends.flashinfer_cutlass.common.runner_row_order`, then each half
+      zero-padded), bytes zero-padded to ``Hp/2``, then in the mixed-input GEMM's byte order
       (:func:`jax_moe.layouts.interleave_fp4_weights_for_sm90_mixed_gemm`);
     * ``w13_scale [E, 2Ip/64, Hp/128, 16, 16]`` uint8: the scales through the same rows and
       padding (zero bytes), folded (:func:`jax_moe.layouts.interleave_scales_for_sm90_mixed_gemm`);

@@ -87,9 +87,9 @@ def fp4_dims(w2, packed_block: int, w2_name: str = "w2") -> tuple[int, int, int]
 
 
 def tile_tokens_dim(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """vLLM's GPT-OSS MXFP4 path's tokens per CTA tile for ``trtllm_fp4_block_scale_moe``: the tokens an expert
-    gets under a perfectly even routing, ``(T * k) // E``, times the imbalance factor 1.3
-    (truncated to an int), rounded up to a power of two (1 for 0), clamped to [8, 64]."""
+    """Tokens per CTA tile for ``trtllm_fp4_block_scale_moe``, vLLM's GPT-OSS MXFP4 rule: the
+    tokens an expert gets under a perfectly even routing, ``(T * k) // E``, times the imbalance
+    factor 1.3 (truncated to an int), rounded up to a power of two (1 for 0), clamped to [8, 64]."""
     for name, v, least in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1), ("num_experts", num_experts, 1)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
             raise ValueError(f"{name} must be a {'non-negative' if least == 0 else 'positive'} int, got {v!r}")

@@ -214,5 +214,5 @@ def quantize_input(x, prepared: Mxfp4Prepared, hk: int) -> tuple[jax.Array, ...]
 
 def operands(prepared: Mxfp4Prepared, xs, ids, w) -> tuple:
     p = prepared
-    return fp4_operands(xs, ids, w, (p.w13, p.w13_scale, p.w13_bias, p.swiglu_alpha, p.swiglu_beta, p.swiglu_limit),
-                        (p.w2, p.w2_scale, p.w2_bias), (None, None, None))
+    gemm1 = (p.w13, p.w13_scale, p.w13_bias, p.swiglu_alpha, p.swiglu_beta, p.swiglu_limit)
+    return fp4_operands(xs, ids, w, gemm1, (p.w2, p.w2_scale, p.w2_bias), (None, None, None))
