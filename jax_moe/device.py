@@ -37,12 +37,24 @@ def device_info(device=None) -> DeviceInfo:
     return DeviceInfo(device.platform, capability)
 
 
+def sm90_refusal(device=None) -> str | None:
+    """Why an ``sm_90a`` kernel cannot run on ``device`` (None: it is SM90): a device that is not
+    an NVIDIA GPU (a CPU) is named as such, whatever the build compiled."""
+    dev = device_info(device)
+    if dev.sm is None:
+        return f"needs an NVIDIA SM90 GPU (Hopper); this device is {dev.describe()}"
+    if dev.sm != 90:
+        return f"needs SM90 (this build compiles sm_90a only); this device is {dev.describe()}"
+    return None
+
+
 def sm90_module_ready(module, error: str | None, device=None) -> tuple[bool, str]:
     """Whether a native module built for ``sm_90a`` only can run on ``device``: (False, why) when
-    the device is not SM90 or the module did not load (``error`` says why); (True, "") otherwise."""
-    dev = device_info(device)
-    if dev.sm != 90:
-        return False, f"needs SM90 (this build compiles sm_90a only); this device is {dev.describe()}"
+    the device is not SM90 (:func:`sm90_refusal`) or the module did not load (``error`` says why);
+    (True, "") otherwise."""
+    why = sm90_refusal(device)
+    if why:
+        return False, why
     if module is None:
         return False, error or "the native module is not loaded"
     return True, ""

@@ -12,12 +12,31 @@ from jax_moe import oracle
 from jax_moe.config import MoEConfig
 
 
+def model_shape(text: str) -> tuple[int, int, int, int]:
+    """``"E,H,I,k"`` -> four positive ints (argparse's ``type=``: a bad value is a usage error)."""
+    parts = text.split(",")
+    try:
+        values = tuple(int(v) for v in parts)
+    except ValueError:
+        values = ()
+    if len(parts) != 4 or len(values) != 4 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected four positive integers E,H,I,k (experts, hidden size, "
+                                         f"intermediate size, top-k), got {text!r}")
+    return values
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="128,2048,768,8", help="E,H,I,k (default: Qwen3-30B-A3B)")
+    p = argparse.ArgumentParser(prog="python -m jax_moe.info", description=__doc__)
+    p.add_argument("--model", default="128,2048,768,8", type=model_shape,
+                   help="E,H,I,k (default: Qwen3-30B-A3B)")
     p.add_argument("--activation", default="silu")
     p.add_argument("--scheme", default="bf16", choices=sorted(oracle.SCHEME_ORDER))
     args = p.parse_args(argv)
+    e, h, i, k = args.model
+    try:
+        cfg = MoEConfig(e, k, h, i, args.activation)
+    except ValueError as err:
+        p.error(f"--model {e},{h},{i},{k} --activation {args.activation}: {err}")
     dev = jax.devices()[0]
     print(f"jax {jax.__version__}; device: {dev.device_kind} ({dev.platform}); "
           f"compute capability: {getattr(dev, 'compute_capability', 'n/a')}")
@@ -28,17 +47,21 @@ def main(argv=None) -> None:
             print(f"native {key}: {value}")
     except ImportError as err:
         print(f"native: unavailable ({err})")
+    from jax_moe.backends import flashinfer_cutlass as fic
     from jax_moe.backends import flashinfer_trtllm as trt
 
+    if fic.compiled_schemes():
+        print(f"native flashinfer_cutlass: loaded ({', '.join(fic.compiled_schemes())})")
+    else:
+        print(f"native flashinfer_cutlass: unavailable: {fic._state['error'] or 'the module compiles no scheme'}")
     if trt.compiled_schemes():
         print(f"native trtllm: loaded ({', '.join(trt.compiled_schemes())}); cubins read from {trt.cubin_root()}")
     else:
         print(f"native trtllm: unavailable: {trt._state['error']}")
-    e, h, i, k = (int(v) for v in args.model.split(","))
-    cfg = MoEConfig(e, k, h, i, args.activation)
     quant = None if args.scheme == "bf16" else SchemeOnly(args.scheme, e)
+    static = "" if quant is None or quant.a2_scale is None else ", static scales"
     print(f"model E={e} H={h} I={i} k={k} activation={args.activation} scheme={args.scheme}"
-          f"{'' if quant is None else f' (act={quant.act}' + (', static scales' if quant.a2_scale is not None else '') + ')'}:")
+          f"{'' if quant is None else f' (act={quant.act}{static})'}:")
     for name in oracle.order_for(quant):
         _, ok, reason = oracle.probe(name, cfg, quant, None)
         note = ""

@@ -1,8 +1,9 @@
 """Backend selection: which kernel family serves a layer on a device, and why not the others.
 
 For each quant scheme the backends are tried in vLLM's order (:data:`SCHEME_ORDER`); each row
-answers ``supports(cfg, quant, device) -> (ok, reason)`` from the device's compute capability,
-what this build contains, and the shapes. The first that can serve *and* is in :data:`AUTO`
+is a module with the interface of :mod:`jax_moe.backends.base` and answers
+``supports(cfg, quant, device) -> (ok, reason)`` from the device's compute capability, what this
+build contains, and the shapes. The first that can serve *and* is in :data:`AUTO`
 wins; ``xla`` serves everything and ends every list. A row joins AUTO once its GPU tests pass on
 hardware and it needs no per-call repacking through ``fused_experts``. Rows whose weights must be
 repacked are picked automatically only for weights prepared once at load time
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 import logging
 import os
 
@@ -25,9 +25,8 @@ from jax_moe.config import MoEConfig
 
 log = logging.getLogger("jax_moe")
 
-# backends with a Python module of their own: supports(cfg, quant, device) and apply(...); a
-# supports() with a ``dtype`` keyword also gets the unquantized weights' dtype (the call's
-# "dtype:" feature), for backends whose scheme depends on it (flashinfer_cutlass: float16 -> f16)
+# backends with a Python module of their own (jax_moe.backends.base.Backend: NAME, FEATURES,
+# supports, apply; optionally prepare/apply_prepared, apply_batched)
 MODULES: dict[str, str] = {
     "flashinfer_trtllm": "jax_moe.backends.flashinfer_trtllm",
     "flashinfer_cutlass": "jax_moe.backends.flashinfer_cutlass",
@@ -83,9 +82,9 @@ class Selection:
 
 
 # What a call may need beyond its MoEConfig and QuantConfig; a backend module lists what it takes
-# in ``FEATURES`` (none listed: no biases, no router weight on input; no "dtype:" entry: any dtype).
-# "batched": the module has ``apply_batched(x [E, C, H], counts [E], w13, w2, cfg, *, quant, w13_bias,
-# w2_bias, ...) -> [E, C, H]``, the expert stage on the batched format (jax_moe.permute).
+# in ``FEATURES`` (jax_moe.backends.base.Backend; none listed: no biases, no router weight on input;
+# no "dtype:" entry: any dtype). "batched": the module is a jax_moe.backends.base.BatchedBackend,
+# the expert stage on the batched format (jax_moe.permute).
 FEATURE_TEXT = {"bias": "expert biases (w13_bias/w2_bias)",
                 "router_weight_on_input": "apply_router_weight_on_input",
                 "batched": "the batched expert format ([E, C, H] rows with counts [E]: apply_batched)"}
@@ -107,14 +106,18 @@ def call_features(*, dtype=None, w13_bias=None, w2_bias=None, apply_router_weigh
     return frozenset(need)
 
 
+def _dtypes(mod) -> list[str]:
+    """The unquantized weights' dtypes a backend names in FEATURES (empty: any)."""
+    return sorted(f[6:] for f in getattr(mod, "FEATURES", ()) if f.startswith("dtype:"))
+
+
 def _missing_feature(mod, features) -> str | None:
     have = frozenset(getattr(mod, "FEATURES", ()))
-    any_dtype = not any(f.startswith("dtype:") for f in have)
+    dts = _dtypes(mod)
     for f in sorted(features):
-        if f in have or (f.startswith("dtype:") and any_dtype):
+        if f in have or (f.startswith("dtype:") and not dts):
             continue
         if f.startswith("dtype:"):
-            dts = sorted(h[6:] for h in have if h.startswith("dtype:"))
             return f"takes {', '.join(dts)} weights, not {f[6:]}"
         return f"does not take {FEATURE_TEXT.get(f, f)} yet"
     return None
@@ -129,8 +132,8 @@ def probe(name: str, cfg: MoEConfig, quant=None, device=None, features=frozenset
         return (None, *refusal(name, cfg, quant, device))
     mod = module(name)
     dtype = next((f[6:] for f in features if f.startswith("dtype:")), None)
-    if dtype is not None and "dtype" in inspect.signature(mod.supports).parameters:
-        ok, reason = mod.supports(cfg, quant, device, dtype=dtype)  # the scheme depends on it
+    if dtype is not None and _dtypes(mod):  # a backend that names the dtypes it takes is told the call's
+        ok, reason = mod.supports(cfg, quant, device, dtype=dtype)  # (flashinfer_cutlass: float16 -> f16)
     else:
         ok, reason = mod.supports(cfg, quant, device)
     if ok:

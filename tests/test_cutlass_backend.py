@@ -435,7 +435,7 @@ def test_moe_bench_has_a_cutlass_column_for_bf16_and_fp8(scheme, monkeypatch):
 
     _simulate_module(monkeypatch)
     real = cb.supports
-    monkeypatch.setattr(cb, "supports", lambda cfg, quant=None, device=None: real(cfg, quant, H100))
+    monkeypatch.setattr(cb, "supports", lambda cfg, quant=None, device=None, **kw: real(cfg, quant, H100, **kw))
     m = moe_bench.MODELS["tiny"]
     w13 = jnp.ones((m.e, 2 * m.i, m.h), jnp.bfloat16) * 0.01
     w2 = jnp.ones((m.e, m.h, m.i), jnp.bfloat16) * 0.01

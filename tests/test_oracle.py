@@ -66,7 +66,7 @@ REASONS = [
     (RTX5090, "nvfp4", "flashinfer_trtllm", "needs SM100 (compute capability 10.x: B200/GB200/B300); this device is SM120"),
     (A100, "w4a8", "cutlass", "needs SM90 (this build compiles sm_90a only); this device is SM80"),
     (A100, "mxfp4", "marlin", "not provided"),
-    (CPU, "bf16", "flashinfer_cutlass", "needs SM90 (this build compiles sm_90a only); this device is cpu"),
+    (CPU, "bf16", "flashinfer_cutlass", "needs an NVIDIA SM90 GPU (Hopper); this device is cpu"),
 ]
 
 
@@ -215,3 +215,93 @@ def test_flashinfer_cutlass_scheme_left_out_of_the_build(monkeypatch):
     assert sel.name == "xla"
     assert dict(sel.reasons)["flashinfer_cutlass"] == ("scheme 'mxfp4' is not compiled into this build "
                                                       "(JAX_MOE_FI_SCHEMES)")
+
+
+# ----------------------------------------------------------------------------- the backend interface
+
+
+@pytest.mark.parametrize("name", sorted(oracle.MODULES))
+def test_every_backend_module_declares_the_interface(name, request):
+    """Every row with a module has jax_moe.backends.base's interface: NAME (its row's name),
+    FEATURES (a frozenset of the known features), supports(cfg, quant, device, *, dtype=None)
+    answering (bool, str) on a CPU, apply(); prepare and apply_prepared together, with the
+    prepared contract's parameters; apply_batched where FEATURES says "batched"."""
+    import inspect
+
+    from jax_moe.backends import base
+
+    mod = oracle.module(name)
+    assert isinstance(mod, base.Backend), name
+    assert mod.NAME == name
+    assert isinstance(mod.FEATURES, frozenset)
+    assert all(f in base.FEATURE_NAMES or f.startswith("dtype:") for f in mod.FEATURES), mod.FEATURES
+    assert "batched" not in mod.FEATURES or isinstance(mod, base.BatchedBackend)
+    assert hasattr(mod, "prepare") == hasattr(mod, "apply_prepared")
+    if isinstance(mod, base.PreparedBackend):
+        assert list(inspect.signature(mod.prepare).parameters)[:4] == ["w13", "w2", "cfg", "quant"]
+        assert list(inspect.signature(mod.apply_prepared).parameters)[:4] == ["x", "prepared", "topk_weights",
+                                                                             "topk_ids"]
+    params = inspect.signature(mod.supports).parameters
+    assert list(params)[:3] == ["cfg", "quant", "device"]
+    if name == "xla" and "dtype" not in params:  # backends/xla.py is not this change's
+        request.applymarker(pytest.mark.xfail(reason="xla.supports takes no dtype= yet", strict=False))
+    assert "dtype" in params and params["dtype"].kind is inspect.Parameter.KEYWORD_ONLY
+    ok, why = mod.supports(CFG, None, CPU, dtype="bfloat16")
+    assert isinstance(ok, bool) and isinstance(why, str) and why
+
+
+def test_the_oracle_reads_the_interface_without_inspect():
+    import inspect
+
+    assert "import inspect" not in inspect.getsource(oracle)
+
+
+# ----------------------------------------------------------------------------- python -m jax_moe.info
+
+
+@pytest.mark.parametrize("model", ["8,64,32", "8,64,x,2", "8,64,32,0", "8,64,32,9"])
+def test_info_rejects_a_bad_model_with_a_usage_error(model, capsys):
+    """--model takes E,H,I,k: three numbers, a word, a zero or k > E end in argparse's error
+    (exit status 2, the usage line and what is wrong), not a traceback."""
+    from jax_moe import info
+
+    with pytest.raises(SystemExit) as exc:
+        info.main(["--model", model])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: python -m jax_moe.info" in err and "--model" in err and "Traceback" not in err
+
+
+def test_info_on_a_cpu_names_the_device_not_the_build(capsys):
+    """On a CPU the SM90 rows say that they need an SM90 GPU and what this device is, not what
+    the build compiles (a build without CUDA compiles no sm_90a)."""
+    from jax_moe import info
+
+    info.main(["--model", "8,64,32,2", "--scheme", "fp8"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    sm90 = [line for line in rows if line.split()[0] in ("flashinfer_cutlass", "cutlass")]
+    assert len(sm90) == 2
+    for line in sm90:
+        assert "needs an NVIDIA SM90 GPU (Hopper); this device is cpu" in line, line
+        assert "sm_90a only" not in line, line
+
+
+def test_info_without_flashinfer_lists_no_flashinfer_scheme_as_present(monkeypatch, capsys):
+    """A build without the FlashInfer modules (simulated): info says so, and no row lists the
+    runner's schemes as what this build has."""
+    from jax_moe import info
+    from jax_moe.backends import flashinfer_cutlass as fic
+
+    monkeypatch.setitem(fic._state, "module", None)
+    monkeypatch.setitem(fic._state, "error", "simulated: jax_moe._jax_moe_flashinfer is not built")
+    for scheme_name in ("bf16", "nvfp4", "mxfp4"):
+        info.main(["--scheme", scheme_name])
+        out = capsys.readouterr().out
+        assert "native flashinfer_cutlass: unavailable: simulated" in out
+        assert "native trtllm: unavailable: simulated" in out
+        for line in out.splitlines():
+            if line.startswith("  flashinfer_"):
+                assert not any(s in line for s in ("bf16,", "'bf16'", "fp8,", "(serves")), line
+    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("nvfp4"), H100)
+    assert not ok and why == ("scheme 'nvfp4' is not built yet (this build serves nothing: simulated: "
+                              "jax_moe._jax_moe_flashinfer is not built)")

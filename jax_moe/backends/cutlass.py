@@ -72,6 +72,7 @@ from jax_moe.backends.cutlass_gemm import (  # noqa: F401  (the GEMM layer's nam
     workspace_size,
 )
 from jax_moe.config import check_rank
+from jax_moe.device import sm90_refusal
 from jax_moe.permute import batched_rows_used
 from jax_moe.quant import fp8
 
@@ -98,17 +99,16 @@ def _quant_refusal(quant, h: int, i: int) -> str | None:
     return None
 
 
-def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
+def supports(cfg, quant=None, device=None, *, dtype=None) -> tuple[bool, str]:
     """Whether this backend serves ``cfg`` (a :class:`jax_moe.config.MoEConfig`) with ``quant``
-    on ``device``, and why not: hardware first, then the scheme, then this build, then shapes."""
-    from jax_moe.device import device_info
-
-    dev = device_info(device)
-    if dev.sm != 90:
-        return False, f"needs SM90 (this build compiles sm_90a only); this device is {dev.describe()}"
+    on ``device``, and why not: hardware first, then the scheme, then this build, then shapes.
+    ``dtype`` (the unquantized weights'): the oracle refuses other than bfloat16 from ``FEATURES``."""
+    why = sm90_refusal(device)
+    if why:
+        return False, why
     if quant is not None and quant.scheme != "fp8":
         return False, _quant_refusal(quant, cfg.hidden_size, cfg.intermediate_size)
-    ok, why = available(dev)
+    ok, why = available(device)
     if not ok:
         return False, why
     refusal = _config_refusal(cfg.activation, cfg.gate_up_layout, cfg.hidden_size, cfg.intermediate_size, quant)

@@ -14,10 +14,13 @@ activations' from :func:`jax_moe.quant.scheme.nvfp4_activation_global_scale` (st
 a_scale``, the max over experts when given per expert, as the ``xla`` backend; or dynamic, over
 the used rows). The activation and the requantization run in jnp between the two custom calls.
 Weights: the stored NVFP4 format of :class:`jax_moe.QuantConfig` (w13 gate rows then up rows, no
-swap); :func:`prepare` swizzles the block scales to 128x4 tiles once.
+swap); :func:`prepare_weights` swizzles the block scales to 128x4 tiles once, and
+:func:`apply_batched_prepared` runs the expert stage on them (the batched format; not the
+``prepare``/``apply_prepared`` pair of :class:`jax_moe.backends.base.PreparedBackend`, whose
+calls take tokens and routing).
 
 :func:`apply` (the standard format, for ``fused_experts``) packs the routed tokens into
-``[E, T, H]`` in jnp, runs :func:`apply_prepared`, and reduces with the routing weights: a
+``[E, T, H]`` in jnp, runs :func:`apply_batched`, and reduces with the routing weights: a
 convenience, not the native path (``E * T * H`` memory).
 
 Status: the launch path is written and compiles for ``sm_100a`` without a GPU
@@ -43,7 +46,7 @@ FEATURES = frozenset()  # no biases, no router weight on input; NVFP4 weights on
 SMS = (100, 103)
 ACTIVATIONS = ("silu",)
 
-__all__ = ["supports", "prepare", "apply_prepared", "apply_batched", "apply", "CuteDslWeights"]
+__all__ = ["supports", "prepare_weights", "apply_batched_prepared", "apply_batched", "apply", "CuteDslWeights"]
 
 
 class CuteDslWeights(NamedTuple):
@@ -74,9 +77,9 @@ def _config_refusal(activation: str, gated: bool, gate_up_layout: str, h: int, i
     return None
 
 
-def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
+def supports(cfg, quant=None, device=None, *, dtype=None) -> tuple[bool, str]:
     """Hardware first, then the scheme, then what this host has (:func:`cutedsl_probe.probe`),
-    then the layer's shape and activation."""
+    then the layer's shape and activation. ``dtype`` does not matter (NVFP4 weights only)."""
     from jax_moe.device import device_info  # noqa: PLC0415
 
     dev = device_info(device)
@@ -94,7 +97,7 @@ def supports(cfg, quant=None, device=None) -> tuple[bool, str]:
     return True, "ok"
 
 
-def prepare(w13, w2, quant) -> CuteDslWeights:
+def prepare_weights(w13, w2, quant) -> CuteDslWeights:
     """Stored NVFP4 weights (:class:`jax_moe.QuantConfig` ``scheme="nvfp4"``) -> the kernel's
     format: the block scales swizzled to 128x4 tiles (:func:`jax_moe.layouts.block_scale_interleave`)."""
     if quant is None or quant.scheme != "nvfp4":
@@ -126,9 +129,9 @@ def _check_batched(x, counts, w: CuteDslWeights, cfg) -> None:
         raise ValueError(f"counts must be [E={e}] int32, got {list(getattr(counts, 'shape', ()))}")
 
 
-def apply_prepared(x, counts, weights: CuteDslWeights, cfg, *, quant) -> jax.Array:
+def apply_batched_prepared(x, counts, weights: CuteDslWeights, cfg, *, quant) -> jax.Array:
     """The expert stage on the batched format: x [E, C, H] float, counts [E] int32 (rows used,
-    clamped to [0, C]), ``weights`` from :func:`prepare`, ``quant`` for the activation scales.
+    clamped to [0, C]), ``weights`` from :func:`prepare_weights`, ``quant`` for the activation scales.
     Returns y [E, C, H] in x's dtype, rows at or past ``counts[e]`` zero. No routing weights."""
     refusal = _config_refusal(cfg.activation, cfg.gated, cfg.gate_up_layout, cfg.hidden_size,
                               cfg.intermediate_size, quant)
@@ -152,8 +155,8 @@ def apply_prepared(x, counts, weights: CuteDslWeights, cfg, *, quant) -> jax.Arr
 
 
 def apply_batched(x, counts, w13, w2, cfg, *, quant) -> jax.Array:
-    """:func:`apply_prepared` on stored NVFP4 weights (the scales swizzled on every call)."""
-    return apply_prepared(x, counts, prepare(w13, w2, quant), cfg, quant=quant)
+    """:func:`apply_batched_prepared` on stored NVFP4 weights (the scales swizzled on every call)."""
+    return apply_batched_prepared(x, counts, prepare_weights(w13, w2, quant), cfg, quant=quant)
 
 
 def _dispatch(x, topk_ids, e: int):

@@ -35,7 +35,7 @@ def supports(cfg, quant=None, device=None, *, dtype=None) -> tuple[bool, str]:
     the device and build, the activation, the sizes."""
     scheme = scheme_of(quant, dtype)
     if scheme not in SCHEMES:
-        return False, f"scheme {scheme!r} is not built yet (have {sorted(TARGETS)})"
+        return False, f"scheme {scheme!r} is not built yet (this build serves {native.served()})"
     why = SCHEMES[scheme].refusal(cfg, quant)
     if why:
         return False, why

@@ -58,8 +58,9 @@ NO_TACTICS = frozenset({"fp8_block"})  # one GEMM kernel: no tactic list, no tun
 PREQUANTIZED = "fp8"  # the scheme that also takes x quantized before the call (with its x_scale)
 F16_NOT_BUILT = ("scheme 'f16' is not built (JAX_MOE_FI_SCHEMES): float16 weights need an opt-in build "
                  "with f16 in JAX_MOE_FI_SCHEMES")
-# apply/prepare take biases (prepare(..., w13_bias=, w2_bias=)) and router weight on input; any dtype
-FEATURES = frozenset({"bias", "router_weight_on_input"})
+# apply/prepare take biases (prepare(..., w13_bias=, w2_bias=)) and router weight on input; the float
+# dtypes (float16: scheme f16, else bf16: supports() is told the call's dtype)
+FEATURES = frozenset({"bias", "router_weight_on_input", "dtype:bfloat16", "dtype:float16", "dtype:float32"})
 
 # jax_moe activation name -> TensorRT-LLM ActivationType value (cutlass_kernels/include/common.h)
 ACTIVATION_CODES = {"silu": 3, "gelu": 4, "swigluoai": 5, "relu2": 6}  # Swiglu, Geglu, SwigluBias, Relu2

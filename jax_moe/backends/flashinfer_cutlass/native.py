@@ -48,6 +48,12 @@ def compiled_schemes() -> tuple[str, ...]:
     return tuple(name for name, sid in SCHEME_IDS.items() if mask >> sid & 1)
 
 
+def served() -> str:
+    """The schemes this build serves, in words: ``"bf16, fp8, mxfp4"``, or ``"nothing: "`` and why."""
+    have = compiled_schemes()
+    return ", ".join(have) if have else f"nothing: {_state['error'] or 'the module compiles no scheme'}"
+
+
 def available(device=None) -> tuple[bool, str]:
     """Whether the custom calls can run on ``device`` (default: JAX's default device), and why not."""
     ok, why = sm90_module_ready(_module(), _state["error"], device)

@@ -2,8 +2,8 @@
 ``apply`` (``apply_prepared`` is :mod:`.call`'s), each dispatching to the scheme's module through
 :data:`~jax_moe.backends.flashinfer_trtllm.schemes.SCHEMES`.
 
-:func:`supports` checks, in order: the device is SM100/SM103, the scheme is built, the module is
-compiled, the activation and shapes fit, and the cubins the call needs are present
+:func:`supports` checks, in order: the device is SM100/SM103, the module is built, it has the
+scheme's handler, the activation and shapes fit, and the cubins the call needs are present
 (:func:`~jax_moe.backends.flashinfer_trtllm.cubins.missing_cubins`).
 """
 
@@ -67,18 +67,18 @@ def config_refusal(cfg, quant) -> str | None:
 
 def supports(cfg, quant=None, device=None, *, dtype=None) -> tuple[bool, str]:
     """Whether this backend serves ``cfg`` with ``quant`` on ``device``, and why not: the
-    hardware, then what this build has (scheme, module, activation, shapes), then the cubins.
+    hardware, then what this build has (module, scheme, activation, shapes), then the cubins.
     ``dtype`` (the unquantized weights') does not matter: every scheme here is quantized."""
     dev = device_info(device)
     if dev.sm not in SMS:
         cc = "n/a" if dev.capability is None else f"{dev.capability[0]}.{dev.capability[1]}"
         return False, (f"needs SM100 (compute capability 10.x: B200/GB200/B300); this device is "
                        f"{dev.describe()} ({cc})")
+    if native._module() is None:
+        return False, native._state["error"]
     scheme = scheme_of(quant)
     if scheme not in TARGETS:
         return False, config_refusal(cfg, quant)
-    if native._module() is None:
-        return False, native._state["error"]
     have = native.compiled_schemes()
     if scheme not in have:
         return False, (f"scheme {scheme!r}: this build of jax_moe._jax_moe_trtllm has no {TARGETS[scheme]} "
