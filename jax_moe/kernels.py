@@ -44,8 +44,8 @@ import numpy as np
 
 from jax_moe import ffi
 from jax_moe.activations import activate
-from jax_moe.backends.xla import finalize
 from jax_moe.config import FLOAT_DTYPES, MoEConfig, check_dtype, check_rank
+from jax_moe.permute import finalize
 from jax_moe.quant.fp8 import quantize_fp8_per_token, quantize_fp8_static
 
 QUANT_MODES = {None: 0, "fp8_per_token": 1, "fp8_static": 2}  # ffi/moe_kernels.h: QuantMode
@@ -271,7 +271,7 @@ def act_and_mul(h: jax.Array, activation: str = "silu", *, valid_rows=None, quan
 def unpermute_reduce_reference(y, inverse, topk_weights, *, valid_rows=None, apply_router_weight_on_input=False,
                                out_dtype=None):
     """jnp reference of :func:`unpermute_reduce` (same arguments and result); the reduce is
-    :func:`jax_moe.backends.xla.finalize`."""
+    :func:`jax_moe.permute.finalize`."""
     _check_unpermute(y, inverse, topk_weights)
     out_dt = _out_dtype(out_dtype, y.dtype, None)
     return _unpermute_ref(y, inverse, topk_weights.astype(jnp.float32), _valid_rows(valid_rows, y.shape[0]),

@@ -1,10 +1,12 @@
-"""Token-to-expert permutation (the "prepare" step every grouped-GEMM backend needs).
+"""Token-to-expert permutation and its inverse: the "prepare" and "finalize" steps every
+grouped-GEMM backend needs.
 
 A routed batch has ``T * k`` *slots*: slot ``s = t * k + j`` is token ``t``'s ``j``-th choice,
 expert ``topk_ids[t, j]``. Sorting the slots by expert (stably, so that within one expert the
 slots keep their original order) gives each expert a contiguous run of rows.
 
-This module defines that permutation once, in jnp. The FFI kernel ``jax_moe.ffi.sort_by_expert``
+This module defines that permutation once, in jnp, and :func:`finalize`, the weighted top-k
+reduce that brings the sorted rows back. The FFI kernel ``jax_moe.ffi.sort_by_expert``
 computes exactly the same arrays and is tested against :func:`sort_by_expert`.
 
 The batched expert format (``[E, C, H]`` rows with ``counts [E]``, as after an all-to-all
@@ -102,6 +104,16 @@ def to_batched(rows: jax.Array, layout: BatchedLayout) -> jax.Array:
     """rows [M, ...] -> [E, C, ...] per ``layout`` (zero where unused), in rows' dtype."""
     padded = jnp.concatenate([rows, jnp.zeros((1,) + rows.shape[1:], rows.dtype)], axis=0)
     return padded[layout.src]
+
+
+def finalize(y_rows: jax.Array, row_of_slot: jax.Array, topk_weights: jax.Array, out_dtype) -> jax.Array:
+    """Weighted top-k reduce: ``out[t] = sum_j w[t, j] * y_rows[row_of_slot[t*k + j]]`` in float32.
+
+    y_rows [T*k, H] (the experts' outputs in sorted order), row_of_slot [T*k] int32 (slot ->
+    row, :func:`sort_by_expert`), topk_weights [T, k] float -> [T, H] ``out_dtype``."""
+    t, k = topk_weights.shape
+    gathered = y_rows[row_of_slot].reshape(t, k, -1).astype(jnp.float32)
+    return jnp.einsum("tkh,tk->th", gathered, topk_weights.astype(jnp.float32)).astype(out_dtype)
 
 
 def batched_finalize(y: jax.Array, layout: BatchedLayout, topk_ids: jax.Array, topk_weights: jax.Array) -> jax.Array:

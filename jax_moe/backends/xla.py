@@ -52,7 +52,7 @@ import jax.numpy as jnp
 
 from jax_moe.activations import activate
 from jax_moe.config import MoEConfig, as_jax, check_dtype, check_rank
-from jax_moe.permute import batched_rows_used, sort_by_expert
+from jax_moe.permute import batched_rows_used, finalize, sort_by_expert
 from jax_moe.quant import fp4
 from jax_moe.quant.scheme import (
     dequantize_experts,
@@ -389,13 +389,6 @@ def _prequantized_input(x, x_scale, cfg: MoEConfig, quant, apply_router_weight_o
         raise ValueError(f"x_scale must be [T, H/16] = [{t}, {h // fp4.NVFP4_BLOCK}] float8_e4m3fn (linear "
                          f"layout), got {list(x_scale.shape)} {jnp.dtype(x_scale.dtype).name}")
     return fp4.dequantize_nvfp4(x, x_scale, nvfp4_activation_global_scale(quant, 1))
-
-
-def finalize(y_rows: jax.Array, row_of_slot: jax.Array, topk_weights: jax.Array, out_dtype) -> jax.Array:
-    """Weighted top-k reduce: ``out[t] = sum_j w[t, j] * y_rows[row_of_slot[t*k + j]]`` in float32."""
-    t, k = topk_weights.shape
-    gathered = y_rows[row_of_slot].reshape(t, k, -1).astype(jnp.float32)
-    return jnp.einsum("tkh,tk->th", gathered, topk_weights.astype(jnp.float32)).astype(out_dtype)
 
 
 def apply(
