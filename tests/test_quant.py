@@ -604,7 +604,8 @@ def test_calibrated_static_scales_reproduce_dynamic_quantization(rng):
                                    np.asarray(quantize_activation(dynamic, x, 1)), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "fp8_block", "nvfp4", "mxfp4", "w4a8"])
+@pytest.mark.parametrize("scheme", [s if s in ("fp8_block", "nvfp4") else pytest.param(s, marks=pytest.mark.slow)
+                                    for s in ("fp8", "fp8_block", "nvfp4", "mxfp4", "w4a8")])
 def test_quantizing_a_few_experts_at_a_time_is_exact(rng, scheme, monkeypatch):
     """Large layers are quantized a few experts at a time (no whole float32 copy); the result
     is bit-identical to quantizing all experts at once."""
@@ -783,3 +784,8 @@ def test_calibrated_scale_ignores_nonfinite_values(rng):
     xb[0, 0], xb[1, 1] = np.nan, np.inf
     for act in ("fp8_per_tensor", "nvfp4"):
         assert float(calibrate_activation_scale(act, xb)) == float(calibrate_activation_scale(act, np.where(np.isfinite(xb), xb, 0)))
+
+
+def test_a_quantconfig_without_scales_points_at_the_constructor_helpers():
+    with pytest.raises(ValueError, match=r"jax_moe\.quantize_weights\('fp8', w13, w2\)"):
+        QuantConfig("fp8")

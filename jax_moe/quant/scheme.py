@@ -92,6 +92,9 @@ __all__ = [
 ]
 
 
+_NOT_GIVEN = type("NotGiven", (), {"__repr__": lambda self: "<not given>"})()  # scales left out of QuantConfig(...)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class QuantConfig:
     """How a backend reads quantized expert weights, and how it quantizes activations.
@@ -103,8 +106,8 @@ class QuantConfig:
     """
 
     scheme: str
-    w13_scale: Any
-    w2_scale: Any
+    w13_scale: Any = dataclasses.field(default_factory=lambda: _NOT_GIVEN)
+    w2_scale: Any = dataclasses.field(default_factory=lambda: _NOT_GIVEN)
     w13_global_scale: Any = None
     w2_global_scale: Any = None
     a13_scale: Any = None
@@ -115,6 +118,12 @@ class QuantConfig:
     def __post_init__(self):
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {list(SCHEMES)}, got {self.scheme!r}")
+        if self.w13_scale is _NOT_GIVEN or self.w2_scale is _NOT_GIVEN:
+            raise ValueError(
+                f"QuantConfig({self.scheme!r}) describes weights already quantized and needs their scales "
+                f"(w13_scale, w2_scale). To quantize float weights use jax_moe.quantize_weights({self.scheme!r}, "
+                f"w13, w2) -> (w13_q, w2_q, quant), or MoEBlock.quantize({self.scheme!r}); to load a quantized "
+                f"checkpoint, MoEBlock.from_pretrained")
         allowed = SCHEME_ACTS[self.scheme]
         act = allowed[0] if self.act is None else self.act
         if act not in allowed:
