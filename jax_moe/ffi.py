@@ -69,6 +69,19 @@ def _register(kind: str) -> bool:
     return True
 
 
+def load_once(state: dict, load, why_not):
+    """An extension module that only some builds have, imported once: ``load()`` (an import that
+    raises ImportError where the module is absent), recorded in ``state`` (the module's
+    ``{"module", "error", "registered"}`` record, which :func:`register_module_targets` reads);
+    None, with ``why_not(err)`` recorded as the reason, when it does not import."""
+    if state["module"] is None and state["error"] is None:
+        try:
+            state["module"] = load()
+        except ImportError as err:
+            state["error"] = why_not(err)
+    return state["module"]
+
+
 def register_module_targets(state: dict, module) -> None:
     """Register an extension module's CUDA FFI targets (``module.registrations()``: name ->
     capsule) once per backend ``state`` (its ``{"module", "error", "registered"}`` record);

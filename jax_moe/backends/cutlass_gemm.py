@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.config import check_rank
+from jax_moe.ffi import gpu_backend, load_once
 from jax_moe.permute import batched_rows_used
 
 log = logging.getLogger("jax_moe")
@@ -55,19 +56,22 @@ _state: dict = {"module": None, "error": None, "registered": False}
 # ----------------------------------------------------------------------------- the native module
 
 
+def _import():
+    from jax_moe import _jax_moe_cutlass  # noqa: PLC0415
+
+    return _jax_moe_cutlass
+
+
+def _not_loaded(err) -> str:
+    why = (f"jax_moe._jax_moe_cutlass is not built or cannot load ({err}); it needs CUTLASS headers at "
+           "build time (CUTLASS_DIR, FLASHINFER_SRC_DIR or flashinfer-python) and JAX_MOE_CUDA_ARCHS with 90a")
+    log.info("jax_moe: %s", why)
+    return why
+
+
 def _module():
     """``jax_moe._jax_moe_cutlass`` or None (the reason recorded in ``_state`` and logged once)."""
-    if _state["module"] is None and _state["error"] is None:
-        try:
-            from jax_moe import _jax_moe_cutlass as mod  # noqa: PLC0415
-
-            _state["module"] = mod
-        except ImportError as e:
-            _state["error"] = (f"jax_moe._jax_moe_cutlass is not built or cannot load ({e}); it needs CUTLASS "
-                               "headers at build time (CUTLASS_DIR, FLASHINFER_SRC_DIR or flashinfer-python) "
-                               "and JAX_MOE_CUDA_ARCHS with 90a")
-            log.info("jax_moe: %s", _state["error"])
-    return _state["module"]
+    return load_once(_state, _import, _not_loaded)
 
 
 def available(device=None) -> tuple[bool, str]:
@@ -92,8 +96,6 @@ def _register() -> bool:
     if _state["registered"]:
         return True
     mod = _module()
-    from jax_moe.ffi import gpu_backend  # noqa: PLC0415
-
     if mod is None or not gpu_backend():
         return False
     if not _constants_match(mod):

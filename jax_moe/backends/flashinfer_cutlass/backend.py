@@ -9,21 +9,8 @@ import numpy as np
 
 from jax_moe.backends.flashinfer_cutlass import native, tuning
 from jax_moe.backends.flashinfer_cutlass.common import (
-    ACTIVATION_CODES,
-    ALIGN,
-    FLOAT_SCHEMES,
-    GATED,
-    NAME,
-    NO_TACTICS,
-    PACK,
-    PADDED,
-    PREQUANTIZED,
-    TARGETS,
-    Prepared,
-    not_compiled,
-    problem_sizes,
-    scheme_of,
-    weights_hidden,
+    ACTIVATION_CODES, ALIGN, FLOAT_SCHEMES, GATED, NAME, NO_TACTICS, PACK, PADDED, PREQUANTIZED, TARGETS,
+    Prepared, not_compiled, problem_sizes, scheme_of, weights_hidden,
 )
 from jax_moe.backends.flashinfer_cutlass.schemes import SCHEMES
 

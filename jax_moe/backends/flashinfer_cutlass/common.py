@@ -30,14 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.layouts import (
-    FP8_BLOCK_SCALE,
-    MIXED_GEMM_SCALE_K,
-    mxfp4_padding,
-    pad_axis,
-    pad_intermediate_rows,
-    round_up,
-    swap_w13_to_w31,
-    undo_reorder_rows_for_gated_act_gemm,
+    FP8_BLOCK_SCALE, MIXED_GEMM_SCALE_K, mxfp4_padding, pad_axis, pad_intermediate_rows, round_up,
+    swap_w13_to_w31, undo_reorder_rows_for_gated_act_gemm,
 )
 
 NAME = "flashinfer_cutlass"
@@ -102,6 +96,16 @@ def check_stored_operands(operands, activation: str) -> None:
                              f"{np.dtype(a.dtype).name} {list(a.shape)}")
     if activation not in GATED:
         raise ValueError(f"activation {activation!r} is not wired up (have {sorted(GATED)})")
+
+
+def stored_operands(w13, w13_scale, w2, w2_scale, weight_dtype, activation: str):
+    """``(w13, w13_scale, w2, w2_scale)`` as arrays, checked (:func:`check_stored_operands`): the
+    weights rank 3 of ``weight_dtype``, the scales rank 3 float32."""
+    w13, w2 = jnp.asarray(w13), jnp.asarray(w2)
+    s13, s2 = jnp.asarray(w13_scale), jnp.asarray(w2_scale)
+    check_stored_operands((("w13", w13, weight_dtype), ("w2", w2, weight_dtype),
+                           ("w13_scale", s13, jnp.float32), ("w2_scale", s2, jnp.float32)), activation)
+    return w13, s13, w2, s2
 
 
 def runner_row_order(w13, activation: str = "silu", gate_up_layout: str = "concat", axis: int = -2):

@@ -24,12 +24,7 @@ import numpy as np
 
 from jax_moe.backends.flashinfer_cutlass import native
 from jax_moe.backends.flashinfer_cutlass.common import (
-    GATED,
-    NAME,
-    Prepared,
-    check_stored_operands,
-    extras,
-    runner_row_order,
+    GATED, NAME, Prepared, extras, runner_row_order, stored_operands,
 )
 from jax_moe.layouts import FP8_BLOCK_SCALE, fp8_block_scale_shape, swap_w13_to_w31_block_scales
 from jax_moe.quant.scheme import check_finite_positive
@@ -70,10 +65,7 @@ def prepare_fp8_block_weights(w13, w13_scale, w2, w2_scale, activation: str = "s
     Raises ValueError naming the argument for a wrong dtype or shape, H or I not a multiple of
     128, or (when concrete) a NaN, infinite or non-positive scale.
     """
-    w13, w2 = jnp.asarray(w13), jnp.asarray(w2)
-    s13, s2 = jnp.asarray(w13_scale), jnp.asarray(w2_scale)
-    check_stored_operands((("w13", w13, jnp.float8_e4m3fn), ("w2", w2, jnp.float8_e4m3fn),
-                           ("w13_scale", s13, jnp.float32), ("w2_scale", s2, jnp.float32)), activation)
+    w13, s13, w2, s2 = stored_operands(w13, w13_scale, w2, w2_scale, jnp.float8_e4m3fn, activation)
     e, h, i = w2.shape
     n1 = 2 * i if GATED[activation] else i
     if w13.shape != (e, n1, h):

@@ -22,21 +22,11 @@ import numpy as np
 
 from jax_moe.backends.flashinfer_cutlass import native
 from jax_moe.backends.flashinfer_cutlass.common import (
-    GATED,
-    NAME,
-    Prepared,
-    extras,
-    pad_rows,
-    problem_sizes,
-    random_weights,
-    runner_row_order,
+    GATED, NAME, Prepared, extras, pad_rows, problem_sizes, random_weights, runner_row_order,
 )
 from jax_moe.layouts import (
-    interleave_fp4_weights_for_sm90_mixed_gemm,
-    interleave_scales_for_sm90_mixed_gemm,
-    mixed_gemm_scale_shape,
-    mxfp4_padded_sizes,
-    pad_axis,
+    interleave_fp4_weights_for_sm90_mixed_gemm, interleave_scales_for_sm90_mixed_gemm, mixed_gemm_scale_shape,
+    mxfp4_padded_sizes, pad_axis,
 )
 from jax_moe.quant import fp4
 

@@ -15,28 +15,23 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe.backends.flashinfer_cutlass.common import (
-    ACTIVATION_CODES,
-    FLOAT_SCHEMES,
-    NO_TACTICS,
-    SCHEME_IDS,
-    TARGETS,
-    problem_sizes,
+    ACTIVATION_CODES, FLOAT_SCHEMES, NO_TACTICS, SCHEME_IDS, TARGETS, problem_sizes,
 )
 from jax_moe.device import sm90_module_ready
-from jax_moe.ffi import register_module_targets
+from jax_moe.ffi import load_once, register_module_targets
 
 _state = {"module": None, "error": None, "registered": False}
 
 
-def _module():
-    if _state["module"] is None and _state["error"] is None:
-        try:
-            from jax_moe import _jax_moe_flashinfer as mod  # noqa: PLC0415
+def _import():
+    from jax_moe import _jax_moe_flashinfer  # noqa: PLC0415  (not built, or built without FlashInfer's sources)
 
-            _state["module"] = mod
-        except ImportError as e:  # not built, or built without FlashInfer sources
-            _state["error"] = f"jax_moe._jax_moe_flashinfer is not importable: {e}"
-    return _state["module"]
+    return _jax_moe_flashinfer
+
+
+def _module():
+    """``jax_moe._jax_moe_flashinfer`` or None (the reason recorded in ``_state``)."""
+    return load_once(_state, _import, lambda err: f"jax_moe._jax_moe_flashinfer is not importable: {err}")
 
 
 def compiled_schemes() -> tuple[str, ...]:

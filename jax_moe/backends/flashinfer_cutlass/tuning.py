@@ -33,13 +33,7 @@ import numpy as np
 
 from jax_moe.backends.flashinfer_cutlass import native
 from jax_moe.backends.flashinfer_cutlass.common import (
-    ACTIVATION_CODES,
-    FLOAT_SCHEMES,
-    GATED,
-    NO_TACTICS,
-    SCHEME_IDS,
-    Prepared,
-    problem_sizes,
+    ACTIVATION_CODES, FLOAT_SCHEMES, GATED, NO_TACTICS, SCHEME_IDS, Prepared, problem_sizes,
 )
 from jax_moe.backends.flashinfer_cutlass.schemes import SCHEMES
 

@@ -17,13 +17,7 @@ import numpy as np
 
 from jax_moe.backends.flashinfer_cutlass import native
 from jax_moe.backends.flashinfer_cutlass.common import (
-    F16_NOT_BUILT,
-    FLOAT_SCHEMES,
-    NAME,
-    Prepared,
-    extras,
-    random_weights,
-    runner_row_order,
+    F16_NOT_BUILT, FLOAT_SCHEMES, NAME, Prepared, extras, random_weights, runner_row_order,
 )
 
 

@@ -74,18 +74,10 @@ import numpy as np
 
 from jax_moe.backends.flashinfer_cutlass import native
 from jax_moe.backends.flashinfer_cutlass.common import (
-    GATED,
-    NAME,
-    Prepared,
-    check_stored_operands,
-    extras,
-    random_weights,
-    runner_row_order,
+    GATED, NAME, Prepared, extras, random_weights, runner_row_order, stored_operands,
 )
 from jax_moe.layouts import (
-    MIXED_GEMM_SCALE_K,
-    interleave_int4_weights_for_sm90_mixed_gemm,
-    interleave_scales_for_sm90_mixed_gemm,
+    MIXED_GEMM_SCALE_K, interleave_int4_weights_for_sm90_mixed_gemm, interleave_scales_for_sm90_mixed_gemm,
     mixed_gemm_scale_shape,
 )
 from jax_moe.quant import fp8, int4
@@ -136,10 +128,7 @@ def prepare_w4a8_weights(w13, w13_scale, w2, w2_scale, activation: str = "silu",
     Raises ValueError naming the argument for a wrong dtype or shape, H or I not a multiple of
     128, or (when concrete) a NaN, infinite or non-positive scale.
     """
-    w13, w2 = jnp.asarray(w13), jnp.asarray(w2)
-    s13, s2 = jnp.asarray(w13_scale), jnp.asarray(w2_scale)
-    check_stored_operands((("w13", w13, jnp.uint8), ("w2", w2, jnp.uint8),
-                           ("w13_scale", s13, jnp.float32), ("w2_scale", s2, jnp.float32)), activation)
+    w13, s13, w2, s2 = stored_operands(w13, w13_scale, w2, w2_scale, jnp.uint8, activation)
     e, h, i2 = w2.shape
     i = 2 * i2
     if h % ALIGN or i % ALIGN:

@@ -12,19 +12,8 @@ from __future__ import annotations
 from jax_moe.backends.flashinfer_trtllm import native
 from jax_moe.backends.flashinfer_trtllm.call import apply_prepared
 from jax_moe.backends.flashinfer_trtllm.common import (
-    BIAS_SCHEMES,
-    CONCAT_ONLY,
-    HIDDEN_ALIGN,
-    KERNELS,
-    MAX_EXPERTS,
-    MAX_TOP_K,
-    MIN_EXPERTS_MULTIPLE,
-    NAME,
-    PADDED,
-    SCHEME_ACTIVATIONS,
-    SMS,
-    TARGETS,
-    scheme_of,
+    BIAS_SCHEMES, CONCAT_ONLY, HIDDEN_ALIGN, KERNELS, MAX_EXPERTS, MAX_TOP_K, MIN_EXPERTS_MULTIPLE, NAME,
+    PADDED, SCHEME_ACTIVATIONS, SMS, TARGETS, scheme_of,
 )
 from jax_moe.backends.flashinfer_trtllm.cubins import cubin_refusal
 from jax_moe.backends.flashinfer_trtllm.schemes import SCHEMES
@@ -107,7 +96,8 @@ def prepare(w13, w2, cfg, quant=None, *, w13_bias=None, w2_bias=None):
     why = scheme_refusal(cfg, quant)
     if why:
         raise ValueError(f"{NAME}: {why}")
-    return SCHEMES[scheme].prepare(w13, w2, cfg, quant, w13_bias=w13_bias, w2_bias=w2_bias)
+    biases = dict(w13_bias=w13_bias, w2_bias=w2_bias) if scheme in BIAS_SCHEMES else {}
+    return SCHEMES[scheme].prepare(w13, w2, cfg, quant, **biases)
 
 
 def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None, w2_bias=None,

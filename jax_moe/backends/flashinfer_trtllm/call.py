@@ -12,12 +12,7 @@ import numpy as np
 
 from jax_moe.backends.flashinfer_trtllm import native
 from jax_moe.backends.flashinfer_trtllm.common import (
-    ACTIVATION_CODES,
-    MAX_TOP_K,
-    NAME,
-    TARGETS,
-    TILE_NS,
-    scheme_id,
+    ACTIVATION_CODES, MAX_TOP_K, NAME, TARGETS, TILE_NS, scheme_id,
 )
 from jax_moe.backends.flashinfer_trtllm.schemes import PREPARED_TYPES, SCHEMES, default_tile
 

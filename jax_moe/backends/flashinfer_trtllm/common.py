@@ -106,11 +106,20 @@ def default_tile_n(num_tokens: int, top_k: int, num_experts: int) -> int:
     return next((t for t in TILE_NS if t >= avg), TILE_NS[-1])
 
 
-def check_hidden(prepared, x, hidden: int) -> None:
-    """x [T, H] against the prepared layer's hidden size ``hidden`` (before any padding)."""
-    if x.shape[1] != hidden:
-        raise ValueError(f"x [T, {x.shape[1]}] does not match prepared {prepared.scheme} weights of hidden "
-                         f"size {hidden} (w13 {list(prepared.w13.shape)} / w2 {list(prepared.w2.shape)})")
+def hidden_check(kernel_sizes):
+    """A scheme's ``check_x`` that asks x [T, H] for the prepared layer's hidden size (the second
+    of the scheme's ``kernel_sizes``, before any padding)."""
+    def check_x(prepared, x) -> None:
+        hidden = kernel_sizes(prepared)[1]
+        if x.shape[1] != hidden:
+            raise ValueError(f"x [T, {x.shape[1]}] does not match prepared {prepared.scheme} weights of hidden "
+                             f"size {hidden} (w13 {list(prepared.w13.shape)} / w2 {list(prepared.w2.shape)})")
+    return check_x
+
+
+def no_tile_limit(prepared) -> None:
+    """A scheme's ``max_tile_n`` where the runner has kernels for every tile of ``TILE_NS``."""
+    return None
 
 
 def fp4_operands(xs, ids, w, gemm1: tuple, gemm2: tuple, out_scales: tuple) -> tuple:

@@ -23,15 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe.backends.flashinfer_trtllm.common import HIDDEN_ALIGN, default_tile_n
+from jax_moe.backends.flashinfer_trtllm.common import HIDDEN_ALIGN, default_tile_n, no_tile_limit
 from jax_moe.layouts import (
-    fp8_padded_intermediate,
-    pad_axis,
-    pad_gate_up,
-    reorder_rows_for_gated_act_gemm,
-    shuffle_matrix_a,
-    swap_w13_to_w31,
-    trtllm_fp8_output_scales,
+    fp8_padded_intermediate, pad_axis, pad_gate_up, reorder_rows_for_gated_act_gemm, shuffle_matrix_a,
+    swap_w13_to_w31, trtllm_fp8_output_scales,
 )
 from jax_moe.quant import fp8 as fp8_format
 
@@ -100,7 +95,7 @@ class Prepared:
 PREPARED = Prepared
 
 
-def prepare(w13, w2, cfg, quant, *, w13_bias=None, w2_bias=None) -> Prepared:
+def prepare(w13, w2, cfg, quant) -> Prepared:
     """Stored FP8 experts (per-tensor or per-expert weight scales, static activation scales) ->
     :class:`Prepared`."""
     e = jnp.shape(w13)[0]
@@ -130,8 +125,7 @@ def check_x(prepared: Prepared, x) -> None:
                          f"w2 {list(prepared.w2.shape)}")
 
 
-def max_tile_n(prepared: Prepared) -> int | None:
-    return None
+max_tile_n = no_tile_limit
 
 
 def input_shapes(prepared: Prepared, num_tokens: int, hk: int) -> tuple[jax.ShapeDtypeStruct, ...]:

@@ -14,16 +14,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_moe.backends.flashinfer_trtllm.common import check_hidden, check_operand, default_tile_n
+from jax_moe.backends.flashinfer_trtllm.common import check_operand, default_tile_n, hidden_check, no_tile_limit
 from jax_moe.layouts import (
-    FP8_BLOCK_EPILOGUE_TILE_M,
-    FP8_BLOCK_SCALE,
-    convert_from_block_layout,
-    convert_to_block_layout,
-    fp8_block_scale_shape,
-    shuffle_matrix_a,
-    swap_w13_to_w31,
-    swap_w13_to_w31_block_scales,
+    FP8_BLOCK_EPILOGUE_TILE_M, FP8_BLOCK_SCALE, convert_from_block_layout, convert_to_block_layout,
+    fp8_block_scale_shape, shuffle_matrix_a, swap_w13_to_w31, swap_w13_to_w31_block_scales,
     unshuffle_matrix_a,
 )
 from jax_moe.quant import fp8 as fp8_format
@@ -120,8 +114,7 @@ def prepare_fp8_block(w13, w2, cfg, quant) -> Fp8BlockPrepared:
     return Fp8BlockPrepared(w13p, s13, w2p, s2, intermediate=int(jnp.shape(w2)[2]), activation=cfg.activation)
 
 
-def prepare(w13, w2, cfg, quant, *, w13_bias=None, w2_bias=None) -> Fp8BlockPrepared:
-    return prepare_fp8_block(w13, w2, cfg, quant)
+prepare = prepare_fp8_block
 
 
 def kernel_sizes(prepared: Fp8BlockPrepared) -> tuple[int, int, int, int]:
@@ -129,12 +122,8 @@ def kernel_sizes(prepared: Fp8BlockPrepared) -> tuple[int, int, int, int]:
     return prepared.w13.shape[0], prepared.w2.shape[2], prepared.w2.shape[2], prepared.w13.shape[2] // 2
 
 
-def check_x(prepared: Fp8BlockPrepared, x) -> None:
-    check_hidden(prepared, x, prepared.w2.shape[2])
-
-
-def max_tile_n(prepared: Fp8BlockPrepared) -> int | None:
-    return None
+check_x = hidden_check(kernel_sizes)
+max_tile_n = no_tile_limit
 
 
 def input_shapes(prepared: Fp8BlockPrepared, num_tokens: int, hk: int) -> tuple[jax.ShapeDtypeStruct, ...]:

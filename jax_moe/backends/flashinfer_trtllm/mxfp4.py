@@ -17,24 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe.backends.flashinfer_trtllm.common import (
-    MAX_TILE_N_BF16_ACT,
-    MXFP4_ACTS,
-    NAME,
-    check_hidden,
-    check_operand,
-    fp4_dims,
-    fp4_operands,
+    MAX_TILE_N_BF16_ACT, MXFP4_ACTS, NAME, check_operand, fp4_dims, fp4_operands, hidden_check,
     tile_tokens_dim,
 )
 from jax_moe.layouts import (
-    from_trtllm_gated_rows,
-    mxfp4_padded_sizes,
-    pad_axis,
-    shuffle_matrix_a,
-    shuffle_matrix_sf_a,
-    to_trtllm_gated_rows,
-    unshuffle_matrix_a,
-    unshuffle_matrix_sf_a,
+    from_trtllm_gated_rows, mxfp4_padded_sizes, pad_axis, shuffle_matrix_a, shuffle_matrix_sf_a,
+    to_trtllm_gated_rows, unshuffle_matrix_a, unshuffle_matrix_sf_a,
 )
 from jax_moe.quant import fp4
 
@@ -189,8 +177,7 @@ def kernel_sizes(prepared: Mxfp4Prepared) -> tuple[int, int, int, int]:
     return prepared.w13.shape[0], prepared.hidden, prepared.w2.shape[1], prepared.w13.shape[1] // 2
 
 
-def check_x(prepared: Mxfp4Prepared, x) -> None:
-    check_hidden(prepared, x, prepared.hidden)
+check_x = hidden_check(kernel_sizes)
 
 
 def max_tile_n(prepared: Mxfp4Prepared) -> int | None:

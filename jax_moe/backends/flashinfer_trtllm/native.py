@@ -13,22 +13,25 @@ from __future__ import annotations
 import functools
 
 from jax_moe.backends.flashinfer_trtllm.common import ACTIVATION_CODES
-from jax_moe.ffi import register_module_targets
+from jax_moe.ffi import load_once, register_module_targets
 
 _state = {"module": None, "error": None, "registered": False}
 
 
-def _module():
-    if _state["module"] is None and _state["error"] is None:
-        try:
-            from jax_moe import _jax_moe_trtllm as mod  # noqa: PLC0415
+def _import():
+    from jax_moe import _jax_moe_trtllm  # noqa: PLC0415
 
-            _state["module"] = mod
-        except ImportError as e:
-            _state["error"] = (f"jax_moe._jax_moe_trtllm is not built (needs JAX_MOE_CUDA_ARCHS with 100a, "
-                               f"FlashInfer's sources and its TRT-LLM gen cubin pack headers: "
-                               f"cmake/flashinfer_trtllm.cmake): {e}")
-    return _state["module"]
+    return _jax_moe_trtllm
+
+
+def _not_built(err) -> str:
+    return (f"jax_moe._jax_moe_trtllm is not built (needs JAX_MOE_CUDA_ARCHS with 100a, FlashInfer's sources "
+            f"and its TRT-LLM gen cubin pack headers: cmake/flashinfer_trtllm.cmake): {err}")
+
+
+def _module():
+    """``jax_moe._jax_moe_trtllm`` or None (the reason recorded in ``_state``)."""
+    return load_once(_state, _import, _not_built)
 
 
 def compiled_schemes() -> tuple[str, ...]:

@@ -15,24 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe.backends.flashinfer_trtllm.common import (
-    HIDDEN_ALIGN,
-    NAME,
-    NVFP4_INTERMEDIATE_ALIGN,
-    check_hidden,
-    check_operand,
-    fp4_dims,
-    fp4_operands,
-    tile_tokens_dim,
+    HIDDEN_ALIGN, NAME, NVFP4_INTERMEDIATE_ALIGN, check_operand, fp4_dims, fp4_operands, hidden_check,
+    no_tile_limit, tile_tokens_dim,
 )
 from jax_moe.layouts import (
-    SF_TILE_M,
-    from_trtllm_gated_rows,
-    shuffle_matrix_a,
-    shuffle_matrix_sf_a,
-    to_trtllm_gated_rows,
-    trtllm_nvfp4_output_scales,
-    unshuffle_matrix_a,
-    unshuffle_matrix_sf_a,
+    SF_TILE_M, from_trtllm_gated_rows, shuffle_matrix_a, shuffle_matrix_sf_a, to_trtllm_gated_rows,
+    trtllm_nvfp4_output_scales, unshuffle_matrix_a, unshuffle_matrix_sf_a,
 )
 from jax_moe.quant import fp4
 
@@ -156,20 +144,15 @@ def prepare_nvfp4(w13, w2, cfg, quant) -> Nvfp4Prepared:
                          intermediate=2 * int(jnp.shape(w2)[2]), activation=cfg.activation)
 
 
-def prepare(w13, w2, cfg, quant, *, w13_bias=None, w2_bias=None) -> Nvfp4Prepared:
-    return prepare_nvfp4(w13, w2, cfg, quant)
+prepare = prepare_nvfp4
 
 
 def kernel_sizes(prepared: Nvfp4Prepared) -> tuple[int, int, int, int]:
     return prepared.w13.shape[0], prepared.w2.shape[1], prepared.w2.shape[1], prepared.w13.shape[1] // 2
 
 
-def check_x(prepared: Nvfp4Prepared, x) -> None:
-    check_hidden(prepared, x, prepared.w2.shape[1])
-
-
-def max_tile_n(prepared: Nvfp4Prepared) -> int | None:
-    return None
+check_x = hidden_check(kernel_sizes)
+max_tile_n = no_tile_limit
 
 
 def input_shapes(prepared: Nvfp4Prepared, num_tokens: int, hk: int) -> tuple[jax.ShapeDtypeStruct, ...]:

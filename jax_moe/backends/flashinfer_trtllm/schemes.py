@@ -8,8 +8,9 @@ Every scheme module has the same parts:
 * ``kernel_dims(cfg) -> (H, I)``: the sizes the kernel runs with (padded where the layout pads);
 * ``default_tile(num_tokens, top_k, num_experts) -> int``: tokens per CTA tile when the caller
   gives none;
-* ``prepare(w13, w2, cfg, quant, *, w13_bias=None, w2_bias=None)``: vLLM-layout weights -> the
-  scheme's prepared pytree (``PREPARED``), once, at load time;
+* ``prepare(w13, w2, cfg, quant)``: vLLM-layout weights -> the scheme's prepared pytree
+  (``PREPARED``), once, at load time (and ``w13_bias=``, ``w2_bias=`` in the schemes of
+  :data:`~jax_moe.backends.flashinfer_trtllm.common.BIAS_SCHEMES`);
 * ``kernel_sizes(prepared) -> (E, H, Hk, Ik)``: experts, x's width, the kernel's hidden and
   intermediate sizes;
 * ``check_x(prepared, x)``: ValueError when x [T, H] does not match the prepared weights;
