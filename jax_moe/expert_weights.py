@@ -130,9 +130,11 @@ class ExpertsModule(nnx.Module):
         """x [T, H] in ``dtype``, topk_weights [T, k] float32, topk_ids [T, k] int32 -> [T, H]."""
         if self.prepared is not None:
             from jax_moe import oracle
+            from jax_moe.autodiff import inference_only
 
-            impl = oracle.module(self.prepared_backend)
-            return impl.apply_prepared(x, self.prepared.get_value(), topk_weights, topk_ids).astype(self.dtype)
+            impl, prepared = oracle.module(self.prepared_backend), self.prepared.get_value()
+            run = inference_only(self.prepared_backend, lambda v, w: impl.apply_prepared(v, prepared, w, topk_ids))
+            return run(x, topk_weights).astype(self.dtype)
         quant = None if self.quant is None else self.quant.get_value()
         w13, w2 = self.w13.get_value(), self.w2.get_value()
         if quant is None:

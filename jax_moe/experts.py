@@ -99,8 +99,14 @@ def run_experts(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, backend: 
     """The oracle's backend on already-checked arguments (``options`` as the backends' ``apply``)."""
     quant = options.get("quant")
     features = oracle.call_features(dtype=w13.dtype if quant is None else None, **options)
-    impl = oracle.select_backend(cfg, quant, backend=backend, features=features).module
-    return impl.apply(x, w13, w2, topk_weights, topk_ids, cfg, **options)
+    sel = oracle.select_backend(cfg, quant, backend=backend, features=features)
+    if sel.name == "xla" or quant is not None:
+        return sel.module.apply(x, w13, w2, topk_weights, topk_ids, cfg, **options)
+    # a kernel backend on float weights: its kernels forward, the pure-JAX definition's VJP backward
+    from jax_moe.autodiff import differentiable
+
+    b13, b2 = options.pop("w13_bias", None), options.pop("w2_bias", None)
+    return differentiable(sel.module.apply, cfg, **options)(x, w13, w2, topk_weights, topk_ids, b13, b2)
 
 
 def run_experts_batched(x, counts, w13, w2, cfg: MoEConfig, *, backend: str | None = None, **options):
