@@ -6,7 +6,7 @@ Layout on a mesh with (some of) the axes ``dp``, ``ep``, ``tp``:
 - tokens (x [T, H], router logits, top-k ids/weights) are split over ``(dp, ep)``: every
   device of the expert-parallel group brings its own tokens, as in vLLM's DP+EP;
 - experts are split over ``ep``: device r of the group owns global experts
-  ``[r * E/ep, (r + 1) * E/ep)`` (the expert map of the seeds: global id -> local id or -1);
+  ``[r * E/ep, (r + 1) * E/ep)`` (vLLM's expert map: global id -> local id or -1);
 - the intermediate size is split over ``tp``: w13 column-parallel, w2 row-parallel, the output
   summed over ``tp`` (after the combine, on each device's own tokens; a w2 bias counted once).
   :func:`shard_weights` reorders w13's rows once, at load time, so that a contiguous split of
@@ -20,7 +20,7 @@ device repack only its own (ep, tp) block; :func:`parallel_apply_prepared` runs 
 Prepare/finalize strategies (``ParallelConfig.strategy``):
 
 - ``"none"``: no expert parallelism (``ep`` absent); experts replicated over ``dp``.
-- ``"naive"`` (the seeds'): all-gather tokens, ids and weights over ``ep``; each device runs
+- ``"naive"`` (vLLM's naive EP): all-gather tokens, ids and weights over ``ep``; each device runs
   its local experts on every token; a reduce-scatter brings each token's sum home.
 - ``"all_to_all"``: each token goes only to the devices owning one of its experts. By default
   a fixed ``[ep, T_local, H]`` all-to-all carries those rows, zero-padded; with
@@ -47,7 +47,7 @@ The local experts' input after the dispatch (``ParallelConfig.expert_format``):
   scales as on one device; a dynamic per-tensor scale over the rows received, in both formats).
   Not for :func:`parallel_apply_prepared`.
 
-Quantization before the dispatch (the seeds' order): with FP8 prepared weights and with NVFP4
+Quantization before the dispatch (vLLM's order): with FP8 prepared weights and with NVFP4
 activations (``act="nvfp4"``, for a backend listing it in ``PREQUANTIZED_INPUT``) every device
 quantizes its own tokens and the quantized bytes travel (NVFP4: packed E2M1 and the linear
 block scales, swizzled to 128x4 tiles after the exchange for a backend that reads those). A
@@ -514,7 +514,7 @@ def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelC
     tok = pcfg.token_spec
     specs = mod.partition_specs(prepared, pcfg.ep_axis, e, pcfg.tp_axis)
 
-    # FP8 input: quantize before dispatch (the seeds' order), so that 1-byte rows travel; the
+    # FP8 input: quantize before dispatch (vLLM's order), so that 1-byte rows travel; the
     # dynamic scale is the max over every device's tokens, as on one device.
     quantize_first = (pcfg.strategy != "none" and getattr(prepared, "scheme", None) == "fp8"
                       and hasattr(mod, "quantize_input") and not apply_opts.get("apply_router_weight_on_input"))

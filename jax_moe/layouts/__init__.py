@@ -17,10 +17,10 @@ the 128x4 scale tile, pad sizes) live in :mod:`jax_moe.layouts.common` only.
 
 Typical compositions (per expert axis carried along):
 
-* FlashInfer TRT-LLM FP8 per-tensor (seed 000): ``w13 = pad_gate_up(w13, fp8_padded_intermediate(I))``,
+* FlashInfer TRT-LLM FP8 per-tensor (vLLM's FlashInfer FP8 path): ``w13 = pad_gate_up(w13, fp8_padded_intermediate(I))``,
   ``w2 = pad_axis(w2, Ip)``; ``w13 = shuffle_matrix_a(reorder_rows_for_gated_act_gemm(
   swap_w13_to_w31(w13)))``, ``w2 = shuffle_matrix_a(w2)``; scales from :func:`trtllm_fp8_output_scales`.
-* FlashInfer TRT-LLM MXFP4 (seed 002, GPT-OSS interleaved): ``swap_row_pairs`` on w13, its scales
+* FlashInfer TRT-LLM MXFP4 (vLLM's GPT-OSS MXFP4 path, GPT-OSS interleaved): ``swap_row_pairs`` on w13, its scales
   and bias (``axis=-1``) -- :func:`to_trtllm_gated_rows` -- then ``shuffle_matrix_a`` on weights and
   biases and ``shuffle_matrix_sf_a`` on the scales
   (:func:`jax_moe.backends.flashinfer_trtllm.prepare_mxfp4_weights`; NVFP4 likewise with e4m3

@@ -25,7 +25,7 @@ Constants
     as lines of 16 bytes; rows must be a multiple of 64 and K of 128.
 ``FP8_INTERMEDIATE_ALIGN = 16``
     FlashInfer FP8 MoE kernels need the intermediate size I to be a multiple of 16; vLLM pads
-    I (per-tensor FP8, not block-quantized) before repacking (seed 000).
+    I (per-tensor FP8, not block-quantized) before repacking (vLLM's FlashInfer FP8 path).
 ``FP8_BLOCK_EPILOGUE_TILE_M = 64``, ``BLOCK_MAJOR_K = 128``
     FlashInfer's TRT-LLM gen DeepSeek FP8 block-scale MoE takes its weights row-shuffled with
     epilogue tile 64 (so ``shuffle_matrix_a`` works on 16-row blocks) and then in the
@@ -36,7 +36,7 @@ Constants
     128 x 128 block and one activation scale per token per 128 columns; H and I must be
     multiples of it (see :mod:`jax_moe.layouts.blockscale`).
 ``MXFP4_PADDING``
-    The MXFP4 (GPT-OSS) padding of I and H per backend (seed 002, and later vLLM for the
+    The MXFP4 (GPT-OSS) padding of I and H per backend (vLLM's GPT-OSS MXFP4 path, and later vLLM for the
     FlashInfer CUTLASS row): a table ``backend -> MxPadding(intermediate, hidden)``; backends
     not in it use ``MXFP4_PADDING_DEFAULT`` (I to 64, H unchanged).
 
@@ -85,7 +85,7 @@ class MxPadding(NamedTuple):
 
 
 # MXFP4 (GPT-OSS) padding per backend (names as in jax_moe.oracle):
-#   flashinfer_trtllm : I and H to 256 (seed 002, "should_use_flashinfer_mxfp4": 2 * block 32
+#   flashinfer_trtllm : I and H to 256 (vLLM's GPT-OSS MXFP4 path, "should_use_flashinfer_mxfp4": 2 * block 32
 #                       for uneven shards, plus swizzling)
 #   flashinfer_cutlass: I and H to 128 (later vLLM: SM90_FI_MXFP4_BF16 / SM100 MXFP8 CUTLASS)
 #   marlin            : I to 128, H to 256 (Marlin MoE needs n % 256 == 0 and k % 128 == 0)
@@ -192,7 +192,7 @@ def mxfp4_padded_sizes(backend: str, hidden_size: int, intermediate_size: int) -
 
 
 def fp8_padded_intermediate(intermediate_size: int) -> int:
-    """I rounded up to :data:`FP8_INTERMEDIATE_ALIGN` (FlashInfer FP8 per-tensor, seed 000)."""
+    """I rounded up to :data:`FP8_INTERMEDIATE_ALIGN` (FlashInfer FP8 per-tensor, as vLLM pads it)."""
     return round_up(check_positive_int("intermediate_size", intermediate_size), FP8_INTERMEDIATE_ALIGN)
 
 

@@ -19,14 +19,14 @@ Orders (row ``r`` of the output, ``I`` = half the axis length):
   Inverse: :func:`undo_reorder_rows_for_gated_act_gemm` (``out[i] = x[2i]``,
   ``out[I + i] = x[2i + 1]``).
 * :func:`swap_row_pairs` — swap rows ``2i`` and ``2i + 1``: ``out[r] = x[r ^ 1]``. Its own inverse.
-  vLLM's GPT-OSS MXFP4 path (seed 002, ``swap_every_two_rows``): the checkpoint's interleaved
+  vLLM's GPT-OSS MXFP4 path (vLLM's GPT-OSS MXFP4 path, ``swap_every_two_rows``): the checkpoint's interleaved
   ``[gate0, up0, gate1, up1, ...]`` becomes ``[up0, gate0, ...]`` — the same order that
   swap + reorder produce from ``[gate; up]``.
 * :func:`to_trtllm_gated_rows` — the row order of FlashInfer's TRT-LLM gen gated GEMM1 from
   either stored layout: ``out[2i] = up_i``, ``out[2i + 1] = gate_i``. From ``"concat"``
-  (``[gate; up]``) it is the swap followed by the interleave (seed 000; vLLM's NVFP4 TRT-LLM
+  (``[gate; up]``) it is the swap followed by the interleave (vLLM's FlashInfer FP8 path; vLLM's NVFP4 TRT-LLM
   preparation does the same: ``reorder_w1w3_to_w3w1`` then FlashInfer's gated-act row indices);
-  from ``"interleaved"`` (``[gate0, up0, ...]``, GPT-OSS) it is the pairwise swap (seed 002).
+  from ``"interleaved"`` (``[gate0, up0, ...]``, GPT-OSS) it is the pairwise swap (vLLM's GPT-OSS MXFP4 path).
   Inverse: :func:`from_trtllm_gated_rows`.
 """
 

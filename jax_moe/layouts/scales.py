@@ -19,7 +19,7 @@ index function ``get_sf_out_offset_128x4`` in
 ``data/csrc/nv_internal/tensorrt_llm/kernels/quantization_utils.cuh``, kernel
 ``block_scale_interleave_kernel`` in ``data/csrc/nv_internal/cpp/kernels/quantization.cu``,
 which writes 0 in the padding and treats a leading batch (expert) axis as independent padded
-matrices) and equally vLLM's ``swizzle_mxfp4_scales`` for MXFP4 E8M0 scales (seed 003,
+matrices) and equally vLLM's ``swizzle_mxfp4_scales`` for MXFP4 E8M0 scales (vLLM's CUTLASS MoE,
 ``[ceil(N/128), ceil(K/128), 32, 4, 4]`` with K in elements, i.e. ``ceil((K/32)/4)`` tiles) and
 vLLM's NVFP4 ``swizzle_blockscale``. FlashInfer returns the flat buffer; vLLM reshapes it to
 ``[Mp, Kp]`` (``as_2d=True`` here) — all three views share one row-major byte order.
@@ -27,7 +27,7 @@ vLLM's NVFP4 ``swizzle_blockscale``. FlashInfer returns the flat buffer; vLLM re
 Alpha scales
 ------------
 Small float32 helpers for the scalars that fold dequantization into the GEMM epilogues
-(FP8 per-tensor, seed 000; NVFP4, seed 001). All scales use vLLM's *dequantization-side*
+(FP8 per-tensor and NVFP4, as vLLM computes them). All scales use vLLM's *dequantization-side*
 convention (``real = stored * scale``).
 """
 
@@ -125,7 +125,7 @@ def block_scale_deinterleave(tiled, rows: int, cols: int, *, as_2d: bool = False
 def swizzle_mxfp4_scales(scales, *, as_2d: bool = False):
     """MXFP4 E8M0 scales ``uint8 [..., N, K/32]`` -> ``[..., ceil(N/128), ceil(K/128), 32, 4, 4]``.
 
-    vLLM's ``swizzle_mxfp4_scales`` (seed 003): the 128x4 layout of this module with the scale
+    vLLM's ``swizzle_mxfp4_scales`` (vLLM's CUTLASS MoE): the 128x4 layout of this module with the scale
     column index ``k`` (block of 32 elements) as the tile column; padding is zero bytes.
     ``as_2d=True`` gives ``[..., Np, Kp]`` (vLLM's ``.reshape(padded_N, -1)``).
     Inverse: :func:`unswizzle_mxfp4_scales`.
@@ -247,7 +247,7 @@ class Nvfp4Alphas(NamedTuple):
 
 
 def nvfp4_alpha_scales(w13_scale_2, a13_scale, w2_scale_2, a2_scale) -> Nvfp4Alphas:
-    """NVFP4 alphas (seed 001, ``make_nvfp4_moe_quant_config`` for the FlashInfer / CUTLASS rows).
+    """NVFP4 alphas (vLLM's NVFP4 oracle, ``make_nvfp4_moe_quant_config`` for the FlashInfer / CUTLASS rows).
 
     * ``g1_alphas = a13_scale * w13_scale_2``, ``g2_alphas = a2_scale * w2_scale_2`` — the
       product of the activation's and the weight's global dequantization scales;
