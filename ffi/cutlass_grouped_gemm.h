@@ -1,5 +1,5 @@
 // jax_moe's own SM90 grouped GEMMs (CUTLASS 3.x pointer-array kernels), two XLA FFI targets
-// (jax_moe/backends/cutlass.py holds their shape rules and jnp references):
+// (jax_moe/backends/cutlass_gemm.py holds their shape rules and jnp references):
 //
 // jax_moe_cutlass_grouped_gemm (bf16):
 //   a [M, K] bf16        expert-sorted activation rows; expert e owns rows [offsets[e], offsets[e+1])

@@ -14,7 +14,7 @@
 //                                         with per-channel pre-quant scales, x signed int4
 //                                         weights with bf16 scales per 128 along K (the SM90
 //                                         mixed-input GEMMs) -> BF16; the definition of what it
-//                                         computes: jax_moe/backends/flashinfer_cutlass_w4a8.py
+//                                         computes: jax_moe/backends/flashinfer_cutlass/w4a8.py
 //
 // Operands (all row-major; "F" is bf16, float16 (f16) or float8_e4m3fn by scheme; for mxfp4 the weights are
 // uint8 [.., K/2] (two E2M1 codes per byte) in the mixed-input GEMM's interleaved byte order, see
@@ -621,7 +621,7 @@ ffi::Error Mxfp4Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi:
 #endif
 }
 
-// W4A8 (jax_moe/backends/flashinfer_cutlass_w4a8.py): bf16 weight scales, one per 128 int4
+// W4A8 (jax_moe/backends/flashinfer_cutlass/w4a8.py): bf16 weight scales, one per 128 int4
 // weights along K, folded per 64 rows x 128 K into 8 lines of 8 (the same fold as MXFP4's, for
 // 2-byte scales); the FP8 quantizers' per-channel pre-quant scales (bf16, shared by the experts)
 // and the per-expert alphas.

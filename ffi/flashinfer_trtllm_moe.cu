@@ -20,7 +20,7 @@
 //   topk_ids     int32 [T, k]                   global expert ids
 //   topk_weights float32 [T, k]                 router weights (applied in finalize)
 //   w13          float8_e4m3fn [E, 2I, H]       rows in the runner's order (jax_moe/backends/
-//                                               flashinfer_trtllm.py: prepare_fp8_weights)
+//                                               flashinfer_trtllm/fp8.py: prepare_fp8_weights)
 //   w2           float8_e4m3fn [E, H, I]        shuffled (shuffle_matrix_a)
 //   out1_scale, out1_gate_scale, out2_scale  float32 [E]  (layouts.trtllm_fp8_output_scales)
 //   -> out       bfloat16 [T, H]

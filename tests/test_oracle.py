@@ -221,7 +221,7 @@ def test_flashinfer_cutlass_scheme_left_out_of_the_build(monkeypatch):
 
 
 @pytest.mark.parametrize("name", sorted(oracle.MODULES))
-def test_every_backend_module_declares_the_interface(name, request):
+def test_every_backend_module_declares_the_interface(name):
     """Every row with a module has jax_moe.backends.base's interface: NAME (its row's name),
     FEATURES (a frozenset of the known features), supports(cfg, quant, device, *, dtype=None)
     answering (bool, str) on a CPU, apply(); prepare and apply_prepared together, with the
@@ -243,8 +243,6 @@ def test_every_backend_module_declares_the_interface(name, request):
                                                                              "topk_ids"]
     params = inspect.signature(mod.supports).parameters
     assert list(params)[:3] == ["cfg", "quant", "device"]
-    if name == "xla" and "dtype" not in params:  # backends/xla.py is not this change's
-        request.applymarker(pytest.mark.xfail(reason="xla.supports takes no dtype= yet", strict=False))
     assert "dtype" in params and params["dtype"].kind is inspect.Parameter.KEYWORD_ONLY
     ok, why = mod.supports(CFG, None, CPU, dtype="bfloat16")
     assert isinstance(ok, bool) and isinstance(why, str) and why

@@ -75,7 +75,7 @@ DENSE_TEMP_BYTES = 2 << 30
 DENSE_MAX_TOKENS = 128  # above this the dense strategy's E/k extra FLOPs stop being free
 
 
-def supports(cfg: MoEConfig, quant=None, device=None) -> tuple[bool, str]:
+def supports(cfg: MoEConfig, quant=None, device=None, *, dtype=None) -> tuple[bool, str]:
     """The pure-JAX backend serves every config on every device."""
     return True, "pure JAX: runs on any device"
 

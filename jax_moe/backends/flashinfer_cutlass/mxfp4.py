@@ -17,6 +17,7 @@ writes only the first H output columns (its unpadded hidden size).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -83,11 +84,31 @@ def prepare_mxfp4_weights(w13, w13_scale, w2, w2_scale, activation: str = "silu"
             interleave_fp4_weights_for_sm90_mixed_gemm(w2), interleave_scales_for_sm90_mixed_gemm(s2))
 
 
+def refuse_nan_scales(quant) -> None:
+    """ValueError naming the scale and the experts that hold 0xFF, the E8M0 NaN byte (a block that
+    held NaN or inf, :mod:`jax_moe.quant`). The runner's GEMM2 reads a scale tile of the next
+    expert too (times zero for expert e's rows, seen on an H100 with FlashInfer 0.7.2), so a NaN
+    scale in one expert would turn other experts' tokens into NaN: such weights are refused
+    here, at load time. Traced scales are not checked."""
+    for name in ("w13_scale", "w2_scale"):
+        try:
+            v = np.asarray(getattr(quant, name))
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+            continue
+        bad = np.flatnonzero((v.reshape(v.shape[0], -1) == 0xFF).any(axis=1))
+        if bad.size:
+            raise ValueError(f"{NAME}: {name} holds 0xFF (the E8M0 NaN of a block that held NaN or inf) in "
+                             f"experts {bad[:8].tolist()}; FlashInfer's MXFP4 runner would spread it to the "
+                             f"tokens of neighbouring experts, so these weights are refused (the xla backend "
+                             f"keeps it in the tokens that use those experts)")
+
+
 def prepare(w13, w2, cfg, quant, *, w13_bias=None, w2_bias=None) -> Prepared:
     """The operands of :func:`prepare_mxfp4_weights` (scales in ``w13_block_scale`` /
     ``w2_block_scale``) and the biases padded like the weights."""
     if quant.act != "bf16":
         raise ValueError(f"{NAME}: MXFP4 needs act='bf16' (W4A16), got {quant.act!r}")
+    refuse_nan_scales(quant)
     w13p, s13, w2p, s2 = prepare_mxfp4_weights(w13, quant.w13_scale, w2, quant.w2_scale,
                                                cfg.activation, cfg.gate_up_layout)
     extra = extras(cfg, w13_bias, w2_bias, mxfp4_padded_sizes(NAME, cfg.hidden_size, cfg.intermediate_size))
