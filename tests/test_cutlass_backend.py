@@ -30,6 +30,15 @@ def _rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def _jit(fn, *args, **kw):
+    """``fn(*args, **kw)`` under jax.jit with every array (and QuantConfig) an argument; strings,
+    numbers and MoEConfigs stay static. On CPU an eager call runs op by op and arrays closed over by
+    the jitted function are constant-folded: both cost seconds per call."""
+    static = {k: v for k, v in kw.items() if v is None or isinstance(v, (str, bool, int, float, MoEConfig))}
+    arrays = {k: v for k, v in kw.items() if k not in static}
+    return jax.jit(lambda a, d: fn(*a, **d, **static))(args, arrays)
+
+
 def _offsets(counts) -> jax.Array:
     return jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
 
@@ -360,8 +369,8 @@ def test_fp8_pipeline_matches_xla_on_cpu(rng, mode, activation):
     x, q13, q2, tw, ids, quant = _fp8_moe_problem(rng, t, e, k, h, i, mode, activation)
     ids = ids.at[::5, 1].set(-1)
     cfg = MoEConfig(e, k, h, i, activation=activation, expert_shard=True)
-    out = jax.jit(lambda x, q: cb.apply(x, q13, q2, tw, ids, cfg, quant=q))(x, quant)  # traced scales
-    ref = jax.jit(lambda x: xla.apply(x, q13, q2, tw, ids, cfg, quant=quant))(x)
+    out = _jit(cb.apply, x, q13, q2, tw, ids, cfg=cfg, quant=quant)  # traced weights and scales
+    ref = _jit(xla.apply, x, q13, q2, tw, ids, cfg=cfg, quant=quant)
     assert out.dtype == x.dtype and out.shape == (t, h)
     assert _rel_err(out, ref) < FP8_REL_TOL
 
@@ -371,8 +380,8 @@ def test_fp8_router_weight_on_input_and_float32_x_match_xla_on_cpu(rng):
     x, q13, q2, tw, ids, quant = _fp8_moe_problem(rng, t, e, 1, h, i, "dynamic")
     x = x.astype(jnp.float32)
     cfg = MoEConfig(e, 1, h, i)
-    out = jax.jit(lambda x: cb.apply(x, q13, q2, tw, ids, cfg, quant=quant, apply_router_weight_on_input=True))(x)
-    ref = jax.jit(lambda x: xla.apply(x, q13, q2, tw, ids, cfg, quant=quant, apply_router_weight_on_input=True))(x)
+    out = _jit(cb.apply, x, q13, q2, tw, ids, cfg=cfg, quant=quant, apply_router_weight_on_input=True)
+    ref = _jit(xla.apply, x, q13, q2, tw, ids, cfg=cfg, quant=quant, apply_router_weight_on_input=True)
     assert out.dtype == jnp.float32 and _rel_err(out, ref) < FP8_REL_TOL
 
 
@@ -833,8 +842,7 @@ def _batched_expert_definition(x, counts, w13, w2, cfg, quant):
     used = np.arange(c)[None, :] < np.clip(np.asarray(counts), 0, c)[:, None]
     xf = jnp.where(jnp.asarray(used)[..., None], x, 0).reshape(e * c, h)
     ids = jnp.repeat(jnp.arange(e, dtype=jnp.int32), c)[:, None]
-    y = jax.jit(lambda xf: xla.apply(xf, w13, w2, jnp.ones((e * c, 1), jnp.float32), ids, cfg, quant=quant))(xf)
-    y = y.reshape(e, c, h)
+    y = _jit(xla.apply, xf, w13, w2, jnp.ones((e * c, 1), jnp.float32), ids, cfg=cfg, quant=quant).reshape(e, c, h)
     return np.where(used[..., None], np.asarray(y, np.float32), 0.0)
 
 
@@ -850,7 +858,7 @@ def test_apply_batched_is_each_expert_on_its_rows_on_cpu(rng, quant_mode, activa
     expert (backend="xla" as the definition), unused rows zero, NaN padding never read."""
     counts = [3, 0, 6, 8, 1, -1, 2, 6]
     x, w13, w2, cfg, quant = _batched_moe_problem(rng, 8, 6, 64, 32, counts, quant_mode, activation)
-    out = jax.jit(lambda x, c: cb.apply_batched(x, c, w13, w2, cfg, quant=quant))(x, jnp.asarray(counts, jnp.int32))
+    out = _jit(cb.apply_batched, x, jnp.asarray(counts, jnp.int32), w13, w2, cfg=cfg, quant=quant)
     assert out.dtype == x.dtype and out.shape == x.shape
     want = _batched_expert_definition(x, counts, w13, w2, cfg, quant)
     assert _rel_err(out, want) < (REL_TOL if quant is None else FP8_REL_TOL)

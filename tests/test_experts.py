@@ -43,7 +43,8 @@ SHAPES = [  # (T, E, k, H, I)
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-E{}-k{}-H{}-I{}".format(*s))
+@pytest.mark.parametrize("shape", [s if s[0] == 37 else pytest.param(s, marks=pytest.mark.slow) for s in SHAPES],
+                         ids=lambda s: "T{}-E{}-k{}-H{}-I{}".format(*s))
 @pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai", "relu2"])
 def test_every_activation_matches_reference_in_float32(rng, shape, activation):
     cfg, x, w13, w2, w, ids, _ = make_moe(rng, *shape, activation=activation)
@@ -53,7 +54,8 @@ def test_every_activation_matches_reference_in_float32(rng, shape, activation):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+@pytest.mark.parametrize("strategy", [s if s == "ragged_dot" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in xla.STRATEGIES])
 def test_half_precision_within_dtype_bound(rng, dtype, strategy):
     cfg, x, w13, w2, w, ids, _ = make_moe(rng, 64, 16, 4, 64, 32, dtype=getattr(jnp, dtype))
     out = jax.jit(lambda *a: xla.apply(*a, cfg, strategy=strategy))(x, w13, w2, w, ids)
@@ -61,7 +63,9 @@ def test_half_precision_within_dtype_bound(rng, dtype, strategy):
     assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND[dtype]
 
 
-@pytest.mark.parametrize("block_size,blocks_per_step", [(16, 1), (16, 4), (64, 2), (1024, 1)])
+@pytest.mark.parametrize("block_size,blocks_per_step", [pytest.param(16, 1, marks=pytest.mark.slow), (16, 4),
+                                                         pytest.param(64, 2, marks=pytest.mark.slow),
+                                                         pytest.param(1024, 1, marks=pytest.mark.slow)])
 def test_blocking_does_not_change_the_result(rng, block_size, blocks_per_step):
     cfg, x, w13, w2, w, ids, _ = make_moe(rng, 100, 8, 2, 32, 16)
     out = xla.apply(x, w13, w2, w, ids, cfg, strategy="blocked", block_size=block_size,
@@ -201,7 +205,8 @@ def test_bad_options_raise(rng):
         fused_moe(a["x"], a["w13"], a["w2"], jnp.zeros((8, 5)), 2)
 
 
-@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+@pytest.mark.parametrize("strategy", [s if s == "ragged_dot" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in xla.STRATEGIES])
 def test_a_token_may_pick_the_same_expert_twice(rng, strategy):
     cfg, x, w13, w2, w, _, _ = make_moe(rng, 12, 8, 3, 32, 16)
     ids = jnp.asarray(rng.integers(0, 3, (12, 3)), jnp.int32)  # repeats within a row
@@ -228,7 +233,9 @@ BATCHED_CASES = [("silu", None, False), ("swigluoai", None, True), ("relu2", Non
                  ("silu", "fp8_per_token", False), ("silu", "fp8_per_tensor", False)]
 
 
-@pytest.mark.parametrize("activation,act,bias", BATCHED_CASES)
+@pytest.mark.parametrize("activation,act,bias", [
+    c if c not in (("relu2", None, False), ("silu", "fp8_per_tensor", False))
+    else pytest.param(*c, marks=pytest.mark.slow) for c in BATCHED_CASES])
 def test_apply_batched_is_each_expert_on_its_rows(rng, activation, act, bias):
     """xla.apply_batched (cutlass.apply_batched's contract): each used row through its expert,
     biases and quantized activations as fused_experts does them (a dynamic scale over the used
@@ -301,7 +308,7 @@ def test_the_batched_stage_is_chosen_by_the_batched_feature(rng, monkeypatch):
         run_experts_batched(x, counts, w13, w2, cfg, backend="flashinfer_cutlass")
 
 
-# ----------------------------------------------------------------------------- issue 15: robustness
+# ----------------------------------------------------------------------------- robustness
 
 BAD_VALUES = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf, "overflow": 1e30}
 
@@ -317,7 +324,7 @@ def _poison(w, expert, bad):
 
 
 def test_issue_repro_overflow_in_an_unused_expert_leaves_every_token_finite():
-    """Issue 15, repro 1: all 40 rows were NaN (the dense strategy, picked automatically)."""
+    """Regression: all 40 rows were NaN (the dense strategy, picked automatically)."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)
     w13 = rng.standard_normal((8, 8, 16)).astype(np.float32)
@@ -331,9 +338,12 @@ def test_issue_repro_overflow_in_an_unused_expert_leaves_every_token_finite():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
 
 
-@pytest.mark.parametrize("where,bad", [(w, b) for w in ("w13", "w2", "w13_bias", "w2_bias") for b in BAD_VALUES
+@pytest.mark.parametrize("where,bad", [(w, b) if (w, b) in (("w13", "nan"), ("w2", "overflow"))
+                                       else pytest.param(w, b, marks=pytest.mark.slow)
+                                       for w in ("w13", "w2", "w13_bias", "w2_bias") for b in BAD_VALUES
                                        if not (b == "overflow" and w.endswith("bias"))])
-@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+@pytest.mark.parametrize("strategy", [s if s == "ragged_dot" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in xla.STRATEGIES])
 def test_a_bad_unused_expert_never_reaches_a_token(rng, strategy, where, bad):
     """Experts 5..7 receive no token; one of them holds a NaN/inf or overflows (relu2 squares a
     GEMM1 output of ~1e30). Every strategy gives exactly what it gives with clean weights."""
@@ -350,7 +360,8 @@ def test_a_bad_unused_expert_never_reaches_a_token(rng, strategy, where, bad):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
 
 
-@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+@pytest.mark.parametrize("strategy", [s if s in ("blocked", "ragged_dot") else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in xla.STRATEGIES])
 def test_a_bad_used_expert_stays_in_the_tokens_routed_to_it(rng, strategy):
     cfg, x, w13, w2, w, _, _ = make_moe(rng, 30, 8, 2, 32, 16)
     ids = np.asarray(rng.integers(0, 8, (30, 2)), np.int32)
@@ -364,7 +375,8 @@ def test_a_bad_used_expert_stays_in_the_tokens_routed_to_it(rng, strategy):
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf"])
-@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+@pytest.mark.parametrize("strategy", [s if s == "blocked" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in xla.STRATEGIES])
 def test_a_bad_token_stays_in_its_own_row(rng, strategy, bad):
     cfg, x, w13, w2, w, ids, _ = make_moe(rng, 30, 8, 2, 32, 16)
     want = np.asarray(xla.apply(x, w13, w2, w, ids, cfg, strategy=strategy))
@@ -373,10 +385,11 @@ def test_a_bad_token_stays_in_its_own_row(rng, strategy, bad):
     np.testing.assert_array_equal(np.delete(out, 7, 0), np.delete(want, 7, 0))
 
 
-@pytest.mark.parametrize("t", [1, 10, 60, 200])
-@pytest.mark.parametrize("strategy", [None, *xla.STRATEGIES])
+@pytest.mark.parametrize("t", [pytest.param(t, marks=pytest.mark.slow) for t in (1, 10, 60)] + [200])
+@pytest.mark.parametrize("strategy", [s if s is None else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in (None, *xla.STRATEGIES)])  # None picks blocked at T=200
 def test_numpy_arrays_are_taken_at_every_t_and_strategy(rng, t, strategy):
-    """Issue 15, repro 2: numpy weights raised TracerArrayConversionError at T=200 (blocked)."""
+    """Regression: numpy weights raised TracerArrayConversionError at T=200 (blocked)."""
     cfg, x, w13, w2, w, ids, bias = make_moe(rng, t, 8, 2, 32, 16, bias=True)
     np_args = [np.asarray(a) for a in (x, w13, w2, w, ids)]
     np_bias = {k: np.asarray(v) for k, v in bias.items()}
@@ -392,7 +405,8 @@ def test_numpy_arrays_are_taken_at_every_t_and_strategy(rng, t, strategy):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(fused_experts(x, w13, w2, w, ids, **bias)))
 
 
-@pytest.mark.parametrize("strategy", [None, *xla.STRATEGIES])
+@pytest.mark.parametrize("strategy", [s if s == "ragged_dot" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in (None, *xla.STRATEGIES)])
 def test_vmap_over_every_strategy(rng, strategy):
     cfg, x, w13, w2, _, _, _ = make_moe(rng, 24, 8, 2, 32, 16)
     xs = jnp.asarray(rng.standard_normal((3, 24, 32)), jnp.float32)
@@ -407,6 +421,7 @@ def test_vmap_over_every_strategy(rng, strategy):
         np.testing.assert_allclose(np.asarray(got[b]), np.asarray(one(xs[b], logits[b])), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_ragged_dot_under_nested_vmap_and_with_batched_weights(rng):
     cfg, x, w13, w2, w, ids, _ = make_moe(rng, 12, 4, 2, 16, 8)
     w13s = jnp.stack([w13, 2 * w13])

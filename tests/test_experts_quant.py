@@ -47,7 +47,9 @@ def rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("scheme,opts,bound", CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("scheme,opts,bound", [c if (not c[1] and c[0] != "mxfp4") or c[0] == "w4a8"
+                                               else pytest.param(*c, marks=pytest.mark.slow) for c in CASES],
+                         ids=lambda v: str(v))
 def test_quantized_backend_equals_reference_on_the_same_quantized_weights(rng, scheme, opts, bound):
     cfg, x, w13, w2, w, ids = _moe(rng)
     q13, q2, quant = quantize_weights(scheme, w13, w2, **opts)
@@ -61,7 +63,9 @@ def test_quantized_backend_equals_reference_on_the_same_quantized_weights(rng, s
     assert rel(out, moe_reference(x, w13, w2, w, ids, cfg)) < bound
 
 
-@pytest.mark.parametrize("strategy", ["gather", "blocked", "dense"])
+@pytest.mark.parametrize("strategy", [pytest.param("gather", marks=pytest.mark.slow),
+                                      pytest.param("blocked", marks=pytest.mark.slow),
+                                      "dense"])
 def test_every_strategy_serves_quantized_weights(rng, strategy):
     cfg, x, w13, w2, w, ids = _moe(rng)
     q13, q2, quant = quantize_weights("fp8_block", w13, w2)
@@ -87,7 +91,9 @@ def _nvfp4_static(rng, per_expert=False):
 
 
 @pytest.mark.parametrize("per_expert", [False, True], ids=["a13[]", "a13[E]"])
-@pytest.mark.parametrize("strategy", ["gather", "blocked", "dense", "ragged_dot"])
+@pytest.mark.parametrize("strategy", [pytest.param("gather", marks=pytest.mark.slow),
+                                      pytest.param("blocked", marks=pytest.mark.slow),
+                                      "dense", pytest.param("ragged_dot", marks=pytest.mark.slow)])
 def test_nvfp4_input_quantized_beforehand_gives_the_same_result(rng, strategy, per_expert):
     """xla.apply takes x already quantized to NVFP4 (packed E2M1 + linear e4m3 block scales,
     global scale 1 / a13_scale), as expert parallelism sends it: the same result, bit for bit,
@@ -144,7 +150,7 @@ def test_unquantized_weights_with_quant_are_rejected(rng):
         fused_experts(x, w13, w2, w, ids, quant=quant)
 
 
-# ----------------------------------------------------------------------------- issue 15: robustness
+# ----------------------------------------------------------------------------- robustness
 
 
 def _nan_in_unused_expert(rng, scheme, t, **opts):
@@ -161,9 +167,9 @@ def _nan_in_unused_expert(rng, scheme, t, **opts):
     return cfg, x, w, ids, clean, bad
 
 
-@pytest.mark.parametrize("t", [1, 40, 300])
+@pytest.mark.parametrize("t", [pytest.param(1, marks=pytest.mark.slow), 40, pytest.param(300, marks=pytest.mark.slow)])
 def test_issue_repro_nan_byte_in_an_unused_fp8_expert_on_the_default_path(rng, t):
-    """Issue 15, repro 1: one NaN byte in an unused expert made 300/300 tokens NaN on the default
+    """Regression: one NaN byte in an unused expert made 300/300 tokens NaN on the default
     FP8 path (dynamic fp8_per_tensor, served by ragged_dot)."""
     cfg, x, w, ids, (c13, c2, cq), (b13, b2, bq) = _nan_in_unused_expert(rng, "fp8", t)
     assert np.isnan(np.asarray(b13[E - 1].astype(jnp.float32))).sum() == 1  # a NaN byte, finite scales
@@ -173,8 +179,9 @@ def test_issue_repro_nan_byte_in_an_unused_fp8_expert_on_the_default_path(rng, t
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
 
 
-@pytest.mark.parametrize("act", ["fp8_per_tensor", "fp8_per_token"])
-@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+@pytest.mark.parametrize("act", ["fp8_per_tensor", pytest.param("fp8_per_token", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("strategy", [s if s == "ragged_dot" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in xla.STRATEGIES])
 def test_nan_in_an_unused_fp8_expert_on_every_strategy(rng, strategy, act):
     cfg, x, w, ids, (c13, c2, cq), (b13, b2, bq) = _nan_in_unused_expert(rng, "fp8", 40, act=act)
     out = xla.apply(x, b13, b2, w, ids, cfg, quant=bq, strategy=strategy)
@@ -185,7 +192,8 @@ def test_nan_in_an_unused_fp8_expert_on_every_strategy(rng, strategy, act):
 
 @pytest.mark.parametrize("scheme,opts", [("fp8", dict(act="fp8_per_tensor")), ("nvfp4", dict())],
                          ids=["fp8_per_tensor", "nvfp4"])
-@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+@pytest.mark.parametrize("strategy", [s if s == "blocked" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in xla.STRATEGIES])
 def test_a_nan_token_leaves_a_dynamic_tensor_wide_scale_alone(rng, strategy, scheme, opts):
     """A dynamic per-tensor scale (GEMM1's and GEMM2's inputs) is taken over finite values: one
     NaN token leaves every other token exactly as without it."""
@@ -198,7 +206,8 @@ def test_a_nan_token_leaves_a_dynamic_tensor_wide_scale_alone(rng, strategy, sch
     np.testing.assert_array_equal(np.delete(out, 5, 0), np.delete(want, 5, 0))
 
 
-@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+@pytest.mark.parametrize("strategy", [s if s == "blocked" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in xla.STRATEGIES])
 def test_every_strategy_takes_one_dynamic_gemm2_scale_over_the_routed_rows(rng, strategy):
     """fp8_per_tensor without a2_scale: the scale at GEMM2's input is the max over every routed row
     (blocked takes it in two passes), as the reference takes it."""
@@ -208,8 +217,9 @@ def test_every_strategy_takes_one_dynamic_gemm2_scale_over_the_routed_rows(rng, 
     assert rel(out, moe_reference(x, q13, q2, w, ids, cfg, quant=quant)) < 1e-3
 
 
+@pytest.mark.slow
 def test_issue_repro_vmap_over_the_default_fp8_path(rng):
-    """Issue 15, repro 3: NotImplementedError (ragged_dot vmap over any dim but 0)."""
+    """Regression: NotImplementedError (ragged_dot vmap over any dim but 0)."""
     cfg, x, w13, w2, _, _ = _moe(rng)
     q13, q2, qc = quantize_weights("fp8", w13, w2)
     xs = jnp.asarray(rng.standard_normal((2, 10, H)), jnp.float32)
@@ -220,7 +230,8 @@ def test_issue_repro_vmap_over_the_default_fp8_path(rng):
                                    rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy", xla.STRATEGIES)
+@pytest.mark.parametrize("strategy", [s if s == "ragged_dot" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in xla.STRATEGIES])
 def test_vmap_over_quantized_weights_on_every_strategy(rng, strategy):
     cfg, x, w13, w2, w, ids = _moe(rng)
     q13, q2, quant = quantize_weights("mxfp4", w13, w2, act="mxfp8")

@@ -27,6 +27,15 @@ CFG = MoEConfig(8, 2, 256, 128)
 FOUND = (True, "simulated: nvidia-cutlass-dsl 4.8.1 with cutlass.jax; FlashInfer kernel found")
 
 
+def _jit(fn, *args, **kw):
+    """``fn(*args, **kw)`` under jax.jit with every array (and QuantConfig) an argument; strings,
+    numbers and MoEConfigs stay static. On CPU an eager call runs op by op and arrays closed over by
+    the jitted function are constant-folded: both cost seconds per call."""
+    static = {k: v for k, v in kw.items() if v is None or isinstance(v, (str, bool, int, float, MoEConfig))}
+    arrays = {k: v for k, v in kw.items() if k not in static}
+    return jax.jit(lambda a, d: fn(*a, **d, **static))(args, arrays)
+
+
 def _operands(rng, e=3, m=40, n=64, k=128):
     """Random NVFP4 operands of the masked GEMM (scales as 128x4 tiles)."""
     a = rng.standard_normal((e, m, k)).astype(np.float32)
@@ -80,7 +89,7 @@ def test_each_bad_argument_is_named_before_lowering(rng, index, change, message)
 def test_reference_is_the_dequantized_product_with_rows_past_masked_m_zero(rng):
     ops = _operands(rng)
     aq, a_sf, bq, b_sf, masked, alpha = ops
-    out = np.asarray(mg.masked_grouped_gemm_nvfp4(*ops), np.float32)  # no SM100 here: the reference
+    out = np.asarray(_jit(mg.masked_grouped_gemm_nvfp4, *ops), np.float32)  # no SM100 here: the reference
     e, m, k = aq.shape[0], aq.shape[1], 2 * aq.shape[2]
     from jax_moe.layouts import block_scale_deinterleave
 
@@ -98,8 +107,8 @@ def test_reference_is_the_dequantized_product_with_rows_past_masked_m_zero(rng):
 
 def test_masked_m_is_clamped_to_the_rows_there_are(rng):
     aq, a_sf, bq, b_sf, _, alpha = _operands(rng, e=2, m=16)
-    full = mg.masked_grouped_gemm_nvfp4(aq, a_sf, bq, b_sf, jnp.array([16, 0], jnp.int32), alpha)
-    over = mg.masked_grouped_gemm_nvfp4(aq, a_sf, bq, b_sf, jnp.array([99, -5], jnp.int32), alpha)
+    full = _jit(mg.masked_grouped_gemm_nvfp4, aq, a_sf, bq, b_sf, jnp.array([16, 0], jnp.int32), alpha)
+    over = _jit(mg.masked_grouped_gemm_nvfp4, aq, a_sf, bq, b_sf, jnp.array([99, -5], jnp.int32), alpha)
     np.testing.assert_array_equal(np.asarray(full, np.float32), np.asarray(over, np.float32))
     assert not np.asarray(over[1], np.float32).any()
 
@@ -113,8 +122,8 @@ def test_quantized_product_is_close_to_the_float_product(rng):
     bq, b_sf, _ = fp4.quantize_nvfp4(b, gb)
     from jax_moe.layouts import block_scale_interleave
 
-    out = mg.masked_grouped_gemm_nvfp4(aq, a_sf, bq, block_scale_interleave(b_sf), jnp.full((e,), m, jnp.int32),
-                                       (1.0 / (ga * gb)).astype(jnp.float32))
+    out = _jit(mg.masked_grouped_gemm_nvfp4, aq, a_sf, bq, block_scale_interleave(b_sf), jnp.full((e,), m, jnp.int32),
+               (1.0 / (ga * gb)).astype(jnp.float32))
     want = np.einsum("emk,enk->emn", a, b)
     err = np.linalg.norm(np.asarray(out, np.float32) - want) / np.linalg.norm(want)
     assert err < 0.2, err  # two 4-bit operands
@@ -138,8 +147,8 @@ def test_expert_stage_matches_xla_on_the_same_nvfp4_weights(rng):
     """On CPU the GEMMs are the jnp definition: this checks dispatch, quantization, alphas, the
     activation and the reduce; the GPU test below checks the kernel in their place."""
     x, q13, q2, w, ids, quant, cfg = _nvfp4_layer(rng)
-    out = np.asarray(jax.jit(lambda x: fc.apply(x, q13, q2, w, ids, cfg, quant=quant))(x), np.float32)
-    ref = np.asarray(jax.jit(lambda x: fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla"))(x), np.float32)
+    out = np.asarray(_jit(fc.apply, x, q13, q2, w, ids, cfg=cfg, quant=quant), np.float32)
+    ref = np.asarray(_jit(fused_experts, x, q13, q2, w, ids, quant=quant, backend="xla"), np.float32)
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err < 0.05, err
 
@@ -148,7 +157,7 @@ def test_batched_rows_past_counts_are_zero(rng):
     x, q13, q2, _, _, quant, cfg = _nvfp4_layer(rng)
     xb = jnp.asarray(rng.standard_normal((cfg.num_experts, 16, cfg.hidden_size)), jnp.bfloat16)
     counts = jnp.asarray(rng.integers(0, 17, cfg.num_experts), jnp.int32)
-    y = np.asarray(fc.apply_batched(xb, counts, q13, q2, cfg, quant=quant), np.float32)
+    y = np.asarray(_jit(fc.apply_batched, xb, counts, q13, q2, cfg=cfg, quant=quant), np.float32)
     for e, c in enumerate(np.asarray(counts)):
         assert not y[e, c:].any()
         assert y[e, :c].any() or c == 0

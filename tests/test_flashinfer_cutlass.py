@@ -58,6 +58,15 @@ def _rel_err(out, ref):
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
+def _jit(fn, *args, **kw):
+    """``fn(*args, **kw)`` under jax.jit with every array (and QuantConfig) an argument; strings,
+    numbers and MoEConfigs stay static. On CPU an eager call runs op by op and arrays closed over by
+    the jitted function are constant-folded: both cost seconds per call."""
+    static = {k: v for k, v in kw.items() if v is None or isinstance(v, (str, bool, int, float, MoEConfig))}
+    arrays = {k: v for k, v in kw.items() if k not in static}
+    return jax.jit(lambda a, d: fn(*a, **d, **static))(args, arrays)
+
+
 def _skip_unless_available():
     ok, why = fic.available()
     if not ok:
@@ -604,7 +613,7 @@ def test_prepare_mxfp4_emulated_runner_matches_xla(rng):
             g = np.minimum(g, limit[ex])
             a = g / (1 + np.exp(-alpha[ex] * g)) * (np.clip(u, -limit[ex], limit[ex]) + beta[ex])
             out[tt] += float(tw[tt, j]) * (p2[ex] @ a + b2[ex])
-    ref = jax.jit(lambda x: fused_experts(x, q13, q2, tw, ids, backend="xla", **kw))(x.astype(jnp.float32))
+    ref = _jit(fused_experts, x.astype(jnp.float32), q13, q2, tw, ids, backend="xla", **kw)
     assert _rel_err(out[:, :h], ref) < 1e-5
 
 
@@ -760,7 +769,7 @@ def test_prepare_fp8_block_emulated_runner_matches_xla(rng):
     a = jax.nn.silu(h1[..., i:]) * h1[..., :i]  # rows [up (I); gate (I)]
     y = jnp.einsum("tki,tkhi->tkh", group_q(a), w2[ids], precision="highest")
     emulated = jnp.einsum("tk,tkh->th", tw, y)
-    ref = jax.jit(lambda x: fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla"))(x)
+    ref = _jit(fused_experts, x, q13, q2, tw, ids, quant=quant, backend="xla")
     assert _rel_err(emulated, ref) < 1e-2
 
 
@@ -1214,7 +1223,8 @@ def _emulate_w4a8_runner(x, prep, tw, ids):
     return out
 
 
-@pytest.mark.parametrize("activation,layout", [("silu", "concat"), ("silu", "interleaved"), ("relu2", "concat")])
+@pytest.mark.parametrize("activation,layout", [("silu", "concat"), ("silu", "interleaved"),
+                                               pytest.param("relu2", "concat", marks=pytest.mark.slow)])
 def test_prepare_w4a8_decodes_to_the_checkpoint(rng, activation, layout):
     """Written from flashinfer_cutlass.w4a8's words: decoded through the inverse layouts, the
     prepared codes are the checkpoint's with rows [up; gate] (from [gate; up], or alternating
@@ -1271,7 +1281,7 @@ def test_prepare_w4a8_emulated_runner_matches_xla(rng, static_a13):
     x, q13, q2, tw, ids, quant = _w4a8_problem(rng, t, e, k, h, i, static_a13=static_a13)
     prep = fic.prepare(q13, q2, _cfg(e, k, h, i), quant)
     out = _emulate_w4a8_runner(x, prep, tw, ids)
-    ref = jax.jit(lambda x: fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla"))(x)
+    ref = _jit(fused_experts, x, q13, q2, tw, ids, quant=quant, backend="xla")
     assert _rel_err(out, ref) < FP8_REL_TOL
     # and the float32 reference on the unquantized weights is not far either (sanity of the test)
     assert _rel_err(out, _reference(x, *(jnp.asarray(a) for a in
@@ -1317,7 +1327,7 @@ def test_prepare_w4a8_emulated_runner_with_biases_and_swigluoai(rng):
             a = _bf(g / (1 + np.exp(-alpha[ex] * g)) * (np.clip(u, -limit[ex], limit[ex]) + beta[ex]))
             y = gemm(_f8(_bf(a * pq2)), c2[ex].astype(np.float32), s2[ex], al2[ex])
             out[tt] += float(tw[tt, j]) * (y + bb2[ex])
-    ref = jax.jit(lambda x: fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla", **kw))(x)
+    ref = _jit(fused_experts, x, q13, q2, tw, ids, quant=quant, backend="xla", **kw)
     assert _rel_err(out, ref) < FP8_REL_TOL
 
 

@@ -340,7 +340,7 @@ def _zero_extend(x, size, axis):
 
 @pytest.mark.parametrize("layout", ["interleaved", "concat"])
 def test_prepare_mxfp4_weights_match_the_documented_layout(layout):
-    """GPT-OSS MXFP4 (seed 002): H 96 -> 256 and I 160 -> 256; GEMM1 rows [up0, gate0, ...] with zero
+    """GPT-OSS MXFP4 (vLLM's GPT-OSS MXFP4 path): H 96 -> 256 and I 160 -> 256; GEMM1 rows [up0, gate0, ...] with zero
     pairs, bytes/scale columns zero-extended, 32-row shuffle, scales 128x4-tiled, biases float32."""
     e, h, i = 2, 96, 160
     q13, q2, quant = quantize_weights("mxfp4", *_rng_weights(e, h, i))

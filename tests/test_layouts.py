@@ -566,7 +566,7 @@ def test_alphas_under_jit(rng):
 
 
 # ------------------------------------------------------------------ padding rules
-# backend -> (intermediate multiple, hidden multiple); seed 002 and later vLLM
+# backend -> (intermediate multiple, hidden multiple), as vLLM pads GPT-OSS MXFP4
 MXFP4_RULES = {
     "flashinfer_trtllm": (256, 256),
     "flashinfer_cutlass": (128, 128),

@@ -20,7 +20,8 @@ RCP_448 = np.float32(1) / np.float32(448)
 # (scalar path), DeepSeek-V3-like rows.
 SHAPES = [(1, 1, 4, 128, 64), (1, 8, 256, 256, 128), (37, 2, 8, 203, 77), (300, 8, 256, 512, 256),
           (999, 4, 64, 1024, 384), (256, 8, 256, 7168, 512)]
-CPU_SHAPES = [(1, 1, 4, 16, 8), (1, 8, 256, 32, 16), (37, 2, 8, 24, 7), (129, 8, 256, 64, 40)]
+CPU_SHAPES = [pytest.param(1, 1, 4, 16, 8, marks=pytest.mark.slow), (1, 8, 256, 32, 16), (37, 2, 8, 24, 7),
+              pytest.param(129, 8, 256, 64, 40, marks=pytest.mark.slow)]
 
 
 # ---------------------------------------------------------------- data
@@ -124,7 +125,7 @@ def test_problem_sizes(rng, t, k, e, h, i):
 
 @pytest.mark.parametrize("t,k,e,h,i", CPU_SHAPES)
 @pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
 def test_permute_rows_reference(rng, t, k, e, h, i, minus_one, dtype):
     ids, _ = routing(rng, t, k, e, minus_one)
     sort = sort_by_expert(ids, e)
@@ -146,7 +147,8 @@ def test_permute_rows_reference(rng, t, k, e, h, i, minus_one, dtype):
     assert float(s) == np.float32(0.004)
 
 
-@pytest.mark.parametrize("m,i", [(1, 8), (37, 7), (300, 64)])
+@pytest.mark.parametrize("m,i", [pytest.param(1, 8, marks=pytest.mark.slow), (37, 7),
+                                 pytest.param(300, 64, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 def test_act_and_mul_reference(rng, m, i, activation):
     h = normal(rng, (m, 2 * i), jnp.float32, 2.0)
@@ -224,7 +226,7 @@ def np_moe(x, w13, w2, w, ids, activation):
 
 
 @pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("activation", ["silu", pytest.param("gelu", marks=pytest.mark.slow)])
 def test_kernels_chain_to_the_moe(rng, minus_one, activation):
     """permute -> GEMM1 -> act_and_mul -> GEMM2 -> unpermute_reduce is the MoE (layout conventions)."""
     t, k, e, h, i = 23, 3, 8, 32, 16
@@ -238,7 +240,7 @@ def test_kernels_chain_to_the_moe(rng, minus_one, activation):
     assert rel_err(got, want) < 5e-2
 
 
-# ---------------------------------------------------------------- issue 15: numpy, vmap, non-finite rows
+# ---------------------------------------------------------------- numpy, vmap, non-finite rows
 
 
 def _chain_case(rng, t=12, k=2, e=4, h=16, i=8):
@@ -247,7 +249,7 @@ def _chain_case(rng, t=12, k=2, e=4, h=16, i=8):
             normal(rng, (e, h, i), jnp.float32, 0.3), w, ids)
 
 
-@pytest.mark.parametrize("quant", [None, "fp8_per_token"])
+@pytest.mark.parametrize("quant", [None, pytest.param("fp8_per_token", marks=pytest.mark.slow)])
 def test_kernels_take_numpy_and_batch_under_vmap(rng, quant):
     """Every kernel (the CUDA custom calls declare ``vmap_method="sequential"``; their references
     batch natively) under jax.vmap, and on numpy arrays."""

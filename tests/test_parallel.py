@@ -45,7 +45,9 @@ MESHES = [((8,), ("ep",), dict(ep_axis="ep")),
           ((2, 4), ("dp", "ep"), dict(ep_axis="ep", dp_axis="dp"))]
 
 
-@pytest.mark.parametrize("shape,names,axes", MESHES, ids=["ep8", "ep4-tp2", "dp2-ep4"])
+@pytest.mark.parametrize("shape,names,axes", [pytest.param(*MESHES[0], marks=pytest.mark.slow), MESHES[1],
+                                              pytest.param(*MESHES[2], marks=pytest.mark.slow)],
+                         ids=["ep8", "ep4-tp2", "dp2-ep4"])
 @pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
 def test_parallel_equals_single_device(rng, shape, names, axes, strategy):
     pcfg = ParallelConfig(cpu_mesh(shape, names), strategy=strategy, **axes)
@@ -60,6 +62,7 @@ def test_parallel_equals_single_device(rng, shape, names, axes, strategy):
     assert rel(out, ref) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
 def test_tokens_whose_experts_all_live_on_one_device(rng, strategy):
     """Every token picks experts 0..3 (device 0 of ep=4): the other devices receive nothing."""
@@ -72,6 +75,7 @@ def test_tokens_whose_experts_all_live_on_one_device(rng, strategy):
     assert rel(out, fused_experts(x, w13, w2, w, ids)) < 1e-5
 
 
+@pytest.mark.slow
 def test_quantized_weights_under_expert_parallelism(rng):
     pcfg = ParallelConfig(cpu_mesh((4,), ("ep",)), ep_axis="ep")
     x, w13, w2, w, ids, _ = moe(rng, 32)
@@ -81,6 +85,7 @@ def test_quantized_weights_under_expert_parallelism(rng):
     assert rel(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("one_device", [False, True], ids=["routed", "all-on-device-0"])
 @pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
 def test_cutlass_backend_skips_the_ids_of_other_devices_experts(rng, strategy, one_device, monkeypatch):
@@ -102,6 +107,7 @@ def test_cutlass_backend_skips_the_ids_of_other_devices_experts(rng, strategy, o
     assert rel(out, ref) < 2e-2
 
 
+@pytest.mark.slow
 def test_per_expert_activation_scales_stay_whole_under_expert_parallelism(rng):
     """Static [E] activation scales mean one scale for all experts (their max): every device must
     see all E of them, not only its own experts' (shard_weights replicates a13/a2 scales)."""
@@ -116,6 +122,7 @@ def test_per_expert_activation_scales_stay_whole_under_expert_parallelism(rng):
     assert rel(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
 def test_fp8_weights_split_over_tensor_parallelism(rng, strategy):
     """Per-expert FP8 weight scales and static activation scales: splitting I over tp changes
@@ -144,6 +151,7 @@ def test_tensor_parallelism_refuses_quantization_it_would_change(rng, scheme, op
         shard_weights(q13, q2, pcfg, quant=quant)
 
 
+@pytest.mark.slow
 def test_no_ep_with_tensor_and_data_parallelism(rng):
     pcfg = ParallelConfig(cpu_mesh((2, 4), ("dp", "tp")), tp_axis="tp", dp_axis="dp", strategy="none")
     x, w13, w2, w, ids, _ = moe(rng, 16)
@@ -205,7 +213,9 @@ PREPARED_MESHES = [((8,), ("ep",), dict(ep_axis="ep")),
                    ((4, 2), ("ep", "tp"), dict(ep_axis="ep", tp_axis="tp")),
                    ((2,), ("tp",), dict(tp_axis="tp"))]
 PREPARED_IDS = ["ep8", "ep4-tp2", "tp2"]
-PREPARED_RUNS = [pytest.param(*m, st, id=f"{i}-{st}") for m, i in zip(PREPARED_MESHES, PREPARED_IDS)
+PREPARED_RUNS = [pytest.param(*m, st, id=f"{i}-{st}",
+                              marks=[pytest.mark.slow] if i == "ep8" or st == "all_to_all" else [])
+                 for m, i in zip(PREPARED_MESHES, PREPARED_IDS)
                  for st in (("naive", "all_to_all") if "ep_axis" in m[2] else ("none",))]
 
 
@@ -220,7 +230,7 @@ def _with_layout_backend(monkeypatch, backend):
     monkeypatch.setattr(oracle, "module", lambda name: backend if name == "flashinfer_cutlass" else real(name))
 
 
-@pytest.mark.parametrize("inter", [I, 24], ids=["I32", "I24-padded"])
+@pytest.mark.parametrize("inter", [pytest.param(I, marks=pytest.mark.slow), 24], ids=["I32", "I24-padded"])
 @pytest.mark.parametrize("shape,names,axes,strategy", PREPARED_RUNS)
 def test_prepared_weights_repacked_per_device_equal_single_device(rng, strategy, shape, names, axes, inter,
                                                                   monkeypatch):
@@ -259,8 +269,10 @@ def _device_block(arr, device):
     return next(np.asarray(s.data.astype(jnp.float32)) for s in arr.addressable_shards if s.device == device)
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
-@pytest.mark.parametrize("shape,names,axes", PREPARED_MESHES[1:], ids=PREPARED_IDS[1:])
+@pytest.mark.parametrize("scheme", [pytest.param("bf16", marks=pytest.mark.slow), "fp8"])
+@pytest.mark.parametrize("shape,names,axes",
+                         [PREPARED_MESHES[1], pytest.param(*PREPARED_MESHES[2], marks=pytest.mark.slow)],
+                         ids=PREPARED_IDS[1:])
 def test_each_device_holds_the_prepare_of_its_own_slice(rng, scheme, shape, names, axes):
     """Device (r, s) of an (ep, tp) mesh holds exactly ``prepare`` of experts
     [r*E/ep, (r+1)*E/ep), gate and up rows [s*I/tp, (s+1)*I/tp) of w13 and the same columns of w2,
@@ -314,7 +326,9 @@ def test_prepared_weights_refuse_what_cannot_be_split(rng):
         shard_prepared(m13, m2, pcfg, quant=mquant)
 
 
-@pytest.mark.parametrize("shape,names,axes", PREPARED_MESHES[:2], ids=PREPARED_IDS[:2])
+@pytest.mark.parametrize("shape,names,axes",
+                         [pytest.param(*PREPARED_MESHES[0], marks=pytest.mark.slow), PREPARED_MESHES[1]],
+                         ids=PREPARED_IDS[:2])
 @pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
 def test_fp8_tokens_are_quantized_before_dispatch(rng, strategy, shape, names, axes, monkeypatch):
     """FP8 prepared weights: every device quantizes its own tokens with the scale of all tokens
@@ -375,8 +389,10 @@ def _run_parallel(pcfg, x, q13, q2, w, ids, quant, **opts):
 NVFP4_MESHES = [MESHES[0], MESHES[2]]  # tp is refused for NVFP4 weights (scales along K)
 
 
-@pytest.mark.parametrize("one_device", [False, True], ids=["routed", "all-on-device-0"])
-@pytest.mark.parametrize("shape,names,axes", NVFP4_MESHES, ids=["ep8", "dp2-ep4"])
+@pytest.mark.parametrize("one_device", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["routed", "all-on-device-0"])
+@pytest.mark.parametrize("shape,names,axes", [pytest.param(*NVFP4_MESHES[0], marks=pytest.mark.slow), NVFP4_MESHES[1]],
+                         ids=["ep8", "dp2-ep4"])
 @pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
 def test_nvfp4_tokens_are_quantized_before_dispatch(rng, strategy, shape, names, axes, one_device):
     """NVFP4 activations with a static global scale: each device quantizes its own tokens
@@ -400,7 +416,7 @@ def test_nvfp4_tokens_are_quantized_before_dispatch(rng, strategy, shape, names,
     assert len(float_rows) == (0 if strategy == "naive" else 1), "only the combine moves float rows"
 
 
-@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+@pytest.mark.parametrize("strategy", [pytest.param("naive", marks=pytest.mark.slow), "all_to_all"])
 def test_nvfp4_dynamic_scale_is_taken_over_every_devices_tokens(rng, strategy):
     """Without a13_scale the global scale comes from the amax of all tokens (a pmax before the
     dispatch), as one device computes it over its whole batch (up to an ulp of the scale)."""
@@ -412,7 +428,7 @@ def test_nvfp4_dynamic_scale_is_taken_over_every_devices_tokens(rng, strategy):
     assert rel(out, ref) < 1e-3
 
 
-@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+@pytest.mark.parametrize("strategy", [pytest.param("naive", marks=pytest.mark.slow), "all_to_all"])
 def test_nvfp4_scales_swizzled_after_the_exchange_for_a_backend_that_reads_tiles(rng, strategy, monkeypatch):
     """A backend whose PREQUANTIZED_INPUT says "128x4" gets the received rows' block scales in
     FlashInfer's 128x4 tiles (block_scale_interleave after the exchange; the linear scales are
@@ -454,7 +470,9 @@ def _parallel_out(pcfg, x, w13, w2, w, ids, b=None, **opts):
                                                                quant=p["quant"], **opts))(x, w, ids, p)
 
 
-@pytest.mark.parametrize("shape,names,axes", MESHES, ids=["ep8", "ep4-tp2", "dp2-ep4"])
+@pytest.mark.parametrize("shape,names,axes", [pytest.param(*MESHES[0], marks=pytest.mark.slow), MESHES[1],
+                                              pytest.param(*MESHES[2], marks=pytest.mark.slow)],
+                         ids=["ep8", "ep4-tp2", "dp2-ep4"])
 def test_batched_expert_format_equals_single_device_and_the_standard_format(rng, shape, names, axes, monkeypatch):
     """expert_format="batched": after the all-to-all each device lays its received token copies
     out as [E_local, C, H] and runs xla.apply_batched (I split over tp: the partial outputs
@@ -477,7 +495,7 @@ def test_batched_expert_format_equals_single_device_and_the_standard_format(rng,
 
 
 @pytest.mark.parametrize("routing", ["all-on-device-0", "repeated-ids"])
-@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+@pytest.mark.parametrize("strategy", [pytest.param("naive", marks=pytest.mark.slow), "all_to_all"])
 def test_batched_format_never_drops_a_token_copy(rng, strategy, routing):
     """The capacity is the rows a device holds, so no routing overflows it: every token on
     device 0's experts 0..3 (each of them holds all 32 rows device 0 receives: counts = C;
@@ -492,6 +510,7 @@ def test_batched_format_never_drops_a_token_copy(rng, strategy, routing):
     assert rel(_parallel_out(pcfg, x, w13, w2, w, ids), fused_experts(x, w13, w2, w, ids)) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("act", ["fp8_per_token", None])
 def test_cutlass_runs_the_batched_stage_under_expert_parallelism(rng, act, monkeypatch):
     """backend='cutlass' with expert_format='batched': cutlass.apply_batched is the stage each
@@ -518,6 +537,7 @@ def test_cutlass_runs_the_batched_stage_under_expert_parallelism(rng, act, monke
     assert rel(out, ref) < (2e-2 if act is None else 5e-2)
 
 
+@pytest.mark.slow
 def test_batched_format_moves_nvfp4_tokens_with_their_scales(rng):
     """NVFP4 activations are quantized before the dispatch as in the standard format; the packed
     rows and their block scales are laid out per expert together, and the xla batched stage
@@ -544,7 +564,7 @@ def test_batched_format_refusals(rng):
         parallel_apply_prepared(x, None, w, ids, pcfg)
 
 
-# ------------------------------------------------- issue 15: non-finite isolation on 8 CPU devices
+# ------------------------------------------------- non-finite isolation on 8 CPU devices
 
 # (ragged_all_to_all has no XLA:CPU implementation: tests/test_gpu_parallel.py runs it)
 ISOLATION_RUNS = [(m, s, f) for m in range(len(MESHES)) for s in ("naive", "all_to_all")
@@ -556,9 +576,11 @@ def _isolation_ids(run):
     return "-".join([["ep8", "ep4-tp2", "dp2-ep4"][m], s, f])
 
 
-@pytest.mark.parametrize("run", ISOLATION_RUNS, ids=_isolation_ids)
+@pytest.mark.parametrize("run", [r if r in ((1, "naive", "standard"), (2, "all_to_all", "batched"))
+                                 else pytest.param(r, marks=pytest.mark.slow) for r in ISOLATION_RUNS],
+                         ids=_isolation_ids)
 def test_a_bad_unused_expert_or_token_stays_put_under_every_parallel_strategy(rng, run):
-    """Issue 15: a NaN in an unused expert turned every token into NaN under ep4 x tp2 and
+    """Regression: a NaN in an unused expert turned every token into NaN under ep4 x tp2 and
     dp2 x ep4. Expert 13 (device 6 of ep8, 3 of ep4) holds a NaN, expert 14 an inf, expert 15
     overflows; no token routes to them. Token 5 holds a NaN: only its row is NaN."""
     m, strategy, fmt = run
@@ -577,8 +599,9 @@ def test_a_bad_unused_expert_or_token_stays_put_under_every_parallel_strategy(rn
     np.testing.assert_array_equal(np.delete(out, 5, 0), np.delete(want, 5, 0))
 
 
-@pytest.mark.parametrize("scheme,act", [("fp8", "fp8_per_tensor"), ("nvfp4", "nvfp4")])
-@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+@pytest.mark.parametrize("scheme,act", [("fp8", "fp8_per_tensor"),
+                                        pytest.param("nvfp4", "nvfp4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("strategy", [pytest.param("naive", marks=pytest.mark.slow), "all_to_all"])
 def test_dynamic_scales_ignore_a_nan_token_and_a_nan_byte_in_an_unused_expert(rng, strategy, scheme, act):
     """The default FP8 path (dynamic per-tensor scales) and NVFP4 (quantized before the dispatch
     with the max over every device's tokens): a NaN token and a NaN weight byte of an unused

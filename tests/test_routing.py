@@ -148,7 +148,7 @@ def test_bad_logits_raise():
         select_experts(np.ones((2, 8), np.int32), 1)
 
 
-# ------------------------------------------------------------------ issue 15: numerics and input checks
+# ------------------------------------------------------------------ numerics and input checks
 
 
 @pytest.mark.parametrize("top_k", [np.int64(2), np.int32(2), np.uint8(2), 2])
@@ -167,7 +167,7 @@ def test_numpy_scaling_factor_is_accepted(rng):
 
 
 def test_sigmoid_renormalize_is_stable_for_very_negative_logits():
-    """Issue 15 repro: logits of -90 gave [nan, nan] (sigmoid underflows to 0, 0/0); logits near
+    """Regression: logits of -90 gave [nan, nan] (sigmoid underflows to 0, 0/0); logits near
     -87 gave [1, 0] where the answer is [0.731, 0.269]."""
     w, ids = select_experts(jax.numpy.full((1, 4), -90.0), 2, scoring="sigmoid")
     np.testing.assert_array_equal(np.asarray(w), [[0.5, 0.5]])
