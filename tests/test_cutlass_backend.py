@@ -16,6 +16,7 @@ from jax_moe.backends import xla
 from jax_moe.config import MoEConfig
 from jax_moe.device import DeviceInfo
 from jax_moe.quant.scheme import QuantConfig, calibrate_activation_scale, quantize_weights
+from helpers import jit_call as _jit
 
 H100, A100 = DeviceInfo("gpu", (9, 0)), DeviceInfo("gpu", (8, 0))
 REL_TOL = 2e-2
@@ -30,13 +31,6 @@ def _rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def _jit(fn, *args, **kw):
-    """``fn(*args, **kw)`` under jax.jit with every array (and QuantConfig) an argument; strings,
-    numbers and MoEConfigs stay static. On CPU an eager call runs op by op and arrays closed over by
-    the jitted function are constant-folded: both cost seconds per call."""
-    static = {k: v for k, v in kw.items() if v is None or isinstance(v, (str, bool, int, float, MoEConfig))}
-    arrays = {k: v for k, v in kw.items() if k not in static}
-    return jax.jit(lambda a, d: fn(*a, **d, **static))(args, arrays)
 
 
 def _offsets(counts) -> jax.Array:

@@ -21,19 +21,13 @@ from jax_moe.config import MoEConfig
 from jax_moe.device import DeviceInfo
 from jax_moe.quant import fp4
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
+from helpers import jit_call as _jit
 
 H100, B200 = DeviceInfo("gpu", (9, 0)), DeviceInfo("gpu", (10, 0))
 CFG = MoEConfig(8, 2, 256, 128)
 FOUND = (True, "simulated: nvidia-cutlass-dsl 4.8.1 with cutlass.jax; FlashInfer kernel found")
 
 
-def _jit(fn, *args, **kw):
-    """``fn(*args, **kw)`` under jax.jit with every array (and QuantConfig) an argument; strings,
-    numbers and MoEConfigs stay static. On CPU an eager call runs op by op and arrays closed over by
-    the jitted function are constant-folded: both cost seconds per call."""
-    static = {k: v for k, v in kw.items() if v is None or isinstance(v, (str, bool, int, float, MoEConfig))}
-    arrays = {k: v for k, v in kw.items() if k not in static}
-    return jax.jit(lambda a, d: fn(*a, **d, **static))(args, arrays)
 
 
 def _operands(rng, e=3, m=40, n=64, k=128):

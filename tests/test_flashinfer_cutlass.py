@@ -9,6 +9,7 @@ import pytest
 from jax_moe.backends import flashinfer_cutlass as fic
 from jax_moe.config import MoEConfig
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
+from helpers import jit_call as _jit
 
 REL_TOL = 2e-2
 FP8_REL_TOL = 5e-2
@@ -58,13 +59,6 @@ def _rel_err(out, ref):
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
-def _jit(fn, *args, **kw):
-    """``fn(*args, **kw)`` under jax.jit with every array (and QuantConfig) an argument; strings,
-    numbers and MoEConfigs stay static. On CPU an eager call runs op by op and arrays closed over by
-    the jitted function are constant-folded: both cost seconds per call."""
-    static = {k: v for k, v in kw.items() if v is None or isinstance(v, (str, bool, int, float, MoEConfig))}
-    arrays = {k: v for k, v in kw.items() if k not in static}
-    return jax.jit(lambda a, d: fn(*a, **d, **static))(args, arrays)
 
 
 def _skip_unless_available():
@@ -348,7 +342,7 @@ def test_prepare_fp8_layout_and_alphas(rng):
     w2 = jnp.asarray(rng.standard_normal((e, h, i)), jnp.float32)
     a13 = jnp.asarray([0.01, 0.03, 0.02], jnp.float32)
     q13, q2, quant = quantize_weights("fp8", w13, w2, a13_scale=a13, a2_scale=0.5)
-    prep = fic.prepare(q13, q2, _cfg(e, 2, h, i), quant)
+    prep = _jit(fic.prepare, q13, q2, cfg=_cfg(e, 2, h, i), quant=quant)
     assert prep.scheme == "fp8" and prep.w13.dtype == jnp.float8_e4m3fn and prep.w2.dtype == jnp.float8_e4m3fn
     bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
     np.testing.assert_array_equal(bits(prep.w13[:, :i]), bits(q13[:, i:]))
@@ -357,7 +351,7 @@ def test_prepare_fp8_layout_and_alphas(rng):
     np.testing.assert_allclose(prep.g1_alphas, np.asarray(quant.w13_scale) * 0.03, rtol=1e-6)
     np.testing.assert_allclose(prep.g2_alphas, np.asarray(quant.w2_scale) * 0.5, rtol=1e-6)
     np.testing.assert_allclose(prep.a2_gscale, 2.0, rtol=1e-6)
-    dyn = fic.prepare(q13, q2, _cfg(e, 2, h, i), quant.replace(a13_scale=None))
+    dyn = _jit(fic.prepare, q13, q2, cfg=_cfg(e, 2, h, i), quant=quant.replace(a13_scale=None))
     assert dyn.a13_scale is None and dyn.g1_alphas is None and dyn.w13_scale.shape == (e,)
 
 
@@ -543,8 +537,8 @@ def test_prepare_mxfp4_rows_padding_and_biases(rng):
     e, h, i = 3, 160, 96
     hp, ip = 256, 128
     _, q13, q2, _, _, kw = _mxfp4_problem(rng, 1, e, 2, h, i, gpt_oss=True)
-    prep = fic.prepare(q13, q2, _mxfp4_cfg(e, 2, h, i, kw), kw["quant"], w13_bias=kw["w13_bias"],
-                       w2_bias=kw["w2_bias"])
+    prep = _jit(fic.prepare, q13, q2, cfg=_mxfp4_cfg(e, 2, h, i, kw), quant=kw["quant"],
+                w13_bias=kw["w13_bias"], w2_bias=kw["w2_bias"])
     assert prep.scheme == "mxfp4" and prep.w13.dtype == jnp.uint8
     assert prep.w13.shape == (e, 2 * ip, hp // 2) and prep.w2.shape == (e, hp, ip // 2)
     assert prep.w13_block_scale.shape == (e, 2 * ip // 64, hp // 128, 16, 16)
@@ -575,7 +569,7 @@ def test_prepare_mxfp4_concat_and_not_gated(rng, activation):
 
     e, h, i = 2, 128, 96
     _, q13, q2, _, _, kw = _mxfp4_problem(rng, 1, e, 2, h, i, activation)
-    prep = fic.prepare(q13, q2, _mxfp4_cfg(e, 2, h, i, kw), kw["quant"])
+    prep = _jit(fic.prepare, q13, q2, cfg=_mxfp4_cfg(e, 2, h, i, kw), quant=kw["quant"])
     p13, _ = _decode_prepared_mxfp4(prep)
     d13 = np.asarray(dequantize_weights(kw["quant"], q13, q2)[0])
     if activation == "silu":
@@ -596,8 +590,8 @@ def test_prepare_mxfp4_emulated_runner_matches_xla(rng):
 
     t, e, k, h, i = 9, 4, 2, 160, 96
     x, q13, q2, tw, ids, kw = _mxfp4_problem(rng, t, e, k, h, i, gpt_oss=True)
-    prep = fic.prepare(q13, q2, _mxfp4_cfg(e, k, h, i, kw), kw["quant"], w13_bias=kw["w13_bias"],
-                       w2_bias=kw["w2_bias"])
+    prep = _jit(fic.prepare, q13, q2, cfg=_mxfp4_cfg(e, k, h, i, kw), quant=kw["quant"],
+                w13_bias=kw["w13_bias"], w2_bias=kw["w2_bias"])
     p13, p2 = _decode_prepared_mxfp4(prep)
     _, hp, ip = fic.problem_sizes(prep)
     alpha, beta, limit = np.asarray(prep.swiglu)
@@ -718,7 +712,7 @@ def test_prepare_fp8_block_layout_follows_its_definition(rng, activation):
     them unchanged (relu2); w2 and its scales are the stored ones."""
     e, k, h, i = 3, 2, 256, 384
     _, q13, q2, _, _, quant = _fp8_block_problem(rng, 1, e, k, h, i, activation)
-    prep = fic.prepare(q13, q2, _cfg(e, k, h, i, activation), quant)
+    prep = _jit(fic.prepare, q13, q2, cfg=_cfg(e, k, h, i, activation), quant=quant)
     n1 = 2 * i if fic.GATED[activation] else i
     assert prep.scheme == "fp8_block" and prep.w13.dtype == jnp.float8_e4m3fn and prep.w2.dtype == jnp.float8_e4m3fn
     assert prep.w13.shape == (e, n1, h) and prep.w13_block_scale.shape == (e, n1 // 128, h // 128)
@@ -757,7 +751,7 @@ def test_prepare_fp8_block_emulated_runner_matches_xla(rng):
 
     t, e, k, h, i = 9, 4, 2, 256, 256
     x, q13, q2, tw, ids, quant = _fp8_block_problem(rng, t, e, k, h, i)
-    prep = fic.prepare(q13, q2, _cfg(e, k, h, i), quant)
+    prep = _jit(fic.prepare, q13, q2, cfg=_cfg(e, k, h, i), quant=quant)
     w13 = jnp.asarray(_block_dequant(prep.w13, prep.w13_block_scale), jnp.float32)
     w2 = jnp.asarray(_block_dequant(prep.w2, prep.w2_block_scale), jnp.float32)
 
@@ -943,7 +937,7 @@ def test_prepare_f16_keeps_float16_and_the_bf16_layout(rng):
     w2 = jnp.asarray(rng.standard_normal((e, h, i)), jnp.float16)
     b13 = jnp.asarray(rng.standard_normal((e, 2 * i)), jnp.float32)
     b2 = jnp.asarray(rng.standard_normal((e, h)), jnp.float32)
-    prep = fic.prepare(w13, w2, cfg, w13_bias=b13, w2_bias=b2)
+    prep = _jit(fic.prepare, w13, w2, cfg=cfg, w13_bias=b13, w2_bias=b2)
     assert prep.scheme == "f16" and prep.activation == "swigluoai"
     for name in ("w13", "w2", "w13_bias", "w2_bias"):
         assert getattr(prep, name).dtype == jnp.float16, name
@@ -954,10 +948,10 @@ def test_prepare_f16_keeps_float16_and_the_bf16_layout(rng):
     np.testing.assert_array_equal(np.asarray(prep.w13_bias[:, i:]), np.asarray(b13[:, 0::2].astype(jnp.float16)))
     np.testing.assert_array_equal(np.asarray(prep.w2_bias), np.asarray(b2.astype(jnp.float16)))
     assert prep.swiglu.shape == (3, e)
-    bf = fic.prepare(w13.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), cfg)
+    bf = _jit(fic.prepare, w13.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), cfg=cfg)
     np.testing.assert_array_equal(np.asarray(bf.w13, np.float32), np.asarray(prep.w13.astype(jnp.bfloat16), np.float32))
     assert fic.prepare(w13.astype(jnp.float32), w2.astype(jnp.float32), cfg).scheme == "bf16"
-    relu = fic.prepare(w13[:, :i], w2, MoEConfig(e, 2, h, i, "relu2"))  # not gated: rows as they are
+    relu = _jit(fic.prepare, w13[:, :i], w2, cfg=MoEConfig(e, 2, h, i, "relu2"))  # not gated: rows as they are
     assert relu.scheme == "f16"
     np.testing.assert_array_equal(np.asarray(relu.w13), np.asarray(w13[:, :i]))
 
@@ -1243,7 +1237,7 @@ def test_prepare_w4a8_decodes_to_the_checkpoint(rng, activation, layout):
         q13 = reorder_rows_for_gated_act_gemm(q13)
         quant = quant.replace(w13_scale=reorder_rows_for_gated_act_gemm(quant.w13_scale))
     cfg = MoEConfig(e, 2, h, i, activation, layout)
-    prep = fic.prepare(q13, q2, cfg, quant)
+    prep = _jit(fic.prepare, q13, q2, cfg=cfg, quant=quant)
     assert prep.scheme == "w4a8" and prep.w13.dtype == jnp.uint8 and prep.w13.shape == (e, n1, h // 2)
     assert prep.w13_block_scale.shape == (e, n1 // 64, h // 128, 8, 8) and prep.w13_block_scale.dtype == jnp.bfloat16
     assert prep.w2_block_scale.shape == (e, h // 64, i // 128, 8, 8)
@@ -1265,7 +1259,7 @@ def test_prepare_w4a8_decodes_to_the_checkpoint(rng, activation, layout):
         np.testing.assert_array_equal(np.asarray(pq, np.float32), _bf(np.float32(1) / np.float32(a)))
         np.testing.assert_allclose(np.asarray(al) * np.asarray(pq, np.float32)[0], 1.0, rtol=1e-7)
         assert abs(float(al[0]) / a - 1) <= 2.0 ** -8
-    dyn = fic.prepare(q13, q2, cfg, quant.replace(a13_scale=None))
+    dyn = _jit(fic.prepare, q13, q2, cfg=cfg, quant=quant.replace(a13_scale=None))
     assert dyn.fc1_act_scale is None and dyn.g1_alphas is None and dyn.a13_scale is None
 
 
@@ -1279,7 +1273,7 @@ def test_prepare_w4a8_emulated_runner_matches_xla(rng, static_a13):
 
     t, e, k, h, i = 9, 4, 2, 256, 128
     x, q13, q2, tw, ids, quant = _w4a8_problem(rng, t, e, k, h, i, static_a13=static_a13)
-    prep = fic.prepare(q13, q2, _cfg(e, k, h, i), quant)
+    prep = _jit(fic.prepare, q13, q2, cfg=_cfg(e, k, h, i), quant=quant)
     out = _emulate_w4a8_runner(x, prep, tw, ids)
     ref = _jit(fused_experts, x, q13, q2, tw, ids, quant=quant, backend="xla")
     assert _rel_err(out, ref) < FP8_REL_TOL
@@ -1305,7 +1299,7 @@ def test_prepare_w4a8_emulated_runner_with_biases_and_swigluoai(rng):
     b2 = jnp.asarray(0.3 * rng.standard_normal((e, h)), jnp.bfloat16).astype(jnp.float32)
     kw = dict(activation="swigluoai", gate_up_layout="interleaved", w13_bias=b13, w2_bias=b2)
     cfg = MoEConfig(e, k, h, i, "swigluoai", "interleaved")
-    prep = fic.prepare(q13, q2, cfg, quant, w13_bias=b13, w2_bias=b2)
+    prep = _jit(fic.prepare, q13, q2, cfg=cfg, quant=quant, w13_bias=b13, w2_bias=b2)
     # the emulation's activation step for SwigluBias, as in the mxfp4 emulation
     c13, s13, c2, s2 = _decode_prepared_w4a8(prep)
     alpha, beta, limit = np.asarray(prep.swiglu)
