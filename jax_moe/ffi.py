@@ -135,10 +135,12 @@ def sort_by_expert(topk_ids: jax.Array, num_experts: int) -> ExpertSort:
         raise RuntimeError(f"jax_moe native module unavailable: {native_status()}")
 
     def cpu(ids):
-        return tuple(jax.ffi.ffi_call("jax_moe_sort_by_expert", outs)(ids, num_experts=num_experts))
+        call = jax.ffi.ffi_call("jax_moe_sort_by_expert", outs, vmap_method="sequential")
+        return tuple(call(ids, num_experts=num_experts))
 
     def cuda(ids):
-        return tuple(jax.ffi.ffi_call("jax_moe_sort_by_expert", outs + [workspace])(ids, num_experts=num_experts))[:4]
+        call = jax.ffi.ffi_call("jax_moe_sort_by_expert", outs + [workspace], vmap_method="sequential")
+        return tuple(call(ids, num_experts=num_experts))[:4]
 
     branches = {}
     if have_cpu:

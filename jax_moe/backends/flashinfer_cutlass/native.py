@@ -93,4 +93,5 @@ def custom_call(prepared, num_tokens: int, hidden: int, top_k: int):
     ws = workspace_size(int(num_tokens), int(hw), int(i), int(e), int(top_k), prepared.activation,
                         prepared.scheme)
     out = jax.ShapeDtypeStruct((num_tokens, hidden), FLOAT_SCHEMES.get(prepared.scheme, jnp.bfloat16))
-    return jax.ffi.ffi_call(TARGETS[prepared.scheme], (out, jax.ShapeDtypeStruct((ws,), jnp.uint8)))
+    return jax.ffi.ffi_call(TARGETS[prepared.scheme], (out, jax.ShapeDtypeStruct((ws,), jnp.uint8)),
+                            vmap_method="sequential")

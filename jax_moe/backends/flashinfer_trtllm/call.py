@@ -99,6 +99,6 @@ def apply_prepared(x, prepared, topk_weights, topk_ids, *, tile_n: int | None = 
                  config=np.int64(config), enable_pdl=True)
     xs = quantize_input(x, prepared)
     args = SCHEMES[prepared.scheme].operands(prepared, xs, topk_ids, topk_weights.astype(jnp.float32))
-    out, _ = jax.ffi.ffi_call(TARGETS[prepared.scheme], output_shapes(t, h, ws))(*args, **attrs)
+    out, _ = jax.ffi.ffi_call(TARGETS[prepared.scheme], output_shapes(t, h, ws), vmap_method="sequential")(*args, **attrs)
     hm = kernel_sizes(prepared)[1]
     return out if hm == h else out[:, :hm]  # MXFP4: the padded columns of Hp dropped
