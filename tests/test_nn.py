@@ -328,3 +328,15 @@ def test_gpt_oss_block_with_biases_prepares_for_flashinfer_cutlass(rng):
     after = np.asarray(nnx.jit(lambda m, v: m(v))(block, x), np.float32)
     assert np.isfinite(after).all()
     assert np.linalg.norm(after - before) / np.linalg.norm(before) < 2e-2
+
+
+def test_a_small_deepseek_layout_without_config_routes_without_groups(rng):
+    """DeepSeek-V3's default 8 groups need >= 2 experts per group: with E=8 and no config.json the
+    reader routes over all experts instead of failing."""
+    prefix = "model.layers.5.mlp."
+    t = _per_expert_tensors(rng, prefix, "gate_proj", "up_proj", "down_proj")
+    t[prefix + "gate.weight"] = rng.standard_normal((E, H)).astype(np.float32)
+    t[prefix + "gate.e_score_correction_bias"] = rng.random(E).astype(np.float32)
+    block = MoEBlock.from_checkpoint("deepseek_v3", t, prefix, top_k=K, dtype=jnp.float32)
+    assert block.routing["num_expert_group"] is None
+    assert np.isfinite(np.asarray(block(jnp.asarray(rng.standard_normal((3, H)), jnp.float32)))).all()

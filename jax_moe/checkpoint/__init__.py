@@ -53,8 +53,8 @@ def read_layer(layout: str, tensors: Mapping[str, Any], prefix: str = "", *, con
     if config is None:
         spec = default_spec(layout, prefix)
         t = read_layer_tensors(MappingSource(tensors), spec)
-        groups = t.routing.get("num_expert_group")
-        if groups and t.experts.num_experts % groups:  # the default grouping is DeepSeek-V3's (256 experts)
+        groups, e = t.routing.get("num_expert_group"), t.experts.num_experts
+        if groups and (e % groups or e // groups < 2):  # the default grouping is DeepSeek-V3's (256 experts)
             t.routing = {k: v for k, v in t.routing.items() if k not in ("num_expert_group", "topk_group")}
         return convert_layer(t, quant, dtype)
     else:
