@@ -225,7 +225,8 @@ def np_moe(x, w13, w2, w, ids, activation):
     return out
 
 
-@pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
+@pytest.mark.parametrize("minus_one", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["ids-in-range", "some-ids-minus-1"])
 @pytest.mark.parametrize("activation", ["silu", pytest.param("gelu", marks=pytest.mark.slow)])
 def test_kernels_chain_to_the_moe(rng, minus_one, activation):
     """permute -> GEMM1 -> act_and_mul -> GEMM2 -> unpermute_reduce is the MoE (layout conventions)."""

@@ -576,7 +576,7 @@ def _isolation_ids(run):
     return "-".join([["ep8", "ep4-tp2", "dp2-ep4"][m], s, f])
 
 
-@pytest.mark.parametrize("run", [r if r in ((1, "naive", "standard"), (2, "all_to_all", "batched"))
+@pytest.mark.parametrize("run", [r if r == (1, "naive", "standard")
                                  else pytest.param(r, marks=pytest.mark.slow) for r in ISOLATION_RUNS],
                          ids=_isolation_ids)
 def test_a_bad_unused_expert_or_token_stays_put_under_every_parallel_strategy(rng, run):

@@ -290,6 +290,7 @@ def np_route_weights(logits, ids, scoring, renormalize, scale):
     return w * scale
 
 
+@pytest.mark.slow
 @examples(40)
 @given(routing_cases())
 def test_routing_against_the_float64_definition(c):
@@ -384,6 +385,7 @@ FORMATS = {  # name -> (quantize+dequantize, NaN unit along K: 1 = the element, 
 }
 
 
+@pytest.mark.slow
 @examples(40)
 @given(fmt=st.sampled_from(sorted(FORMATS)), rows=st.integers(1, 4), kb=st.integers(1, 3),
        n_bad=st.integers(0, 3), value=st.sampled_from([np.nan, np.inf, -np.inf]), spread=st.sampled_from([1e-3, 1.0, 1e4]),
