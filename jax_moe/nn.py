@@ -11,7 +11,6 @@ experts. The data path: routing (:func:`jax_moe.select_experts`) -> routed exper
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Mapping
 
@@ -221,7 +220,3 @@ def _check_routing(num_experts: int, top_k: int, routing: dict, score_correction
     bias = jax.ShapeDtypeStruct((num_experts,), jnp.float32) if score_correction_bias else None
     jax.eval_shape(lambda lg, b: select_experts(lg, top_k, e_score_correction_bias=b, **routing),
                    jax.ShapeDtypeStruct((1, num_experts), jnp.float32), bias)
-    rsf = routing["routed_scaling_factor"]
-    if isinstance(rsf, bool) or not isinstance(rsf, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(float(rsf)) or float(rsf) <= 0:
-        raise ValueError(f"routed_scaling_factor must be a finite positive number, got {rsf!r}")
