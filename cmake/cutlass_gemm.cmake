@@ -1,5 +1,5 @@
 # cmake/cutlass_gemm.cmake -- jax_moe's own CUTLASS kernels: the SM90 bf16 and fp8 grouped GEMMs
-# (ffi/cutlass_grouped_gemm*) behind the XLA FFI targets jax_moe_cutlass_grouped_gemm and
+# (ffi/cutlass/grouped_gemm*) behind the XLA FFI targets jax_moe_cutlass_grouped_gemm and
 # jax_moe_cutlass_grouped_gemm_fp8, in the nanobind module jax_moe._jax_moe_cutlass. Included from
 # CMakeLists.txt once the CUDA language is enabled.
 #
@@ -12,8 +12,8 @@
 # JAX_MOE_WITH_CUTLASS (default ON) builds it when the headers are found and JAX_MOE_CUDA_ARCHS
 # includes 90a; otherwise the module is skipped with a status line and jax_moe.backends.cutlass says why.
 # Only sm_90a code is generated for these TUs, whatever else the other CUDA targets build for.
-# Instantiations: one object file per (kind, tile) of ffi/cutlass_grouped_gemm.h (CutlassGemmKind x
-# CutlassTile; the counts are read from that header), each ffi/cutlass_grouped_gemm_tile.cu compiled with
+# Instantiations: one object file per (kind, tile) of ffi/cutlass/grouped_gemm.h (CutlassGemmKind x
+# CutlassTile; the counts are read from that header), each ffi/cutlass/grouped_gemm_tile.cu compiled with
 # JAX_MOE_CUTLASS_KIND/JAX_MOE_CUTLASS_TILE, so they compile in parallel (1-2 min each on one core).
 include_guard(GLOBAL)
 include("${CMAKE_CURRENT_LIST_DIR}/find_flashinfer.cmake")
@@ -52,12 +52,12 @@ function(jax_moe_find_cutlass out_inc out_util)
   set(${out_util} "" PARENT_SCOPE)
 endfunction()
 
-# The value of `NAME = <int>` in ffi/cutlass_grouped_gemm.h (one place for the tile and kind counts).
+# The value of `NAME = <int>` in ffi/cutlass/grouped_gemm.h (one place for the tile and kind counts).
 function(jax_moe_header_count out name)
-  file(STRINGS "${CMAKE_CURRENT_SOURCE_DIR}/ffi/cutlass_grouped_gemm.h" _line REGEX "${name} = [0-9]+")
+  file(STRINGS "${CMAKE_CURRENT_SOURCE_DIR}/ffi/cutlass/grouped_gemm.h" _line REGEX "${name} = [0-9]+")
   string(REGEX MATCH "${name} = ([0-9]+)" _m "${_line}")
   if(NOT CMAKE_MATCH_1)
-    message(FATAL_ERROR "jax_moe: ${name} not found in ffi/cutlass_grouped_gemm.h")
+    message(FATAL_ERROR "jax_moe: ${name} not found in ffi/cutlass/grouped_gemm.h")
   endif()
   set(${out} "${CMAKE_MATCH_1}" PARENT_SCOPE)
 endfunction()
@@ -75,14 +75,14 @@ else()
   else()
     jax_moe_header_count(_n_kinds kNumCutlassGemmKinds)
     jax_moe_header_count(_n_tiles kNumCutlassTiles)
-    add_library(jax_moe_cutlass_kernels STATIC ffi/cutlass_grouped_gemm.cu)
+    add_library(jax_moe_cutlass_kernels STATIC ffi/cutlass/grouped_gemm.cu)
     set(_cutlass_targets jax_moe_cutlass_kernels)
     math(EXPR _last_kind "${_n_kinds} - 1")
     math(EXPR _last_tile "${_n_tiles} - 1")
     foreach(_kind RANGE ${_last_kind})
       foreach(_tile RANGE ${_last_tile})
         set(_t jax_moe_cutlass_gemm_k${_kind}_t${_tile})
-        add_library(${_t} OBJECT ffi/cutlass_grouped_gemm_tile.cu)
+        add_library(${_t} OBJECT ffi/cutlass/grouped_gemm_tile.cu)
         target_compile_definitions(${_t} PRIVATE JAX_MOE_CUTLASS_KIND=${_kind} JAX_MOE_CUTLASS_TILE=${_tile})
         target_sources(jax_moe_cutlass_kernels PRIVATE $<TARGET_OBJECTS:${_t}>)
         list(APPEND _cutlass_targets ${_t})
@@ -90,14 +90,14 @@ else()
     endforeach()
     foreach(_t IN LISTS _cutlass_targets)
       set_target_properties(${_t} PROPERTIES CUDA_ARCHITECTURES OFF CUDA_STANDARD 17 POSITION_INDEPENDENT_CODE ON)
-      target_include_directories(${_t} PRIVATE "${XLA_FFI_INCLUDE_DIR}" ffi)
+      target_include_directories(${_t} PRIVATE "${XLA_FFI_INCLUDE_DIR}")
       target_include_directories(${_t} SYSTEM PRIVATE "${_cutlass_inc}" "${_cutlass_util}")
       target_compile_options(${_t} PRIVATE
         -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -diag-suppress=940,2473)
     endforeach()
 
-    nanobind_add_module(_jax_moe_cutlass NB_STATIC ffi/cutlass_module.cc)
-    target_include_directories(_jax_moe_cutlass PRIVATE "${XLA_FFI_INCLUDE_DIR}" ffi)
+    nanobind_add_module(_jax_moe_cutlass NB_STATIC ffi/cutlass/module.cc)
+    target_include_directories(_jax_moe_cutlass PRIVATE "${XLA_FFI_INCLUDE_DIR}")
     target_link_libraries(_jax_moe_cutlass PRIVATE jax_moe_cutlass_kernels CUDA::cudart_static)
     install(TARGETS _jax_moe_cutlass LIBRARY DESTINATION jax_moe)
     set(JAX_MOE_CUTLASS_STATUS

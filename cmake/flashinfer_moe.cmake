@@ -1,5 +1,5 @@
 # cmake/flashinfer_moe.cmake -- builds FlashInfer's CUTLASS fused-MoE runner (TensorRT-LLM's
-# CutlassMoeFCRunner) for SM90 behind thin XLA FFI handlers (ffi/flashinfer_cutlass_moe.cu), for the
+# CutlassMoeFCRunner) for SM90 behind thin XLA FFI handlers (ffi/flashinfer/cutlass_moe.cu), for the
 # quant schemes in JAX_MOE_FI_SCHEMES:
 #   bf16   BF16 activations x BF16 weights -> BF16
 #   f16    FP16 activations x FP16 weights -> FP16 (opt-in: not in the default list; the same
@@ -85,7 +85,7 @@
 #       per-channel pre-quant scale (in the expand kernel) and the activation output with AWQ's
 #       apply_per_channel_scale_kernel_launcher<bf16, fp8>: with w4a8 preQuantScaleKernel.cu is
 #       compiled (and the <bf16, bf16> stub below is not emitted). Handler: W4a8Impl in
-#       ffi/flashinfer_cutlass_moe.cu.
+#       ffi/flashinfer/cutlass_moe.cu.
 #   fp8_block (KIND blockscale) compiles no MoE GEMM instantiation: the runner
 #       CutlassMoeFCRunner<bf16, fp8> with use_deepseek_fp8_block_scale sends both GEMMs to
 #       nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/fp8_blockscale_gemm.cu
@@ -95,9 +95,9 @@
 #       launchers for this type pair) is small. DeepGEMM's JIT path inside that GEMM is never
 #       taken (no include directories are given to its compiler; it compiles with nvcc, not
 #       NVRTC, so nothing links libnvrtc), and the driver functions its runtime names are hidden
-#       stubs (ffi/flashinfer_deepgemm_stubs.cc, which also keeps its load-time cache directory
+#       stubs (ffi/flashinfer/deepgemm_stubs.cc, which also keeps its load-time cache directory
 #       out of $HOME): no libcuda link. nvrtc.h (included by DeepGEMM's headers) is looked up like
-#       the cuBLAS headers. Handler: ffi/flashinfer_cutlass_moe_fp8_block.cu.
+#       the cuBLAS headers. Handler: ffi/flashinfer/cutlass_moe_fp8_block.cu.
 #   stubs.cu -- the throwing stubs above, throwing stubs for the 30 bf16 (and with f16, 30 half)
 #       sm80_generic_fused_moe_gemm_kernelLauncher instantiations (the SM80 fused gated-GEMM
 #       tactics; not used on SM90 unless JAX_MOE_FI_SM80_FUSED=ON), a throwing
@@ -175,7 +175,7 @@ function(jax_moe_add_fi_module)
       OUTPUT_VARIABLE _nb_dir OUTPUT_STRIP_TRAILING_WHITESPACE)
     find_package(nanobind CONFIG REQUIRED HINTS "${_nb_dir}")
   endif()
-  nanobind_add_module(_jax_moe_flashinfer NB_STATIC "${CMAKE_CURRENT_FUNCTION_LIST_DIR}/../ffi/flashinfer_module.cc")
+  nanobind_add_module(_jax_moe_flashinfer NB_STATIC "${CMAKE_CURRENT_FUNCTION_LIST_DIR}/../ffi/flashinfer/module.cc")
   target_link_libraries(_jax_moe_flashinfer PRIVATE jax_moe_fi)
   set_target_properties(_jax_moe_flashinfer PROPERTIES INSTALL_RPATH "$ORIGIN" BUILD_RPATH "$<TARGET_FILE_DIR:jax_moe_fi>")
   install(TARGETS _jax_moe_flashinfer LIBRARY DESTINATION jax_moe)
@@ -753,15 +753,15 @@ set(_fp8_block_sources "")
 if("fp8_block" IN_LIST JAX_MOE_FI_SCHEMES)
   set(_fi_blockscale_cu "${_fi_csrc}/nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/fp8_blockscale_gemm.cu")
   set_source_files_properties("${_fi_blockscale_cu}" PROPERTIES COMPILE_DEFINITIONS ENABLE_FP8_BLOCK_SCALE)
-  set(_fp8_block_sources "${_fi_blockscale_cu}" "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_deepgemm_stubs.cc")
+  set(_fp8_block_sources "${_fi_blockscale_cu}" "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer/deepgemm_stubs.cc")
 endif()
 set(_w4a8_sources "")
 if("w4a8" IN_LIST JAX_MOE_FI_SCHEMES)  # AWQ's per-channel pre-quant scale kernels (W4A8's FP8 quantizers)
   set(_w4a8_sources "${_fi_csrc}/nv_internal/tensorrt_llm/kernels/preQuantScaleKernel.cu")
 endif()
 add_library(jax_moe_fi SHARED ${_big_sources} ${_fp8_block_sources} ${_w4a8_sources} ${_gen_sources} ${_fi_small_sources}
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe.cu"
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe_fp8_block.cu")
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer/cutlass_moe.cu"
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer/cutlass_moe_fp8_block.cu")
 target_link_libraries(jax_moe_fi PRIVATE jax_moe_fi_config CUDA::cudart_static)
 if(TARGET CUDA::cuda_driver)
   target_link_libraries(jax_moe_fi PRIVATE CUDA::cuda_driver)
@@ -769,8 +769,8 @@ endif()
 target_compile_definitions(jax_moe_fi PRIVATE ${_scheme_defs})
 target_include_directories(jax_moe_fi PRIVATE "${JAX_MOE_XLA_FFI_INCLUDE_DIR}")
 # Some jaxlib releases' api.h trips -Werror=missing-field-initializers under the host compiler.
-set_source_files_properties("${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe.cu"
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_cutlass_moe_fp8_block.cu" PROPERTIES
+set_source_files_properties("${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer/cutlass_moe.cu"
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer/cutlass_moe_fp8_block.cu" PROPERTIES
   COMPILE_OPTIONS "-Xcompiler=-Wno-missing-field-initializers,-Wno-error=missing-field-initializers")
 set_target_properties(jax_moe_fi PROPERTIES
   CUDA_ARCHITECTURES "90a"

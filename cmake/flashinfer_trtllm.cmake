@@ -1,11 +1,11 @@
 # cmake/flashinfer_trtllm.cmake -- FlashInfer's TRT-LLM gen fused MoE (SM100) behind a thin XLA FFI
-# handler (ffi/flashinfer_trtllm_moe.cu): FP8 per-tensor, FP4 block scale (NVFP4 x NVFP4, MXFP4 x
+# handler (ffi/trtllm/moe.cu): FP8 per-tensor, FP4 block scale (NVFP4 x NVFP4, MXFP4 x
 # BF16, MXFP4 x MXFP8: one target) and DeepSeek FP8 block scale. Included by CMakeLists.txt when
 # JAX_MOE_WITH_TRTLLM is ON (its default: ON when sm_100a, sm_100f or sm_103a is among the archs).
 #
 # Artifacts, installed side by side in jax_moe/ (the SM90 build is untouched):
 #   libjax_moe_trtllm.so   FlashInfer's routing kernels, MoE runner, batched-GEMM runner, its support
-#                          code, our handler and our cubin loader (ffi/trtllm_cubin_dir.cc)
+#                          code, our handler and our cubin loader (ffi/trtllm/cubin_dir.cc)
 #   _jax_moe_trtllm        nanobind glue (handler capsule, workspace / tile / config / cubin queries)
 #
 # Three inputs, none copied into this repository:
@@ -19,7 +19,7 @@
 #      JAX_MOE_TRTLLM_BMM_DIR to the pack directory, or a cubin root (JAX_MOE_TRTLLM_CUBIN_DIR,
 #      FLASHINFER_CUBIN_DIR, default ~/.cache/flashinfer/cubins) holding it. FlashInfer fills its
 #      cache the first time it JIT-builds its own TRT-LLM MoE module (or `flashinfer download-cubin`).
-#   3. At run time, the cubins of that pack, read from the cubin root by ffi/trtllm_cubin_dir.cc
+#   3. At run time, the cubins of that pack, read from the cubin root by ffi/trtllm/cubin_dir.cc
 #      (no download); jax_moe.backends.flashinfer_trtllm.missing_cubins() lists those missing.
 # When (1) or (2) is missing the module is skipped with a status line saying why.
 #
@@ -52,7 +52,7 @@
 # custom_entry 266 s, deepseek 192 s, llama4 43 s, dev_kernel 42 s, common 37 s, runner 9 s),
 # quantization.cu (133 s), the support code (< 20 s each): 1363 s wall with ninja -j2 (times per
 # TU from that run, two at a time). That link left TVMFFIBacktrace undefined (TVM_FFI_ICHECK in the
-# custom routing); with ffi/trtllm_tvm_ffi_backtrace.cc added (relinked, batched-GEMM runner rebuilt
+# custom routing); with ffi/trtllm/tvm_ffi_backtrace.cc added (relinked, batched-GEMM runner rebuilt
 # alone in 140 s) the only undefined symbols left are the CUDA driver API (cuModuleLoadData,
 # cuLaunchKernelEx, cuTensorMapEncodeTiled, ...; no libcuda stub here, they resolve from the driver
 # JAX loads) and, in _jax_moe_trtllm, Python's C API and what libjax_moe_trtllm.so defines. The
@@ -190,7 +190,7 @@ endforeach()
 # (fused_moe/trtllm_backend/trtllm_fused_moe_routing_custom.cuh) include tvm_ffi_utils.h and check
 # their arguments with TVM_FFI_ICHECK. apache-tvm-ffi is a dependency of flashinfer-python; its
 # wheel ships the headers (tvm_ffi.libinfo.find_include_path(), which also holds dlpack/). The one
-# runtime symbol those checks reach, TVMFFIBacktrace, is defined by ffi/trtllm_tvm_ffi_backtrace.cc,
+# runtime symbol those checks reach, TVMFFIBacktrace, is defined by ffi/trtllm/tvm_ffi_backtrace.cc,
 # so libtvm_ffi.so is neither linked nor needed at run time.
 execute_process(
   COMMAND "${Python_EXECUTABLE}" -c "import tvm_ffi.libinfo as l; print(l.find_include_path())"
@@ -228,14 +228,14 @@ foreach(_a IN LISTS _trtllm_archs)
 endforeach()
 
 add_library(jax_moe_trtllm SHARED ${_tfi_sources}
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer_trtllm_moe.cu"
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm_cubin_dir.cc"
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm_tvm_ffi_backtrace.cc")
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm/moe.cu"
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm/cubin_dir.cc"
+  "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm/tvm_ffi_backtrace.cc")
 target_compile_definitions(jax_moe_trtllm PRIVATE
   TLLM_GEN_EXPORT_INTERFACE TLLM_GEN_EXPORT_FLASHINFER TLLM_ENABLE_CUDA ENABLE_BF16 ENABLE_FP8
   ENABLE_FP4 CUTLASS_ENABLE_GDC_FOR_SM100=1 "TLLM_GEN_GEMM_CUBIN_PATH=\"${_bmm_rel}\"")
 target_include_directories(jax_moe_trtllm PRIVATE
-  "${_tgen}" "${_bmm_dir}/include" "${CMAKE_CURRENT_LIST_DIR}/../ffi" "${XLA_FFI_INCLUDE_DIR}"
+  "${_tgen}" "${_bmm_dir}/include" "${XLA_FFI_INCLUDE_DIR}"
   "${_tfi_csrc}" "${_tfi_csrc}/nv_internal" "${_tfi_csrc}/nv_internal/include")
 target_include_directories(jax_moe_trtllm SYSTEM PRIVATE
   "${_tfi_dir}/data/include" "${_tfi_dir}/data/cutlass/include" "${_tfi_dir}/data/spdlog/include"
@@ -259,7 +259,7 @@ endif()
 target_link_options(jax_moe_trtllm PRIVATE "-s")
 install(TARGETS jax_moe_trtllm LIBRARY DESTINATION jax_moe)
 
-nanobind_add_module(_jax_moe_trtllm NB_STATIC "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm_module.cc")
+nanobind_add_module(_jax_moe_trtllm NB_STATIC "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm/module.cc")
 target_link_libraries(_jax_moe_trtllm PRIVATE jax_moe_trtllm)
 set_target_properties(_jax_moe_trtllm PROPERTIES INSTALL_RPATH "$ORIGIN"
                                                  BUILD_RPATH "$<TARGET_FILE_DIR:jax_moe_trtllm>")

@@ -23,7 +23,7 @@ _PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
 _loaded: dict[str, object] = {}
 _errors: dict[str, str] = {}
 _registered: set[str] = set()
-SORT_CHUNK = 256  # slots per CUDA block of sort_by_expert (ffi/sort_by_expert.h: kSortChunk)
+SORT_CHUNK = 256  # slots per CUDA block of sort_by_expert (ffi/kernels/sort_by_expert.h: kSortChunk)
 
 
 def gpu_backend() -> bool:

@@ -1,5 +1,5 @@
 """The small kernels around a grouped-GEMM MoE, as jittable functions: CUDA custom calls
-(``ffi/moe_prepare.cu``, ``ffi/moe_finalize.cu``) where the CUDA module is registered and the
+(``ffi/kernels/moe_prepare.cu``, ``ffi/kernels/moe_finalize.cu``) where the CUDA module is registered and the
 computation runs on a GPU, else their jnp references (``*_reference``, which the CUDA kernels
 are tested against).
 
@@ -30,7 +30,7 @@ values; a NaN or an infinity becomes a NaN element) and keep a bad row to itself
 gathered, activated and reduced on its own, and rows past ``valid_rows`` are selected away with
 ``where``. The CUDA kernels are tested against the references on finite inputs only: their
 ``fmaxf`` leaves a NaN out of the amax but not an infinity, and their clip turns a NaN into -448
-(``ffi/moe_device.cuh``).
+(``ffi/kernels/moe_device.cuh``).
 
 Transformations: every custom call declares ``vmap_method="sequential"`` (a batch runs one
 element at a time); the references batch natively. Arguments may be numpy arrays.
@@ -48,8 +48,8 @@ from jax_moe.config import FLOAT_DTYPES, MoEConfig, check_dtype, check_rank
 from jax_moe.permute import finalize
 from jax_moe.quant.fp8 import quantize_fp8_per_token, quantize_fp8_static
 
-QUANT_MODES = {None: 0, "fp8_per_token": 1, "fp8_static": 2}  # ffi/moe_kernels.h: QuantMode
-ACTIVATIONS = {"silu": 0, "gelu": 1}  # ffi/moe_kernels.h: Activation
+QUANT_MODES = {None: 0, "fp8_per_token": 1, "fp8_static": 2}  # ffi/kernels/moe_prepare_finalize.h: QuantMode
+ACTIVATIONS = {"silu": 0, "gelu": 1}  # ffi/kernels/moe_prepare_finalize.h: Activation
 
 
 # ---------------------------------------------------------------- argument checks

@@ -353,7 +353,7 @@ def _custom_calls(fn, *args) -> list[str]:
 
 def test_shape_rules_lower_for_cuda(monkeypatch):
     """With the CUDA module taken as registered, each wrapper lowers to its custom call with the
-    operand and result types the handlers check (ffi/moe_kernels.h)."""
+    operand and result types the handlers check (ffi/kernels/moe_prepare_finalize.h)."""
     monkeypatch.setattr(ffi, "has_native", lambda kind: kind == "cuda")
     x, slots, v = jnp.ones((5, 16), jnp.bfloat16), jnp.arange(10, dtype=jnp.int32), jnp.int32(7)
     (line,) = _custom_calls(lambda x, s, v: kernels.permute_rows(x, s, 2, valid_rows=v, quant="fp8_per_token"),

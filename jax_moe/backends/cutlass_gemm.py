@@ -2,7 +2,7 @@
 (:mod:`jax_moe.backends.cutlass`).
 
 :func:`grouped_gemm` is the SM90 CUTLASS pointer-array grouped GEMM of
-``ffi/cutlass_grouped_gemm*`` (bf16 x bf16 -> bf16, or e4m3 x e4m3 -> bf16 with the scales in an
+``ffi/cutlass/grouped_gemm*`` (bf16 x bf16 -> bf16, or e4m3 x e4m3 -> bf16 with the scales in an
 epilogue visitor tree; float32 accumulation), in the nanobind module ``jax_moe._jax_moe_cutlass``
 (``cmake/cutlass_gemm.cmake``). Its per-group arguments are built on the device from the offsets,
 so the call never waits for the GPU and is safe in a CUDA graph. Its workspace is a second,
@@ -37,12 +37,12 @@ from jax_moe.permute import batched_rows_used
 
 log = logging.getLogger("jax_moe")
 
-# kind -> (CutlassGemmKind in ffi/cutlass_grouped_gemm.h, FFI target, dtype of a and b)
+# kind -> (CutlassGemmKind in ffi/cutlass/grouped_gemm.h, FFI target, dtype of a and b)
 KINDS: dict[str, tuple[int, str, str]] = {
     "bf16": (0, "jax_moe_cutlass_grouped_gemm", "bfloat16"),
     "fp8": (1, "jax_moe_cutlass_grouped_gemm_fp8", "float8_e4m3fn"),
 }
-# tile name -> CutlassTile in ffi/cutlass_grouped_gemm.h (one CUTLASS instantiation per kind; the K
+# tile name -> CutlassTile in ffi/cutlass/grouped_gemm.h (one CUTLASS instantiation per kind; the K
 # tile is 128 bytes: 64 for bf16, 128 for fp8)
 TILES: dict[str, int] = {"coop_128x128": 0, "pingpong_64x128": 1}
 TILE_ENV = "JAX_MOE_CUTLASS_TILE"

@@ -3,7 +3,7 @@ native module, the routing kernels' limits, the scheme's own contract tables, op
 tokens-per-tile rules.
 
 FlashInfer's TRT-LLM gen fused MoE runs on SM100 (tcgen05 batched GEMMs from prebuilt cubins).
-Schemes with a handler (:data:`TARGETS`; ``ffi/flashinfer_trtllm_moe.cu``), routing done before
+Schemes with a handler (:data:`TARGETS`; ``ffi/trtllm/moe.cu``), routing done before
 the call in every one of them: ``fp8`` (:mod:`.fp8`), ``mxfp4`` and ``nvfp4`` (one target,
 :mod:`.mxfp4`, :mod:`.nvfp4`), ``fp8_block`` (:mod:`.fp8_block`). Every scheme's weight
 preparation is pure jnp, CPU-tested against the layouts as documented in words.
@@ -22,7 +22,7 @@ TARGETS = {"fp8": "jax_moe_trtllm_fp8_per_tensor_moe",
            "nvfp4": "jax_moe_trtllm_fp4_block_scale_moe",
            "mxfp4": "jax_moe_trtllm_fp4_block_scale_moe",
            "fp8_block": "jax_moe_trtllm_fp8_block_scale_moe"}
-# the runner a (scheme, activation format) builds: ffi/trtllm_module.h's kScheme* (scheme_id())
+# the runner a (scheme, activation format) builds: ffi/trtllm/host_queries.h's kScheme* (scheme_id())
 SCHEME_IDS = {"fp8": 0, "nvfp4": 1, "mxfp4": 2, "mxfp4_mxfp8": 3, "fp8_block": 4}
 # the FlashInfer entry point each scheme's handler wraps
 KERNELS = {"fp8": "trtllm_fp8_per_tensor_scale_moe", "fp8_block": "trtllm_fp8_block_scale_moe",

@@ -21,7 +21,7 @@ CUBIN_ENV = "JAX_MOE_TRTLLM_CUBIN_DIR"
 def cubin_root() -> str:
     """The directory cubins are read from: ``JAX_MOE_TRTLLM_CUBIN_DIR``, else
     ``FLASHINFER_CUBIN_DIR``, else ``${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer/cubins``
-    (the rule of ``ffi/trtllm_cubin_dir.cc``)."""
+    (the rule of ``ffi/trtllm/cubin_dir.cc``)."""
     for var in (CUBIN_ENV, "FLASHINFER_CUBIN_DIR"):
         if os.environ.get(var):
             return os.environ[var]

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "cutlass_grouped_gemm.h"
+#include "grouped_gemm.h"
 
 namespace nb = nanobind;
 

@@ -33,7 +33,7 @@
 // The block-scale GEMM has no tactic list: it is one kernel (tile 128 x 64 x 128) whose launch
 // FlashInfer's binding configures with a placeholder tactic, as done here. DeepGEMM's JIT path in
 // the same GEMM is never taken (its compiler has no include directories, so it reports itself
-// invalid); the driver calls its runtime names are resolved by ffi/flashinfer_deepgemm_stubs.cc.
+// invalid); the driver calls its runtime names are resolved by ffi/flashinfer/deepgemm_stubs.cc.
 //
 // One runner per device and problem shape: the block-scale GEMM runner keeps the largest row
 // count it was sized for and lays its workspace out by it, so a runner shared between shapes
@@ -55,11 +55,11 @@
 #include <string>
 #include <tuple>
 
-// XLA's FFI headers first (see flashinfer_cutlass_moe.cu: CUTLASS headers turn
+// XLA's FFI headers first (see cutlass_moe.cu: CUTLASS headers turn
 // -Wmissing-field-initializers into an error for everything after them).
 #include "xla/ffi/api/ffi.h"
-#include "flashinfer_cutlass_moe_fp8_block.h"
-#include "flashinfer_handler_common.h"
+#include "cutlass_moe_fp8_block.h"
+#include "handler_common.h"
 
 namespace ffi = xla::ffi;
 
@@ -78,7 +78,7 @@ namespace ce = tensorrt_llm::cutlass_extensions;
 
 // Instantiated in the generated runner.cu.
 extern template class tk::CutlassMoeFCRunner<__nv_bfloat16, __nv_fp8_e4m3>;
-extern "C" void JaxMoeDeepGemmRestoreEnv();  // ffi/flashinfer_deepgemm_stubs.cc
+extern "C" void JaxMoeDeepGemmRestoreEnv();  // ffi/flashinfer/deepgemm_stubs.cc
 #endif
 
 namespace jax_moe_fi {

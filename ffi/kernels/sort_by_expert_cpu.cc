@@ -2,7 +2,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "common.h"
+#include "../common/errors.h"
 #include "sort_by_expert.h"
 
 namespace jax_moe {

@@ -1,5 +1,5 @@
-// Host-side helpers shared by the FlashInfer CUTLASS MoE handlers (ffi/flashinfer_cutlass_moe.cu,
-// ffi/flashinfer_cutlass_moe_fp8_block.cu): the current-device guard and the key of a traced
+// Host-side helpers shared by the FlashInfer CUTLASS MoE handlers (ffi/flashinfer/cutlass_moe.cu,
+// ffi/flashinfer/cutlass_moe_fp8_block.cu): the current-device guard and the key of a traced
 // problem shape under which a handler caches its runner or tactic choice.
 #pragma once
 

@@ -1,8 +1,8 @@
-// The CUTLASS side of the grouped GEMM FFI targets (contract in cutlass_grouped_gemm.h): one SM90
+// The CUTLASS side of the grouped GEMM FFI targets (contract in grouped_gemm.h): one SM90
 // pointer-array grouped GEMM type per (kind, tile), the device kernel that fills its per-group argument
-// arrays from the expert offsets (or, batched, the counts: GroupRows), and the host launch. Included by ffi/cutlass_grouped_gemm_tile.cu, which
+// arrays from the expert offsets (or, batched, the counts: GroupRows), and the host launch. Included by ffi/cutlass/grouped_gemm_tile.cu, which
 // CMake compiles once per (kind, tile) (cmake/cutlass_gemm.cmake) so that the instantiations compile in
-// parallel; the FFI handlers (cutlass_grouped_gemm.cu) see only GroupedGemmCall, GroupRows and
+// parallel; the FFI handlers (grouped_gemm.cu) see only GroupedGemmCall, GroupRows and
 // Run/WorkspaceBytes.
 //
 // Layouts, in CUTLASS's terms: A row-major [M_e, K]; B "column-major" (K, N), i.e. our [N, K] rows with
@@ -17,8 +17,8 @@
 
 #include <cuda_runtime.h>
 
-#include "common.h"
-#include "cutlass_grouped_gemm.h"
+#include "../common/errors.h"
+#include "grouped_gemm.h"
 
 #ifdef JAX_MOE_CUTLASS_IMPL
 #include "cute/tensor.hpp"
@@ -135,8 +135,8 @@ struct GroupedGemm {
   using Acc = float;
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
-  static_assert(kAlign == CutlassAlignK(Kind), "cutlass_grouped_gemm.h's K alignment must match the TMA's");
-  static_assert(kAlignD == kCutlassAlignN, "cutlass_grouped_gemm.h's N alignment must match the TMA's");
+  static_assert(kAlign == CutlassAlignK(Kind), "grouped_gemm.h's K alignment must match the TMA's");
+  static_assert(kAlignD == kCutlassAlignN, "grouped_gemm.h's N alignment must match the TMA's");
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -300,7 +300,7 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   return ffi::Error::Success();
 }
 
-// The tile configurations of cutlass_grouped_gemm.h: the CTA's rows and schedules per tile; every tile is
+// The tile configurations of grouped_gemm.h: the CTA's rows and schedules per tile; every tile is
 // 128 columns wide with a K tile of 128 bytes per row (64 bf16, 128 fp8 elements), cluster 1x1x1.
 template <int Tile>
 struct TileSchedule;

@@ -96,7 +96,7 @@
 // some jaxlib versions' api.h has such initializers.
 #include "xla/ffi/api/ffi.h"
 // clang-format off
-#include "flashinfer_handler_common.h"
+#include "handler_common.h"
 #include "jax_moe_fi_kernels.h"
 #include "tensorrt_llm/kernels/cutlass_kernels/include/moe_kernels.h"  // FlashInfer's, by its full path
 // clang-format on
@@ -138,7 +138,7 @@ struct Mxfp4Scheme {
   using Runner = tk::CutlassMoeFCRunner<__nv_bfloat16, tk::Fp4Type>;
 };
 // FP16 (opt-in): bf16's runner with half everywhere, biases included. (Id 3 is fp8_block's, in
-// flashinfer_cutlass_moe_fp8_block.cu.)
+// cutlass_moe_fp8_block.cu.)
 struct F16Scheme {
   static constexpr int kId = 4;
   static constexpr char const* kName = "f16";

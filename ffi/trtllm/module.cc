@@ -7,7 +7,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include "trtllm_module.h"
+#include "host_queries.h"
 
 namespace nb = nanobind;
 
@@ -41,7 +41,7 @@ NB_MODULE(_jax_moe_trtllm, m) {
   m.def("workspace_size", &jax_moe_trtllm::WorkspaceSize, nb::arg("tokens"), nb::arg("hidden"),
         nb::arg("inter"), nb::arg("experts"), nb::arg("top_k"), nb::arg("activation"),
         nb::arg("tile_n"), nb::arg("config") = -1, nb::arg("device") = 0, nb::arg("scheme") = 0,
-        "Bytes of the uint8 workspace result (needs an SM100 device; scheme: trtllm_module.h).");
+        "Bytes of the uint8 workspace result (needs an SM100 device; scheme: host_queries.h).");
 
   m.def("default_tile_n", &jax_moe_trtllm::DefaultTileN, nb::arg("tokens"), nb::arg("top_k"),
         nb::arg("experts"), "Tokens per CTA tile the handler uses for this shape by default.");
@@ -55,5 +55,5 @@ NB_MODULE(_jax_moe_trtllm, m) {
         nb::arg("tile_n") = -1, nb::arg("config") = -1, nb::arg("tokens") = 0,
         nb::arg("hidden") = 0, nb::arg("inter") = 0, nb::arg("experts") = 0,
         nb::arg("top_k") = 0, nb::arg("device") = 0,
-        "[(relative cubin path, sha256)] the runner may load (see trtllm_module.h).");
+        "[(relative cubin path, sha256)] the runner may load (see host_queries.h).");
 }

@@ -11,7 +11,7 @@
 #include <string>
 #include <utility>
 
-#include "common.h"
+#include "../common/errors.h"
 #include "moe_prepare_finalize.h"
 
 namespace jax_moe {

@@ -1,5 +1,5 @@
-// The host side of the TRT-LLM gen MoE library (libjax_moe_trtllm.so, ffi/flashinfer_trtllm_moe.cu)
-// that the nanobind glue (trtllm_module.cc) exposes to Python. No FlashInfer headers here, so the
+// The host side of the TRT-LLM gen MoE library (libjax_moe_trtllm.so, ffi/trtllm/moe.cu)
+// that the nanobind glue (module.cc) exposes to Python. No FlashInfer headers here, so the
 // glue compiles without them. Scheme ids (jax_moe.backends.flashinfer_trtllm.SCHEME_IDS): the runner
 // a scheme builds (activation and weight dtypes) and so its cubins and workspace.
 #pragma once
@@ -41,6 +41,6 @@ std::vector<std::pair<std::string, std::string>> Cubins(int scheme, int64_t acti
                                                         int64_t inter, int64_t experts,
                                                         int64_t top_k, int device);
 
-std::string CubinRoot();  // trtllm_cubin_dir.h
+std::string CubinRoot();  // cubin_dir.h
 
 }  // namespace jax_moe_trtllm

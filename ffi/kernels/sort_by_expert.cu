@@ -7,7 +7,7 @@
 // Bucket E collects the ids outside [0, E). No allocation, no host synchronisation.
 #include <cstdint>
 
-#include "common.h"
+#include "../common/errors.h"
 #include "sort_by_expert.h"
 
 namespace jax_moe {

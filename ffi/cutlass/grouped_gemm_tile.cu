@@ -1,8 +1,8 @@
-// One CUTLASS grouped GEMM instantiation (one (kind, tile) of cutlass_grouped_gemm.h per object file:
+// One CUTLASS grouped GEMM instantiation (one (kind, tile) of grouped_gemm.h per object file:
 // compile time). cmake/cutlass_gemm.cmake compiles this file once per pair, with
 // JAX_MOE_CUTLASS_KIND (a CutlassGemmKind) and JAX_MOE_CUTLASS_TILE (a CutlassTile) defined.
 #define JAX_MOE_CUTLASS_IMPL
-#include "cutlass_grouped_gemm_impl.cuh"
+#include "grouped_gemm_impl.cuh"
 
 #if !defined(JAX_MOE_CUTLASS_KIND) || !defined(JAX_MOE_CUTLASS_TILE)
 #error "define JAX_MOE_CUTLASS_KIND and JAX_MOE_CUTLASS_TILE (cmake/cutlass_gemm.cmake does)"

@@ -1,5 +1,5 @@
-// Host-side entry points of the fp8_block scheme's handler (ffi/flashinfer_cutlass_moe_fp8_block.cu)
-// for the nanobind module (ffi/flashinfer_module.cc). C types only across the library boundary.
+// Host-side entry points of the fp8_block scheme's handler (ffi/flashinfer/cutlass_moe_fp8_block.cu)
+// for the nanobind module (ffi/flashinfer/module.cc). C types only across the library boundary.
 #pragma once
 
 #include <cstddef>
@@ -19,7 +19,7 @@ size_t Fp8BlockWorkspaceSize(int64_t num_tokens, int64_t hidden, int64_t inter, 
                              int64_t top_k, int64_t activation, int device);
 
 // Called once by the nanobind module after libjax_moe_fi.so has loaded: restores the process
-// environment that the library's load-time DeepGEMM guard changed (ffi/flashinfer_deepgemm_stubs.cc).
+// environment that the library's load-time DeepGEMM guard changed (ffi/flashinfer/deepgemm_stubs.cc).
 void Fp8BlockAfterLoad();
 
 }  // namespace jax_moe_fi

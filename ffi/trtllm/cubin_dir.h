@@ -2,7 +2,7 @@
 //
 // FlashInfer's batched-GEMM export headers load each kernel through
 // flashinfer::trtllm_cubin_loader::getCubin(relative_path, sha256). FlashInfer implements it as a
-// callback into Python that downloads into its cache; jax_moe implements it here (trtllm_cubin_dir.cc)
+// callback into Python that downloads into its cache; jax_moe implements it here (cubin_dir.cc)
 // as a file read under CubinRoot(), so nothing is fetched at run time and a missing kernel fails
 // with the full path it looked for.
 //

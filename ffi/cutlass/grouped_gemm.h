@@ -28,7 +28,7 @@
 //   row_scale [E, C]     (fp8) in place of [M]
 // -> d [E, C, N]         d[e, r] as above for r < counts[e], zeros for the rest
 // The same kernels and instantiations serve both formats: only the per-group rows differ
-// (GroupRows in cutlass_grouped_gemm_impl.cuh), so the format costs no compile time.
+// (GroupRows in grouped_gemm_impl.cuh), so the format costs no compile time.
 //
 // attr tile: a CutlassTile below. E >= 1. K must be a multiple of CutlassAlignK(kind) (16-byte TMA rows of
 // a and b), N a multiple of kCutlassAlignN (16-byte bf16 rows of d). Offsets are clamped to [0, M] on

@@ -1,5 +1,5 @@
 // XLA FFI handlers of jax_moe_cutlass_grouped_gemm and jax_moe_cutlass_grouped_gemm_fp8 (contract in
-// cutlass_grouped_gemm.h): decode and check the buffers on the host from their static shapes (CUTLASS's
+// grouped_gemm.h): decode and check the buffers on the host from their static shapes (CUTLASS's
 // can_implement cannot see the per-group sizes, which live on the device), zero the rows no expert owns
 // (standard format) or the rows past each expert's count (batched format),
 // and hand the call to the (kind, tile)'s instantiation. No allocation, no host sync, no device-to-host
@@ -10,9 +10,9 @@
 
 #include <cuda_runtime.h>
 
-#include "common.h"
-#include "cutlass_grouped_gemm.h"
-#include "cutlass_grouped_gemm_impl.cuh"
+#include "../common/errors.h"
+#include "grouped_gemm.h"
+#include "grouped_gemm_impl.cuh"
 
 namespace jax_moe {
 namespace {

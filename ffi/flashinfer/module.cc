@@ -1,7 +1,7 @@
 // nanobind module jax_moe._jax_moe_flashinfer: exports the XLA FFI handlers of FlashInfer's CUTLASS
 // fused-MoE runner and the host-side queries the Python wrapper needs at trace time (workspace
-// size, tactic lists). Both live in libjax_moe_fi.so (ffi/flashinfer_cutlass_moe.cu), which this
-// module links (fp8_block's handler and workspace query: ffi/flashinfer_cutlass_moe_fp8_block.cu);
+// size, tactic lists). Both live in libjax_moe_fi.so (ffi/flashinfer/cutlass_moe.cu), which this
+// module links (fp8_block's handler and workspace query: ffi/flashinfer/cutlass_moe_fp8_block.cu);
 // scheme ids: 0 bf16, 1 fp8, 2 mxfp4, 3 fp8_block, 4 f16, 5 w4a8.
 
 #include <nanobind/nanobind.h>
@@ -22,11 +22,11 @@
 #include <utility>
 #include <vector>
 
-#include "flashinfer_cutlass_moe_fp8_block.h"
+#include "cutlass_moe_fp8_block.h"
 
 namespace nb = nanobind;
 
-// XLA_FFI_DEFINE_HANDLER_SYMBOL in flashinfer_cutlass_moe.cu defines it with C linkage.
+// XLA_FFI_DEFINE_HANDLER_SYMBOL in cutlass_moe.cu defines it with C linkage.
 struct XLA_FFI_CallFrame;
 struct XLA_FFI_Error;
 extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoe(XLA_FFI_CallFrame* call_frame);

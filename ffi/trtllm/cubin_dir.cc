@@ -1,7 +1,7 @@
-// jax_moe's cubin loader for the TRT-LLM gen batched GEMMs (see trtllm_cubin_dir.h). No FlashInfer
+// jax_moe's cubin loader for the TRT-LLM gen batched GEMMs (see cubin_dir.h). No FlashInfer
 // headers: the one symbol the export headers need is defined at the bottom with their signature.
 
-#include "trtllm_cubin_dir.h"
+#include "cubin_dir.h"
 
 #include <cstdlib>
 #include <fstream>

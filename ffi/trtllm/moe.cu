@@ -1,10 +1,10 @@
 // XLA FFI handlers around FlashInfer's TRT-LLM gen fused-MoE runner (SM100: tcgen05 batched GEMMs
-// from prebuilt cubins, see trtllm_cubin_dir.h), with routing done before the call (top-k ids and
+// from prebuilt cubins, see cubin_dir.h), with routing done before the call (top-k ids and
 // weights come in, as everywhere in jax_moe). Two targets:
 //   JaxMoeTrtllmFp8PerTensorMoe   FP8 per-tensor W8A8 (FlashInfer: trtllm_fp8_per_tensor_scale_moe)
 //   JaxMoeTrtllmFp4BlockScaleMoe  FP4 block-scale weights (FlashInfer: trtllm_fp4_block_scale_moe):
 //                                 NVFP4 x NVFP4, MXFP4 x BF16, MXFP4 x MXFP8 (the scheme ids of
-//                                 trtllm_module.h), told apart by the operands' dtypes
+//                                 host_queries.h), told apart by the operands' dtypes
 //   JaxMoeTrtllmFp8BlockScaleMoe  DeepSeek FP8 128x128 block scale (FlashInfer:
 //                                 trtllm_fp8_block_scale_moe with DeepSeekFp8 quantization)
 //
@@ -13,7 +13,7 @@
 // fused (and, for FP8/NVFP4/MXFP8, the re-quantization of its output), GEMM2, finalize: weighted
 // top-k reduce). Every intermediate buffer lives in one uint8 workspace that XLA allocates as the
 // call's second result; its layout is MakePlan() below, and workspace_size() (nanobind,
-// trtllm_module.cc) returns its total for the Python shape rule. Nothing is allocated here.
+// module.cc) returns its total for the Python shape rule. Nothing is allocated here.
 //
 // FP8 per tensor (XLA row-major):
 //   x            float8_e4m3fn [T, H]          activations quantized with the per-tensor a13 scale
@@ -70,10 +70,10 @@
 #include <utility>
 #include <vector>
 
-#include "common.h"
+#include "../common/errors.h"
 #include "flashinfer/trtllm/batched_gemm/trtllmGen_bmm_export/BatchedGemmInterface.h"
 #include "flashinfer/trtllm/fused_moe/runner.h"
-#include "trtllm_module.h"
+#include "host_queries.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
