@@ -7,6 +7,7 @@
     python bench/moe_bench.py --scheme fp8_block --models deepseek   # DeepSeek-V3 FP8 128x128 blocks
     python bench/moe_bench.py --scheme w4a8   # int4 group-128 weights, FP8 activations
     python bench/moe_bench.py --scheme f16    # float16 activations and weights
+    python bench/moe_bench.py --impls xla cutlass tokamax --in-loop 1 16   # + device time per layer
 
 Columns: each implementation's median time (ms), its speedup over the plain sort +
 ``jax.lax.ragged_dot`` MoE, and the floor ``max(bytes / bandwidth, FLOPs / peak)`` with the
@@ -22,6 +23,16 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
   ``flashinfer_cutlass`` and ``cutlass``, for bf16 and for ``--scheme fp8``), on weights prepared
   once before timing (its ``prepare``, as ``MoEBlock.prepare()`` does; ``cutlass`` needs none and
   runs on the stored weights).
+- ``tokamax`` (bf16 only, where tokamax is importable on an NVIDIA GPU; :mod:`bench.peers`): the
+  same routing and data through tokamax's Mosaic-GPU ``ragged_dot``, the peer to beat. Its column
+  is followed by "vs tokamax", tokamax's time over the best jax_moe time (above 1: jax_moe is faster).
+
+``best`` names the fastest jax_moe implementation of the row (``ragged_dot``, ``dense`` and the
+peers are not jax_moe's). ``--impls`` restricts the columns; ``--in-loop T ...`` adds a second
+table per model: each implementation's per-call time next to its device time per layer measured
+inside one jitted loop of ``--layers`` layers (:mod:`bench.in_loop`), where host dispatch is not
+counted. After each row a ``# check`` line gives every implementation's relative difference from
+the first one's output on the same inputs (they compute the same function).
 
 The floor counts weight bytes at the scheme's width (:data:`SCHEMES`: FP8 1 byte, FP8 block 1 byte
 plus a float32 scale per 128x128, MXFP4 half a byte plus one E8M0 byte per 32, W4A8 half a byte
@@ -34,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import statistics
 import subprocess
@@ -46,6 +58,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bench import in_loop, peers  # noqa: E402
 from jax_moe import oracle  # noqa: E402
 from jax_moe.backends import xla  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
@@ -57,6 +70,7 @@ SCHEMES = {"bf16": 2, "f16": 2, "fp8": 1, "fp8_block": 1 + 4 / (128 * 128), "mxf
            "w4a8": 0.5 + 4 / 128}
 FP8_MATH = ("fp8", "fp8_block", "w4a8")  # schemes whose GEMMs run on FP8 tensor cores
 TOKEN_DTYPE = {"f16": jnp.float16}       # the tokens' dtype where it is not bfloat16
+NOT_JAX_MOE = ("ragged_dot", "dense", "tokamax")  # baselines and peers: never "best jax_moe"
 
 @dataclasses.dataclass(frozen=True)
 class Model:
@@ -125,9 +139,11 @@ def dense_reference(x, w13, w2, w, ids, cfg):
     return jnp.einsum("tkh,tk->th", y, w).astype(x.dtype)
 
 
-def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16) -> dict:
+def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16, only: list[str] | None = None) -> dict:
     """name -> (uses the scheme's weights?, prepare(w13, w2) -> weights (load time, untimed),
-    fn(x, weights, w, ids)); ``dtype``: the unquantized scheme weights' dtype (float16 for f16)."""
+    fn(x, weights, w, ids)); ``dtype``: the unquantized scheme weights' dtype (float16 for f16);
+    ``only``: the names to keep (None: every one that runs here)."""
+    want = (lambda name: True) if only is None else (lambda name: name in only)  # noqa: E731
     same = lambda w13, w2: (w13, w2)  # noqa: E731
     impls = {
         "xla": (True, same, lambda x, ws, w, ids: xla.apply(x, *ws, w, ids, cfg, quant=quant)),
@@ -135,8 +151,9 @@ def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16) -> dict:
     }
     if quant is None:
         impls["dense"] = (False, same, lambda x, ws, w, ids: dense_reference(x, *ws, w, ids, cfg))
+    impls = {name: v for name, v in impls.items() if want(name)}
     for name in oracle.MODULES:
-        if name == "xla":
+        if name == "xla" or not want(name):
             continue
         mod, ok, reason = oracle.probe(name, cfg, quant, None, oracle.call_features(dtype=dtype))
         if not ok:
@@ -146,6 +163,8 @@ def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16) -> dict:
                            lambda x, p, w, ids, mod=mod: mod.apply_prepared(x, p, w, ids))
         else:
             impls[name] = (True, same, lambda x, ws, w, ids, mod=mod: mod.apply(x, *ws, w, ids, cfg, quant=quant))
+    if quant is None and jnp.dtype(dtype) == jnp.bfloat16 and cfg.activation == "silu" and want("tokamax"):
+        impls.update(peers.implementations())
     return impls
 
 
@@ -166,44 +185,101 @@ def quantized(scheme: str, w13, w2, m: Model):
     return quantize_weights(scheme, w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=a2)
 
 
-def run_model(m: Model, tokens: list[int], bw: float, peak: float, dense_limit: float, rows: list,
-              scheme: str = "bf16"):
-    cfg = MoEConfig(m.e, m.k, m.h, m.i)
-    key = jax.random.key(0)
-    k1, k2 = jax.random.split(key)
+def random_experts(m: Model) -> tuple[jax.Array, jax.Array]:
+    """bf16 w13 [E, 2I, H], w2 [E, H, I], Gaussian with fan-in scaling (outputs of magnitude ~1)."""
+    k1, k2 = jax.random.split(jax.random.key(0))
     w13 = (jax.random.normal(k1, (m.e, 2 * m.i, m.h), jnp.bfloat16) * (m.h ** -0.5)).astype(jnp.bfloat16)
     w2 = (jax.random.normal(k2, (m.e, m.h, m.i), jnp.bfloat16) * (m.i ** -0.5)).astype(jnp.bfloat16)
+    return w13, w2
+
+
+def routed_inputs(m: Model, t: int, sets: int = 3) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+    """``sets`` (x [T, H] bf16, topk_weights, topk_ids) of random tokens and softmax top-k routing
+    (rotated between timed calls, so that repeated runs do not measure the cache)."""
+    routed = []
+    for r in range(sets):
+        kx, kr = jax.random.split(jax.random.key(100 + r))
+        x = jax.random.normal(kx, (t, m.h), jnp.bfloat16)
+        w, ids = select_experts(jax.random.normal(kr, (t, m.e), jnp.float32), m.k)
+        routed.append((x, w, ids))
+    return routed
+
+
+def rel_diff(a: jax.Array, b: jax.Array) -> float:
+    """``||a - b|| / ||b||`` in float32."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def run_model(m: Model, tokens: list[int], bw: float, peak: float, dense_limit: float, rows: list,
+              scheme: str = "bf16", only: list[str] | None = None, loop_tokens: tuple[int, ...] = (),
+              layers: int = 32, loop_rows: list | None = None):
+    """Time every implementation at each T of ``tokens`` (one row each, appended to ``rows`` and
+    printed), then, for each T of ``loop_tokens``, per call and per layer inside a jitted loop
+    (:mod:`bench.in_loop`; rows appended to ``loop_rows``)."""
+    cfg = MoEConfig(m.e, m.k, m.h, m.i)
+    w13, w2 = random_experts(m)
     q13, q2, quant = quantized(scheme, w13, w2, m)
     tok_dtype = TOKEN_DTYPE.get(scheme, jnp.bfloat16)
-    impls = implementations(cfg, quant, tok_dtype)
+    impls = implementations(cfg, quant, tok_dtype, only)
     print(header(list(impls)), flush=True)
     weights = {name: prep(*((q13, q2) if scheme_w else (w13, w2)))
                for name, (scheme_w, prep, _) in impls.items()}  # load time, untimed
     if quant is not None:
         del q13, q2
+    jitted = {name: jax.jit(fn) for name, (_, _, fn) in impls.items()}
+
+    def inputs_of(name, routed):
+        return [(x.astype(tok_dtype) if impls[name][0] else x, weights[name], w, ids) for x, w, ids in routed]
+
+    def too_large(name, t):
+        return name == "dense" and t * m.k * 3 * m.h * m.i * 2 > dense_limit
+
+    per_call: dict[tuple[str, int], float | None] = {}
     for t in tokens:
-        routed = []
-        for r in range(3):  # rotate inputs so repeated runs don't measure the cache
-            kx, kr = jax.random.split(jax.random.key(100 + r))
-            x = jax.random.normal(kx, (t, m.h), jnp.bfloat16)
-            w, ids = select_experts(jax.random.normal(kr, (t, m.e), jnp.float32), m.k)
-            routed.append((x, w, ids))
+        routed = routed_inputs(m, t)
         floor, nbytes, flops = roofline(m, t, bw, peak, scheme)
         row = {"model": m.name, "T": t, "floor": floor}
-        for name, (_, _, fn) in impls.items():
-            if name == "dense" and t * m.k * 3 * m.h * m.i * 2 > dense_limit:
+        outs = {}
+        for name in impls:
+            if too_large(name, t):
                 row[name] = None
                 continue
-            scheme_w = impls[name][0]
-            inputs = [(x.astype(tok_dtype) if scheme_w else x, weights[name], w, ids) for x, w, ids in routed]
             try:
-                row[name] = timeit(jax.jit(fn), inputs)
+                row[name] = timeit(jitted[name], inputs_of(name, routed))
+                outs[name] = jitted[name](*inputs_of(name, routed)[0])
             except Exception as err:  # out of memory and the like: recorded, not fatal
                 msg = str(err).splitlines()[0][:80]
                 print(f"# {m.name} T={t} {name}: failed ({msg})")
                 row[name] = None
+            per_call[name, t] = row[name]
         rows.append(row)
         print(format_row(row, list(impls)), flush=True)
+        if len(outs) > 1:
+            first = next(iter(outs))
+            diffs = ", ".join(f"{n} {rel_diff(o, outs[first]):.1e}" for n, o in outs.items() if n != first)
+            print(f"# check {m.name} T={t}: rel diff vs {first}: {diffs}", flush=True)
+        del outs
+
+    loop_names = [n for n in impls if n not in ("ragged_dot", "dense")]
+    if loop_tokens:
+        print(loop_header(loop_names), flush=True)
+    for t in loop_tokens:
+        routed = routed_inputs(m, t)
+        row = {"model": m.name, "T": t, "floor": roofline(m, t, bw, peak, scheme)[0], "layers": layers}
+        for name in loop_names:
+            try:
+                if (name, t) not in per_call:
+                    per_call[name, t] = timeit(jitted[name], inputs_of(name, routed))
+                x, ws = inputs_of(name, routed)[0][:2]
+                row[name] = (per_call[name, t],
+                             in_loop.per_layer_ms(jitted[name], x, ws, m.e, m.k, layers, timeit))
+            except Exception as err:  # recorded, not fatal
+                print(f"# {m.name} T={t} {name} in loop: failed ({str(err).splitlines()[0][:80]})")
+                row[name] = (per_call.get((name, t)), None)
+        if loop_rows is not None:
+            loop_rows.append(row)
+        print(format_loop_row(row, loop_names), flush=True)
     del w13, w2, weights
 
 
@@ -211,22 +287,65 @@ def fmt(v):
     return "n/a" if v is None else (f"{v:.3f}" if v < 10 else f"{v:.1f}")
 
 
-def format_row(row, names):
-    base = row.get("ragged_dot")
-    cells = [row["model"], str(row["T"])]
-    for n in names:
-        v = row.get(n)
-        cells.append(fmt(v))
-    best = min((row[n] for n in names if n not in ("ragged_dot", "dense") and row.get(n)), default=None)
-    cells.append("n/a" if not (best and base) else f"{base / best:.2f}x")
+def best_of(row: dict, names: list[str], key=lambda v: v) -> tuple[str | None, float | None]:
+    """(name, ms) of the fastest jax_moe implementation in ``row`` (baselines and peers excluded)."""
+    cands = [(key(row[n]), n) for n in names if n not in NOT_JAX_MOE and row.get(n) and key(row[n])]
+    if not cands:
+        return None, None
+    ms, name = min(cands)
+    return name, ms
+
+
+def ratio(num: float | None, den: float | None) -> str:
+    return "n/a" if not (num and den) else f"{num / den:.2f}x"
+
+
+def format_row(row: dict, names: list[str]) -> str:
+    """One markdown row: each implementation's ms, the best jax_moe one, its speedup over
+    ragged_dot and tokamax (where those columns exist), the floor and the best's % of it."""
+    cells = [row["model"], str(row["T"])] + [fmt(row.get(n)) for n in names]
+    best_name, best = best_of(row, names)
+    cells.append(best_name or "n/a")
+    if "ragged_dot" in names:
+        cells.append(ratio(row.get("ragged_dot"), best))
+    if "tokamax" in names:
+        cells.append(ratio(row.get("tokamax"), best))
     cells.append(fmt(row["floor"]))
     cells.append("n/a" if not best else f"{100 * row['floor'] / best:.0f}%")
     return "| " + " | ".join(cells) + " |"
 
 
-def header(names):
-    cols = ["model", "T"] + [f"{n} ms" for n in names] + ["best jax_moe vs ragged_dot", "floor ms", "best % of floor"]
+def header(names: list[str]) -> str:
+    cols = ["model", "T"] + [f"{n} ms" for n in names] + ["best"]
+    if "ragged_dot" in names:
+        cols.append("best vs ragged_dot")
+    if "tokamax" in names:
+        cols.append("best vs tokamax")
+    cols += ["floor ms", "best % of floor"]
     return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+
+
+def loop_header(names: list[str]) -> str:
+    cols = ["model", "T"] + [f"{n} per call / in loop ms" for n in names] + ["best in loop"]
+    if "tokamax" in names:
+        cols.append("in loop vs tokamax")
+    cols += ["floor ms", "in loop / floor"]
+    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+
+
+def format_loop_row(row: dict, names: list[str]) -> str:
+    """One row of the in-loop table: per call / per layer in a jitted loop, for each implementation."""
+    cells = [row["model"], str(row["T"])]
+    for n in names:
+        call, loop = row.get(n) or (None, None)
+        cells.append(f"{fmt(call)} / {fmt(loop)}")
+    best_name, best = best_of(row, names, key=lambda v: v[1])
+    cells.append("n/a" if not best else f"{best_name} {fmt(best)}")
+    if "tokamax" in names:
+        cells.append(ratio((row.get("tokamax") or (None, None))[1], best))
+    cells.append(fmt(row["floor"]))
+    cells.append("n/a" if not best else f"{best / row['floor']:.2f}x")
+    return "| " + " | ".join(cells) + " |"
 
 
 def plot(rows, names, path):
@@ -270,6 +389,12 @@ def main(argv=None):
                    help="autotune the FlashInfer CUTLASS tactics of each shape before timing it (fresh cache)")
     p.add_argument("--dense-limit-gb", type=float, default=16.0, help="skip the dense reference above this many GB")
     p.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md and save a PNG plot")
+    p.add_argument("--impls", nargs="+", default=None,
+                   help="only these implementations (e.g. xla cutlass tokamax); default: every one that runs here")
+    p.add_argument("--in-loop", nargs="*", type=int, default=[], metavar="T",
+                   help="also time these T per layer inside one jitted loop (device time, no dispatch)")
+    p.add_argument("--layers", type=int, default=32, help="layers of the --in-loop loop")
+    p.add_argument("--json", default=None, help="also write the rows (and in-loop rows) to this JSON file")
     args = p.parse_args(argv)
 
     if args.tune:
@@ -286,6 +411,7 @@ def main(argv=None):
              f"measured {bw / 1e12:.2f} TB/s read+write, {peak / 1e12:.0f} TFLOP/s bf16 matmul")
     print("#", title)
     rows: list = []
+    loop_rows: list = []
     here = os.path.dirname(__file__)
     results = os.path.join(here, "RESULTS.md")
     if args.write:  # the section first, then each model's table as soon as it is measured
@@ -296,12 +422,21 @@ def main(argv=None):
     for key in args.models:
         m = MODELS[key]
         rows_before = len(rows)
-        run_model(m, args.tokens, bw, peak, args.dense_limit_gb * 1e9, rows, args.scheme)
+        loops_before = len(loop_rows)
+        run_model(m, args.tokens, bw, peak, args.dense_limit_gb * 1e9, rows, args.scheme, args.impls,
+                  tuple(args.in_loop), args.layers, loop_rows)
         names = [n for n in rows[rows_before] if n not in ("model", "T", "floor")] if len(rows) > rows_before else []
         table = header(names) + "\n" + "\n".join(format_row(r, names) for r in rows[rows_before:])
+        if len(loop_rows) > loops_before:
+            lnames = [n for n in loop_rows[loops_before] if n not in ("model", "T", "floor", "layers")]
+            table += "\n\n" + loop_header(lnames) + "\n" + "\n".join(
+                format_loop_row(r, lnames) for r in loop_rows[loops_before:])
         if args.write:
             with open(results, "a") as f:
                 f.write(f"\n{table}\n")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"title": title, "rows": rows, "in_loop": loop_rows}, f, indent=1)
     print("\n" + title)
     if args.write:
         plot(rows, sorted({n for r in rows for n in r if n not in ("model", "T", "floor")}),

@@ -1,0 +1,66 @@
+"""Device time per MoE layer, with Python dispatch left out: N layers inside one jitted loop.
+
+A per-call timing (``moe_bench.timeit``: one jitted call, ``block_until_ready`` on each) counts the
+host's dispatch of every call, which at T=1..16 is a large part of the figure. Here N layers run
+in ONE jitted ``jax.lax.fori_loop``: layer ``n`` takes the previous layer's output as its tokens
+and its own routing (``topk_weights[n]``, ``topk_ids[n]``: a fresh random routing per layer, so
+consecutive layers touch different experts as a model's do, and a small model's experts do not sit
+in L2 from one layer to the next), the same weights every layer (N sets of DeepSeek-V3's experts
+would not fit). The time of one loop over N is the per-layer device time, launch gaps between
+the kernels included, the host's dispatch excluded. Each layer also reads its routing from the
+stacked ``[N, T, k]`` arrays (a dynamic slice of a few bytes, one tiny kernel at most).
+
+The outputs are rescaled (the routing weights are multiplied once, before timing, by
+``1 / rms`` of one layer's output) so that the tokens keep a magnitude near 1 through the N
+layers instead of shrinking towards denormals (nothing is timed on zeros or near-zeros).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+Layer = Callable[[jax.Array, object, jax.Array, jax.Array], jax.Array]
+
+
+def stacked_routing(num_tokens: int, num_experts: int, top_k: int, layers: int, seed: int = 1000
+                    ) -> tuple[jax.Array, jax.Array]:
+    """``layers`` independent random routings: (topk_weights [N, T, k] float32, topk_ids [N, T, k]
+    int32), softmax top-k of Gaussian logits (jax_moe's ``select_experts``)."""
+    from jax_moe.routing import select_experts  # noqa: PLC0415
+
+    logits = jax.random.normal(jax.random.key(seed), (layers, num_tokens, num_experts), jnp.float32)
+    return jax.vmap(lambda lg: select_experts(lg, top_k))(logits)
+
+
+def output_scale(fn: Layer, x: jax.Array, weights, topk_weights: jax.Array, topk_ids: jax.Array) -> float:
+    """``1 / rms(fn(x, ...))`` of one layer (1.0 if that is zero or not finite)."""
+    y = jax.jit(fn)(x, weights, topk_weights, topk_ids).astype(jnp.float32)
+    rms = float(jnp.sqrt(jnp.mean(y * y)))
+    return 1.0 / rms if rms > 0 and rms == rms and rms != float("inf") else 1.0
+
+
+def layer_loop(fn: Layer, layers: int) -> Callable:
+    """A jitted ``(x, weights, topk_weights [N, T, k], topk_ids [N, T, k]) -> x`` that runs ``fn``
+    ``layers`` times in one ``fori_loop``, each layer's output the next layer's input."""
+    def run(x, weights, tw, ids):
+        def body(n, h):
+            return fn(h, weights, tw[n], ids[n]).astype(h.dtype)
+
+        return jax.lax.fori_loop(0, layers, body, x)
+
+    return jax.jit(run)
+
+
+def per_layer_ms(fn: Layer, x: jax.Array, weights, num_experts: int, top_k: int, layers: int,
+                 timeit: Callable) -> float:
+    """Median device time (ms) of one layer of ``fn`` inside a jitted loop of ``layers`` layers.
+
+    ``timeit(f, inputs) -> ms`` is the bench's timer (median of blocked calls after warm-up);
+    the routing is :func:`stacked_routing`'s, scaled by :func:`output_scale`."""
+    tw, ids = stacked_routing(x.shape[0], num_experts, top_k, layers)
+    tw = tw * output_scale(fn, x, weights, tw[0], ids[0])
+    loop = layer_loop(fn, layers)
+    return timeit(loop, [(x, weights, tw, ids)]) / layers
