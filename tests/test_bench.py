@@ -50,3 +50,66 @@ def test_load_layer_writes_loads_and_matches_the_format_reference(monkeypatch, m
 
     assert load_layer.main(["--model", model, "--tokens", "3"]) == 0
     assert "PASS" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU demo")
+def test_in_loop_table_and_no_tokamax_column_on_cpu(moe_bench, capsys):
+    """--in-loop adds a per-call / per-layer row per T; tokamax (absent on CPU) leaves no column."""
+    moe_bench.main(["--impls", "xla", "tokamax", "--tokens", "2", "--in-loop", "1", "--layers", "2"])
+    out = capsys.readouterr().out
+    assert "tokamax: not run" in out
+    assert not any("tokamax" in line for line in out.splitlines() if line.startswith("| model"))
+    loop = [line for line in out.splitlines() if line.startswith("| tiny") and " / " in line]
+    assert len(loop) == 1
+    call, layer = (float(v) for v in loop[0].split(" | ")[2].split(" / "))
+    assert call > 0 and layer > 0
+
+
+def test_rows_name_the_best_jax_moe_and_its_speedup_over_tokamax(moe_bench):
+    """Peers and baselines are never "best"; the tokamax column is tokamax's time over the best."""
+    names = ["xla", "ragged_dot", "cutlass", "tokamax"]
+    row = {"model": "m", "T": 4, "floor": 0.5, "xla": 2.0, "ragged_dot": 0.1, "cutlass": 1.0, "tokamax": 3.0}
+    cells = moe_bench.format_row(row, names).strip("| ").split(" | ")
+    assert len(cells) == len(moe_bench.header(names).splitlines()[0].strip("| ").split(" | "))
+    assert cells[6:] == ["cutlass", "0.10x", "3.00x", "0.500", "50%"]
+    loop = {"model": "m", "T": 1, "floor": 0.5, "layers": 2, "cutlass": (2.0, 1.0), "tokamax": (3.0, 2.0)}
+    cells = moe_bench.format_loop_row(loop, ["cutlass", "tokamax"]).strip("| ").split(" | ")
+    assert cells[2:] == ["2.000 / 1.000", "3.000 / 2.000", "cutlass 1.000", "2.00x", "0.500", "2.00x"]
+
+
+def test_kernels_are_attributed_to_stages_by_name_and_position(monkeypatch):
+    """The cutlass forward's kernels by name (GEMM1 before the activation, GEMM2 after); XLA
+    fusions by position; a peer's XLA sort/act/finalize around its two GEMMs."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.kernel_trace import Kernel, attribute, split_calls
+
+    names = ["loop_convert_fusion", "void jax_moe::(anonymous namespace)::ChunkRanks(int const*)",
+             "_ZN7jax_moe12_GLOBAL__N_15PlaceEPKi", "void jax_moe::RowKernel<GatherRow>",
+             "FillGroupArrays", "void cutlass::device_kernel<GemmUniversal>", "RowKernel<GatedActRow>",
+             "FillGroupArrays", "void cutlass::device_kernel<GemmUniversal>", "UnpermuteReduce<bf16>"]
+    ks = [Kernel(n, 10.0 * j, 1.0 + j) for j, n in enumerate(names)]
+    got = attribute(ks, routed=True)
+    assert got == {"route": 1, "sort": 2 + 3, "permute": 4, "setup": 5 + 8, "gemm1": 6, "act": 7, "gemm2": 9,
+                   "finalize": 10, "glue": 0}
+    peer = ["sort_fusion", "gather_fusion", "ragged_dot_sm90", "loop_silu_fusion", "ragged_dot_sm90", "reduce"]
+    got = attribute([Kernel(n, 10.0 * j, 1.0) for j, n in enumerate(peer)])
+    assert (got["sort"], got["gemm1"], got["act"], got["gemm2"], got["finalize"]) == (2, 1, 1, 1, 1)
+    calls = split_calls([Kernel("a", 0, 5), Kernel("b", 6, 1), Kernel("c", 100, 1)], min_gap_ns=20)
+    assert [[k.name for k in g] for g in calls] == [["a", "b"], ["c"]]
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU demo")
+@pytest.mark.parametrize("method", ["alone", pytest.param("trace", marks=pytest.mark.slow)])
+def test_stage_breakdown_prints_a_row_per_token_count(monkeypatch, method, tmp_path, capsys):
+    """bench/stage_breakdown.py on the tiny model: every stage of the cutlass pipeline timed
+    (alone: the jnp references on CPU; trace: the CPU runtime's thunks from a profiler trace)."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import stage_breakdown
+
+    kernels = tmp_path / "kernels.txt"
+    assert stage_breakdown.main(["--tokens", "3", "--method", method, "--kernels", str(kernels)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    assert len(rows) == 1
+    stages = [float(v) for v in rows[0].split(" | ")[3:3 + len(stage_breakdown.COLUMNS)]]
+    assert sum(stages) > 0 and all(v >= 0 for v in stages)
+    assert (kernels.read_text().count("## tiny") == 1) == (method == "trace")

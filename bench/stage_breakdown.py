@@ -1,0 +1,225 @@
+"""Where one MoE forward's time goes, stage by stage, on the ``cutlass`` backend (and the tokamax peer).
+
+    python bench/stage_breakdown.py                                 # GPU: four models, T=1 64 4096 16384
+    python bench/stage_breakdown.py --models qwen3 deepseek --tokens 64 16384 --kernels $OUT/kernels.txt
+    python bench/stage_breakdown.py --method alone                  # each stage jitted alone (any platform)
+
+Stages (the ``cutlass`` backend's pipeline, :mod:`jax_moe.backends.cutlass`): ``route``
+(``select_experts``: softmax top-k), ``sort`` (``sort_by_expert``), ``permute`` (``permute_rows``),
+``gemm1`` (grouped GEMM on w13), ``act`` (``act_and_mul``), ``gemm2`` (grouped GEMM on w2),
+``finalize`` (``unpermute_reduce``), ``setup`` (the grouped GEMMs' group-array and zero-row
+launches) and ``glue`` (XLA fusions between the custom calls).
+
+Methods:
+
+- ``trace`` (GPU): the routing call and the forwards run under one ``jax.profiler`` trace; each
+  kernel's device time is attributed to a stage by its name and position
+  (:mod:`bench.kernel_trace`). Also reported: kernels per forward, their summed busy time, the span
+  from the first kernel's start to the last one's end (span - busy = launch gaps) and the per-call
+  wall time with dispatch. ``--kernels FILE`` writes each forward's kernel list (name, launches,
+  microseconds). The tokamax peer (:mod:`bench.peers`, where importable) is traced the same way:
+  its sort and permute are XLA fusions (column ``sort``), its activation too (``act``).
+- ``alone`` (any platform; the default without a GPU): each stage jitted alone on the intermediate
+  arrays of a real forward, timed per call (host dispatch included: an upper bound at small T).
+
+The GEMM columns also give each grouped GEMM's share of its own floor: ``max(touched experts'
+weight bytes / bandwidth, FLOPs / peak)`` with the ceilings measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench import kernel_trace, peers  # noqa: E402
+from bench.moe_bench import MODELS, Model, measure_ceilings, random_experts, routed_inputs, timeit  # noqa: E402
+from jax_moe import ffi, kernels  # noqa: E402
+from jax_moe.backends import cutlass  # noqa: E402
+from jax_moe.backends.cutlass_gemm import grouped_gemm, pick_tile  # noqa: E402
+from jax_moe.config import MoEConfig  # noqa: E402
+from jax_moe.routing import select_experts  # noqa: E402
+
+COLUMNS = ("route", "sort", "permute", "gemm1", "act", "gemm2", "finalize", "setup", "glue")
+
+
+def gemm_floors(m: Model, t: int, bw: float, peak: float) -> tuple[float, float]:
+    """Floors (us) of GEMM1 and GEMM2 alone: touched experts' weights (bf16) and the rows in and
+    out over the bandwidth, or the FLOPs over the peak, whichever is larger."""
+    touched = m.e * (1 - (1 - m.k / m.e) ** t)
+    rows = t * m.k
+    g1 = max((touched * 2 * m.i * m.h * 2 + rows * (m.h + 2 * m.i) * 2) / bw, 2 * rows * m.h * 2 * m.i / peak)
+    g2 = max((touched * m.h * m.i * 2 + rows * (m.i + m.h) * 2) / bw, 2 * rows * m.i * m.h / peak)
+    return 1e6 * g1, 1e6 * g2
+
+
+def cutlass_fn(cfg: MoEConfig):
+    """The forward as the bench times it: ``fn(x, (w13, w2), topk_weights, topk_ids)``."""
+    return lambda x, ws, w, ids: cutlass.apply(x, *ws, w, ids, cfg)
+
+
+def alone_stages(m: Model, x, w13, w2, w, ids, logits) -> dict[str, float]:
+    """Microseconds per stage, each stage jitted alone on the previous stage's real output
+    (per-call timing, dispatch included), as :func:`jax_moe.backends.cutlass.apply` chains them."""
+    e, k = m.e, m.k
+    tile = pick_tile(x.shape[0] * k, e)
+    tw = w.astype(jnp.float32)
+    steps = {
+        "route": (lambda lg: select_experts(lg, k), (logits,)),
+        "sort": (lambda i: tuple(ffi.sort_by_expert(i, e)), (ids,)),
+    }
+    sorted_slots, inverse, _, offsets = jax.jit(steps["sort"][0])(ids)
+    valid = offsets[e:]
+    steps["permute"] = (lambda xx, s, v: kernels.permute_rows(xx, s, k, valid_rows=v), (x, sorted_slots, valid))
+    a1 = jax.jit(steps["permute"][0])(*steps["permute"][1])
+    steps["gemm1"] = (lambda a, b, o: grouped_gemm(a, b, o, tile=tile), (a1, w13, offsets))
+    h1 = jax.jit(steps["gemm1"][0])(*steps["gemm1"][1])
+    steps["act"] = (lambda h, v: kernels.act_and_mul(h, "silu", valid_rows=v), (h1, valid))
+    a2 = jax.jit(steps["act"][0])(*steps["act"][1])
+    steps["gemm2"] = (lambda a, b, o: grouped_gemm(a, b, o, tile=tile), (a2, w2, offsets))
+    y = jax.jit(steps["gemm2"][0])(*steps["gemm2"][1])
+    steps["finalize"] = (lambda yy, inv, ww, v: kernels.unpermute_reduce(yy, inv, ww, valid_rows=v,
+                                                                         out_dtype=x.dtype), (y, inverse, tw, valid))
+    out = {c: 0.0 for c in COLUMNS}
+    for name, (fn, args) in steps.items():
+        out[name] = 1e3 * timeit(jax.jit(fn), [args], budget_s=0.3)
+    return out
+
+
+def traced_stages(impls: dict, logits, top_k: int, calls: int) -> dict[str, dict] | None:
+    """Per implementation of ``impls`` (name -> (jitted fn, args)): microseconds per stage (median
+    over ``calls`` forwards), kernels per forward, busy and span microseconds and the kernel list,
+    from one profiler trace of ``calls`` routing calls (``select_experts(logits, top_k)``, the
+    ``route`` column of every implementation) and ``calls`` forwards of each implementation; None
+    if the trace could not be split into calls."""
+    route = jax.jit(lambda lg: select_experts(lg, top_k))
+    jax.block_until_ready(route(logits))
+    for fn, args in impls.values():
+        jax.block_until_ready(fn(*args))
+    order = [(route, (logits,))] * calls
+    for fn, args in impls.values():
+        order += [(fn, args)] * calls
+    groups = kernel_trace.trace_calls(order)
+    if groups is None:
+        return None
+    route_us = statistics.median(sum(k.duration_ns for k in g) for g in groups[:calls]) / 1e3
+    result = {}
+    for j, name in enumerate(impls):
+        fwd = groups[calls * (j + 1): calls * (j + 2)]
+        per = [kernel_trace.attribute(g) for g in fwd]
+        stages = {c: statistics.median(p[c] for p in per) / 1e3 for c in COLUMNS}
+        stages["route"] = route_us
+        result[name] = {
+            "stages": stages,
+            "kernels": statistics.median(len(g) for g in fwd),
+            "busy": statistics.median(sum(k.duration_ns for k in g) for g in fwd) / 1e3,
+            "span": statistics.median(kernel_trace.span_ns(g) for g in fwd) / 1e3,
+            "list": kernel_trace.kernel_table([k for g in fwd for k in g], calls),
+        }
+    return result
+
+
+def header() -> str:
+    cols = (["model", "T", "impl"] + [f"{c} us" for c in COLUMNS]
+            + ["kernels", "busy us", "span us", "per call us", "gemm1 % floor", "gemm2 % floor"])
+    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+
+
+def fmt_us(v) -> str:
+    return "n/a" if v is None else (f"{v:.1f}" if v < 1000 else f"{v:.0f}")
+
+
+def format_row(row: dict) -> str:
+    cells = [row["model"], str(row["T"]), row["impl"]] + [fmt_us(row["stages"].get(c)) for c in COLUMNS]
+    cells += [str(row.get("kernels", "n/a")), fmt_us(row.get("busy")), fmt_us(row.get("span")),
+              fmt_us(row.get("per_call"))]
+    for g, floor in (("gemm1", row["floors"][0]), ("gemm2", row["floors"][1])):
+        v = row["stages"].get(g)
+        cells.append(f"{100 * floor / v:.0f}%" if v else "n/a")
+    return "| " + " | ".join(cells) + " |"
+
+
+def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: float, peak: float,
+        kernels_file=None) -> list[dict]:
+    """Rows of the breakdown for model ``m`` at each T (printed as they come)."""
+    cfg = MoEConfig(m.e, m.k, m.h, m.i)
+    w13, w2 = random_experts(m)
+    fwd = cutlass_fn(cfg)
+    tk = peers.tokamax_prepare(w13, w2) if peer else None
+    rows = []
+    for t in tokens:
+        x, w, ids = routed_inputs(m, t, sets=1)[0]
+        logits = jax.random.normal(jax.random.key(7), (t, m.e), jnp.float32)
+        floors = gemm_floors(m, t, bw, peak)
+        impls = {"cutlass": (jax.jit(fwd), (x, (w13, w2), w, ids))}
+        if tk is not None:
+            impls["tokamax"] = (jax.jit(peers.tokamax_moe), (x, tk, w, ids))
+        traced = traced_stages(impls, logits, m.k, calls) if method == "trace" else None
+        if method == "trace" and traced is None:
+            print(f"# {m.name} T={t}: trace not attributed, timing each stage alone instead")
+        for name in impls:
+            fn, args = impls[name]
+            row = {"model": m.name, "T": t, "impl": name, "floors": floors,
+                   "per_call": 1e3 * timeit(fn, [args], budget_s=0.3)}
+            if traced is not None:
+                row.update({key: traced[name][key] for key in ("stages", "kernels", "busy", "span")})
+                if kernels_file is not None:
+                    kernels_file.write(f"\n## {m.name} T={t} {name}: {row['kernels']} kernels, "
+                                       f"busy {row['busy']:.1f} us, span {row['span']:.1f} us\n")
+                    for kind, kname, launches, us in traced[name]["list"]:
+                        kernels_file.write(f"{us:10.1f} us  x{launches:<5g} {kind:9s} {kname[:200]}\n")
+                    kernels_file.flush()
+            elif name == "cutlass":
+                row["stages"] = alone_stages(m, x, w13, w2, w, ids, logits)
+            else:
+                continue
+            rows.append(row)
+            print(format_row(row), flush=True)
+    del w13, w2, tk
+    return rows
+
+
+def main(argv=None) -> int:
+    on_gpu = jax.devices()[0].platform == "gpu"
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["qwen3", "deepseek", "gptoss", "mixtral"] if on_gpu else ["tiny"],
+                   choices=sorted(MODELS))
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 64, 4096, 16384] if on_gpu else [1, 16])
+    p.add_argument("--method", choices=("trace", "alone"), default="trace" if on_gpu else "alone")
+    p.add_argument("--calls", type=int, default=3, help="forwards traced per implementation (median)")
+    p.add_argument("--no-peer", action="store_true", help="leave the tokamax peer out")
+    p.add_argument("--kernels", default=None, help="write each forward's kernel list to this file")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = p.parse_args(argv)
+
+    peer = not args.no_peer and peers.available()[0]
+    if not args.no_peer and not peer:
+        print(f"# tokamax: not run ({peers.available()[1]})")
+    bw, peak = measure_ceilings()
+    dev = jax.devices()[0]
+    print(f"# {dev.device_kind}, jax {jax.__version__}, method {args.method}; measured {bw / 1e12:.2f} TB/s, "
+          f"{peak / 1e12:.0f} TFLOP/s bf16; microseconds per forward")
+    print(header(), flush=True)
+    rows = []
+    kfile = open(args.kernels, "w") if args.kernels else None  # noqa: SIM115
+    try:
+        for key in args.models:
+            rows += run(MODELS[key], args.tokens, args.method, args.calls, peer, bw, peak, kfile)
+    finally:
+        if kfile:
+            kfile.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
