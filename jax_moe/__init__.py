@@ -8,6 +8,7 @@ from jax_moe.config import ACTIVATIONS, MoEConfig
 from jax_moe.routing import select_experts
 from jax_moe.experts import fused_experts, fused_moe
 from jax_moe.quant.scheme import QuantConfig, quantize_weights
+from jax_moe.nn import MoEBlock
 
 __all__ = [
     "ACTIVATIONS",
@@ -22,10 +23,3 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-
-def __getattr__(name):  # flax is imported only when MoEBlock is asked for
-    if name == "MoEBlock":
-        from jax_moe.nn import MoEBlock
-
-        return MoEBlock
-    raise AttributeError(name)

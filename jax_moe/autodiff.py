@@ -1,17 +1,21 @@
 """Gradients through the kernel backends.
 
-Custom calls have no autodiff rules. :func:`differentiable` wraps a backend's ``apply`` in a
-``jax.custom_vjp``: the forward pass runs the backend's kernels (e.g. ``cutlass``'s grouped
-GEMMs), the backward pass is the VJP of the pure-JAX definition of the same layer
-(:func:`jax_moe.backends.xla.apply`: sort by expert, ``jax.lax.ragged_dot`` grouped GEMMs,
-activation, weighted un-permute), recomputed from the inputs. Residuals are the inputs only, so
-``jax.checkpoint`` / remat policies cost nothing extra. Gradients flow to x, w13, w2, the biases
-and ``topk_weights`` (so the router learns through :func:`jax_moe.select_experts`); ``topk_ids``
-get none (they are integers).
+Custom calls have no autodiff rules. :func:`differentiable` wraps a layer in a
+``jax.custom_vjp`` whose plain evaluation runs the oracle's backend (``primal``) and whose
+differentiated evaluation runs a backend that trains (``trainer``: one whose ``FEATURES`` has
+``"grad"``, chosen by the oracle for the same call):
 
-Float weights only: a quantized layer (``quant=``) is for inference, and so are weights
-prepared for one backend's layout (:func:`inference_only`): differentiating them raises a
-ValueError that names the backends that train.
+- a :class:`jax_moe.backends.base.DifferentiableBackend` (``cutlass``) runs its own
+  ``vjp_fwd`` (the same forward kernels, keeping the residuals its backward needs) and
+  ``vjp_bwd`` (grouped-GEMM input and weight gradients);
+- any other trainer (``xla``) is differentiated by JAX (``jax.vjp`` of its ``apply``).
+
+Gradients flow to x, w13, w2, the biases and ``topk_weights`` (so the router learns through
+:func:`jax_moe.select_experts`); ``topk_ids`` get none (they are integers). When no backend
+that trains can serve the call (a backend forced with ``backend=`` that does not differentiate),
+differentiating raises the oracle's ValueError, which names the backends that do; the
+un-differentiated call is unaffected. Weights prepared for one backend's layout are for
+inference (:func:`inference_only`).
 """
 
 from __future__ import annotations
@@ -23,45 +27,59 @@ import numpy as np
 
 from jax_moe.config import MoEConfig
 
-TRAINS = ("xla", "cutlass")  # backends whose fused_experts path differentiates (cutlass: through this module)
-
 
 def _zero_cotangent(a):
     """The cotangent of a non-differentiable (integer) input: float0 zeros of its shape."""
     return np.zeros(np.shape(a), dtype=jax.dtypes.float0)
 
 
-def differentiable(apply: Callable, cfg: MoEConfig, **options) -> Callable:
-    """``f(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias) -> [T, H]`` that runs
-    ``apply(x, w13, w2, topk_weights, topk_ids, cfg, **options, w13_bias=, w2_bias=)`` forward and
-    the pure-JAX definition's VJP backward. ``options`` are static (activation flags; no ``quant``)."""
+def differentiable(primal, trainer, cfg: MoEConfig, *, refusal: str = "", residuals: str = "save",
+                   **options) -> Callable:
+    """``f(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias) -> [T, H]``.
+
+    ``primal``/``trainer``: backend modules (:mod:`jax_moe.backends.base`); ``trainer`` None
+    means none can differentiate this call, and ``refusal`` says why (raised as a ValueError only
+    when differentiated). ``residuals`` (``"save"`` or ``"recompute"``): what a
+    DifferentiableBackend keeps between its forward and backward. ``options``: static keyword
+    arguments of ``apply`` (activation flags; no ``quant``: quantized layers are for inference).
+    """
     if options.get("quant") is not None:
         raise ValueError("differentiable() takes float weights; quantized layers are for inference")
-    from jax_moe.backends import xla
 
-    def run(fn, x, w13, w2, tw, ids, b13, b2):
-        return fn(x, w13, w2, tw, ids, cfg, w13_bias=b13, w2_bias=b2, **options)
+    def run(mod, x, w13, w2, tw, ids, b13, b2):
+        return mod.apply(x, w13, w2, tw, ids, cfg, w13_bias=b13, w2_bias=b2, **options)
+
+    own_vjp = trainer is not None and hasattr(trainer, "vjp_fwd")
+    extra = {"residuals": residuals} if own_vjp else {}
 
     @jax.custom_vjp
     def f(x, w13, w2, tw, ids, b13, b2):
-        return run(apply, x, w13, w2, tw, ids, b13, b2)
+        return run(primal, x, w13, w2, tw, ids, b13, b2)
 
     def fwd(x, w13, w2, tw, ids, b13, b2):
-        return run(apply, x, w13, w2, tw, ids, b13, b2), (x, w13, w2, tw, ids, b13, b2)
+        if trainer is None:
+            raise ValueError(refusal)
+        if own_vjp:
+            out, res = trainer.vjp_fwd(x, w13, w2, tw, ids, cfg, w13_bias=b13, w2_bias=b2, **options, **extra)
+            return out, (res, ids)
+        out, vjp = jax.vjp(lambda *a: run(trainer, *a[:4], ids, *a[4:]), x, w13, w2, tw, b13, b2)
+        return out, (vjp, ids)
 
     def bwd(res, g):
-        x, w13, w2, tw, ids, b13, b2 = res
-        _, vjp = jax.vjp(lambda *a: run(xla.apply, *a[:4], ids, *a[4:]), x, w13, w2, tw, b13, b2)
-        dx, d13, d2, dtw, db13, db2 = vjp(g.astype(x.dtype))
+        inner, ids = res
+        if own_vjp:
+            dx, d13, d2, dtw, db13, db2 = trainer.vjp_bwd(inner, g, cfg, **options, **extra)
+        else:
+            dx, d13, d2, dtw, db13, db2 = inner(g)
         return dx, d13, d2, dtw, _zero_cotangent(ids), db13, db2
 
     f.defvjp(fwd, bwd)
     return f
 
 
-def inference_only(backend: str, fn: Callable) -> Callable:
+def inference_only(backend: str, fn: Callable, trains: tuple[str, ...]) -> Callable:
     """``fn(x, topk_weights)`` (prepared weights closed over) that raises a ValueError naming
-    ``backend`` and the backends that train when it is differentiated."""
+    ``backend`` and the backends that train (``trains``) when it is differentiated."""
 
     @jax.custom_vjp
     def f(x, tw):
@@ -73,7 +91,7 @@ def inference_only(backend: str, fn: Callable) -> Callable:
     def bwd(_, g):
         raise ValueError(
             f"weights prepared for {backend!r} (MoEBlock.prepare() / apply_prepared) are for inference and "
-            f"cannot be differentiated; train on the float weights with backend {' or '.join(map(repr, TRAINS))} "
+            f"cannot be differentiated; train on the float weights with backend {' or '.join(map(repr, trains))} "
             f"(the default for float weights), and prepare() after training")
 
     f.defvjp(fwd, bwd)

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from jax_moe import oracle
+from jax_moe.autodiff import differentiable
 from jax_moe.config import ACTIVATIONS, FLOAT_DTYPES, MoEConfig, as_jax, check_dtype, check_rank, check_shape
 from jax_moe.routing import select_experts
 
@@ -66,6 +67,7 @@ def fused_experts(
     backend: str | None = None,
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
+    residuals: str = "save",
 ) -> jax.Array:
     """Run the routed experts and reduce over top-k.
 
@@ -74,7 +76,15 @@ def fused_experts(
     With ``quant`` (a :class:`jax_moe.QuantConfig`), w13/w2 are the stored quantized tensors.
     Returns [T, H] in x's dtype. Any array may be numpy or jax (committed or not).
     ``swiglu_alpha``/``swiglu_limit`` must be finite and > 0 (ValueError naming them).
+
+    Under ``jax.grad`` the call runs on a backend that trains (the oracle's feature ``"grad"``:
+    ``cutlass`` on its own backward kernels, ``xla``); a forced ``backend`` that does not train
+    raises a ValueError when differentiated. ``residuals`` (``"save"`` or ``"recompute"``): what
+    a kernel backend keeps from its forward for the backward (the permuted rows and GEMM
+    outputs, or only the inputs, recomputing the rest).
     """
+    if residuals not in ("save", "recompute"):
+        raise ValueError(f"residuals must be 'save' or 'recompute', got {residuals!r}")
     x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, quant = as_jax(
         x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, quant)
     cfg = moe_config_from_arrays(
@@ -91,22 +101,26 @@ def fused_experts(
         raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k={cfg.top_k}")
     return run_experts(
         x, w13, w2, topk_weights, topk_ids, cfg, quant=quant, w13_bias=w13_bias, w2_bias=w2_bias,
-        apply_router_weight_on_input=apply_router_weight_on_input, backend=backend,
+        apply_router_weight_on_input=apply_router_weight_on_input, backend=backend, residuals=residuals,
     )
 
 
 def run_experts(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, backend: str | None = None, **options):
     """The oracle's backend on already-checked arguments (``options`` as the backends' ``apply``)."""
     quant = options.get("quant")
+    residuals = options.pop("residuals", "save")
     features = oracle.call_features(dtype=w13.dtype if quant is None else None, **options)
     sel = oracle.select_backend(cfg, quant, backend=backend, features=features)
     if sel.name == "xla" or quant is not None:
         return sel.module.apply(x, w13, w2, topk_weights, topk_ids, cfg, **options)
-    # a kernel backend on float weights: its kernels forward, the pure-JAX definition's VJP backward
-    from jax_moe.autodiff import differentiable
-
+    # a kernel backend on float weights: under jax.grad, the oracle's pick among the backends that train
+    try:
+        trainer, refusal = oracle.select_backend(cfg, None, backend=backend, features=features | {"grad"}).module, ""
+    except ValueError as e:
+        trainer, refusal = None, str(e)
     b13, b2 = options.pop("w13_bias", None), options.pop("w2_bias", None)
-    return differentiable(sel.module.apply, cfg, **options)(x, w13, w2, topk_weights, topk_ids, b13, b2)
+    f = differentiable(sel.module, trainer, cfg, refusal=refusal, residuals=residuals, **options)
+    return f(x, w13, w2, topk_weights, topk_ids, b13, b2)
 
 
 def run_experts_batched(x, counts, w13, w2, cfg: MoEConfig, *, backend: str | None = None, **options):

@@ -34,7 +34,8 @@ MODULES: dict[str, str] = {
     "cutlass": "jax_moe.backends.cutlass",
     "xla": "jax_moe.backends.xla",
 }
-# every backend name the oracle knows; those without a module answer from backends/unavailable.py
+# every backend name the oracle knows; those without a module answer from this one's refusal()
+UNAVAILABLE = "jax_moe.backends.unavailable"
 BACKENDS: tuple[str, ...] = ("flashinfer_trtllm", "flashinfer_cutedsl", "flashinfer_cutlass", "cutlass",
                              "marlin", "xla")
 # vLLM's order per scheme ("bf16" = unquantized)
@@ -85,16 +86,20 @@ class Selection:
 # in ``FEATURES`` (jax_moe.backends.base.Backend; none listed: no biases, no router weight on input;
 # no "dtype:" entry: any dtype). "batched": the module is a jax_moe.backends.base.BatchedBackend,
 # the expert stage on the batched format (jax_moe.permute).
-FEATURE_TEXT = {"bias": "expert biases (w13_bias/w2_bias)",
+FEATURE_TEXT = {"grad": "differentiation (jax.grad)",
+                "bias": "expert biases (w13_bias/w2_bias)",
                 "router_weight_on_input": "apply_router_weight_on_input",
                 "batched": "the batched expert format ([E, C, H] rows with counts [E]: apply_batched)"}
 
 
 def call_features(*, dtype=None, w13_bias=None, w2_bias=None, apply_router_weight_on_input=False,
-                  batched: bool = False, **_) -> frozenset:
+                  batched: bool = False, grad: bool = False, **_) -> frozenset:
     """The features one call needs: ``"bias"``, ``"router_weight_on_input"``, ``"batched"`` (the
-    expert stage on the batched format), ``"dtype:<name>"`` (the unquantized weights' dtype)."""
+    expert stage on the batched format), ``"grad"`` (the call is differentiated: the backend's
+    FEATURES must list it), ``"dtype:<name>"`` (the unquantized weights' dtype)."""
     need = {"batched"} if batched else set()
+    if grad:
+        need.add("grad")
     if w13_bias is not None or w2_bias is not None:
         need.add("bias")
     if apply_router_weight_on_input:
@@ -111,6 +116,11 @@ def _dtypes(mod) -> list[str]:
     return sorted(f[6:] for f in getattr(mod, "FEATURES", ()) if f.startswith("dtype:"))
 
 
+def training_backends() -> tuple[str, ...]:
+    """The backends whose FEATURES list ``"grad"``: those a differentiated call may land on."""
+    return tuple(n for n in MODULES if "grad" in getattr(module(n), "FEATURES", ()))
+
+
 def _missing_feature(mod, features) -> str | None:
     have = frozenset(getattr(mod, "FEATURES", ()))
     dts = _dtypes(mod)
@@ -119,6 +129,9 @@ def _missing_feature(mod, features) -> str | None:
             continue
         if f.startswith("dtype:"):
             return f"takes {', '.join(dts)} weights, not {f[6:]}"
+        if f == "grad":
+            return (f"does not differentiate (jax.grad): its kernels are for inference; the backends that "
+                    f"train: {', '.join(map(repr, training_backends()))}")
         return f"does not take {FEATURE_TEXT.get(f, f)} yet"
     return None
 
@@ -127,9 +140,7 @@ def probe(name: str, cfg: MoEConfig, quant=None, device=None, features=frozenset
     """(module or None, supported, reason) of backend ``name`` for this config on ``device``, for a
     call needing ``features`` (:func:`call_features`)."""
     if name not in MODULES:
-        from jax_moe.backends.unavailable import refusal
-
-        return (None, *refusal(name, cfg, quant, device))
+        return (None, *importlib.import_module(UNAVAILABLE).refusal(name, cfg, quant, device))
     mod = module(name)
     dtype = next((f[6:] for f in features if f.startswith("dtype:")), None)
     if dtype is not None and _dtypes(mod):  # a backend that names the dtypes it takes is told the call's

@@ -11,6 +11,8 @@ K the last axis; quantized weights as their :class:`jax_moe.QuantConfig` stores 
 * :class:`Backend`: every backend. ``NAME``, ``FEATURES``, ``supports``, ``apply``.
 * :class:`PreparedBackend`: a backend with a weight layout of its own, repacked once at load time
   (``MoEBlock.prepare()``, the oracle's ``prepared=True``).
+* :class:`DifferentiableBackend`: a backend of custom calls with a backward of its own (the
+  feature ``"grad"``; :mod:`jax_moe.autodiff` runs it under ``jax.grad``).
 * :class:`BatchedBackend`: a backend with the expert stage on the batched format (the feature
   ``"batched"``, what :mod:`jax_moe.parallel` runs between dispatch and combine).
 * :class:`ShardedPreparedBackend`: prepared weights that :mod:`jax_moe.parallel` places over a
@@ -22,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 # what FEATURES may list: the call's needs beyond its MoEConfig and QuantConfig (jax_moe.oracle.call_features)
-FEATURE_NAMES = ("bias", "router_weight_on_input", "batched")  # and "dtype:<numpy name>" entries
+FEATURE_NAMES = ("bias", "router_weight_on_input", "batched", "grad")  # and "dtype:<numpy name>" entries
 
 
 @runtime_checkable
@@ -33,7 +35,9 @@ class Backend(Protocol):
 
     ``FEATURES``: what :func:`apply` takes beyond the configs: ``"bias"`` (``w13_bias [E, N1]``,
     ``w2_bias [E, H]``), ``"router_weight_on_input"`` (top-1: the weight scales x, not the
-    output), ``"batched"`` (:class:`BatchedBackend`), and ``"dtype:<name>"`` entries naming the
+    output), ``"batched"`` (:class:`BatchedBackend`), ``"grad"`` (a differentiated call may run
+    it: JAX differentiates its ``apply``, or it is a :class:`DifferentiableBackend`), and
+    ``"dtype:<name>"`` entries naming the
     unquantized weights' dtypes it takes (none listed: any). The oracle refuses a call needing a
     feature the backend does not list, with the reason, before asking :func:`supports`'s answer
     to count; a backend listing ``dtype:`` entries is also told the call's dtype in
@@ -79,6 +83,24 @@ class PreparedBackend(Backend, Protocol):
     def apply_prepared(self, x, prepared, topk_weights, topk_ids, **options) -> Any:
         """:meth:`Backend.apply` on weights from :func:`prepare`: x [T, H], topk_weights [T, k],
         topk_ids [T, k] int32 -> [T, H] (the backend's output dtype: the caller casts)."""
+        ...
+
+
+@runtime_checkable
+class DifferentiableBackend(Backend, Protocol):
+    """A backend of custom calls that trains (``"grad"`` in ``FEATURES``): its forward keeps
+    residuals, its backward turns them and the cotangent into gradients."""
+
+    def vjp_fwd(self, x, w13, w2, topk_weights, topk_ids, cfg, **options) -> tuple[Any, Any]:
+        """:meth:`Backend.apply` on float weights -> (out [T, H], residuals: a pytree of arrays).
+        ``options`` as ``apply``'s, plus ``residuals`` (``"save"``: keep the intermediates the
+        backward needs; ``"recompute"``: keep only the inputs)."""
+        ...
+
+    def vjp_bwd(self, res, g, cfg, **options) -> tuple:
+        """The cotangent g [T, H] at ``res`` -> (dx [T, H], dw13 [E, N1, H], dw2 [E, H, I],
+        dtopk_weights [T, k], dw13_bias, dw2_bias), each in its input's dtype (None for an absent
+        bias). ``options`` as :meth:`vjp_fwd`'s."""
         ...
 
 

@@ -49,7 +49,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_moe import kernels
+from jax_moe import ffi, kernels
+from jax_moe.backends import cutlass_vjp
+from jax_moe.backends.cutlass_vjp import relu2_rows
 from jax_moe.backends.cutlass_gemm import (  # noqa: F401  (the GEMM layer's names, re-exported)
     ALIGN_K,
     ALIGN_N,
@@ -80,7 +82,8 @@ NAME = "cutlass"
 # oracle.call_features: "dtype:" names the unquantized weights' dtype (bf16 here); with quant= the
 # call carries no dtype feature and supports() decides from the QuantConfig (scheme "fp8").
 # "batched": apply_batched, the expert stage on the batched format.
-FEATURES = frozenset({"router_weight_on_input", "batched", "dtype:bfloat16"})
+# "grad": vjp_fwd/vjp_bwd, the backward on this backend's own kernels (bf16 weights).
+FEATURES = frozenset({"router_weight_on_input", "batched", "grad", "dtype:bfloat16"})
 ACTIVATIONS = ("silu", "gelu", "relu2")
 FP8_ACTS = ("fp8_per_tensor", "fp8_per_token")  # QuantConfig.act values the FP8 path serves
 
@@ -129,13 +132,6 @@ def _config_refusal(activation: str, gate_up_layout: str, h: int, i: int, quant)
     return _quant_refusal(quant, h, i)
 
 
-def _relu2_rows(h, valid, dtype):
-    """relu(h)^2 in float32, rows at or past ``valid[0]`` zero (act_and_mul's convention)."""
-    rows = jnp.arange(h.shape[0], dtype=jnp.int32) < valid[0]
-    r = jnp.maximum(h.astype(jnp.float32), 0.0)
-    return jnp.where(rows[:, None], r * r, 0.0).astype(dtype)
-
-
 def _per_tensor_scale(static, x):
     """``fp8_per_tensor``'s scale for x: the static one (max over experts when [E], as the xla
     backend without expert ids), or the dynamic ``amax(x) / 448``."""
@@ -173,7 +169,7 @@ def _fp8_gemm2_input(h1, cfg, valid, quant):
     if cfg.gated:
         a = kernels.act_and_mul(h1, cfg.activation, valid_rows=valid, out_dtype=jnp.float32)
     else:
-        a = _relu2_rows(h1, valid, jnp.float32)
+        a = relu2_rows(h1, valid, jnp.float32)
     return _quantize_rows(a, quant.act, quant.a2_scale)
 
 
@@ -239,32 +235,50 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
         return jnp.zeros((0, h), x.dtype)
     if tile in (None, "auto"):
         tile = pick_tile(t * k, e)
-
-    from jax_moe import ffi  # noqa: PLC0415
-
+    if quant is None:
+        return cutlass_vjp.forward(x, w13, w2, topk_weights, topk_ids, cfg, tile=tile, residuals="recompute",
+                                   apply_router_weight_on_input=apply_router_weight_on_input)[0]
     tw = topk_weights.astype(jnp.float32)
     sort = ffi.sort_by_expert(topk_ids.astype(jnp.int32), e)
     valid = sort.offsets[e:]  # [1]: rows of experts in [0, E)
-    if quant is None:
-        xin = x.astype(jnp.float32) * tw if apply_router_weight_on_input else x
-        a1 = kernels.permute_rows(xin.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid)
-        h1 = grouped_gemm(a1, w13, sort.offsets, tile=tile)
-        if cfg.gated:
-            a2 = kernels.act_and_mul(h1, cfg.activation, valid_rows=valid)
-        else:
-            a2 = _relu2_rows(h1, valid, jnp.bfloat16)
-        y = grouped_gemm(a2, w2, sort.offsets, tile=tile)
-    else:
-        # as the xla backend: the router weight scales x in x's dtype, then x is quantized
-        xin = (x.astype(jnp.float32) * tw).astype(x.dtype) if apply_router_weight_on_input else x
-        a1, s1 = _fp8_gemm1_input(xin, sort, k, valid, quant)
-        h1 = grouped_gemm(a1, w13, sort.offsets, a_scale=s1, b_scale=jnp.asarray(quant.w13_scale, jnp.float32),
-                          tile=tile)
-        a2, s2 = _fp8_gemm2_input(h1, cfg, valid, quant)
-        y = grouped_gemm(a2, w2, sort.offsets, a_scale=s2, b_scale=jnp.asarray(quant.w2_scale, jnp.float32),
-                         tile=tile)
+    # as the xla backend: the router weight scales x in x's dtype, then x is quantized
+    xin = (x.astype(jnp.float32) * tw).astype(x.dtype) if apply_router_weight_on_input else x
+    a1, s1 = _fp8_gemm1_input(xin, sort, k, valid, quant)
+    h1 = grouped_gemm(a1, w13, sort.offsets, a_scale=s1, b_scale=jnp.asarray(quant.w13_scale, jnp.float32),
+                      tile=tile)
+    a2, s2 = _fp8_gemm2_input(h1, cfg, valid, quant)
+    y = grouped_gemm(a2, w2, sort.offsets, a_scale=s2, b_scale=jnp.asarray(quant.w2_scale, jnp.float32),
+                     tile=tile)
     return kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid,
                                     apply_router_weight_on_input=apply_router_weight_on_input, out_dtype=x.dtype)
+
+
+def vjp_fwd(x, w13, w2, topk_weights, topk_ids, cfg, *, w13_bias=None, w2_bias=None,
+            apply_router_weight_on_input: bool = False, tile: str | None = "auto", residuals: str = "save"):
+    """:func:`apply` on bf16 weights for a differentiated call -> (out [T, H], residuals): the same
+    kernels, and what :func:`vjp_bwd` needs (:mod:`jax_moe.backends.cutlass_vjp`; ``residuals``
+    ``"save"`` keeps the permuted rows, GEMM1's pre-activation and GEMM2's rows, ``"recompute"``
+    only the inputs)."""
+    _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, None, w13_bias, w2_bias,
+                 apply_router_weight_on_input, tile)
+    return cutlass_vjp.forward(x, w13, w2, topk_weights, topk_ids, cfg, residuals=residuals,
+                               tile=_vjp_tile(tile, x, topk_ids, w13),
+                               apply_router_weight_on_input=apply_router_weight_on_input)
+
+
+def vjp_bwd(res, g, cfg, *, w13_bias=None, w2_bias=None, apply_router_weight_on_input: bool = False,
+            tile: str | None = "auto", residuals: str = "save"):
+    """The backward of :func:`vjp_fwd` for the cotangent g [T, H] -> (dx, dw13, dw2, dtopk_weights,
+    dw13_bias, dw2_bias) on jax_moe's grouped GEMMs (input gradients against the stored weights,
+    weight gradients as a reduction over each expert's rows); no biases here (None)."""
+    dx, d13, d2, dtw = cutlass_vjp.backward(
+        res, g, cfg, residuals=residuals, tile=_vjp_tile(tile, res["x"], res["topk_ids"], res["w13"]),
+        apply_router_weight_on_input=apply_router_weight_on_input)
+    return dx, d13, d2, dtw, None, None
+
+
+def _vjp_tile(tile, x, topk_ids, w13) -> str:
+    return pick_tile(x.shape[0] * topk_ids.shape[1], w13.shape[0]) if tile in (None, "auto") else tile
 
 
 # ----------------------------------------------------------------------------- the batched expert stage
@@ -325,7 +339,7 @@ def apply_batched(x: jax.Array, counts: jax.Array, w13: jax.Array, w2: jax.Array
         if cfg.gated:
             a2 = kernels.act_and_mul(h1, cfg.activation, valid_rows=valid)
         else:
-            a2 = _relu2_rows(h1, valid, jnp.bfloat16)
+            a2 = relu2_rows(h1, valid, jnp.bfloat16)
         y = grouped_gemm_batched(a2.reshape(e, c, i), w2, counts, tile=tile)
     else:
         xf = x.astype(jnp.float32)

@@ -42,6 +42,11 @@ KINDS: dict[str, tuple[int, str, str]] = {
     "bf16": (0, "jax_moe_cutlass_grouped_gemm", "bfloat16"),
     "fp8": (1, "jax_moe_cutlass_grouped_gemm_fp8", "float8_e4m3fn"),
 }
+# the backward pass's bf16 kinds (jax_moe.backends.cutlass_grad_gemm): kind -> (CutlassGemmKind, FFI target)
+GRAD_KINDS: dict[str, tuple[int, str]] = {
+    "dgrad": (2, "jax_moe_cutlass_grouped_gemm_dgrad"),  # d[r] = a[r] @ b[e]       (b [E, K, N])
+    "wgrad": (3, "jax_moe_cutlass_grouped_gemm_wgrad"),  # d[e] = u[rows of e]^T @ v[rows of e]
+}
 # tile name -> CutlassTile in ffi/cutlass/grouped_gemm.h (one CUTLASS instantiation per kind; the K
 # tile is 128 bytes: 64 for bf16, 128 for fp8)
 TILES: dict[str, int] = {"coop_128x128": 0, "pingpong_64x128": 1}
@@ -86,7 +91,7 @@ def available(device=None) -> tuple[bool, str]:
 
 def _constants_match(mod) -> bool:
     """The compiled module's tile and kind counts and alignments are this file's."""
-    want = {"num_tiles": len(TILES), "num_kinds": len(KINDS), "align_n": ALIGN_N,
+    want = {"num_tiles": len(TILES), "num_kinds": len(KINDS) + len(GRAD_KINDS), "align_n": ALIGN_N,
             "align_k_bf16": ALIGN_K["bf16"], "align_k_fp8": ALIGN_K["fp8"]}
     return all(getattr(mod, name, None) == value for name, value in want.items())
 
@@ -112,12 +117,13 @@ def _register() -> bool:
 @functools.lru_cache(maxsize=None)
 def workspace_size(num_groups: int, tile: str, kind: str = "bf16") -> int:
     """Bytes of the grouped GEMM's workspace result for ``num_groups`` experts, ``tile`` and
-    ``kind`` (``"bf16"`` or ``"fp8"``) on the current CUDA device (its SM count sets CUTLASS's
-    share: TMA descriptors per SM)."""
+    ``kind`` (a key of :data:`KINDS` or :data:`GRAD_KINDS`) on the current CUDA device (its SM
+    count sets CUTLASS's share: TMA descriptors per SM)."""
     mod = _module()
     if mod is None:
         raise RuntimeError(_state["error"])
-    return int(mod.workspace_size(int(num_groups), TILES[tile], kind=KINDS[kind][0]))
+    kind_id = KINDS[kind][0] if kind in KINDS else GRAD_KINDS[kind][0]
+    return int(mod.workspace_size(int(num_groups), TILES[tile], kind=kind_id))
 
 
 # ----------------------------------------------------------------------------- grouped GEMM
@@ -299,9 +305,10 @@ def grouped_gemm(a: jax.Array, b: jax.Array, offsets: jax.Array, *, a_scale=None
     return _lower(kind, tile, (m, n), _reference, a, b, offsets, scales)
 
 
-def _lower(kind: str, tile: str, d_shape: tuple, reference, a, b, sizes, scales):
+def _lower(kind: str, tile: str, d_shape: tuple, reference, a, b, sizes, scales, groups: int | None = None):
     """The kind's FFI target (one per kind serves both formats: the handler reads a's rank) where
-    lowered for a GPU with the module loaded, else ``reference(a, b, sizes, row, col)``."""
+    lowered for a GPU with the module loaded, else ``reference(a, b, sizes, row, col)``.
+    ``groups``: the experts (default b's leading dimension, the weights' E)."""
     def default(a, b, sizes, *scales):
         return reference(a, b, sizes, *(scales or (None, None)))
 
@@ -310,8 +317,9 @@ def _lower(kind: str, tile: str, d_shape: tuple, reference, a, b, sizes, scales)
 
     def cuda(*args):
         outs = (jax.ShapeDtypeStruct(d_shape, jnp.bfloat16),
-                jax.ShapeDtypeStruct((workspace_size(b.shape[0], tile, kind),), jnp.uint8))
-        d, _ = jax.ffi.ffi_call(KINDS[kind][1], outs, vmap_method="sequential")(*args, tile=np.int64(TILES[tile]))
+                jax.ShapeDtypeStruct((workspace_size(groups or b.shape[0], tile, kind),), jnp.uint8))
+        target = KINDS[kind][1] if kind in KINDS else GRAD_KINDS[kind][1]
+        d, _ = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*args, tile=np.int64(TILES[tile]))
         return d
 
     return jax.lax.platform_dependent(a, b, sizes, *scales, cuda=cuda, default=default)

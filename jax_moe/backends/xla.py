@@ -63,7 +63,7 @@ from jax_moe.quant.scheme import (
 
 STRATEGIES = ("gather", "blocked", "dense", "ragged_dot")
 NAME = "xla"
-FEATURES = frozenset({"bias", "router_weight_on_input", "batched"})  # every dtype (oracle.call_features)
+FEATURES = frozenset({"bias", "router_weight_on_input", "batched", "grad"})  # every dtype (oracle.call_features)
 # act -> layout of the block scales :func:`apply` takes with an x quantized beforehand
 # ("linear": row-major [T, H/16]; a backend reading FlashInfer's 128x4 tiles would say "128x4",
 # jax_moe.layouts.block_scale_interleave). jax_moe.parallel quantizes x before the dispatch for these.

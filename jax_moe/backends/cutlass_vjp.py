@@ -1,0 +1,137 @@
+"""``backend="cutlass"``'s bf16 pipeline, forward and backward, on jax_moe's own kernels.
+
+Forward (:func:`forward`), rows in expert-sorted order (:mod:`jax_moe.kernels`)::
+
+    sort = sort_by_expert(topk_ids, E)                         # jax_moe.ffi
+    a1 = permute_rows(x, sort.sorted_slots, k)                 # [R, H]   R = T*k
+    h1 = grouped_gemm(a1, w13, sort.offsets)                   # [R, 2I]  (I for relu2)
+    a2 = act_and_mul(h1)                                       # [R, I]
+    y = grouped_gemm(a2, w2, sort.offsets)                     # [R, H]
+    out = unpermute_reduce(y, sort.inverse, topk_weights)      # [T, H]
+
+Backward (:func:`backward`, the cotangent g [T, H]), the same rows and offsets::
+
+    dy = permute_rows(g) * topk_weights[slot]                  # [R, H]
+    dtw[t, j] = <g[t], y[row(t, j)]>                           # [T, k]  (the router learns)
+    da2 = grouped_gemm_dgrad(dy, w2, offsets)                  # [R, I]   dy @ w2[e]
+    dw2 = grouped_gemm_wgrad(dy, a2, offsets)                  # [E, H, I]
+    dh1 = vjp(act_and_mul)(h1, da2)                            # [R, 2I]  (jnp, float32)
+    da1 = grouped_gemm_dgrad(dh1, w13, offsets)                # [R, H]   dh1 @ w13[e]
+    dw13 = grouped_gemm_wgrad(dh1, a1, offsets)                # [E, 2I, H]
+    dx = unpermute_reduce(da1, inverse, ones)                  # [T, H]
+
+The activation's VJP is ``jax.vjp`` of its jnp definition (:func:`jax_moe.activations.activate`),
+which XLA fuses into one elementwise pass. Residuals (:func:`forward`'s second result): with
+``residuals="save"`` the permuted rows ``a1``, GEMM1's pre-activation ``h1`` and GEMM2's rows
+``y`` (named ``"moe_a1"``, ``"moe_h1"``, ``"moe_y"`` with ``jax.ad_checkpoint.checkpoint_name``,
+so remat policies can pick them), plus the sort; with ``"recompute"`` only the inputs, and the
+backward runs the forward again. Rows of slots whose expert is outside ``[0, E)`` (ids of -1)
+sort last and carry no gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_moe import ffi, kernels
+from jax_moe.activations import activate
+from jax_moe.backends.cutlass_gemm import grouped_gemm
+from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
+from jax_moe.config import MoEConfig
+
+RESIDUALS = ("save", "recompute")
+
+
+def relu2_rows(h, valid, dtype):
+    """relu(h)^2 in float32, rows at or past ``valid[0]`` zero (act_and_mul's convention)."""
+    rows = jnp.arange(h.shape[0], dtype=jnp.int32) < valid[0]
+    r = jnp.maximum(h.astype(jnp.float32), 0.0)
+    return jnp.where(rows[:, None], r * r, 0.0).astype(dtype)
+
+
+def _act(h1, cfg: MoEConfig, valid):
+    """GEMM2's input from GEMM1's rows: the fused act_and_mul (gated) or relu(h)^2 in jnp."""
+    if cfg.gated:
+        return kernels.act_and_mul(h1, cfg.activation, valid_rows=valid)
+    return relu2_rows(h1, valid, jnp.bfloat16)
+
+
+def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, apply_router_weight_on_input: bool = False,
+            tile: str = "auto", residuals: str = "save"):
+    """The bf16 forward on checked arguments -> (out [T, H] in x's dtype, residuals).
+
+    x [T, H] float (computed in bf16); w13 [E, 2I, H] bf16; w2 [E, H, I] bf16; topk_weights
+    [T, k] float; topk_ids [T, k] int32. ``tile``: both GEMMs' (resolved by the caller).
+    ``residuals``: what the backward gets (see the module note); :func:`backward` takes them.
+    """
+    if residuals not in RESIDUALS:
+        raise ValueError(f"residuals must be one of {RESIDUALS}, got {residuals!r}")
+    e, k = w13.shape[0], topk_ids.shape[1]
+    tw = topk_weights.astype(jnp.float32)
+    sort = ffi.sort_by_expert(topk_ids.astype(jnp.int32), e)
+    valid = sort.offsets[e:]  # [1]: rows of experts in [0, E)
+    xin = x.astype(jnp.float32) * tw if apply_router_weight_on_input else x
+    a1 = kernels.permute_rows(xin.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid)
+    h1 = grouped_gemm(a1, w13, sort.offsets, tile=tile)
+    y = grouped_gemm(_act(h1, cfg, valid), w2, sort.offsets, tile=tile)
+    out = kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid,
+                                   apply_router_weight_on_input=apply_router_weight_on_input, out_dtype=x.dtype)
+    res = {"x": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w2": w2}
+    if residuals == "save":
+        res.update(sort=sort, a1=checkpoint_name(a1, "moe_a1"), h1=checkpoint_name(h1, "moe_h1"),
+                   y=checkpoint_name(y, "moe_y"))
+    return out, res
+
+
+def backward(res: dict, g: jax.Array, cfg: MoEConfig, *, apply_router_weight_on_input: bool = False,
+             tile: str = "auto", residuals: str = "save"):
+    """The VJP of :func:`forward` at its residuals for the cotangent g [T, H] ->
+    (dx [T, H], dw13 [E, 2I, H], dw2 [E, H, I], dtopk_weights [T, k]), each in its input's dtype."""
+    x, topk_weights, w13, w2 = res["x"], res["topk_weights"], res["w13"], res["w2"]
+    if residuals == "recompute":
+        _, res = forward(x, w13, w2, topk_weights, res["topk_ids"], cfg, tile=tile, residuals="save",
+                         apply_router_weight_on_input=apply_router_weight_on_input)
+    sort, a1, h1, y = res["sort"], res["a1"], res["h1"], res["y"]
+    t, k = topk_weights.shape
+    e = w13.shape[0]
+    valid = sort.offsets[e:]
+    tw = topk_weights.astype(jnp.float32)
+    slot_ok = (sort.inverse < valid[0]).reshape(t, k)  # slots whose expert is on this rank
+
+    # out[t] = sum_j w[t, j] * y[row(t, j)]  (router weight on input: a plain sum)
+    g_rows = kernels.permute_rows(g.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid)
+    if apply_router_weight_on_input:
+        dy = g_rows
+    else:
+        w_rows = tw.reshape(-1)[sort.sorted_slots]
+        dy = (g_rows.astype(jnp.float32) * w_rows[:, None]).astype(jnp.bfloat16)
+        y_slots = jnp.take(y, sort.inverse, axis=0, mode="fill", fill_value=0).reshape(t, k, -1)
+        dtw = jnp.einsum("th,tkh->tk", g.astype(jnp.float32), y_slots.astype(jnp.float32))
+        dtw = jnp.where(slot_ok, dtw, 0.0)
+
+    # y = a2 @ w2[e].T ; a2 = act(h1)
+    a2, act_vjp = jax.vjp(lambda h: _masked_act(h, cfg, valid), h1.astype(jnp.float32))
+    da2 = grouped_gemm_dgrad(dy, w2, sort.offsets, tile=tile)
+    dw2 = grouped_gemm_wgrad(dy, a2.astype(jnp.bfloat16), sort.offsets)
+    (dh1,) = act_vjp(da2.astype(jnp.float32))
+    dh1 = dh1.astype(jnp.bfloat16)
+
+    # h1 = a1 @ w13[e].T ; a1 = xin[slot // k]
+    da1 = grouped_gemm_dgrad(dh1, w13, sort.offsets, tile=tile)
+    dw13 = grouped_gemm_wgrad(dh1, a1, sort.offsets)
+    dxin = kernels.unpermute_reduce(da1, sort.inverse, jnp.ones_like(tw), valid_rows=valid, out_dtype=jnp.float32)
+    if apply_router_weight_on_input:  # xin = x * w (top-1)
+        dx = dxin * tw
+        dtw = jnp.sum(dxin * x.astype(jnp.float32), axis=1, keepdims=True)
+        dtw = jnp.where(slot_ok, dtw, 0.0)
+    else:
+        dx = dxin
+    return (dx.astype(x.dtype), dw13.astype(w13.dtype), dw2.astype(w2.dtype), dtw.astype(topk_weights.dtype))
+
+
+def _masked_act(h, cfg: MoEConfig, valid):
+    """The activation's jnp definition on float32 rows, rows at or past ``valid[0]`` zero."""
+    rows = jnp.arange(h.shape[0], dtype=jnp.int32) < valid[0]
+    return jnp.where(rows[:, None], activate(h, cfg), 0.0)
