@@ -115,6 +115,8 @@ def read_kernels(path: str) -> list[Kernel]:
                 for e in line.events:
                     if any(name == "hlo_op" for name, _ in e.stats):
                         cpu.append(Kernel(e.name, e.start_ns, e.duration_ns))
+    if not gpu and jax.devices()[0].platform == "gpu":
+        print("# trace: no GPU kernels in the trace (CUPTI unavailable?); host events only")
     return sorted(gpu or cpu, key=lambda k: k.start_ns)
 
 
