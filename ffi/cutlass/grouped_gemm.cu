@@ -3,7 +3,8 @@
 // can_implement cannot see the per-group sizes, which live on the device), zero the rows no expert owns
 // (standard format) or the rows past each expert's count (batched format),
 // and hand the call to the (kind, tile)'s instantiation. No allocation, no host sync, no device-to-host
-// copy: safe inside a CUDA graph.
+// copy: safe inside a CUDA graph. Also the launch helpers the backward's handlers share
+// (grouped_gemm_grad.cu): SmCount, ZeroUnownedRows, RunKind.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -17,9 +18,11 @@
 namespace jax_moe {
 namespace {
 
+constexpr int kZeroBlocks = 132;
+
 // Zeros the rows of d [m, n] outside [offsets[0], offsets[groups]) (clamped to [0, m]); n % 8 == 0,
 // so every row is whole 16-byte vectors.
-__global__ void ZeroUnownedRows(const int32_t* offsets, int64_t groups, int64_t m, int64_t n, uint4* d) {
+__global__ void ZeroUnownedRowsKernel(const int32_t* offsets, int64_t groups, int64_t m, int64_t n, uint4* d) {
   int64_t lo = offsets[0], hi = offsets[groups];
   lo = lo < 0 ? 0 : (lo > m ? m : lo);
   hi = hi < lo ? lo : (hi > m ? m : hi);
@@ -45,24 +48,17 @@ __global__ void ZeroUnusedBatchedRows(const int32_t* counts, int64_t groups, int
   }
 }
 
-int SmCount(int device) {
-  constexpr int kMaxDevices = 64;
-  static int cache[kMaxDevices] = {};  // 0: not asked yet (benign race: every writer stores the same value)
-  if (device >= 0 && device < kMaxDevices && cache[device] > 0) return cache[device];
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
-  if (device >= 0 && device < kMaxDevices) cache[device] = sms;
-  return sms;
-}
-
 using RunFn = ffi::Error (*)(const GroupedGemmCall&);
 using BytesFn = size_t (*)(int64_t, int);
-template <int Kind>
-constexpr RunFn kRun[kNumCutlassTiles] = {cutlass_gg::Run<Kind, kTileCoop128x128>,
-                                          cutlass_gg::Run<Kind, kTilePingpong64x128>};
-template <int Kind>
-constexpr BytesFn kBytes[kNumCutlassTiles] = {cutlass_gg::WorkspaceBytes<Kind, kTileCoop128x128>,
-                                              cutlass_gg::WorkspaceBytes<Kind, kTilePingpong64x128>};
+#define JAX_MOE_CUTLASS_TILES(FN, KIND) {cutlass_gg::FN<KIND, kTileCoop128x128>, cutlass_gg::FN<KIND, kTilePingpong64x128>}
+constexpr RunFn kRun[kNumCutlassGemmKinds][kNumCutlassTiles] = {
+    JAX_MOE_CUTLASS_TILES(Run, kGemmBf16), JAX_MOE_CUTLASS_TILES(Run, kGemmFp8),
+    JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Wgrad)};
+constexpr BytesFn kBytes[kNumCutlassGemmKinds][kNumCutlassTiles] = {
+    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8),
+    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Wgrad)};
+#undef JAX_MOE_CUTLASS_TILES
+static_assert(kNumCutlassGemmKinds == 4 && kNumCutlassTiles == 2, "one row per kind, one column per tile above");
 
 std::string Name(int kind) { return kind == kGemmFp8 ? "cutlass_grouped_gemm_fp8: " : "cutlass_grouped_gemm: "; }
 
@@ -127,19 +123,14 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
 template <int Kind>
 ffi::Error Launch(GroupedGemmCall& call, int64_t tile) {
   if (call.m == 0) return ffi::Error::Success();
-  JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&call.device));
-  call.sm_count = SmCount(call.device);
-  if (call.sm_count <= 0) return ffi::Error(ffi::ErrorCode::kInternal, "jax_moe: cannot read the SM count");
-  constexpr int kZeroBlocks = 132;
   if (call.batched) {
     ZeroUnusedBatchedRows<<<kZeroBlocks, 128, 0, call.stream>>>(call.offsets, call.groups, call.capacity, call.n,
                                                                 static_cast<uint4*>(call.d));
   } else {
-    ZeroUnownedRows<<<kZeroBlocks, 128, 0, call.stream>>>(call.offsets, call.groups, call.m, call.n,
-                                                          static_cast<uint4*>(call.d));
+    JAX_MOE_CUDA_RETURN_IF_ERROR(ZeroUnownedRows(call));
   }
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return kRun<Kind>[tile](call);
+  return RunKind(Kind, tile, call);
 }
 
 ffi::Error GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> offsets,
@@ -170,16 +161,33 @@ ffi::Error GroupedGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
 
 }  // namespace
 
+int SmCount(int device) {
+  constexpr int kMaxDevices = 64;
+  static int cache[kMaxDevices] = {};  // 0: not asked yet (benign race: every writer stores the same value)
+  if (device >= 0 && device < kMaxDevices && cache[device] > 0) return cache[device];
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
+  if (device >= 0 && device < kMaxDevices) cache[device] = sms;
+  return sms;
+}
+
+cudaError_t ZeroUnownedRows(const GroupedGemmCall& call) {
+  ZeroUnownedRowsKernel<<<kZeroBlocks, 128, 0, call.stream>>>(call.offsets, call.groups, call.m, call.n,
+                                                              static_cast<uint4*>(call.d));
+  return cudaGetLastError();
+}
+
+ffi::Error RunKind(int kind, int64_t tile, const GroupedGemmCall& call) {
+  GroupedGemmCall c = call;
+  JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&c.device));
+  c.sm_count = SmCount(c.device);
+  if (c.sm_count <= 0) return ffi::Error(ffi::ErrorCode::kInternal, "jax_moe: cannot read the SM count");
+  return kRun[kind][tile](c);
+}
+
 size_t CutlassGroupedGemmWorkspaceBytes(int64_t num_groups, int tile, int sm_count, int kind) {
-  if (tile < 0 || tile >= kNumCutlassTiles) return 0;
-  switch (kind) {
-    case kGemmBf16:
-      return kBytes<kGemmBf16>[tile](num_groups, sm_count);
-    case kGemmFp8:
-      return kBytes<kGemmFp8>[tile](num_groups, sm_count);
-    default:
-      return 0;
-  }
+  if (tile < 0 || tile >= kNumCutlassTiles || kind < 0 || kind >= kNumCutlassGemmKinds) return 0;
+  return kBytes[kind][tile](num_groups, sm_count);
 }
 
 int CutlassCurrentSmCount() {

@@ -1,5 +1,5 @@
-// jax_moe's own SM90 grouped GEMMs (CUTLASS 3.x pointer-array kernels), two XLA FFI targets
-// (jax_moe/backends/cutlass_gemm.py holds their shape rules and jnp references):
+// jax_moe's own SM90 grouped GEMMs (CUTLASS 3.x pointer-array kernels), four XLA FFI targets
+// (jax_moe/backends/cutlass_gemm.py and cutlass_grad_gemm.py hold their shape rules and jnp references):
 //
 // jax_moe_cutlass_grouped_gemm (bf16):
 //   a [M, K] bf16        expert-sorted activation rows; expert e owns rows [offsets[e], offsets[e+1])
@@ -30,6 +30,17 @@
 // The same kernels and instantiations serve both formats: only the per-group rows differ
 // (GroupRows in grouped_gemm_impl.cuh), so the format costs no compile time.
 //
+// The backward pass's targets (bf16 only, standard format only; handlers in grouped_gemm_grad.cu):
+//
+// jax_moe_cutlass_grouped_gemm_dgrad (input gradient: the stored weights read the other way round):
+//   a [M, K] bf16, b [E, K, N] bf16 (N contiguous: a forward's weights [E, N_fwd, K_fwd] as stored),
+//   offsets as above -> d [M, N] bf16, d[r] = a[r] @ b[e] for the rows r of expert e; rows outside zero.
+//
+// jax_moe_cutlass_grouped_gemm_wgrad (weight gradient: a reduction over each expert's own rows):
+//   a [M, P] bf16 (u), b [M, Q] bf16 (v), offsets [E+1] as above
+// -> d [E, P, Q] bf16    d[e] = u[rows of e]^T @ v[rows of e] (float32 accumulation; the GEMM's K is the
+//                        expert's row count, "ragged K"); an expert with no rows gets zeros
+//
 // attr tile: a CutlassTile below. E >= 1. K must be a multiple of CutlassAlignK(kind) (16-byte TMA rows of
 // a and b), N a multiple of kCutlassAlignN (16-byte bf16 rows of d). Offsets are clamped to [0, M] on
 // device, so no value of them makes the kernel touch memory outside the buffers; a decreasing pair
@@ -53,9 +64,11 @@ enum CutlassTile : int {
 
 // Operand types: one FFI target each.
 enum CutlassGemmKind : int {
-  kGemmBf16 = 0,  // bf16 x bf16 -> bf16
-  kGemmFp8 = 1,   // e4m3 x e4m3 -> bf16, row and column scales in the epilogue
-  kNumCutlassGemmKinds = 2,
+  kGemmBf16 = 0,       // bf16 x bf16 -> bf16
+  kGemmFp8 = 1,        // e4m3 x e4m3 -> bf16, row and column scales in the epilogue
+  kGemmBf16Dgrad = 2,  // bf16: d = a @ b[e], b's N contiguous
+  kGemmBf16Wgrad = 3,  // bf16: d[e] = a[rows]^T @ b[rows], ragged K
+  kNumCutlassGemmKinds = 4,
 };
 
 constexpr int kCutlassAlignN = 8;      // bf16 elements per 16 bytes: N (d's rows) must be a multiple of it
@@ -74,3 +87,5 @@ int CutlassCurrentSmCount();
 
 extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemm(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemmFp8(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemmDgrad(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemmWgrad(XLA_FFI_CallFrame* call_frame);

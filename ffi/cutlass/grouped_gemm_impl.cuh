@@ -40,14 +40,16 @@ namespace jax_moe {
 
 // One call's operands, decoded and checked by the handler. The rows of a, d and row_scale are m
 // rows either way; the format says which of them group g owns (GroupRows).
+// Per kind: forward a [m, k], b [groups, n, k], d [m, n]; dgrad b [groups, k, n]; wgrad (u, v) a [m, k],
+// b [m, n], d [groups, k, n].
 struct GroupedGemmCall {
   cudaStream_t stream;
   const void* a;            // [m, k] bf16 or e4m3 (batched: [groups, capacity, k], m = groups * capacity)
-  const void* b;            // [groups, n, k], a's type
+  const void* b;            // [groups, n, k], a's type (dgrad: [groups, k, n]; wgrad: [m, n])
   const int32_t* offsets;   // standard: offsets [groups + 1]; batched: counts [groups]; int32, device
   const float* row_scale;   // [m] (fp8; nullptr for bf16)
   const float* col_scale;   // [groups, n] (fp8; nullptr for bf16)
-  void* d;                  // [m, n] bf16
+  void* d;                  // [m, n] bf16 (wgrad: [groups, k, n])
   void* workspace;
   size_t workspace_bytes;
   int64_t groups, m, n, k;
@@ -74,6 +76,12 @@ __device__ __forceinline__ void GroupRows(const int32_t* offsets, int64_t g, int
   hi = hi < lo ? lo : (hi > m ? m : hi);
 }
 
+// Shared by the handler files (grouped_gemm.cu): SMs of a device (cached), the zeroing of the rows no
+// expert owns (d [m, n], n % 8 == 0), and the (kind, tile) instantiation's run on a checked call.
+int SmCount(int device);
+cudaError_t ZeroUnownedRows(const GroupedGemmCall& call);
+ffi::Error RunKind(int kind, int64_t tile, const GroupedGemmCall& call);
+
 namespace cutlass_gg {
 
 constexpr size_t kArrayAlign = 256;  // every array of the workspace starts on this boundary
@@ -95,16 +103,18 @@ JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16, kTileCoop128x128)
 JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16, kTilePingpong64x128)
 JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmFp8, kTileCoop128x128)
 JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmFp8, kTilePingpong64x128)
+JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16Dgrad, kTileCoop128x128)
+JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16Dgrad, kTilePingpong64x128)
+JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16Wgrad, kTileCoop128x128)
+JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16Wgrad, kTilePingpong64x128)
 #undef JAX_MOE_DECLARE_CUTLASS_GEMM
 
 #ifdef JAX_MOE_CUTLASS_IMPL
 using namespace cute;
 
-// The epilogue's fusion: what D is made of.
+// The epilogue's fusion: what D is made of (every bf16 kind: D = acc).
 template <int Kind, class TileShape>
-struct Fusion;
-template <class TileShape>
-struct Fusion<kGemmBf16, TileShape> {  // D = acc
+struct Fusion {
   using type = cutlass::epilogue::fusion::LinearCombination<cutlass::bfloat16_t, float, void, float>;
 };
 template <class TileShape>
@@ -125,6 +135,36 @@ struct Fusion<kGemmFp8, TileShape> {  // D = (acc * col_scale[n]) * row_scale[m]
 
 template <int Kind>
 using ElementAB = std::conditional_t<Kind == kGemmFp8, cutlass::float_e4m3_t, cutlass::bfloat16_t>;
+
+// A and B in CUTLASS's terms (A is M x K, B is K x N; RowMajor A and ColumnMajor B are K-major).
+template <int Kind>
+struct OperandLayouts {  // forward (bf16, fp8): A = rows [M_e, K], B = weights [N, K]
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::ColumnMajor;
+};
+template <>
+struct OperandLayouts<kGemmBf16Dgrad> {  // A = rows [M_e, K], B = weights [K, N] (N contiguous)
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::RowMajor;
+};
+template <>
+struct OperandLayouts<kGemmBf16Wgrad> {  // A = u[rows]^T (P x rows, P contiguous), B = v[rows] (rows x Q)
+  using A = cutlass::layout::ColumnMajor;
+  using B = cutlass::layout::RowMajor;
+};
+
+// A CUTLASS stride (one int64 leading dimension and a static unit stride, in either order) with its
+// leading dimension set to ld.
+template <class Stride>
+__device__ __forceinline__ Stride LeadingStride(int64_t ld) {
+  Stride s{};
+  if constexpr (cute::is_static<std::remove_reference_t<decltype(get<0>(s))>>::value) {
+    get<1>(s) = ld;
+  } else {
+    get<0>(s) = ld;
+  }
+  return s;
+}
 
 template <int Kind, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
 struct GroupedGemm {
@@ -148,8 +188,8 @@ struct GroupedGemm {
   // FP8 with these (non-FastAccum) schedules gets CUTLASS's FP8 mainloop: float32 promotion every 4 MMAs.
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      Element, cutlass::layout::RowMajor*, kAlign,      // A [M_e, K]
-      Element, cutlass::layout::ColumnMajor*, kAlign,   // B (K, N) = weights [N, K]
+      Element, typename OperandLayouts<Kind>::A*, kAlign,
+      Element, typename OperandLayouts<Kind>::B*, kAlign,
       Acc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -161,9 +201,7 @@ struct GroupedGemm {
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
-  // Every operand is "rows of contiguous elements": one int64 leading dimension, static unit stride.
-  static_assert(std::is_same_v<StrideA, Stride<int64_t, Int<1>, Int<0>>>);
-  static_assert(std::is_same_v<StrideB, Stride<int64_t, Int<1>, Int<0>>>);
+  // Every operand is "rows of contiguous elements": one int64 leading dimension, a static unit stride.
   static_assert(std::is_same_v<StrideD, Stride<int64_t, Int<1>, Int<0>>>);
 
   // The per-group arrays, carved out of the front of the XLA workspace (prow/pcol: fp8 only).
@@ -239,9 +277,13 @@ struct GroupedGemm {
   }
 };
 
-// Thread g fills group g's entries: rows [lo, hi) of a and d (and row_scale) from GroupRows, expert g's
-// weights (and col_scale row).
-template <class G>
+// Thread g fills group g's entries from its rows [lo, hi) (GroupRows):
+//   forward, dgrad: rows [lo, hi) of a and d (and row_scale), expert g's weights (and col_scale row);
+//                   problem (hi - lo, n, k); b is [E, N, K] (forward) or [E, K, N] (dgrad)
+//   wgrad:          rows [lo, hi) of u (a, [M, k]) and v (b, [M, n]), expert g's d [k, n]; problem
+//                   (k, n, hi - lo), or no tiles at all (M = 0) for an expert without rows (the handler
+//                   zeroes its d: a K of 0 is not a GEMM CUTLASS's mainloop runs)
+template <int Kind, class G>
 __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, int64_t groups, int64_t m,
                                 bool batched, int64_t capacity, int n, int k, const typename G::Element* a,
                                 const typename G::Element* b, typename G::ElementD* d, const float* row_scale,
@@ -250,23 +292,28 @@ __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, 
   if (g >= groups) return;
   int64_t lo, hi;
   GroupRows(offsets, g, m, batched, capacity, lo, hi);
-  arr.shapes[g] = make_shape(static_cast<int>(hi - lo), n, k);
-  arr.pa[g] = a + lo * k;
-  arr.pb[g] = b + g * static_cast<int64_t>(n) * k;
-  arr.pd[g] = d + lo * n;
+  const int64_t n64 = n, k64 = k;
+  if constexpr (Kind == kGemmBf16Wgrad) {
+    const int rows = static_cast<int>(hi - lo);
+    arr.shapes[g] = make_shape(rows > 0 ? k : 0, n, rows);
+    arr.pa[g] = a + lo * k64;
+    arr.pb[g] = b + lo * n64;
+    arr.pd[g] = d + g * k64 * n64;
+    arr.sa[g] = LeadingStride<typename G::StrideA>(k64);
+    arr.sb[g] = LeadingStride<typename G::StrideB>(n64);
+  } else {
+    arr.shapes[g] = make_shape(static_cast<int>(hi - lo), n, k);
+    arr.pa[g] = a + lo * k64;
+    arr.pb[g] = b + g * n64 * k64;
+    arr.pd[g] = d + lo * n64;
+    arr.sa[g] = LeadingStride<typename G::StrideA>(k64);
+    arr.sb[g] = LeadingStride<typename G::StrideB>(Kind == kGemmBf16Dgrad ? n64 : k64);
+  }
   if constexpr (G::kScaled) {
     arr.prow[g] = row_scale + lo;
-    arr.pcol[g] = col_scale + g * static_cast<int64_t>(n);
+    arr.pcol[g] = col_scale + g * n64;
   }
-  typename G::StrideA sa{};
-  typename G::StrideB sb{};
-  typename G::StrideD sd{};
-  get<0>(sa) = k;
-  get<0>(sb) = k;
-  get<0>(sd) = n;
-  arr.sa[g] = sa;
-  arr.sb[g] = sb;
-  arr.sd[g] = sd;
+  arr.sd[g] = LeadingStride<typename G::StrideD>(n64);
 }
 
 inline ffi::Error CutlassError(const char* what, cutlass::Status s) {
@@ -274,7 +321,7 @@ inline ffi::Error CutlassError(const char* what, cutlass::Status s) {
                     std::string("jax_moe: cutlass grouped gemm: ") + what + ": " + cutlassGetStatusString(s));
 }
 
-template <class G>
+template <int Kind, class G>
 ffi::Error RunGemm(const GroupedGemmCall& c) {
   const size_t need = G::WorkspaceBytes(c.groups, c.sm_count);
   if (c.workspace_bytes < need)
@@ -285,7 +332,7 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   using E = typename G::Element;
   using D = typename G::ElementD;
   constexpr int kThreads = 128;
-  FillGroupArrays<G><<<static_cast<unsigned>((c.groups + kThreads - 1) / kThreads), kThreads, 0, c.stream>>>(
+  FillGroupArrays<Kind, G><<<static_cast<unsigned>((c.groups + kThreads - 1) / kThreads), kThreads, 0, c.stream>>>(
       arr, c.offsets, c.groups, c.m, c.batched, c.capacity, static_cast<int>(c.n), static_cast<int>(c.k),
       static_cast<const E*>(c.a), static_cast<const E*>(c.b), static_cast<D*>(c.d), c.row_scale, c.col_scale);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -330,7 +377,7 @@ struct TileConfig {
   }                                                                                   \
   template <>                                                                         \
   ffi::Error Run<KIND, TILE>(const GroupedGemmCall& call) {                           \
-    return RunGemm<TileConfig<KIND, TILE>::type>(call);                               \
+    return RunGemm<KIND, TileConfig<KIND, TILE>::type>(call);                         \
   }
 #endif  // JAX_MOE_CUTLASS_IMPL
 
