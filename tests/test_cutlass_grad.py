@@ -120,6 +120,25 @@ def test_the_custom_vjp_gives_the_gradient_of_the_definition(rng, t, e, k, activ
     assert float(jnp.abs(d13[e - 1]).max()) == 0.0 and float(jnp.abs(d2[e - 1]).max()) == 0.0
 
 
+def test_fused_moe_under_grad_runs_the_cutlass_vjp(rng, monkeypatch):
+    """The public path: jax.grad through fused_moe with the oracle on cutlass (its support forced
+    here, on CPU: its jnp twins) gives the xla backend's gradients, the router logits' included."""
+    from jax_moe import fused_moe
+
+    monkeypatch.setattr(cutlass, "supports", lambda cfg, quant=None, device=None, **kw: (True, "ok"))
+    moe = random_moe(rng, 11, 8, 2, 32, 16, dtype=jnp.bfloat16)
+    logits = jnp.asarray(rng.standard_normal((11, 8)), jnp.float32)
+    cot = jnp.asarray(rng.standard_normal((11, 32)), jnp.float32)
+
+    def grads(backend):
+        return jax.jit(jax.grad(lambda x, w13, w2, lg: jnp.sum(
+            fused_moe(x, w13, w2, lg, 2, backend=backend).astype(jnp.float32) * cot), (0, 1, 2, 3)))(
+            moe.x, moe.w13, moe.w2, logits)
+
+    for g, w in zip(grads("cutlass"), grads("xla")):
+        assert rel_err(g, w) < BF16_GRAD_TOL
+
+
 def test_slots_of_experts_on_other_devices_carry_no_gradient(rng):
     """Ids of -1 (expert parallelism): those slots contribute nothing, so their routing weights get
     zero gradient, as on the xla backend."""

@@ -253,12 +253,14 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
                                     apply_router_weight_on_input=apply_router_weight_on_input, out_dtype=x.dtype)
 
 
-def vjp_fwd(x, w13, w2, topk_weights, topk_ids, cfg, *, w13_bias=None, w2_bias=None,
+def vjp_fwd(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None, w2_bias=None,
             apply_router_weight_on_input: bool = False, tile: str | None = "auto", residuals: str = "save"):
     """:func:`apply` on bf16 weights for a differentiated call -> (out [T, H], residuals): the same
     kernels, and what :func:`vjp_bwd` needs (:mod:`jax_moe.backends.cutlass_vjp`; ``residuals``
     ``"save"`` keeps the permuted rows, GEMM1's pre-activation and GEMM2's rows, ``"recompute"``
-    only the inputs)."""
+    only the inputs). ``quant`` must be None (quantized layers are for inference)."""
+    if quant is not None:
+        raise ValueError(f"{NAME}: a quantized layer is for inference; differentiate float weights")
     _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, None, w13_bias, w2_bias,
                  apply_router_weight_on_input, tile)
     return cutlass_vjp.forward(x, w13, w2, topk_weights, topk_ids, cfg, residuals=residuals,
@@ -266,7 +268,7 @@ def vjp_fwd(x, w13, w2, topk_weights, topk_ids, cfg, *, w13_bias=None, w2_bias=N
                                apply_router_weight_on_input=apply_router_weight_on_input)
 
 
-def vjp_bwd(res, g, cfg, *, w13_bias=None, w2_bias=None, apply_router_weight_on_input: bool = False,
+def vjp_bwd(res, g, cfg, *, quant=None, w13_bias=None, w2_bias=None, apply_router_weight_on_input: bool = False,
             tile: str | None = "auto", residuals: str = "save"):
     """The backward of :func:`vjp_fwd` for the cotangent g [T, H] -> (dx, dw13, dw2, dtopk_weights,
     dw13_bias, dw2_bias) on jax_moe's grouped GEMMs (input gradients against the stored weights,
