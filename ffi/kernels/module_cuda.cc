@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "../common/capsules.h"
 #include "moe_prepare_finalize.h"
 #include "sort_by_expert.h"
 
@@ -15,12 +16,10 @@ namespace nb = nanobind;
 
 NB_MODULE(_jax_moe_cuda, m) {
   m.def("registrations", []() {
-    nb::dict d;
-    d["jax_moe_sort_by_expert"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeSortByExpertCuda));
-    d["jax_moe_permute_rows"] = nb::capsule(reinterpret_cast<void*>(&JaxMoePermuteRowsCuda));
-    d["jax_moe_act_and_mul"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeActAndMulCuda));
-    d["jax_moe_unpermute_reduce"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeUnpermuteReduceCuda));
-    return d;
+    return jax_moe::HandlerCapsules({{"jax_moe_sort_by_expert", &JaxMoeSortByExpertCuda},
+                                     {"jax_moe_permute_rows", &JaxMoePermuteRowsCuda},
+                                     {"jax_moe_act_and_mul", &JaxMoeActAndMulCuda},
+                                     {"jax_moe_unpermute_reduce", &JaxMoeUnpermuteReduceCuda}});
   });
   m.def("cuda_archs", []() { return std::string(JAX_MOE_CUDA_ARCHS_STR); });
   m.attr("sort_chunk") = jax_moe::kSortChunk;

@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "../common/binding.h"
 #include "../common/errors.h"
 #include "moe_prepare_finalize.h"
 

@@ -86,13 +86,5 @@ ffi::Error UnpermuteReduceCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffe
 }  // namespace
 }  // namespace jax_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteReduceCuda, jax_moe::UnpermuteReduceCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                // y [M, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // inverse [T*k]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // topk_weights [T, k]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // valid_rows [1]
-                                  .Ret<xla::ffi::AnyBuffer>()                // out [T, H]
-                                  .Attr<int64_t>("weighted"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// y, inverse, topk_weights, valid_rows -> out; attribute weighted (common/binding.h).
+JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeUnpermuteReduceCuda, jax_moe::UnpermuteReduceCuda, "weighted");

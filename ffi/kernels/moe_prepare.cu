@@ -215,27 +215,8 @@ ffi::Error ActAndMulCuda(cudaStream_t stream, ffi::AnyBuffer h, ffi::Buffer<ffi:
 }  // namespace
 }  // namespace jax_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteRowsCuda, jax_moe::PermuteRowsCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                // x [T, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // sorted_slots [T*k]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // valid_rows [1]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // scale [1] or [0]
-                                  .Ret<xla::ffi::AnyBuffer>()                // rows [T*k, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()    // scales [T*k] or [0]
-                                  .Attr<int64_t>("top_k")
-                                  .Attr<int64_t>("quant"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeActAndMulCuda, jax_moe::ActAndMulCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                // h [M, 2I]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // valid_rows [1]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // scale [1] or [0]
-                                  .Ret<xla::ffi::AnyBuffer>()                // out [M, I]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()    // scales [M] or [0]
-                                  .Attr<int64_t>("activation")
-                                  .Attr<int64_t>("quant"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// Bindings read off the handlers' signatures (common/binding.h).
+// x, sorted_slots, valid_rows, scale -> rows, scales; attributes top_k, quant.
+JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoePermuteRowsCuda, jax_moe::PermuteRowsCuda, "top_k", "quant");
+// h, valid_rows, scale -> out, scales; attributes activation, quant.
+JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeActAndMulCuda, jax_moe::ActAndMulCuda, "activation", "quant");

@@ -7,6 +7,7 @@
 // Bucket E collects the ids outside [0, E). No allocation, no host synchronisation.
 #include <cstdint>
 
+#include "../common/binding.h"
 #include "../common/errors.h"
 #include "sort_by_expert.h"
 
@@ -108,14 +109,5 @@ ffi::Error SortByExpertCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi:
 }  // namespace
 }  // namespace jax_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeSortByExpertCuda, jax_moe::SortByExpertCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Attr<int64_t>("num_experts"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// ids -> sorted, inverse, counts, offsets, workspace; attribute num_experts (common/binding.h).
+JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeSortByExpertCuda, jax_moe::SortByExpertCuda, "num_experts");

@@ -2,6 +2,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../common/binding.h"
 #include "../common/errors.h"
 #include "sort_by_expert.h"
 
@@ -37,11 +38,6 @@ ffi::Error SortByExpertCpu(ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::S32
 }  // namespace
 }  // namespace jax_moe
 
+// Binding read off SortByExpertCpu's signature (common/binding.h).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeSortByExpertCpu, jax_moe::SortByExpertCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Attr<int64_t>("num_experts"));
+                              (jax_moe::BindHandler<decltype(&jax_moe::SortByExpertCpu)>("num_experts")));
