@@ -1,5 +1,5 @@
 # cmake/flashinfer_moe.cmake -- builds FlashInfer's CUTLASS fused-MoE runner (TensorRT-LLM's
-# CutlassMoeFCRunner) for SM90 behind thin XLA FFI handlers (ffi/flashinfer/cutlass_moe.cu), for the
+# CutlassMoeFCRunner) for SM90 behind thin XLA FFI handlers (ffi/flashinfer/), for the
 # quant schemes in JAX_MOE_FI_SCHEMES:
 #   bf16   BF16 activations x BF16 weights -> BF16
 #   f16    FP16 activations x FP16 weights -> FP16 (opt-in: not in the default list; the same
@@ -84,8 +84,8 @@
 #       CutlassMoeFCRunner<fp8, uint4b_t, bf16, bf16> quantizes its bf16 input to FP8 with AWQ's
 #       per-channel pre-quant scale (in the expand kernel) and the activation output with AWQ's
 #       apply_per_channel_scale_kernel_launcher<bf16, fp8>: with w4a8 preQuantScaleKernel.cu is
-#       compiled (and the <bf16, bf16> stub below is not emitted). Handler: W4a8Impl in
-#       ffi/flashinfer/cutlass_moe.cu.
+#       compiled (and the <bf16, bf16> stub below is not emitted). Handler: W4a8Scales in
+#       ffi/flashinfer/moe_handlers.cu.
 #   fp8_block (KIND blockscale) compiles no MoE GEMM instantiation: the runner
 #       CutlassMoeFCRunner<bf16, fp8> with use_deepseek_fp8_block_scale sends both GEMMs to
 #       nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/fp8_blockscale_gemm.cu
@@ -97,7 +97,7 @@
 #       NVRTC, so nothing links libnvrtc), and the driver functions its runtime names are hidden
 #       stubs (ffi/flashinfer/deepgemm_stubs.cc, which also keeps its load-time cache directory
 #       out of $HOME): no libcuda link. nvrtc.h (included by DeepGEMM's headers) is looked up like
-#       the cuBLAS headers. Handler: ffi/flashinfer/cutlass_moe_fp8_block.cu.
+#       the cuBLAS headers. Handler: ffi/flashinfer/fp8_block_handler.cu.
 #   stubs.cu -- the throwing stubs above, throwing stubs for the 30 bf16 (and with f16, 30 half)
 #       sm80_generic_fused_moe_gemm_kernelLauncher instantiations (the SM80 fused gated-GEMM
 #       tactics; not used on SM90 unless JAX_MOE_FI_SM80_FUSED=ON), a throwing
@@ -123,7 +123,7 @@
 #   -DENABLE_FP4 -DUSING_OSS_CUTLASS_MOE_GEMM -DCUTLASS_ENABLE_GDC_FOR_SM90=1
 #   -DFLASHINFER_ENABLE_FP8_E8M0 -DFLASHINFER_ENABLE_FP4_E2M1
 #   ENABLE_FP8/ENABLE_FP4 change the layout of QuantParams and of the runner class, so every TU
-#   (our handler included) must see the same set.
+#   (ffi/flashinfer/schemes.h and every TU of ours that includes it) must see the same set.
 #
 # Cache variables (each generated TU is ~1-2 min on one core; fewer tactics build faster):
 #   JAX_MOE_FI_SCHEMES        quant schemes: bf16, fp8, mxfp4, fp8_block, f16, w4a8 (default bf16;fp8;mxfp4;
@@ -333,7 +333,7 @@ else()
 endif()
 
 # Per scheme: activation type, weight type, output type, runner template arguments, K tile in
-# elements (128 bytes), and its id in the generated tactic table (the handler's Scheme::kId).
+# elements (128 bytes), and its id in the generated tactic table (Scheme::kId, ffi/flashinfer/schemes.h).
 set(_scheme_bf16_T "__nv_bfloat16")
 set(_scheme_bf16_W "__nv_bfloat16")
 set(_scheme_bf16_O "__nv_bfloat16")
@@ -759,9 +759,13 @@ set(_w4a8_sources "")
 if("w4a8" IN_LIST JAX_MOE_FI_SCHEMES)  # AWQ's per-channel pre-quant scale kernels (W4A8's FP8 quantizers)
   set(_w4a8_sources "${_fi_csrc}/nv_internal/tensorrt_llm/kernels/preQuantScaleKernel.cu")
 endif()
+# Our TUs that see the runner class: the handlers, the runner cache and the host queries.
+set(_fi_jax_moe_sources "")
+foreach(_f moe_handlers.cu fp8_block_handler.cu runner_cache.cu host_queries.cu)
+  list(APPEND _fi_jax_moe_sources "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer/${_f}")
+endforeach()
 add_library(jax_moe_fi SHARED ${_big_sources} ${_fp8_block_sources} ${_w4a8_sources} ${_gen_sources} ${_fi_small_sources}
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer/cutlass_moe.cu"
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer/cutlass_moe_fp8_block.cu")
+  ${_fi_jax_moe_sources})
 target_link_libraries(jax_moe_fi PRIVATE jax_moe_fi_config CUDA::cudart_static)
 if(TARGET CUDA::cuda_driver)
   target_link_libraries(jax_moe_fi PRIVATE CUDA::cuda_driver)
@@ -769,8 +773,7 @@ endif()
 target_compile_definitions(jax_moe_fi PRIVATE ${_scheme_defs})
 target_include_directories(jax_moe_fi PRIVATE "${JAX_MOE_XLA_FFI_INCLUDE_DIR}")
 # Some jaxlib releases' api.h trips -Werror=missing-field-initializers under the host compiler.
-set_source_files_properties("${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer/cutlass_moe.cu"
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/flashinfer/cutlass_moe_fp8_block.cu" PROPERTIES
+set_source_files_properties(${_fi_jax_moe_sources} PROPERTIES
   COMPILE_OPTIONS "-Xcompiler=-Wno-missing-field-initializers,-Wno-error=missing-field-initializers")
 set_target_properties(jax_moe_fi PROPERTIES
   CUDA_ARCHITECTURES "90a"

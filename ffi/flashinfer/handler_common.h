@@ -1,14 +1,23 @@
-// Host-side helpers shared by the FlashInfer CUTLASS MoE handlers (ffi/flashinfer/cutlass_moe.cu,
-// ffi/flashinfer/cutlass_moe_fp8_block.cu): the current-device guard and the key of a traced
-// problem shape under which a handler caches its runner or tactic choice.
+// Host-side helpers shared by the FlashInfer CUTLASS MoE handlers (moe_handlers.cu,
+// fp8_block_handler.cu), free of FlashInfer's headers: the current-device guard, the key of a
+// traced problem shape under which the runner cache keeps a runner or a tactic choice, and the
+// handlers' error format ("jax_moe flashinfer_cutlass_moe (<scheme>): ...").
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <exception>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 
+// XLA's FFI headers before any FlashInfer header (see schemes.h).
+#include "xla/ffi/api/ffi.h"
+
 namespace jax_moe_fi {
+
+namespace ffi = xla::ffi;
 
 // Makes `device` current for the lifetime of the guard.
 class DeviceGuard {
@@ -37,5 +46,29 @@ struct ShapeKey {
     return std::tie(t, h, i, e, k, act) < std::tie(o.t, o.h, o.i, o.e, o.k, o.act);
   }
 };
+
+// An operand the handler of `scheme` refuses.
+inline ffi::Error Bad(char const* scheme, std::string const& m) {
+  return ffi::Error::InvalidArgument(std::string("jax_moe flashinfer_cutlass_moe (") + scheme + "): " + m);
+}
+
+// The handler of a scheme left out of JAX_MOE_FI_SCHEMES.
+inline ffi::Error NotCompiled(char const* scheme) {
+  return ffi::Error::InvalidArgument(std::string("jax_moe flashinfer_cutlass_moe: scheme ") + scheme +
+                                     " was not compiled into this build (JAX_MOE_FI_SCHEMES)");
+}
+
+// Runs `launch` (returning ffi::Error), mapping what the runner throws: std::invalid_argument to
+// InvalidArgument with its message, anything else to Internal("jax_moe <who>: ...").
+template <typename F>
+ffi::Error Guarded(std::string const& who, F&& launch) {
+  try {
+    return launch();
+  } catch (std::invalid_argument const& ex) {
+    return ffi::Error::InvalidArgument(ex.what());
+  } catch (std::exception const& ex) {
+    return ffi::Error::Internal("jax_moe " + who + ": " + ex.what());
+  }
+}
 
 }  // namespace jax_moe_fi

@@ -1,7 +1,6 @@
 // nanobind module jax_moe._jax_moe_flashinfer: exports the XLA FFI handlers of FlashInfer's CUTLASS
 // fused-MoE runner and the host-side queries the Python wrapper needs at trace time (workspace
-// size, tactic lists). Both live in libjax_moe_fi.so (ffi/flashinfer/cutlass_moe.cu), which this
-// module links (fp8_block's handler and workspace query: ffi/flashinfer/cutlass_moe_fp8_block.cu);
+// size, tactic lists). Both live in libjax_moe_fi.so (exports.h), which this module links;
 // scheme ids: 0 bf16, 1 fp8, 2 mxfp4, 3 fp8_block, 4 f16, 5 w4a8.
 
 #include <nanobind/nanobind.h>
@@ -22,31 +21,10 @@
 #include <utility>
 #include <vector>
 
-#include "cutlass_moe_fp8_block.h"
+#include "../common/capsules.h"
+#include "exports.h"
 
 namespace nb = nanobind;
-
-// XLA_FFI_DEFINE_HANDLER_SYMBOL in cutlass_moe.cu defines it with C linkage.
-struct XLA_FFI_CallFrame;
-struct XLA_FFI_Error;
-extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoe(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeFp8(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeMxfp4(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeFp8Block(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeF16(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxMoeFlashinferCutlassMoeW4a8(XLA_FFI_CallFrame* call_frame);
-
-namespace jax_moe_fi {
-int CompiledSchemes();
-size_t WorkspaceSize(int64_t num_tokens, int64_t hidden, int64_t inter, int64_t num_experts,
-                     int64_t top_k, int64_t activation, int scheme, int device);
-int NumTactics(int gemm_id, int scheme, int device);
-int TacticInfo(int gemm_id, int idx, int scheme, int device, char* buf, size_t buf_len);
-std::pair<int, int> DefaultTactics(int64_t num_tokens, int64_t hidden, int64_t inter,
-                                   int64_t num_experts, int64_t top_k, int64_t activation,
-                                   int scheme, int device);
-int NumCompiledSm90Tactics(int scheme);
-}  // namespace jax_moe_fi
 
 namespace {
 // JAX_MOE_FI_SEGV_TRACE=1: print a native backtrace on SIGSEGV (debugging aid).
@@ -61,36 +39,23 @@ void SegvTrace(int sig) {
 
 NB_MODULE(_jax_moe_flashinfer, m) {
   if (std::getenv("JAX_MOE_FI_SEGV_TRACE")) signal(SIGSEGV, SegvTrace);
-  jax_moe_fi::Fp8BlockAfterLoad();
+  jax_moe_fi::AfterLoad();
   m.doc() = "FlashInfer CUTLASS fused-MoE (SM90; bf16, fp8, mxfp4, fp8_block, f16, w4a8) as XLA FFI custom calls";
 
   m.def("registrations", []() {
-    nb::dict d;
-    d["jax_moe_flashinfer_cutlass_moe"] =
-        nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoe));
-    d["jax_moe_flashinfer_cutlass_moe_fp8"] =
-        nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeFp8));
-    d["jax_moe_flashinfer_cutlass_moe_mxfp4"] =
-        nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeMxfp4));
-    d["jax_moe_flashinfer_cutlass_moe_fp8_block"] =
-        nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeFp8Block));
-    d["jax_moe_flashinfer_cutlass_moe_f16"] =
-        nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeF16));
-    d["jax_moe_flashinfer_cutlass_moe_w4a8"] =
-        nb::capsule(reinterpret_cast<void*>(&JaxMoeFlashinferCutlassMoeW4a8));
-    return d;
+    return jax_moe::HandlerCapsules({{"jax_moe_flashinfer_cutlass_moe", &JaxMoeFlashinferCutlassMoe},
+                                     {"jax_moe_flashinfer_cutlass_moe_fp8", &JaxMoeFlashinferCutlassMoeFp8},
+                                     {"jax_moe_flashinfer_cutlass_moe_mxfp4", &JaxMoeFlashinferCutlassMoeMxfp4},
+                                     {"jax_moe_flashinfer_cutlass_moe_fp8_block", &JaxMoeFlashinferCutlassMoeFp8Block},
+                                     {"jax_moe_flashinfer_cutlass_moe_f16", &JaxMoeFlashinferCutlassMoeF16},
+                                     {"jax_moe_flashinfer_cutlass_moe_w4a8", &JaxMoeFlashinferCutlassMoeW4a8}});
   }, "FFI target name -> handler capsule (api_version=1, platform CUDA).");
 
-  m.def("compiled_schemes", []() { return jax_moe_fi::CompiledSchemes() | jax_moe_fi::CompiledSchemesFp8Block(); },
+  m.def("compiled_schemes", &jax_moe_fi::CompiledSchemes,
         "Bit mask of the quant schemes compiled in: 1 << 0 bf16, 1 << 1 fp8, 1 << 2 mxfp4, "
         "1 << 3 fp8_block, 1 << 4 f16, 1 << 5 w4a8.");
 
-  m.def("workspace_size",
-        [](int64_t t, int64_t h, int64_t i, int64_t e, int64_t k, int64_t act, int scheme, int device) {
-          if (scheme == jax_moe_fi::kFp8BlockSchemeId)  // no tactics: its own runner per shape
-            return jax_moe_fi::Fp8BlockWorkspaceSize(t, h, i, e, k, act, device);
-          return jax_moe_fi::WorkspaceSize(t, h, i, e, k, act, scheme, device);
-        },
+  m.def("workspace_size", &jax_moe_fi::WorkspaceSize,
         nb::arg("num_tokens"), nb::arg("hidden"),
         nb::arg("inter"), nb::arg("num_experts"), nb::arg("top_k"), nb::arg("activation"),
         nb::arg("scheme") = 0, nb::arg("device") = -1,

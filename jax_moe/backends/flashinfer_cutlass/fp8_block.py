@@ -14,7 +14,7 @@ ones (:mod:`jax_moe.quant.fp8`, block (128, 128)) in the layout of
 :mod:`jax_moe.layouts.blockscale`: w13's rows and their scales' rows as ``[up; gate]``.
 Requirements: H and I multiples of 128, w13 in ``[gate; up]`` (concat) order for a gated
 activation (alternating rows cannot keep whole 128-row scale blocks), scales finite and positive.
-The handler is ``jax_moe_flashinfer_cutlass_moe_fp8_block`` (ffi/flashinfer/cutlass_moe_fp8_block.cu).
+The handler is ``jax_moe_flashinfer_cutlass_moe_fp8_block`` (ffi/flashinfer/fp8_block_handler.cu).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ the max over experts, as the xla backend; ``x ~= q * a``). Prepared:
 
 Requirements: ``act='fp8_per_tensor'`` with a static ``a2_scale``, groups of 128 along K, H and
 I multiples of 128, finite positive scales. The handler is
-``jax_moe_flashinfer_cutlass_moe_w4a8`` (ffi/flashinfer/cutlass_moe.cu, scheme id 5); the
+``jax_moe_flashinfer_cutlass_moe_w4a8`` (ffi/flashinfer/moe_handlers.cu, scheme id 5); the
 runner's tactic list is the mixed-input one (swap_ab only, never finalize-fused), and the
 handler's built-in choice takes only tiles whose K divides the GEMM's K.
 """
