@@ -1,5 +1,5 @@
 # cmake/flashinfer_trtllm.cmake -- FlashInfer's TRT-LLM gen fused MoE (SM100) behind a thin XLA FFI
-# handler (ffi/trtllm/moe.cu): FP8 per-tensor, FP4 block scale (NVFP4 x NVFP4, MXFP4 x
+# handlers (ffi/trtllm/handlers.cu): FP8 per-tensor, FP4 block scale (NVFP4 x NVFP4, MXFP4 x
 # BF16, MXFP4 x MXFP8: one target) and DeepSeek FP8 block scale. Included by CMakeLists.txt when
 # JAX_MOE_WITH_TRTLLM is ON (its default: ON when sm_100a, sm_100f or sm_103a is among the archs).
 #
@@ -227,10 +227,13 @@ foreach(_a IN LISTS _trtllm_archs)
   list(APPEND _tgencode "-gencode=arch=compute_${_a},code=sm_${_a}")
 endforeach()
 
-add_library(jax_moe_trtllm SHARED ${_tfi_sources}
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm/moe.cu"
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm/cubin_dir.cc"
-  "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm/tvm_ffi_backtrace.cc")
+# Ours: the handlers, the runner cache, the workspace plan, the launch, the host queries, the cubin
+# loader and the TVM-FFI backtrace stand-in.
+set(_tjax_sources "")
+foreach(_f handlers.cu runner.cu workspace_plan.cu launch.cu host_queries.cu cubin_dir.cc tvm_ffi_backtrace.cc)
+  list(APPEND _tjax_sources "${CMAKE_CURRENT_LIST_DIR}/../ffi/trtllm/${_f}")
+endforeach()
+add_library(jax_moe_trtllm SHARED ${_tfi_sources} ${_tjax_sources})
 target_compile_definitions(jax_moe_trtllm PRIVATE
   TLLM_GEN_EXPORT_INTERFACE TLLM_GEN_EXPORT_FLASHINFER TLLM_ENABLE_CUDA ENABLE_BF16 ENABLE_FP8
   ENABLE_FP4 CUTLASS_ENABLE_GDC_FOR_SM100=1 "TLLM_GEN_GEMM_CUBIN_PATH=\"${_bmm_rel}\"")

@@ -1,4 +1,4 @@
-// The host side of the TRT-LLM gen MoE library (libjax_moe_trtllm.so, ffi/trtllm/moe.cu)
+// The host side of the TRT-LLM gen MoE library (libjax_moe_trtllm.so, ffi/trtllm/)
 // that the nanobind glue (module.cc) exposes to Python. No FlashInfer headers here, so the
 // glue compiles without them. Scheme ids (jax_moe.backends.flashinfer_trtllm.SCHEME_IDS): the runner
 // a scheme builds (activation and weight dtypes) and so its cubins and workspace.

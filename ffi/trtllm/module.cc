@@ -7,6 +7,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "../common/capsules.h"
 #include "host_queries.h"
 
 namespace nb = nanobind;
@@ -21,14 +22,9 @@ NB_MODULE(_jax_moe_trtllm, m) {
   m.doc() = "FlashInfer TRT-LLM gen fused MoE (SM100; fp8 per-tensor, fp4 block scale: nvfp4, mxfp4; fp8 block scale) as XLA FFI custom calls";
 
   m.def("registrations", []() {
-    nb::dict d;
-    d["jax_moe_trtllm_fp8_per_tensor_moe"] =
-        nb::capsule(reinterpret_cast<void*>(&JaxMoeTrtllmFp8PerTensorMoe));
-    d["jax_moe_trtllm_fp4_block_scale_moe"] =
-        nb::capsule(reinterpret_cast<void*>(&JaxMoeTrtllmFp4BlockScaleMoe));
-    d["jax_moe_trtllm_fp8_block_scale_moe"] =
-        nb::capsule(reinterpret_cast<void*>(&JaxMoeTrtllmFp8BlockScaleMoe));
-    return d;
+    return jax_moe::HandlerCapsules({{"jax_moe_trtllm_fp8_per_tensor_moe", &JaxMoeTrtllmFp8PerTensorMoe},
+                                     {"jax_moe_trtllm_fp4_block_scale_moe", &JaxMoeTrtllmFp4BlockScaleMoe},
+                                     {"jax_moe_trtllm_fp8_block_scale_moe", &JaxMoeTrtllmFp8BlockScaleMoe}});
   }, "FFI target name -> handler capsule (api_version=1, platform CUDA).");
 
   m.def("schemes", []() { return std::vector<std::string>{"fp8", "nvfp4", "mxfp4", "fp8_block"}; },

@@ -3,7 +3,7 @@ native module, the routing kernels' limits, the scheme's own contract tables, op
 tokens-per-tile rules.
 
 FlashInfer's TRT-LLM gen fused MoE runs on SM100 (tcgen05 batched GEMMs from prebuilt cubins).
-Schemes with a handler (:data:`TARGETS`; ``ffi/trtllm/moe.cu``), routing done before
+Schemes with a handler (:data:`TARGETS`; ``ffi/trtllm/handlers.cu``), routing done before
 the call in every one of them: ``fp8`` (:mod:`.fp8`), ``mxfp4`` and ``nvfp4`` (one target,
 :mod:`.mxfp4`, :mod:`.nvfp4`), ``fp8_block`` (:mod:`.fp8_block`). Every scheme's weight
 preparation is pure jnp, CPU-tested against the layouts as documented in words.
