@@ -35,7 +35,7 @@ STAGE_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"GatherRow", "permute"),
     (r"GatedActRow", "act"),
     (r"UnpermuteReduce", "finalize"),
-    (r"FillGroupArrays|ZeroUnownedRows|ZeroUnusedBatchedRows", "setup"),
+    (r"FillGroupArrays|ZeroUnownedRows|ZeroUnusedBatchedRows|ZeroEmptyGroups", "setup"),
     (r"cutlass|GemmUniversal|ragged_dot|device_kernel", "gemm"),
     (r"^(Memset|Memcpy|memset|memcpy)", "copy"),
 )
