@@ -11,6 +11,7 @@
 
 #include <cuda_runtime.h>
 
+#include "../common/binding.h"
 #include "../common/errors.h"
 #include "grouped_gemm.h"
 #include "grouped_gemm_impl.cuh"
@@ -198,26 +199,5 @@ int CutlassCurrentSmCount() {
 
 }  // namespace jax_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCutlassGroupedGemm, jax_moe::GroupedGemmCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // a [M, K] | [E, C, K] bf16
-                                  .Arg<xla::ffi::AnyBuffer>()              // b [E, N, K] bf16
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offsets [E + 1] | counts [E]
-                                  .Ret<xla::ffi::AnyBuffer>()              // d [M, N] | [E, C, N] bf16
-                                  .Ret<xla::ffi::AnyBuffer>()              // workspace [W] uint8
-                                  .Attr<int64_t>("tile"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCutlassGroupedGemmFp8, jax_moe::GroupedGemmFp8Cuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // a [M, K] | [E, C, K] float8_e4m3fn
-                                  .Arg<xla::ffi::AnyBuffer>()              // b [E, N, K] float8_e4m3fn
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offsets [E + 1] | counts [E]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // row_scale [M] | [E, C]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // col_scale [E, N]
-                                  .Ret<xla::ffi::AnyBuffer>()              // d [M, N] | [E, C, N] bf16
-                                  .Ret<xla::ffi::AnyBuffer>()              // workspace [W] uint8
-                                  .Attr<int64_t>("tile"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemm, jax_moe::GroupedGemmCuda, "tile");
+JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmFp8, jax_moe::GroupedGemmFp8Cuda, "tile");

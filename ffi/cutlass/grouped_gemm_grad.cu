@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include "../common/binding.h"
 #include "../common/errors.h"
 #include "grouped_gemm.h"
 #include "grouped_gemm_impl.cuh"
@@ -111,24 +112,5 @@ ffi::Error WgradCuda(cudaStream_t stream, ffi::AnyBuffer u, ffi::AnyBuffer v, ff
 }  // namespace
 }  // namespace jax_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCutlassGroupedGemmDgrad, jax_moe::DgradCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // a [M, K] bf16
-                                  .Arg<xla::ffi::AnyBuffer>()              // b [E, K, N] bf16
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offsets [E + 1]
-                                  .Ret<xla::ffi::AnyBuffer>()              // d [M, N] bf16
-                                  .Ret<xla::ffi::AnyBuffer>()              // workspace [W] uint8
-                                  .Attr<int64_t>("tile"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCutlassGroupedGemmWgrad, jax_moe::WgradCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // u [M, P] bf16
-                                  .Arg<xla::ffi::AnyBuffer>()              // v [M, Q] bf16
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offsets [E + 1]
-                                  .Ret<xla::ffi::AnyBuffer>()              // d [E, P, Q] bf16
-                                  .Ret<xla::ffi::AnyBuffer>()              // workspace [W] uint8
-                                  .Attr<int64_t>("tile"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmDgrad, jax_moe::DgradCuda, "tile");
+JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmWgrad, jax_moe::WgradCuda, "tile");
