@@ -107,16 +107,10 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
     return InvalidArgument(n_ + "dimensions must fit in int32");
   call.a = a.untyped_data();
   call.b = b.untyped_data();
-  call.offsets = offsets.typed_data();
-  call.d = d->untyped_data();
-  call.workspace = workspace->untyped_data();
-  call.workspace_bytes = workspace->size_bytes();
-  call.groups = groups;
   call.batched = batched;
   call.capacity = capacity;
-  call.m = m;
-  call.n = n;
-  call.k = k;
+  SetCommon(call, offsets.typed_data(), d->untyped_data(), workspace->untyped_data(), workspace->size_bytes(), groups,
+            m, n, k);
   return std::nullopt;
 }
 

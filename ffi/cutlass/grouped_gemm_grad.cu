@@ -51,14 +51,8 @@ ffi::Error CheckCommon(const char* name, ffi::Buffer<ffi::S32> offsets, ffi::Res
                            Dims(k, n));
   if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX || groups > INT32_MAX)
     return InvalidArgument(n_ + "dimensions must fit in int32");
-  call.offsets = offsets.typed_data();
-  call.d = d->untyped_data();
-  call.workspace = workspace->untyped_data();
-  call.workspace_bytes = workspace->size_bytes();
-  call.groups = groups;
-  call.m = m;
-  call.n = n;
-  call.k = k;
+  SetCommon(call, offsets.typed_data(), d->untyped_data(), workspace->untyped_data(), workspace->size_bytes(), groups,
+            m, n, k);
   return ffi::Error::Success();
 }
 

@@ -58,6 +58,19 @@ struct GroupedGemmCall {
   int device, sm_count;
 };
 
+// The fields every handler decodes alike: the offsets, d, the workspace and the sizes.
+inline void SetCommon(GroupedGemmCall& call, const int32_t* offsets, void* d, void* workspace, size_t workspace_bytes,
+                      int64_t groups, int64_t m, int64_t n, int64_t k) {
+  call.offsets = offsets;
+  call.d = d;
+  call.workspace = workspace;
+  call.workspace_bytes = workspace_bytes;
+  call.groups = groups;
+  call.m = m;
+  call.n = n;
+  call.k = k;
+}
+
 // Rows [lo, hi) of a (and d, row_scale) that group g owns, in 0 <= lo <= hi <= m, whatever the
 // device values are. Standard: [offsets[g], offsets[g+1]) clamped to [0, m] (a decreasing pair is
 // empty). Batched: [g * capacity, g * capacity + clamp(counts[g], 0, capacity)).

@@ -163,13 +163,19 @@ def _check_gemm(a, b, offsets, a_scale, b_scale, tile) -> tuple[str, str]:
     m, k = a.shape
     e = b.shape[0]
     kind = _check_operands(a, b, k, a_scale, b_scale, {(m,): "per row [M]"})
+    check_offsets(offsets, e, m)
+    return kind, _resolve_tile(tile, m, e)
+
+
+def check_offsets(offsets, e: int, m: int) -> None:
+    """``offsets`` is an int32 [E+1] vector for ``e`` experts over ``m`` rows, and M fits int32."""
+    check_rank("offsets", offsets, 1, "[E+1]")
     if jnp.dtype(offsets.dtype) != jnp.int32:
         raise ValueError(f"offsets must be int32, got {dtype_name(offsets)}")
     if offsets.shape[0] != e + 1:
         raise ValueError(f"offsets must have E + 1 = {e + 1} elements, got {offsets.shape[0]}")
     if m >= 2**31:
         raise ValueError(f"dimensions must fit in int32, got M={m}")
-    return kind, _resolve_tile(tile, m, e)
 
 
 def _check_gemm_batched(a, b, counts, a_scale, b_scale, tile) -> tuple[str, str]:

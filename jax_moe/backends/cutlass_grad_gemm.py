@@ -24,18 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_moe.backends.cutlass_gemm import ALIGN_N, _lower, _resolve_tile, dtype_name
+from jax_moe.backends.cutlass_gemm import ALIGN_N, _lower, _resolve_tile, check_offsets, dtype_name
 from jax_moe.config import check_rank
-
-
-def _check_offsets(offsets, e: int, m: int) -> None:
-    check_rank("offsets", offsets, 1, "[E+1]")
-    if jnp.dtype(offsets.dtype) != jnp.int32:
-        raise ValueError(f"offsets must be int32, got {dtype_name(offsets)}")
-    if offsets.shape[0] != e + 1:
-        raise ValueError(f"offsets must have E + 1 = {e + 1} elements, got {offsets.shape[0]}")
-    if m >= 2**31:
-        raise ValueError(f"dimensions must fit in int32, got M={m}")
 
 
 def _check_bf16(name: str, x, what: str, *dims: int) -> None:
@@ -73,7 +63,7 @@ def _check_dgrad(a, b, offsets, tile) -> str:
         raise ValueError("b must hold at least one expert")
     _check_bf16("a", a, "[M, K]", k)
     _check_bf16("b", b, "[E, K, N]", k, n)
-    _check_offsets(offsets, e, m)
+    check_offsets(offsets, e, m)
     return _resolve_tile(tile, m, e)
 
 
@@ -127,7 +117,7 @@ def _check_wgrad(u, v, offsets) -> None:
     _check_bf16("v", v, "[M, Q]", v.shape[1])
     if offsets.ndim != 1 or offsets.shape[0] < 2:
         raise ValueError(f"offsets must be [E+1] with E >= 1, got shape {list(offsets.shape)}")
-    _check_offsets(offsets, offsets.shape[0] - 1, m)
+    check_offsets(offsets, offsets.shape[0] - 1, m)
 
 
 def grouped_gemm_wgrad_shape(u, v, offsets) -> jax.ShapeDtypeStruct:

@@ -225,6 +225,18 @@ def pad_axis_to_multiple(x, multiple: int, axis: int = -1):
     return pad_axis(x, round_up(x.shape[ax], multiple), ax)
 
 
+def _gate_up_axis(name: str, w, axis: int, layout: str) -> tuple[int, int]:
+    """(the normalized gate/up axis of ``w``, half its length), after checking ``layout`` and that
+    the axis has an even length."""
+    ax = norm_axis(name, w, axis)
+    if layout not in GATE_UP_LAYOUTS:
+        raise ValueError(f"layout must be one of {GATE_UP_LAYOUTS}, got {layout!r}")
+    rows = w.shape[ax]
+    if rows % 2:
+        raise ValueError(f"{name}: axis {axis} must have even length 2I, got {rows}")
+    return ax, rows // 2
+
+
 @functools.partial(jax.jit, static_argnames=("intermediate_padded", "axis", "layout"))
 def pad_gate_up(w13, intermediate_padded: int, axis: int = -2, layout: str = "concat"):
     """Pad a gated gate/up tensor from ``2I`` to ``2 * intermediate_padded`` entries along ``axis``.
@@ -238,13 +250,7 @@ def pad_gate_up(w13, intermediate_padded: int, axis: int = -2, layout: str = "co
     ``[..., 2I]`` (``axis=-1``). Inverse: :func:`unpad_gate_up`.
     """
     w13 = jnp.asarray(w13)
-    ax = norm_axis("w13", w13, axis)
-    if layout not in GATE_UP_LAYOUTS:
-        raise ValueError(f"layout must be one of {GATE_UP_LAYOUTS}, got {layout!r}")
-    rows = w13.shape[ax]
-    if rows % 2:
-        raise ValueError(f"w13: axis {axis} must have even length 2I, got {rows}")
-    i = rows // 2
+    ax, i = _gate_up_axis("w13", w13, axis, layout)
     ip = check_positive_int("intermediate_padded", intermediate_padded)
     if ip < i:
         raise ValueError(f"intermediate_padded ({ip}) must be >= I ({i})")
@@ -270,13 +276,7 @@ def unpad_gate_up(w13_padded, intermediate: int, axis: int = -2, layout: str = "
     """Inverse of :func:`pad_gate_up`: keep the first ``intermediate`` entries of each half
     (``concat``) or the first ``2 * intermediate`` entries (``interleaved``)."""
     w = jnp.asarray(w13_padded)
-    ax = norm_axis("w13_padded", w, axis)
-    if layout not in GATE_UP_LAYOUTS:
-        raise ValueError(f"layout must be one of {GATE_UP_LAYOUTS}, got {layout!r}")
-    rows = w.shape[ax]
-    if rows % 2:
-        raise ValueError(f"w13_padded: axis {axis} must have even length, got {rows}")
-    ip = rows // 2
+    ax, ip = _gate_up_axis("w13_padded", w, axis, layout)
     i = check_positive_int("intermediate", intermediate)
     if i > ip:
         raise ValueError(f"intermediate ({i}) must be <= half of w13_padded's axis {axis} ({ip})")

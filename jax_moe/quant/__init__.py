@@ -31,6 +31,8 @@ Dequantization propagates: a NaN element or a NaN scale gives NaN. The CUDA kern
 ``ffi/`` are held to this rule only on finite inputs.
 """
 
+from types import ModuleType as _ModuleType
+
 from jax_moe.quant.fp4 import (
     dequantize_mxfp4,
     dequantize_mxfp8,
@@ -66,36 +68,5 @@ from jax_moe.quant.scheme import (
     quantize_weights,
 )
 
-__all__ = [
-    "QuantConfig",
-    "quantize_weights",
-    "dequantize_weights",
-    "dequantize_experts",
-    "quantize_activation",
-    "calibrate_activation_scale",
-    "quantize_fp8_per_tensor",
-    "quantize_fp8_per_expert",
-    "quantize_fp8_per_token",
-    "quantize_fp8_per_channel",
-    "quantize_fp8_block",
-    "quantize_fp8_per_token_group",
-    "quantize_fp8_static",
-    "dequantize_fp8",
-    "dequantize_fp8_block",
-    "dequantize_fp8_per_token_group",
-    "e2m1_encode",
-    "e2m1_decode",
-    "pack_fp4",
-    "unpack_fp4",
-    "nvfp4_global_scale",
-    "quantize_nvfp4",
-    "dequantize_nvfp4",
-    "quantize_mxfp4",
-    "dequantize_mxfp4",
-    "quantize_mxfp8",
-    "dequantize_mxfp8",
-    "quantize_int4",
-    "dequantize_int4",
-    "pack_int4",
-    "unpack_int4",
-]
+# everything imported above, and nothing else (the submodules stay reachable by attribute)
+__all__ = sorted(n for n, v in globals().items() if not n.startswith("_") and not isinstance(v, _ModuleType))
