@@ -106,12 +106,6 @@ def test_router_weight_on_input_for_top1(rng):
     assert rel_err(out, ref) < BOUND["float32"]
 
 
-def test_zero_tokens_gives_empty_output(rng):
-    cfg, x, w13, w2, w, ids, _ = make_moe(rng, 0, 8, 2, 32, 16)
-    out = jax.jit(fused_experts)(x, w13, w2, w, ids)
-    assert out.shape == (0, 32)
-
-
 def test_all_tokens_on_one_expert_and_top_k_equal_e(rng):
     cfg, x, w13, w2, _, _, _ = make_moe(rng, 50, 4, 4, 32, 16)
     ids = jnp.tile(jnp.arange(4, dtype=jnp.int32), (50, 1))
@@ -121,15 +115,6 @@ def test_all_tokens_on_one_expert_and_top_k_equal_e(rng):
     ids1 = jnp.full((50, 1), 3, jnp.int32)
     out1 = fused_experts(x, w13, w2, w[:, :1], ids1)
     assert rel_err(out1, moe_reference(x, w13, w2, w[:, :1], ids1, cfg)) < BOUND["float32"]
-
-
-def test_ids_outside_range_contribute_nothing(rng):
-    """Expert-parallel shards pass -1 for experts another device owns."""
-    cfg, x, w13, w2, w, ids, _ = make_moe(rng, 20, 8, 2, 32, 16)
-    masked = ids.at[:, 1].set(-1)
-    out = xla.apply(x, w13, w2, w, masked, cfg)
-    ref = moe_reference(x, w13, w2, w.at[:, 1].set(0.0), ids.at[:, 1].set(0), cfg)
-    assert rel_err(out, ref) < BOUND["float32"]
 
 
 def test_jit_twice_gives_identical_results(rng):
@@ -159,36 +144,12 @@ def test_shape_picks_the_strategy_and_block_size():
     assert xla.pick_blocks_per_step(MoEConfig(128, 8, 2048, 768)) == 16  # 9.4 MB per expert
 
 
-# ---------------------------------------------------------------- bad input
+# ---------------------------------------------------------------- bad options (bad arrays: test_conformance.py)
 
 
 def _args(rng):
     _, x, w13, w2, w, ids, _ = make_moe(rng, 8, 4, 2, 32, 16)
     return dict(x=x, w13=w13, w2=w2, topk_weights=w, topk_ids=ids)
-
-
-@pytest.mark.parametrize(
-    "change,match",
-    [
-        (lambda a: a.update(x=a["x"][0]), "x must have rank 2"),
-        (lambda a: a.update(x=a["x"].astype(jnp.int32)), "x must have dtype"),
-        (lambda a: a.update(w13=a["w13"][:, :, :16]), "w13 must have shape \\[4, 32, 32\\]"),
-        (lambda a: a.update(w13=a["w13"][:, :31]), "w13 must have an even number of rows"),
-        (lambda a: a.update(w2=a["w2"][:, :, :8]), "w2 must have shape \\[4, 32, 16\\]"),
-        (lambda a: a.update(w2=a["w2"].astype(jnp.bfloat16)), "w13 and w2 must have x's dtype"),
-        (lambda a: a.update(topk_ids=a["topk_ids"].astype(jnp.int64) if jax.config.jax_enable_x64
-                            else a["topk_ids"].astype(jnp.float32)), "topk_ids must have dtype"),
-        (lambda a: a.update(topk_ids=a["topk_ids"][:4]), "topk_ids must have shape \\[8, \\*\\]"),
-        (lambda a: a.update(topk_weights=a["topk_weights"][:, :1]), "topk_weights must have shape \\[8, 2\\]"),
-        (lambda a: a.update(topk_ids=jnp.zeros((8, 5), jnp.int32),
-                            topk_weights=jnp.ones((8, 5), jnp.float32)), "top_k=5 must be <= num_experts=4"),
-    ],
-)
-def test_bad_input_raises_value_error_naming_the_argument(rng, change, match):
-    args = _args(rng)
-    change(args)
-    with pytest.raises(ValueError, match=match):
-        fused_experts(args.pop("x"), args.pop("w13"), args.pop("w2"), args.pop("topk_weights"), args.pop("topk_ids"))
 
 
 def test_bad_options_raise(rng):
