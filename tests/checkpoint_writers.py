@@ -31,6 +31,8 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
+from helpers import np_sigmoid, np_silu, np_softmax
+
 BF16 = ml_dtypes.bfloat16
 FP8 = ml_dtypes.float8_e4m3fn
 FP8_MAX = 448.0
@@ -65,19 +67,6 @@ def bf16_exact(rng, shape, scale: float = 1.0) -> np.ndarray:
 
 def rand_bf16(rng, shape, fan_in: int, scale: float = 1.0) -> np.ndarray:
     return bf16(scale * rng.standard_normal(shape) / np.sqrt(fan_in))
-
-
-def silu(v):
-    return v / (1.0 + np.exp(-v))
-
-
-def sigmoid(v):
-    return 1.0 / (1.0 + np.exp(-v))
-
-
-def softmax(v, axis=-1):
-    e = np.exp(v - v.max(axis, keepdims=True))
-    return e / e.sum(axis, keepdims=True)
 
 
 def top(scores: np.ndarray, k: int):
@@ -223,7 +212,7 @@ def _swiglu_tensors(rng, t: dict, p: str, h: int, i: int, names=("gate_proj", "u
 def _swiglu(t: dict, p: str, x: np.ndarray, names=("gate_proj", "up_proj", "down_proj")) -> np.ndarray:
     """down(silu(gate x) * (up x)) in float64 for x [T, H]."""
     g, u, d = (linear_weight(t, f"{p}{n}.weight") for n in names)
-    return (silu(x @ g.T) * (x @ u.T)) @ d.T
+    return (np_silu(x @ g.T) * (x @ u.T)) @ d.T
 
 
 def _routed(x, ids, weights, expert: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray:
@@ -258,7 +247,7 @@ def mixtral(rng, *, H=64, I=96, E=8, k=2, layer=1, num_layers=12) -> Checkpoint:
 def mixtral_reference(cfg, t, p, x):
     """softmax over E, top-k, renormalized; expert w2(silu(w1 x) * (w3 x))."""
     k = cfg["num_experts_per_tok"]
-    probs = softmax(x @ f64(t[p + "gate.weight"]).T)
+    probs = np_softmax(x @ f64(t[p + "gate.weight"]).T)
     ids, margin = top(probs, k)
     w = np.take_along_axis(probs, ids, -1)
     w = w / w.sum(-1, keepdims=True)
@@ -331,14 +320,14 @@ def qwen_reference(cfg, t, p, x):
     """softmax over E, top-k, renormalized only if norm_topk_prob; qwen2_moe adds
     sigmoid(x @ shared_expert_gate^T) * shared_expert(x)."""
     k = cfg["num_experts_per_tok"]
-    probs = softmax(x @ f64(t[p + "gate.weight"]).T)
+    probs = np_softmax(x @ f64(t[p + "gate.weight"]).T)
     ids, margin = top(probs, k)
     w = np.take_along_axis(probs, ids, -1)
     if cfg.get("norm_topk_prob", False):
         w = w / w.sum(-1, keepdims=True)
     y = _routed(x, ids, w, lambda e, xe: _swiglu(t, f"{p}experts.{e}.", xe))
     if p + "shared_expert_gate.weight" in t:
-        y = y + sigmoid(x @ f64(t[p + "shared_expert_gate.weight"]).T) * _swiglu(t, p + "shared_expert.", x)
+        y = y + np_sigmoid(x @ f64(t[p + "shared_expert_gate.weight"]).T) * _swiglu(t, p + "shared_expert.", x)
     return y, margin
 
 
@@ -393,7 +382,7 @@ def deepseek_reference(cfg, t, p, x):
     times routed_scaling_factor; plus the shared experts."""
     E, k = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
     G, TG = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
-    s = sigmoid(x @ f64(t[p + "gate.weight"]).T)
+    s = np_sigmoid(x @ f64(t[p + "gate.weight"]).T)
     choice = s + f64(t[p + "gate.e_score_correction_bias"])
     margin = np.full(len(x), np.inf)
     if G > 1:
@@ -472,12 +461,12 @@ def gpt_oss_reference(cfg, t, p, x):
     wgu, bgu, wd, bd = gpt_oss_weights(t, p)
     logits = x @ f64(t[p + "router.weight"]).T + f64(t[p + "router.bias"])
     ids, margin = top(logits, k)
-    w = softmax(np.take_along_axis(logits, ids, -1))
+    w = np_softmax(np.take_along_axis(logits, ids, -1))
 
     def expert(e, xe):
         gu = xe @ wgu[e].T + bgu[e]
         gate, up = np.minimum(gu[:, 0::2], limit), np.clip(gu[:, 1::2], -limit, limit)
-        return ((up + 1) * gate * sigmoid(1.702 * gate)) @ wd[e].T + bd[e]
+        return ((up + 1) * gate * np_sigmoid(1.702 * gate)) @ wd[e].T + bd[e]
 
     return _routed(x, ids, w, expert), margin
 
@@ -530,13 +519,13 @@ def llama4_reference(cfg, t, p, x):
     I = cfg["intermediate_size"]
     logits = x @ f64(t[p + "router.weight"]).T
     ids, margin = top(logits, cfg["num_experts_per_tok"])
-    scores = sigmoid(np.take_along_axis(logits, ids, -1))
+    scores = np_sigmoid(np.take_along_axis(logits, ids, -1))
     wgu, wd = f64(t[p + "experts.gate_up_proj"]), f64(t[p + "experts.down_proj"])
     out = np.zeros_like(x)
     for n in range(len(x)):
         for e, sc in zip(ids[n], scores[n]):
             gu = (x[n] * sc) @ wgu[e]
-            out[n] += (gu[I:] * silu(gu[:I])) @ wd[e]
+            out[n] += (gu[I:] * np_silu(gu[:I])) @ wd[e]
     return out + _swiglu(t, p + "shared_expert.", x), margin
 
 

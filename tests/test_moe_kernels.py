@@ -11,30 +11,21 @@ import pytest
 
 from jax_moe import ffi, kernels
 from jax_moe.permute import sort_by_expert
+from helpers import need_native, np_activation, np_fp8_per_token, np_moe, poison_memory, random_routing, rel_err
 
 FP8 = jnp.float8_e4m3fn
 TINY = np.float32(np.finfo(np.float32).tiny)
-RCP_448 = np.float32(1) / np.float32(448)
 
 # (T, k, E, H, I): T=1, T not a multiple of anything, E=256/k=8, H and I not multiples of 8
 # (scalar path), DeepSeek-V3-like rows.
 SHAPES = [(1, 1, 4, 128, 64), (1, 8, 256, 256, 128), (37, 2, 8, 203, 77), (300, 8, 256, 512, 256),
           (999, 4, 64, 1024, 384), (256, 8, 256, 7168, 512)]
+MINUS_ONE = 0.2  # with minus_one: the fraction of ids set to -1 (slots of experts on other devices)
 CPU_SHAPES = [pytest.param(1, 1, 4, 16, 8, marks=pytest.mark.slow), (1, 8, 256, 32, 16), (37, 2, 8, 24, 7),
               pytest.param(129, 8, 256, 64, 40, marks=pytest.mark.slow)]
 
 
 # ---------------------------------------------------------------- data
-
-
-def routing(rng, t, k, e, minus_one=False, unused=0):
-    """topk_ids [T, k] int32 with distinct experts per token (the first ``unused`` experts get no
-    token), ~20% of ids -1 with ``minus_one``; topk_weights [T, k] float32 in (0.1, 1.1)."""
-    pool = np.arange(unused, e)
-    ids = np.stack([rng.permutation(pool)[:k] for _ in range(t)]).astype(np.int32)
-    if minus_one:
-        ids[rng.random(ids.shape) < 0.2] = -1
-    return jnp.asarray(ids), jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
 
 
 def normal(rng, shape, dtype, scale=1.0):
@@ -47,15 +38,6 @@ def poison_rows(a, start: int):
 
 
 # ---------------------------------------------------------------- numpy definitions
-
-
-def np_fp8_per_token(v):
-    """v [M, C] float32 -> (q as float32 values, scales [M]), jax_moe/quant/fp8.py's arithmetic."""
-    v = np.asarray(v, np.float32)
-    scale = np.maximum(np.abs(v).max(axis=1) * RCP_448, TINY).astype(np.float32)
-    inv = (np.float32(1) / scale).astype(np.float32)
-    q = np.clip(v * inv[:, None], -448, 448).astype(FP8).astype(np.float32)
-    return q, scale
 
 
 def np_fp8_static(v, scale):
@@ -73,13 +55,9 @@ def np_permute(x, slots, k, valid):
 
 
 def np_act(h, activation, valid):
-    h = np.asarray(h, np.float64)
-    i = h.shape[1] // 2
-    g, u = h[:, :i], h[:, i:]
-    if activation == "silu":
-        a = g / (1.0 + np.exp(-g)) * u
-    else:
-        a = 0.5 * g * (1.0 + np.vectorize(math.erf)(g / math.sqrt(2.0))) * u
+    """act_and_mul's definition in float64: the gated activation of each row, rows at or past
+    ``valid`` zero."""
+    a = np_activation(h, activation)
     a[valid:] = 0.0
     return a
 
@@ -95,13 +73,6 @@ def np_unpermute(y, inverse, w, valid, plain):
     return out
 
 
-def rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.isfinite(got).all(), "non-finite values in the result"
-    den = np.linalg.norm(want)
-    return float(np.linalg.norm(got - want) / den) if den > 0 else float(np.abs(got).max(initial=0.0))
-
-
 def dequant(q, s):
     """float32 values of FP8 rows with per-row (or one) scales (jnp: traceable under vmap/jit)."""
     s = jnp.asarray(s, jnp.float32)
@@ -113,7 +84,7 @@ def dequant(q, s):
 
 @pytest.mark.parametrize("t,k,e,h,i", CPU_SHAPES)
 def test_problem_sizes(rng, t, k, e, h, i):
-    ids, _ = routing(rng, t, k, e, minus_one=True, unused=1)
+    _, ids = random_routing(rng, t, e, k, experts=range(1, e), minus_one=MINUS_ONE)
     counts = sort_by_expert(ids, e).counts
     c = np.asarray(counts)
     g1, g2 = kernels.problem_sizes(counts, h, i)
@@ -127,7 +98,7 @@ def test_problem_sizes(rng, t, k, e, h, i):
 @pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
 def test_permute_rows_reference(rng, t, k, e, h, i, minus_one, dtype):
-    ids, _ = routing(rng, t, k, e, minus_one)
+    _, ids = random_routing(rng, t, e, k, minus_one=MINUS_ONE * minus_one)
     sort = sort_by_expert(ids, e)
     valid = int(sort.offsets[-1])
     x = normal(rng, (t, h), dtype)
@@ -171,7 +142,7 @@ def test_act_and_mul_reference(rng, m, i, activation):
 @pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
 @pytest.mark.parametrize("plain", [False, True], ids=["weighted", "weight-on-input"])
 def test_unpermute_reduce_reference(rng, t, k, e, h, i, minus_one, plain):
-    ids, w = routing(rng, t, k, e, minus_one)
+    w, ids = random_routing(rng, t, e, k, minus_one=MINUS_ONE * minus_one)
     sort = sort_by_expert(ids, e)
     valid = int(sort.offsets[-1])
     y = poison_rows(normal(rng, (t * k, h), jnp.float32), valid)
@@ -211,27 +182,13 @@ def ffi_or_jnp_sort(ids, e):
     return ffi.sort_by_expert(ids, e) if ffi.has_native("cuda") else sort_by_expert(ids, e)
 
 
-def np_moe(x, w13, w2, w, ids, activation):
-    """Per-slot MLP in float64; ids outside [0, E) contribute nothing."""
-    x, w13, w2, w, ids = (np.asarray(a, np.float64) for a in (x, w13, w2, w, ids))
-    t, k = ids.shape
-    out = np.zeros((t, x.shape[1]))
-    for tt in range(t):
-        for j in range(k):
-            e = int(ids[tt, j])
-            if 0 <= e < w13.shape[0]:
-                a = np_act((w13[e] @ x[tt])[None], activation, 1)[0]
-                out[tt] += w[tt, j] * (w2[e] @ a)
-    return out
-
-
 @pytest.mark.parametrize("minus_one", [pytest.param(False, marks=pytest.mark.slow), True],
                          ids=["ids-in-range", "some-ids-minus-1"])
 @pytest.mark.parametrize("activation", ["silu", pytest.param("gelu", marks=pytest.mark.slow)])
 def test_kernels_chain_to_the_moe(rng, minus_one, activation):
     """permute -> GEMM1 -> act_and_mul -> GEMM2 -> unpermute_reduce is the MoE (layout conventions)."""
     t, k, e, h, i = 23, 3, 8, 32, 16
-    ids, w = routing(rng, t, k, e, minus_one, unused=1)
+    w, ids = random_routing(rng, t, e, k, experts=range(1, e), minus_one=MINUS_ONE * minus_one)
     x = normal(rng, (t, h), jnp.float32)
     w13 = normal(rng, (e, 2 * i, h), jnp.float32, 1 / math.sqrt(h))
     w2 = normal(rng, (e, h, i), jnp.float32, 1 / math.sqrt(i))
@@ -245,7 +202,7 @@ def test_kernels_chain_to_the_moe(rng, minus_one, activation):
 
 
 def _chain_case(rng, t=12, k=2, e=4, h=16, i=8):
-    ids, w = routing(rng, t, k, e, minus_one=True)
+    w, ids = random_routing(rng, t, e, k, minus_one=MINUS_ONE)
     return (normal(rng, (t, h), jnp.float32), normal(rng, (e, 2 * i, h), jnp.float32, 0.25),
             normal(rng, (e, h, i), jnp.float32, 0.3), w, ids)
 
@@ -278,8 +235,8 @@ def test_a_nonfinite_token_stays_in_its_own_rows(rng, quant, bad):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", [None, "fp8_per_token"])
 def test_cuda_kernels_under_vmap(rng, quant):
-    need_cuda()
-    ids = jnp.stack([routing(rng, 40, 4, 16, minus_one=True)[0] for _ in range(2)])
+    need_native("cuda")
+    ids = jnp.stack([random_routing(rng, 40, 16, 4, minus_one=MINUS_ONE)[1] for _ in range(2)])
     x = jnp.stack([normal(rng, (40, 256), jnp.bfloat16) for _ in range(2)])
 
     def step(x, ids):  # jax_moe.permute's sort: ffi.sort_by_expert declares no vmap_method
@@ -381,21 +338,6 @@ def test_shape_rules_lower_for_cuda(monkeypatch):
 # ---------------------------------------------------------------- GPU: CUDA kernels vs references
 
 
-def need_cuda():
-    if not ffi.has_native("cuda"):
-        pytest.skip(f"jax_moe cuda module not available: {ffi.native_status()['cuda']}")
-
-
-def poison_memory(shapes) -> None:
-    """Fill and free device buffers of the outputs' sizes with 0xFF bytes (NaN in bf16, f16, f32
-    and float8_e4m3fn), so that the allocator likely hands that memory to the next outputs: a
-    kernel that leaves part of its output unwritten then shows NaN."""
-    bufs = [jnp.full((max(1, s.size * s.dtype.itemsize),), 0xFF, jnp.uint8) for s in jax.tree.leaves(shapes)]
-    jax.block_until_ready(bufs)
-    for b in bufs:
-        b.delete()
-
-
 def run_twice(fn, *args, target: str):
     """jit(fn)(*args) twice on poisoned memory; checks that the CUDA custom call is what runs and
     that both runs agree."""
@@ -412,7 +354,8 @@ def run_twice(fn, *args, target: str):
 
 
 def gpu_case(rng, t, k, e, minus_one):
-    ids, w = routing(rng, t, k, e, minus_one, unused=min(2, e - k))  # experts 0 and 1: no tokens
+    # experts 0 and 1: no tokens
+    w, ids = random_routing(rng, t, e, k, experts=range(min(2, e - k), e), minus_one=MINUS_ONE * minus_one)
     sort = ffi.sort_by_expert(ids, e)
     return sort, w, int(sort.offsets[-1])
 
@@ -435,7 +378,7 @@ def check_fp8(q, s, ref_q, ref_s, valid, scale_rtol=1e-6):
 @pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_cuda_permute_rows(rng, t, k, e, h, i, minus_one, dtype):
-    need_cuda()
+    need_native("cuda")
     sort, _, valid = gpu_case(rng, t, k, e, minus_one)
     x = normal(rng, (t, h), dtype, 3.0)
     v = sort.offsets[-1]
@@ -462,7 +405,7 @@ def test_cuda_permute_rows(rng, t, k, e, h, i, minus_one, dtype):
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_cuda_act_and_mul(rng, t, k, e, h, i, minus_one, activation, dtype):
-    need_cuda()
+    need_native("cuda")
     sort, _, valid = gpu_case(rng, t, k, e, minus_one)
     v = sort.offsets[-1]
     hin = poison_rows(normal(rng, (t * k, 2 * i), dtype, 2.0), valid)
@@ -491,7 +434,7 @@ def test_cuda_act_and_mul(rng, t, k, e, h, i, minus_one, activation, dtype):
 @pytest.mark.parametrize("plain", [False, True], ids=["weighted", "weight-on-input"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_cuda_unpermute_reduce(rng, t, k, e, h, i, minus_one, plain, dtype):
-    need_cuda()
+    need_native("cuda")
     sort, w, valid = gpu_case(rng, t, k, e, minus_one)
     v = sort.offsets[-1]
     y = poison_rows(normal(rng, (t * k, h), dtype), valid)
@@ -509,9 +452,9 @@ def test_cuda_unpermute_reduce(rng, t, k, e, h, i, minus_one, plain, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
 def test_cuda_kernels_chain_to_the_moe(rng, minus_one):
-    need_cuda()
+    need_native("cuda")
     t, k, e, h, i = 77, 4, 16, 256, 128
-    ids, w = routing(rng, t, k, e, minus_one, unused=1)
+    w, ids = random_routing(rng, t, e, k, experts=range(1, e), minus_one=MINUS_ONE * minus_one)
     x = normal(rng, (t, h), jnp.float32)
     w13 = normal(rng, (e, 2 * i, h), jnp.float32, 1 / math.sqrt(h))
     w2 = normal(rng, (e, h, i), jnp.float32, 1 / math.sqrt(i))
@@ -525,7 +468,7 @@ def test_cuda_kernels_chain_to_the_moe(rng, minus_one):
 def test_cuda_kernels_under_command_buffers():
     """The handlers declare command-buffer compatibility: run them with XLA's command buffers forced
     on, fresh inputs each round, against the references."""
-    need_cuda()
+    need_native("cuda")
     import subprocess
     import sys
     import textwrap
@@ -536,19 +479,13 @@ def test_cuda_kernels_under_command_buffers():
         rng = np.random.default_rng(7)
         t, k, e, h, i = 333, 8, 64, 512, 192
 
-        def step(x, ids, w, hin, y):
+        def step(x, ids, w, hin, y, suffix=""):  # suffix "_reference": the jnp references
+            permute, act, unpermute = (getattr(K, n + suffix) for n in ("permute_rows", "act_and_mul",
+                                                                        "unpermute_reduce"))
             s = ffi.sort_by_expert(ids, e)
             v = s.offsets[-1]
-            return (K.permute_rows(x, s.sorted_slots, k, valid_rows=v, quant="fp8_per_token"),
-                    K.act_and_mul(hin, "silu", valid_rows=v),
-                    K.unpermute_reduce(y, s.inverse, w, valid_rows=v))
-
-        def ref(x, ids, w, hin, y):
-            s = ffi.sort_by_expert(ids, e)
-            v = s.offsets[-1]
-            return (K.permute_rows_reference(x, s.sorted_slots, k, valid_rows=v, quant="fp8_per_token"),
-                    K.act_and_mul_reference(hin, "silu", valid_rows=v),
-                    K.unpermute_reduce_reference(y, s.inverse, w, valid_rows=v))
+            return (permute(x, s.sorted_slots, k, valid_rows=v, quant="fp8_per_token"),
+                    act(hin, "silu", valid_rows=v), unpermute(y, s.inverse, w, valid_rows=v))
 
         f = jax.jit(step)
         for _ in range(3):
@@ -559,7 +496,7 @@ def test_cuda_kernels_under_command_buffers():
                     jnp.asarray(rng.standard_normal((t * k, 2 * i)), jnp.bfloat16),
                     jnp.asarray(rng.standard_normal((t * k, h)), jnp.bfloat16))
             (q, s), a, out = f(*args)
-            (rq, rs), ra, rout = ref(*args)
+            (rq, rs), ra, rout = step(*args, suffix="_reference")
             deq = lambda q, s: np.asarray(q, np.float32) * np.asarray(s)[:, None]
             for got, want, tol in ((deq(q, s), deq(rq, rs), 5e-2), (a, ra, 1e-2), (out, rout, 1e-2)):
                 got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)

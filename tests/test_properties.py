@@ -1,5 +1,6 @@
 """Property tests (hypothesis) against float64 numpy references written from the definitions in
-the docstrings, never from jax_moe's own code (``jax_moe.reference`` is not used here).
+the docstrings, never from jax_moe's own code (``jax_moe.reference`` is not used here; the MoE's
+and the activations' definitions are tests/helpers.py's).
 
 What is drawn: shapes (T = 0 and T = 1 included), dtypes, routing modes (softmax / sigmoid,
 renormalized or not, grouped with and without a correction bias, a scaling factor, explicit ids
@@ -23,13 +24,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jax_moe import fused_experts, fused_moe, select_experts
 from jax_moe.backends import xla
 from jax_moe.config import MoEConfig
 from jax_moe.quant import fp4, fp8, int4
+from helpers import cpu_mesh, np_e2m1_round, np_fp8_per_token, np_moe, np_sigmoid
 
 settings.register_profile("jax_moe", max_examples=10, deadline=None, derandomize=True, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -55,12 +57,6 @@ STRATEGIES = (None,) + xla.STRATEGIES
 # ----------------------------------------------------------------------------- float64 definitions
 
 
-def np_sigmoid(v):
-    v = np.asarray(v, np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        return np.where(v >= 0, 1.0 / (1.0 + np.exp(-v)), np.exp(v) / (1.0 + np.exp(v)))
-
-
 def np_log_sigmoid(v):
     return -np.logaddexp(0.0, -np.asarray(v, np.float64))
 
@@ -70,55 +66,6 @@ def np_log_softmax(v):
     with np.errstate(invalid="ignore"):
         m = np.max(v, axis=-1, keepdims=True)
         return v - m - np.log(np.sum(np.exp(v - m), axis=-1, keepdims=True))
-
-
-_erf = np.vectorize(math.erf, otypes=[np.float64])
-
-
-def np_activation(h, activation, layout, alpha, limit):
-    """The activation on GEMM1's output rows h [..., rows] (float64), from config.py/activations.py's
-    definitions: silu(g) * u, gelu_erf(g) * u, GPT-OSS swigluoai, relu(h)^2."""
-    with np.errstate(all="ignore"):
-        if activation == "relu2":
-            r = np.maximum(h, 0.0)
-            return r * r
-        n = h.shape[-1] // 2
-        g, u = (h[..., :n], h[..., n:]) if layout == "concat" else (h[..., 0::2], h[..., 1::2])
-        if activation == "silu":
-            return g * np_sigmoid(g) * u
-        if activation == "gelu":
-            return 0.5 * g * (1.0 + _erf(g / math.sqrt(2.0))) * u
-        g = np.minimum(g, limit)
-        u = np.clip(u, -limit, limit)
-        return (u + 1.0) * g * np_sigmoid(alpha * g)
-
-
-def np_moe(x, w13, w2, weights, ids, activation, layout, b13=None, b2=None, on_input=False, alpha=1.702,
-           limit=7.0, dtype=np.float32):
-    """out[t] = sum_j w[t, j] * (W2[e] @ act(W13[e] @ x[t] + b13[e]) + b2[e]), e = ids[t, j] in
-    [0, E) (other ids contribute nothing), in float64; with ``on_input`` (top-1) x[t] * w[t, 0] is
-    rounded to x's dtype and the sum is unweighted. Returns (out [T, H], magnitude [T, H])."""
-    x, w13, w2, weights = (np.asarray(a, np.float64) for a in (x, w13, w2, weights))
-    ids = np.asarray(ids)
-    t, k = ids.shape
-    e_count, h = w2.shape[0], w2.shape[1]
-    out, mag = np.zeros((t, h)), np.zeros((t, h))
-    with np.errstate(all="ignore"):
-        if on_input:
-            x = (x * weights[:, :1]).astype(dtype).astype(np.float64)
-            weights = np.ones_like(weights)
-        for tt in range(t):
-            for j in range(k):
-                e = int(ids[tt, j])
-                if not 0 <= e < e_count:
-                    continue
-                hh = w13[e] @ x[tt] + (0.0 if b13 is None else np.asarray(b13, np.float64)[e])
-                a = np_activation(hh, activation, layout, alpha, limit)
-                y = w2[e] @ a + (0.0 if b2 is None else np.asarray(b2, np.float64)[e])
-                out[tt] += weights[tt, j] * y
-                mag[tt] += abs(weights[tt, j]) * (np.abs(w2[e]) @ np.abs(a)
-                                                  + (0.0 if b2 is None else np.abs(np.asarray(b2, np.float64)[e])))
-    return out, mag
 
 
 def check_rows(got, ref, mag, dtype_name):
@@ -232,7 +179,7 @@ def test_moe_against_the_float64_definition(c):
     assert out.shape == (c["t"], c["h"])
     alpha, limit = c["swiglu"]
     ref, mag = np_moe(x, w13, w2, w, ids, c["activation"], c["layout"], b13, b2, c["on_input"], alpha, limit,
-                      dtype=np.dtype(DTYPES[c["dtype"]]))
+                      dtype=np.dtype(DTYPES[c["dtype"]]), magnitude=True)
     check_rows(out, ref, mag, c["dtype"])
     if c["bad"] == "unused_expert":
         assert np.isfinite(out).all()
@@ -343,18 +290,6 @@ def test_routing_against_the_float64_definition(c):
 # ----------------------------------------------------------------------------- quantizers: the NaN rule
 
 
-def np_e2m1_round(v):
-    """Nearest E2M1 value of |v| <= 6 (ties to the even code), with v's sign."""
-    mags = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    a = np.minimum(np.abs(v), 6.0)[..., None]
-    d = np.abs(mags - a)
-    best = d.min(-1, keepdims=True)
-    cand = np.isclose(d, best, rtol=0, atol=0)
-    even = cand & (np.arange(8) % 2 == 0)
-    idx = np.where(even.any(-1), even.argmax(-1), cand.argmax(-1))
-    return np.copysign(mags[idx], v)
-
-
 def np_mxfp4(x):
     """MXFP4 of finite x [..., K] from its definition (dequantized values)."""
     blocks = x.reshape(x.shape[:-1] + (-1, 32)).astype(np.float64)
@@ -363,14 +298,6 @@ def np_mxfp4(x):
     e = np.clip(np.where(amax > 0, ex - 1, -127) - 2, -127, 127)
     scale = np.exp2(e)[..., None]
     return (np_e2m1_round(blocks / scale) * scale).reshape(x.shape)
-
-
-def np_fp8_per_token(x):
-    x = np.asarray(x, np.float32)
-    scale = np.maximum(np.abs(x).max(-1, keepdims=True) * (np.float32(1) / np.float32(448)),
-                       np.finfo(np.float32).tiny).astype(np.float32)
-    q = np.clip(x * (np.float32(1) / scale), -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    return q * scale
 
 
 FORMATS = {  # name -> (quantize+dequantize, NaN unit along K: 1 = the element, else the block)
@@ -411,7 +338,8 @@ def test_every_quantizer_follows_the_nan_rule(fmt, rows, kb, n_bad, value, sprea
     if fmt == "mxfp4":
         np.testing.assert_array_equal(want, np_mxfp4(clean).astype(np.float32))
     if fmt == "fp8_per_token":
-        np.testing.assert_array_equal(want, np_fp8_per_token(clean))
+        q, scale = np_fp8_per_token(clean)
+        np.testing.assert_array_equal(want, q * scale[:, None])
 
 
 # ----------------------------------------------------------------------------- meshes (8 CPU devices)
@@ -427,15 +355,10 @@ MESHES = {"ep8": ((8,), ("ep",), dict(ep_axis="ep")), "ep4-tp2": ((4, 2), ("ep",
        fmt=st.sampled_from(["standard", "batched"]), activation=st.sampled_from(ACTS),
        bad=st.sampled_from(["none", "unused_expert", "token"]), seed=st.integers(0, 2**31 - 1))
 def test_meshes_against_the_float64_definition(mesh, strategy, fmt, activation, bad, seed):
-    from jax.sharding import Mesh
-
     from jax_moe.parallel import ParallelConfig, parallel_fused_experts, shard_weights
 
     shape, names, axes = MESHES[mesh]
-    devs = jax.devices("cpu")
-    assume(len(devs) >= 8)
-    pcfg = ParallelConfig(Mesh(np.array(devs[:int(np.prod(shape))]).reshape(shape), names), strategy=strategy,
-                          expert_format=fmt, **axes)
+    pcfg = ParallelConfig(cpu_mesh(shape, names), strategy=strategy, expert_format=fmt, **axes)
     c = dict(dtype="float32", activation=activation, layout="concat", t=16, e=16, k=3, h=16, inter=8, bias=True,
              mode="router", bad=bad, value="nan", on_input=False, routing={}, strategy=None, seed=seed,
              swiglu=(1.702, 7.0))
@@ -445,5 +368,5 @@ def test_meshes_against_the_float64_definition(mesh, strategy, fmt, activation, 
                       w2_bias=jnp.asarray(b2))
     out = parallel_fused_experts(jnp.asarray(x), p["w13"], p["w2"], w, ids, pcfg, w13_bias=p["w13_bias"],
                                  w2_bias=p["w2_bias"], activation=activation)
-    ref, mag = np_moe(x, w13, w2, np.asarray(w), np.asarray(ids), activation, "concat", b13, b2)
+    ref, mag = np_moe(x, w13, w2, np.asarray(w), np.asarray(ids), activation, "concat", b13, b2, magnitude=True)
     check_rows(out, ref, mag, "float32")

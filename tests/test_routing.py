@@ -5,28 +5,14 @@ import numpy as np
 import pytest
 
 from jax_moe import select_experts
-
-
-def _softmax(v):
-    e = np.exp(v - v.max())
-    return e / e.sum()
-
-
-def _sigmoid(v):
-    return 1.0 / (1.0 + np.exp(-v))
-
-
-def _topk(values, k):
-    """Indices of the k largest values, ties to the lowest index."""
-    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
-    return order[:k]
+from helpers import np_sigmoid, np_softmax, np_top_k
 
 
 def reference(logits, k, scoring="softmax", renormalize=True, groups=None, topk_group=None, bias=None, scale=1.0):
     t, e = logits.shape
     weights, ids = np.zeros((t, k), np.float32), np.zeros((t, k), np.int32)
     for row in range(t):
-        scores = (_softmax if scoring == "softmax" else _sigmoid)(logits[row].astype(np.float64))
+        scores = (np_softmax if scoring == "softmax" else np_sigmoid)(logits[row].astype(np.float64))
         choice = scores + (bias if bias is not None else 0.0)
         allowed = np.ones(e, bool)
         if groups:
@@ -36,10 +22,10 @@ def reference(logits, k, scoring="softmax", renormalize=True, groups=None, topk_
                 member = choice[g * per:(g + 1) * per]
                 gscore.append(np.sort(member)[-2:].sum() if bias is not None else member.max())
             allowed[:] = False
-            for g in _topk(gscore, topk_group):
+            for g in np_top_k(gscore, topk_group):
                 allowed[g * per:(g + 1) * per] = True
         masked = np.where(allowed, choice, -np.inf)
-        sel = _topk(list(masked), k)
+        sel = np_top_k(list(masked), k)
         w = scores[sel]
         if renormalize:
             w = w / w.sum()
@@ -84,7 +70,7 @@ def test_bias_changes_choice_but_not_weights(rng):
     bias[5] = 100.0  # expert 5 always chosen
     w, ids = select_experts(logits, 2, scoring="sigmoid", renormalize=False, e_score_correction_bias=bias)
     assert (np.asarray(ids) == 5).any(axis=1).all()
-    sig = _sigmoid(logits.astype(np.float64))
+    sig = np_sigmoid(logits.astype(np.float64))
     np.testing.assert_allclose(np.asarray(w), np.take_along_axis(sig, np.asarray(ids), 1), rtol=1e-6)
 
 
@@ -92,7 +78,7 @@ def test_llama4_top1_sigmoid_is_sigmoid_of_best_logit(rng):
     logits = rng.standard_normal((33, 16)).astype(np.float32)
     w, ids = select_experts(logits, 1, scoring="sigmoid", renormalize=False)
     np.testing.assert_array_equal(np.asarray(ids)[:, 0], logits.argmax(1))
-    np.testing.assert_allclose(np.asarray(w)[:, 0], _sigmoid(logits.max(1)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(w)[:, 0], np_sigmoid(logits.max(1)), rtol=1e-6)
 
 
 def test_ties_go_to_the_lowest_expert_id():
