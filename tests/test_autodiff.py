@@ -12,18 +12,18 @@ from jax_moe import MoEBlock, fused_experts
 from jax_moe.autodiff import differentiable
 from jax_moe.backends import xla
 from jax_moe.config import MoEConfig
+from helpers import random_biases, random_moe, rel_err
 
 
 def _layer(rng, t, e, k, h, i, activation="silu", bias=False, dtype=np.float32):
-    rows = i if activation == "relu2" else 2 * i
-    x = rng.standard_normal((t, h)).astype(dtype)
-    w13 = (rng.standard_normal((e, rows, h)) / np.sqrt(h)).astype(dtype)
-    w2 = (rng.standard_normal((e, h, i)) / np.sqrt(i)).astype(dtype)
-    ids = np.stack([rng.choice(e - 1, k, replace=False) for _ in range(t)]).astype(np.int32)  # expert e-1 empty
-    tw = rng.random((t, k)).astype(dtype) + 0.1
-    b13 = (0.1 * rng.standard_normal((e, rows))).astype(dtype) if bias else None
-    b2 = (0.1 * rng.standard_normal((e, h))).astype(dtype) if bias else None
-    return x, w13, w2, tw, ids, b13, b2
+    """A random layer as numpy arrays of ``dtype`` (helpers.random_moe; expert e-1 receives no
+    token): (x, w13, w2, topk_weights, topk_ids, w13_bias or None, w2_bias or None)."""
+    m = random_moe(rng, t, e, k, h, i, activation=activation, experts=range(e - 1))
+    x, w13, w2, tw = (np.asarray(a, dtype) for a in (m.x, m.w13, m.w2, m.topk_weights))
+    b13 = b2 = None
+    if bias:
+        b13, b2 = (np.asarray(b, dtype) for b in random_biases(rng, m.cfg, scale=0.1).values())
+    return x, w13, w2, tw, np.asarray(m.topk_ids), b13, b2
 
 
 @pytest.mark.parametrize("t,e,k", [pytest.param(1, 4, 2, marks=pytest.mark.slow), (9, 8, 2),
@@ -108,12 +108,6 @@ def test_prepared_weights_refuse_to_differentiate_and_name_the_backends_that_tra
         jax.grad(lambda v: jnp.sum(block(v)))(x)
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.isfinite(a).all()
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,e,k", [(1, 8, 2), (37, 8, 2), (1000, 128, 8)])
 def test_gpu_cutlass_gradients_match_xla(rng, t, e, k):
@@ -136,7 +130,7 @@ def test_gpu_cutlass_gradients_match_xla(rng, t, e, k):
 
     got, want = loss(None)(*args), loss("xla")(*args)
     for name, g, w in zip(("x", "w13", "w2", "router_logits"), got, want):
-        assert _rel(g, w) < 2e-2, name
+        assert rel_err(g, w) < 2e-2, name
     assert float(jnp.abs(got[1][e - 1].astype(jnp.float32)).max()) == 0.0
 
 

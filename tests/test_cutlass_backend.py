@@ -16,21 +16,13 @@ from jax_moe.backends import xla
 from jax_moe.config import MoEConfig
 from jax_moe.device import DeviceInfo
 from jax_moe.quant.scheme import QuantConfig, calibrate_activation_scale, quantize_weights
-from helpers import jit_call as _jit
+from helpers import SCHEME_TOL, jit_call as _jit, random_moe, rel_err, skip_unless_available
 
 H100, A100 = DeviceInfo("gpu", (9, 0)), DeviceInfo("gpu", (8, 0))
-REL_TOL = 2e-2
+REL_TOL = SCHEME_TOL["bf16"]
 FP8_GEMM_TOL = 1e-2  # exact FP8 products; only float32 accumulation order and d's bf16 rounding differ
-FP8_REL_TOL = 5e-2  # the whole FP8 MoE against backend="xla" on the same quantized weights
+FP8_REL_TOL = SCHEME_TOL["fp8"]  # the whole FP8 MoE against backend="xla" on the same quantized weights
 F8 = jnp.float8_e4m3fn
-
-
-def _rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    assert np.isfinite(out).all(), "NaN/inf in the output"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
 
 
 def _offsets(counts) -> jax.Array:
@@ -89,7 +81,7 @@ def test_reference_matches_loop_with_empty_experts_and_unowned_rows(rng):
     counts = [3, 0, 5, 0, 1]
     a, b, off = _gemm_problem(rng, counts, 16, 32)
     ref = cb.grouped_gemm_reference(a, b, off)
-    assert _rel_err(ref, _loop_reference(a, b, off)) < 1e-2
+    assert rel_err(ref, _loop_reference(a, b, off)) < 1e-2
     # rows past offsets[E] (EP slots) are zero; offsets past M are clamped
     a2 = jnp.concatenate([a, jnp.ones((4, 32), jnp.bfloat16)])
     out = np.asarray(cb.grouped_gemm_reference(a2, b, off), np.float32)
@@ -115,12 +107,8 @@ def _cfg(e=8, k=2, h=64, i=32, activation="silu", **kw):
 
 
 def _moe_problem(rng, t, e, k, h, i, gated=True):
-    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-    w13 = jnp.asarray(rng.standard_normal((e, 2 * i if gated else i, h)) / np.sqrt(h), jnp.bfloat16)
-    w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
-    ids = jnp.asarray(np.argsort(-rng.standard_normal((t, e)), axis=1)[:, :k], jnp.int32)
-    tw = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
-    return x, w13, w2, tw, ids
+    """(x, w13, w2, topk_weights, topk_ids) of a random bf16 layer (silu, or relu2 if not ``gated``)."""
+    return random_moe(rng, t, e, k, h, i, activation="silu" if gated else "relu2", dtype=jnp.bfloat16).args
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -283,7 +271,7 @@ def test_fp8_reference_matches_the_float64_definition_with_empty_experts_and_uno
     a, b, off, row, col = _fp8_gemm_problem(rng, counts, 32, 48)
     want = _fp8_loop_reference(a, b, off, row, col)
     got = cb.grouped_gemm_reference(a, b, off, a_scale=row, b_scale=col)
-    assert got.dtype == jnp.bfloat16 and _rel_err(got, want) < 4e-3  # bf16 rounding of d only
+    assert got.dtype == jnp.bfloat16 and rel_err(got, want) < 4e-3  # bf16 rounding of d only
     # grouped_gemm itself, here lowered for the CPU: the same reference
     np.testing.assert_array_equal(np.asarray(cb.grouped_gemm(a, b, off, a_scale=row, b_scale=col), np.float32),
                                   np.asarray(got, np.float32))
@@ -292,7 +280,7 @@ def test_fp8_reference_matches_the_float64_definition_with_empty_experts_and_uno
     row2 = jnp.concatenate([row, jnp.full((4,), 3.0, jnp.float32)])
     out = np.asarray(cb.grouped_gemm_reference(jnp.concatenate([a, pad]), b, off, a_scale=row2, b_scale=col),
                      np.float32)
-    assert (out[16:] == 0).all() and _rel_err(out[:16], want) < 4e-3
+    assert (out[16:] == 0).all() and rel_err(out[:16], want) < 4e-3
 
 
 def test_fp8_scale_forms_broadcast_to_rows_and_channels(rng):
@@ -366,7 +354,7 @@ def test_fp8_pipeline_matches_xla_on_cpu(rng, mode, activation):
     out = _jit(cb.apply, x, q13, q2, tw, ids, cfg=cfg, quant=quant)  # traced weights and scales
     ref = _jit(xla.apply, x, q13, q2, tw, ids, cfg=cfg, quant=quant)
     assert out.dtype == x.dtype and out.shape == (t, h)
-    assert _rel_err(out, ref) < FP8_REL_TOL
+    assert rel_err(out, ref) < FP8_REL_TOL
 
 
 def test_fp8_router_weight_on_input_and_float32_x_match_xla_on_cpu(rng):
@@ -376,7 +364,7 @@ def test_fp8_router_weight_on_input_and_float32_x_match_xla_on_cpu(rng):
     cfg = MoEConfig(e, 1, h, i)
     out = _jit(cb.apply, x, q13, q2, tw, ids, cfg=cfg, quant=quant, apply_router_weight_on_input=True)
     ref = _jit(xla.apply, x, q13, q2, tw, ids, cfg=cfg, quant=quant, apply_router_weight_on_input=True)
-    assert out.dtype == jnp.float32 and _rel_err(out, ref) < FP8_REL_TOL
+    assert out.dtype == jnp.float32 and rel_err(out, ref) < FP8_REL_TOL
 
 
 def test_fp8_dynamic_per_tensor_scales_are_over_the_tensor_handed_over(rng, monkeypatch):
@@ -461,12 +449,6 @@ def test_fp8_supports_reasons(rng, monkeypatch):
 # ----------------------------------------------------------------------------- GPU
 
 
-def _skip_unless_available():
-    ok, why = cb.available()
-    if not ok:
-        pytest.skip(why)
-
-
 GEMM_CASES = [  # (counts per expert, N, K); fp8 rounds K up to its alignment (16)
     ([1], 128, 64),                                   # M_total = 1
     ([5, 0, 17, 0, 0, 3, 64, 1], 256, 128),           # empty experts
@@ -493,20 +475,20 @@ def _kind_problem(rng, kind, counts, n, k):
 def test_grouped_gemm_vs_definition(rng, kind, tile, case):
     """Each kernel against its definition (bf16: float32 loop; fp8: float64 loop with the per-row
     and per-channel scales of the epilogue) and against its jnp reference."""
-    _skip_unless_available()
+    skip_unless_available(cb)
     counts, n, k = GEMM_CASES[case]
     k = -(-k // cb.ALIGN_K[kind]) * cb.ALIGN_K[kind]
     a, b, off, scales, want = _kind_problem(rng, kind, counts, n, k)
     out = jax.jit(lambda a, b, o, s: cb.grouped_gemm(a, b, o, tile=tile, **s))(a, b, off, scales)
     assert out.dtype == jnp.bfloat16 and out.shape == (a.shape[0], n)
-    assert _rel_err(out, want) < GEMM_TOL[kind]
-    assert _rel_err(out, cb.grouped_gemm_reference(a, b, off, **scales)) < GEMM_TOL[kind]
+    assert rel_err(out, want) < GEMM_TOL[kind]
+    assert rel_err(out, cb.grouped_gemm_reference(a, b, off, **scales)) < GEMM_TOL[kind]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", sorted(cb.TILES))
 def test_grouped_gemm_256_experts_mostly_empty_and_unowned_rows(rng, tile):
-    _skip_unless_available()
+    skip_unless_available(cb)
     counts = np.zeros(256, np.int64)
     counts[rng.choice(256, 10, replace=False)] = rng.integers(1, 40, 10)
     a, b, off = _gemm_problem(rng, counts, 256, 128)
@@ -514,7 +496,7 @@ def test_grouped_gemm_256_experts_mostly_empty_and_unowned_rows(rng, tile):
     a2 = jnp.concatenate([a, pad])
     out = np.asarray(jax.jit(lambda a, b, o: cb.grouped_gemm(a, b, o, tile=tile))(a2, b, off), np.float32)
     m = a.shape[0]
-    assert _rel_err(out[:m], _loop_reference(a, b, off)) < REL_TOL
+    assert rel_err(out[:m], _loop_reference(a, b, off)) < REL_TOL
     assert (out[m:] == 0).all()
 
 
@@ -524,7 +506,7 @@ MOE_CASES = [(t, e, k) for t in (1, 37, 1000) for e, k in ((8, 2), (256, 8))] + 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,e,k", MOE_CASES)
 def test_backend_vs_xla(rng, t, e, k):
-    _skip_unless_available()
+    skip_unless_available(cb)
     h, i = 512, 256
     x, w13, w2, tw, ids = _moe_problem(rng, t, e, k, h, i)
     f = jax.jit(lambda x, tw, ids: fused_experts(x, w13, w2, tw, ids, backend="cutlass"))
@@ -532,13 +514,13 @@ def test_backend_vs_xla(rng, t, e, k):
     for _ in range(2):  # cached executable, second call
         out = f(x, tw, ids)
         assert out.dtype == x.dtype and out.shape == (t, h)
-        assert _rel_err(out, ref) < REL_TOL
+        assert rel_err(out, ref) < REL_TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["gelu", "relu2"])
 def test_backend_activations_tiles_and_ep_ids(rng, activation):
-    _skip_unless_available()
+    skip_unless_available(cb)
     t, e, k, h, i = 61, 16, 4, 256, 128
     gated = activation != "relu2"
     x, w13, w2, tw, ids = _moe_problem(rng, t, e, k, h, i, gated=gated)
@@ -547,7 +529,7 @@ def test_backend_activations_tiles_and_ep_ids(rng, activation):
     ref = xla.apply(x, w13, w2, tw, ids, cfg)
     for tile in cb.TILES:
         out = jax.jit(lambda x, tw, ids: cb.apply(x, w13, w2, tw, ids, cfg, tile=tile))(x, tw, ids)
-        assert _rel_err(out, ref) < REL_TOL
+        assert rel_err(out, ref) < REL_TOL
 
 
 CUTLASS_COMMAND_BUFFER_CASES = {  # scheme -> (cases_code for the conftest fixture, tolerance)
@@ -575,7 +557,7 @@ def test_under_command_buffers(scheme, command_buffer_check):
     """Both grouped GEMMs declare command-buffer compatibility: the backend (bf16; FP8 with static,
     dynamic and per-token scales) with XLA's command buffers forced on, fresh inputs each round,
     against the xla backend."""
-    _skip_unless_available()
+    skip_unless_available(cb)
     cases_code, tol = CUTLASS_COMMAND_BUFFER_CASES[scheme]
     assert command_buffer_check("cutlass", cases_code, tol) == (2 if scheme == "bf16" else 3)
 
@@ -584,19 +566,12 @@ def test_under_command_buffers(scheme, command_buffer_check):
 def test_fused_experts_picks_cutlass_on_hopper_and_falls_back_for_biases(rng):
     """On SM90 with the module built, bf16 fused_experts runs on cutlass without being forced
     (the oracle says so), matches xla, and a call with biases goes to a backend that takes them."""
-    _skip_unless_available()
-    t, e, k, h, i = 77, 16, 4, 1024, 512
-    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)
-    w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
-    w = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
-    ids = jnp.asarray(np.argsort(-rng.standard_normal((t, e)), axis=1)[:, :k], jnp.int32)
-    cfg = MoEConfig(e, k, h, i)
+    skip_unless_available(cb)
+    e, h = 16, 1024
+    cfg, x, w13, w2, w, ids = random_moe(rng, 77, e, 4, h, 512, dtype=jnp.bfloat16)
     assert oracle.select_backend(cfg, features=oracle.call_features(dtype=w13.dtype)).name == "cutlass"
     out = jax.jit(fused_experts)(x, w13, w2, w, ids)
-    ref = fused_experts(x, w13, w2, w, ids, backend="xla")
-    got, want = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    assert np.isfinite(got).all() and np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+    assert rel_err(out, fused_experts(x, w13, w2, w, ids, backend="xla")) < REL_TOL
     b2 = jnp.asarray(rng.standard_normal((e, h)), jnp.float32)
     biased = fused_experts(x, w13, w2, w, ids, w2_bias=b2)  # no ValueError: not on cutlass
     assert np.isfinite(np.asarray(biased, np.float32)).all()
@@ -610,7 +585,7 @@ def test_fused_experts_picks_cutlass_on_hopper_and_falls_back_for_biases(rng):
 def test_fp8_grouped_gemm_scale_forms_256_experts_mostly_empty_and_unowned_rows(rng, tile):
     """Per-tensor a_scale and per-expert b_scale (broadcast in jnp) on 256 experts, 10 with rows;
     the rows past offsets[E] come back as zeros."""
-    _skip_unless_available()
+    skip_unless_available(cb)
     counts = np.zeros(256, np.int64)
     counts[rng.choice(256, 10, replace=False)] = rng.integers(1, 40, 10)
     a, b, off, _, _ = _fp8_gemm_problem(rng, counts, 256, 128)
@@ -621,7 +596,7 @@ def test_fp8_grouped_gemm_scale_forms_256_experts_mostly_empty_and_unowned_rows(
     out = np.asarray(out, np.float32)
     m = a.shape[0]
     want = _fp8_loop_reference(a, b, off, jnp.full((m,), s), jnp.broadcast_to(per_e[:, None], (256, 256)))
-    assert _rel_err(out[:m], want) < FP8_GEMM_TOL
+    assert rel_err(out[:m], want) < FP8_GEMM_TOL
     assert (out[m:] == 0).all()
 
 
@@ -634,7 +609,7 @@ def test_fp8_backend_vs_xla(rng, t, e, k, mode):
     """FP8 per-tensor (static and dynamic scales) and per-token x per-channel against backend="xla"
     on the same quantized weights and QuantConfig; T=1 and E=256 leave most experts without rows;
     jitted, called twice."""
-    _skip_unless_available()
+    skip_unless_available(cb)
     h, i = 512, 256
     x, q13, q2, tw, ids, quant = _fp8_moe_problem(rng, t, e, k, h, i, mode)
     f = jax.jit(lambda x, tw, ids, q: fused_experts(x, q13, q2, tw, ids, quant=q, backend="cutlass"))
@@ -642,13 +617,13 @@ def test_fp8_backend_vs_xla(rng, t, e, k, mode):
     for _ in range(2):  # cached executable, second call
         out = f(x, tw, ids, quant)
         assert out.dtype == x.dtype and out.shape == (t, h)
-        assert _rel_err(out, ref) < FP8_REL_TOL
+        assert rel_err(out, ref) < FP8_REL_TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation,mode", [("gelu", "static"), ("relu2", "dynamic"), ("silu", "per_token")])
 def test_fp8_backend_activations_tiles_and_ep_ids(rng, activation, mode):
-    _skip_unless_available()
+    skip_unless_available(cb)
     t, e, k, h, i = 61, 16, 4, 256, 128
     x, q13, q2, tw, ids, quant = _fp8_moe_problem(rng, t, e, k, h, i, mode, activation)
     ids = ids.at[::3, 0].set(-1)  # expert-parallel slots owned elsewhere
@@ -656,31 +631,31 @@ def test_fp8_backend_activations_tiles_and_ep_ids(rng, activation, mode):
     ref = xla.apply(x, q13, q2, tw, ids, cfg, quant=quant)
     for tile in cb.TILES:
         out = jax.jit(lambda x, tw, ids: cb.apply(x, q13, q2, tw, ids, cfg, quant=quant, tile=tile))(x, tw, ids)
-        assert _rel_err(out, ref) < FP8_REL_TOL
+        assert rel_err(out, ref) < FP8_REL_TOL
 
 
 @pytest.mark.gpu
 def test_fp8_router_weight_on_input(rng):
-    _skip_unless_available()
+    skip_unless_available(cb)
     t, e, h, i = 33, 8, 256, 128
     x, q13, q2, tw, ids, quant = _fp8_moe_problem(rng, t, e, 1, h, i, "per_token")
     cfg = MoEConfig(e, 1, h, i)
     out = jax.jit(lambda x: cb.apply(x, q13, q2, tw, ids, cfg, quant=quant, apply_router_weight_on_input=True))(x)
     ref = xla.apply(x, q13, q2, tw, ids, cfg, quant=quant, apply_router_weight_on_input=True)
-    assert _rel_err(out, ref) < FP8_REL_TOL
+    assert rel_err(out, ref) < FP8_REL_TOL
 
 
 @pytest.mark.gpu
 def test_fused_experts_picks_cutlass_for_fp8_on_hopper(rng):
     """On SM90 with the module built, FP8 fused_experts (per-token x per-channel, which the FlashInfer
     runner does not take) runs on cutlass without being forced, and matches xla."""
-    _skip_unless_available()
+    skip_unless_available(cb)
     t, e, k, h, i = 77, 16, 4, 1024, 512
     x, q13, q2, tw, ids, quant = _fp8_moe_problem(rng, t, e, k, h, i, "per_token")
     assert oracle.select_backend(MoEConfig(e, k, h, i), quant).name == "cutlass"
     out = jax.jit(lambda x, tw, ids: fused_experts(x, q13, q2, tw, ids, quant=quant))(x, tw, ids)
     ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla")
-    assert _rel_err(out, ref) < FP8_REL_TOL
+    assert rel_err(out, ref) < FP8_REL_TOL
 
 
 # ----------------------------------------------------------------------------- batched format
@@ -791,7 +766,7 @@ def test_batched_reference_matches_the_float64_definition(rng, kind):
     want = _batched_definition(a, b, BATCHED_COUNTS, **scales)
     got = cb.grouped_gemm_batched_reference(a, b, counts, **scales)
     assert got.dtype == jnp.bfloat16 and got.shape == (5, BATCHED_C, 32)
-    assert _rel_err(got, want) < 4e-3  # d's bf16 rounding only
+    assert rel_err(got, want) < 4e-3  # d's bf16 rounding only
     got = np.asarray(got, np.float32)
     assert (got[0] == 0).all() and (got[1, 3:] == 0).all() and (got[4] == 0).all()
     assert (got[3] != 0).any()  # 9 > C: all C rows
@@ -855,7 +830,7 @@ def test_apply_batched_is_each_expert_on_its_rows_on_cpu(rng, quant_mode, activa
     out = _jit(cb.apply_batched, x, jnp.asarray(counts, jnp.int32), w13, w2, cfg=cfg, quant=quant)
     assert out.dtype == x.dtype and out.shape == x.shape
     want = _batched_expert_definition(x, counts, w13, w2, cfg, quant)
-    assert _rel_err(out, want) < (REL_TOL if quant is None else FP8_REL_TOL)
+    assert rel_err(out, want) < (REL_TOL if quant is None else FP8_REL_TOL)
     out = np.asarray(out, np.float32)
     assert (out[1] == 0).all() and (out[0, 3:] == 0).all() and (out[5] == 0).all()
 
@@ -896,7 +871,7 @@ BATCHED_GEMM_CASES = [  # (counts, C, N, K)
 def test_batched_grouped_gemm_vs_definition(rng, kind, tile, case):
     """The kernels on the batched format against the float64 definition (NaN padding never read,
     rows past the counts zero) and the jnp reference, jitted, twice."""
-    _skip_unless_available()
+    skip_unless_available(cb)
     counts, c, n, k = BATCHED_GEMM_CASES[case]
     a, b, cnt, scales = _batched_problem(rng, kind, counts, c, n, k)
     want = _batched_definition(a, b, counts, **scales)
@@ -904,22 +879,22 @@ def test_batched_grouped_gemm_vs_definition(rng, kind, tile, case):
     for _ in range(2):
         out = f(a, b, cnt, scales)
         assert out.dtype == jnp.bfloat16 and out.shape == (len(counts), c, n)
-        assert _rel_err(out, want) < GEMM_TOL[kind]
+        assert rel_err(out, want) < GEMM_TOL[kind]
         assert (np.asarray(out, np.float32)[want == 0] == 0).all()
-    assert _rel_err(out, cb.grouped_gemm_batched_reference(a, b, cnt, **scales)) < GEMM_TOL[kind]
+    assert rel_err(out, cb.grouped_gemm_batched_reference(a, b, cnt, **scales)) < GEMM_TOL[kind]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant_mode,activation", BATCHED_MOE_CASES)
 def test_apply_batched_vs_definition_on_gpu(rng, quant_mode, activation):
-    _skip_unless_available()
+    skip_unless_available(cb)
     counts = [3, 0, 40, 64, 1, -1, 17, 99]
     x, w13, w2, cfg, quant = _batched_moe_problem(rng, 8, 64, 512, 256, counts, quant_mode, activation)
     want = _batched_expert_definition(x, counts, w13, w2, cfg, quant)
     f = jax.jit(lambda x, c: cb.apply_batched(x, c, w13, w2, cfg, quant=quant))
     for _ in range(2):
         out = f(x, jnp.asarray(counts, jnp.int32))
-        assert _rel_err(out, want) < (REL_TOL if quant is None else FP8_REL_TOL)
+        assert rel_err(out, want) < (REL_TOL if quant is None else FP8_REL_TOL)
 
 
 @pytest.mark.gpu
@@ -928,7 +903,7 @@ def test_apply_batched_vs_definition_on_gpu(rng, quant_mode, activation):
 def test_apply_batched_vs_standard_apply_on_the_same_tokens(rng, quant_mode, tile):
     """The same tokens two ways: the standard apply (top-1, weight 1: each token through its
     expert) and apply_batched on those tokens packed per expert into [E, C, H]."""
-    _skip_unless_available()
+    skip_unless_available(cb)
     t, e, h, i = 200, 16, 256, 128
     if quant_mode is None:
         x, w13, w2, _, ids = _moe_problem(rng, t, e, 1, h, i)
@@ -945,7 +920,7 @@ def test_apply_batched_vs_standard_apply_on_the_same_tokens(rng, quant_mode, til
                                      quant=quant, tile=tile))(x)
     out = jax.jit(lambda p, n: cb.apply_batched(p, n, w13, w2, cfg, quant=quant, tile=tile))(
         packed, jnp.asarray(counts, jnp.int32))
-    assert _rel_err(np.asarray(out, np.float32)[ids, rank], std) < (REL_TOL if quant is None else FP8_REL_TOL)
+    assert rel_err(np.asarray(out, np.float32)[ids, rank], std) < (REL_TOL if quant is None else FP8_REL_TOL)
 
 
 _BATCHED_COMMAND_BUFFER_SCRIPT = """
@@ -980,5 +955,5 @@ print("OK", len(cases))
 def test_apply_batched_under_command_buffers(command_buffer_check):
     """The batched format declares nothing new: the same targets, still no host sync; bf16 and
     FP8 (per token) apply_batched with XLA's command buffers forced on, fresh counts each round."""
-    _skip_unless_available()
+    skip_unless_available(cb)
     assert command_buffer_check("cutlass", "", FP8_REL_TOL, script=_BATCHED_COMMAND_BUFFER_SCRIPT) == 2

@@ -1,4 +1,5 @@
-"""fused_experts / fused_moe on the pure-JAX backend against the dense float32 reference."""
+"""fused_experts / fused_moe on the pure-JAX backend against the dense float32 reference: activations,
+strategies, layouts and options beyond tests/test_conformance.py's specification."""
 
 import jax
 import jax.numpy as jnp
@@ -9,29 +10,14 @@ from jax_moe import fused_experts, fused_moe, select_experts
 from jax_moe.backends import xla
 from jax_moe.config import MoEConfig
 from jax_moe.reference import moe_reference
-
-# relative error bounds per compute dtype
-BOUND = {"float32": 1e-5, "bfloat16": 1.5e-2, "float16": 5e-3}
-
-
-def rel_err(out, ref):
-    out = np.asarray(out, np.float64)
-    ref = np.asarray(ref, np.float64)
-    assert np.isfinite(out).all(), "output has NaN/inf"
-    return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+from helpers import BAD_VALUES, DTYPE_BOUND, poison_experts, random_biases, random_moe, rel_err
 
 
 def make_moe(rng, t, e, k, h, i, activation="silu", dtype=jnp.float32, bias=False):
-    cfg = MoEConfig(e, k, h, i, activation)
-    x = jnp.asarray(rng.standard_normal((t, h)), dtype)
-    w13 = jnp.asarray(rng.standard_normal((e, cfg.w13_rows, h)) / np.sqrt(h), dtype)
-    w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), dtype)
-    weights, ids = select_experts(jnp.asarray(rng.standard_normal((t, e)), jnp.float32), k)
-    extra = {}
-    if bias:
-        extra = dict(w13_bias=jnp.asarray(rng.standard_normal((e, cfg.w13_rows)), jnp.float32),
-                     w2_bias=jnp.asarray(rng.standard_normal((e, h)), jnp.float32))
-    return cfg, x, w13, w2, weights, ids, extra
+    """A random layer (helpers.random_moe) as (cfg, x, w13, w2, weights, ids, biases): biases a
+    dict of fused_experts' keywords (empty without ``bias``)."""
+    m = random_moe(rng, t, e, k, h, i, activation=activation, dtype=dtype)
+    return (*m, random_biases(rng, m.cfg) if bias else {})
 
 
 SHAPES = [  # (T, E, k, H, I)
@@ -50,7 +36,7 @@ def test_every_activation_matches_reference_in_float32(rng, shape, activation):
     cfg, x, w13, w2, w, ids, _ = make_moe(rng, *shape, activation=activation)
     out = jax.jit(lambda *a: fused_experts(*a, activation=activation))(x, w13, w2, w, ids)
     assert out.shape == x.shape and out.dtype == x.dtype
-    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND["float32"]
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < DTYPE_BOUND["float32"]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -60,7 +46,7 @@ def test_half_precision_within_dtype_bound(rng, dtype, strategy):
     cfg, x, w13, w2, w, ids, _ = make_moe(rng, 64, 16, 4, 64, 32, dtype=getattr(jnp, dtype))
     out = jax.jit(lambda *a: xla.apply(*a, cfg, strategy=strategy))(x, w13, w2, w, ids)
     assert out.dtype == x.dtype
-    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND[dtype]
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < DTYPE_BOUND[dtype]
 
 
 @pytest.mark.parametrize("block_size,blocks_per_step", [pytest.param(16, 1, marks=pytest.mark.slow), (16, 4),
@@ -70,21 +56,21 @@ def test_blocking_does_not_change_the_result(rng, block_size, blocks_per_step):
     cfg, x, w13, w2, w, ids, _ = make_moe(rng, 100, 8, 2, 32, 16)
     out = xla.apply(x, w13, w2, w, ids, cfg, strategy="blocked", block_size=block_size,
                     blocks_per_step=blocks_per_step)
-    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND["float32"]
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < DTYPE_BOUND["float32"]
 
 
 @pytest.mark.parametrize("strategy", xla.STRATEGIES)
 def test_every_strategy_matches_reference(rng, strategy):
     cfg, x, w13, w2, w, ids, bias = make_moe(rng, 23, 16, 3, 32, 16, activation="gelu", bias=True)
     out = xla.apply(x, w13, w2, w, ids, cfg, strategy=strategy, **bias)
-    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg, **bias)) < BOUND["float32"]
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg, **bias)) < DTYPE_BOUND["float32"]
 
 
 def test_gpt_oss_swiglu_with_interleaved_gate_up_and_biases(rng):
     cfg, x, w13, w2, w, ids, bias = make_moe(rng, 40, 32, 4, 32, 16, activation="swigluoai", bias=True)
     cfg = MoEConfig(32, 4, 32, 16, "swigluoai", "interleaved")
     out = fused_experts(x, w13, w2, w, ids, activation="swigluoai", gate_up_layout="interleaved", **bias)
-    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg, **bias)) < BOUND["float32"]
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg, **bias)) < DTYPE_BOUND["float32"]
     # interleaved is a real permutation of the rows: the concat result differs
     concat = fused_experts(x, w13, w2, w, ids, activation="swigluoai", **bias)
     assert rel_err(concat, out) > 1e-2
@@ -103,7 +89,7 @@ def test_router_weight_on_input_for_top1(rng):
     cfg, x, w13, w2, w, ids, _ = make_moe(rng, 30, 8, 1, 32, 16)
     out = fused_experts(x, w13, w2, w, ids, apply_router_weight_on_input=True)
     ref = moe_reference(x, w13, w2, w, ids, cfg, apply_router_weight_on_input=True)
-    assert rel_err(out, ref) < BOUND["float32"]
+    assert rel_err(out, ref) < DTYPE_BOUND["float32"]
 
 
 def test_all_tokens_on_one_expert_and_top_k_equal_e(rng):
@@ -111,10 +97,10 @@ def test_all_tokens_on_one_expert_and_top_k_equal_e(rng):
     ids = jnp.tile(jnp.arange(4, dtype=jnp.int32), (50, 1))
     w = jnp.asarray(rng.random((50, 4)), jnp.float32)
     out = fused_experts(x, w13, w2, w, ids)
-    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND["float32"]
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < DTYPE_BOUND["float32"]
     ids1 = jnp.full((50, 1), 3, jnp.int32)
     out1 = fused_experts(x, w13, w2, w[:, :1], ids1)
-    assert rel_err(out1, moe_reference(x, w13, w2, w[:, :1], ids1, cfg)) < BOUND["float32"]
+    assert rel_err(out1, moe_reference(x, w13, w2, w[:, :1], ids1, cfg)) < DTYPE_BOUND["float32"]
 
 
 def test_jit_twice_gives_identical_results(rng):
@@ -128,7 +114,7 @@ def test_fused_moe_is_routing_then_experts(rng):
     logits = jnp.asarray(rng.standard_normal((24, 16)), jnp.float32)
     w, ids = select_experts(logits, 4, scoring="sigmoid")
     out = jax.jit(lambda *a: fused_moe(*a, 4, scoring="sigmoid"))(x, w13, w2, logits)
-    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND["float32"]
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < DTYPE_BOUND["float32"]
 
 
 def test_shape_picks_the_strategy_and_block_size():
@@ -172,7 +158,7 @@ def test_a_token_may_pick_the_same_expert_twice(rng, strategy):
     cfg, x, w13, w2, w, _, _ = make_moe(rng, 12, 8, 3, 32, 16)
     ids = jnp.asarray(rng.integers(0, 3, (12, 3)), jnp.int32)  # repeats within a row
     out = xla.apply(x, w13, w2, w, ids, cfg, strategy=strategy)
-    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < BOUND["float32"]
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < DTYPE_BOUND["float32"]
 
 
 # ----------------------------------------------------------------------------- the batched format
@@ -213,7 +199,7 @@ def test_apply_batched_is_each_expert_on_its_rows(rng, activation, act, bias):
     x = jnp.asarray(np.where(used[..., None], rng.standard_normal((e, c, h)), np.nan), jnp.float32)
     out = jax.jit(lambda x, n: xla.apply_batched(x, n, w13, w2, cfg, quant=quant, **b))(x, jnp.asarray(counts))
     assert out.shape == x.shape and out.dtype == x.dtype
-    assert rel_err(out, _batched_definition(x, counts, w13, w2, cfg, quant, **b)) < BOUND["float32"]
+    assert rel_err(out, _batched_definition(x, counts, w13, w2, cfg, quant, **b)) < DTYPE_BOUND["float32"]
     assert (np.asarray(out)[~used] == 0).all()
 
 
@@ -251,7 +237,7 @@ def test_batched_layout_and_finalize_equal_the_standard_format(rng):
     y = xla.apply_batched(to_batched(x, lay), lay.counts, w13, w2, cfg)
     assert y.shape == (8, 24, 32)
     out = batched_finalize(y, lay, ids, w)
-    assert rel_err(out, xla.apply(x, w13, w2, w, ids, cfg)) < BOUND["float32"]
+    assert rel_err(out, xla.apply(x, w13, w2, w, ids, cfg)) < DTYPE_BOUND["float32"]
 
 
 def test_the_batched_stage_is_chosen_by_the_batched_feature(rng, monkeypatch):
@@ -263,7 +249,7 @@ def test_the_batched_stage_is_chosen_by_the_batched_feature(rng, monkeypatch):
     cfg, _, w13, w2, _, _, _ = make_moe(rng, 1, 4, 1, 32, 16)
     x, counts = jnp.ones((4, 2, 32)), jnp.asarray([2, 0, 1, 2], jnp.int32)
     ref = _batched_definition(x, counts, w13, w2, cfg)
-    assert rel_err(run_experts_batched(x, counts, w13, w2, cfg), ref) < BOUND["float32"]
+    assert rel_err(run_experts_batched(x, counts, w13, w2, cfg), ref) < DTYPE_BOUND["float32"]
     monkeypatch.setattr(flashinfer_cutlass, "supports", lambda *a, **k: (True, "ok"))
     with pytest.raises(ValueError, match="does not take the batched expert format"):
         run_experts_batched(x, counts, w13, w2, cfg, backend="flashinfer_cutlass")
@@ -271,17 +257,9 @@ def test_the_batched_stage_is_chosen_by_the_batched_feature(rng, monkeypatch):
 
 # ----------------------------------------------------------------------------- robustness
 
-BAD_VALUES = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf, "overflow": 1e30}
-
-
 def _poison(w, expert, bad):
-    """w with one expert's weights made bad: one NaN/inf entry, or every entry huge (the GEMMs overflow)."""
-    w = np.array(w)
-    if bad == 1e30:
-        w[expert] *= np.float32(1e30)
-    else:
-        w[expert].flat[3] = bad
-    return jnp.asarray(w)
+    """w with one expert's weights made bad (helpers.poison_experts), as a jax array."""
+    return jnp.asarray(poison_experts(w, [expert], bad))
 
 
 def test_issue_repro_overflow_in_an_unused_expert_leaves_every_token_finite():

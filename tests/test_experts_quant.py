@@ -11,9 +11,9 @@ import pytest
 
 from jax_moe import fused_experts, fused_moe, select_experts
 from jax_moe.backends import xla
-from jax_moe.config import MoEConfig
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
 from jax_moe.reference import moe_reference
+from helpers import random_moe, rel_err
 
 T, E, K, H, I = 40, 16, 4, 256, 128
 
@@ -33,18 +33,8 @@ CASES = [
 
 
 def _moe(rng, activation="silu"):
-    cfg = MoEConfig(E, K, H, I, activation)
-    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
-    w13 = jnp.asarray(rng.standard_normal((E, cfg.w13_rows, H)) / np.sqrt(H), jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((E, H, I)) / np.sqrt(I), jnp.float32)
-    w, ids = select_experts(jnp.asarray(rng.standard_normal((T, E)), jnp.float32), K)
-    return cfg, x, w13, w2, w, ids
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.isfinite(a).all(), "NaN/inf in output"
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
+    """A fresh layer of this file's sizes (helpers.random_moe): (cfg, x, w13, w2, weights, ids)."""
+    return random_moe(rng, T, E, K, H, I, activation=activation)
 
 
 @pytest.mark.parametrize("scheme,opts,bound", [c if (not c[1] and c[0] != "mxfp4") or c[0] == "w4a8"
@@ -58,9 +48,9 @@ def test_quantized_backend_equals_reference_on_the_same_quantized_weights(rng, s
     ref_q = moe_reference(x, q13, q2, w, ids, cfg, quant=quant)
     # Summation order differs, so a few activations round to the neighbouring code: one fp8
     # step is ~6%, one E2M1 step up to 33% of that element.
-    assert rel(out, ref_q) < (1e-2 if quant.act == "nvfp4" else 1e-3)
+    assert rel_err(out, ref_q) < (1e-2 if quant.act == "nvfp4" else 1e-3)
     # and the quantized MoE approximates the float one within the format's error
-    assert rel(out, moe_reference(x, w13, w2, w, ids, cfg)) < bound
+    assert rel_err(out, moe_reference(x, w13, w2, w, ids, cfg)) < bound
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("gather", marks=pytest.mark.slow),
@@ -70,7 +60,7 @@ def test_every_strategy_serves_quantized_weights(rng, strategy):
     cfg, x, w13, w2, w, ids = _moe(rng)
     q13, q2, quant = quantize_weights("fp8_block", w13, w2)
     out = xla.apply(x, q13, q2, w, ids, cfg, quant=quant, strategy=strategy)
-    assert rel(out, moe_reference(x, q13, q2, w, ids, cfg, quant=quant)) < 1e-3
+    assert rel_err(out, moe_reference(x, q13, q2, w, ids, cfg, quant=quant)) < 1e-3
 
 
 def test_static_activation_scales(rng):
@@ -78,7 +68,7 @@ def test_static_activation_scales(rng):
     a13 = calibrate_activation_scale("fp8_per_tensor", x)
     q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=0.01)
     out = fused_experts(x, q13, q2, w, ids, quant=quant)
-    assert rel(out, moe_reference(x, q13, q2, w, ids, cfg, quant=quant)) < 1e-3
+    assert rel_err(out, moe_reference(x, q13, q2, w, ids, cfg, quant=quant)) < 1e-3
 
 
 def _nvfp4_static(rng, per_expert=False):
@@ -214,7 +204,7 @@ def test_every_strategy_takes_one_dynamic_gemm2_scale_over_the_routed_rows(rng, 
     cfg, x, w13, w2, w, ids = _moe(rng)
     q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor")
     out = xla.apply(x, q13, q2, w, ids, cfg, quant=quant, strategy=strategy, block_size=16)
-    assert rel(out, moe_reference(x, q13, q2, w, ids, cfg, quant=quant)) < 1e-3
+    assert rel_err(out, moe_reference(x, q13, q2, w, ids, cfg, quant=quant)) < 1e-3
 
 
 @pytest.mark.slow

@@ -7,15 +7,14 @@ import pytest
 
 from jax_moe import ffi
 from jax_moe.permute import sort_by_expert
+from helpers import need_native, random_routing
 
 CASES = [(0, 2, 8), (1, 1, 4), (1, 8, 256), (37, 4, 16), (300, 2, 8), (3000, 8, 256), (5000, 6, 1024)]
 
 
 def random_ids(rng, t, k, e, invalid=False):
-    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]) if t else np.zeros((0, k))
-    if invalid and t:
-        ids[rng.random(ids.shape) < 0.2] = -1
-    return jnp.asarray(ids, jnp.int32)
+    """topk_ids [T, k] of k distinct experts per token (about 20 % of them -1 with ``invalid``)."""
+    return random_routing(rng, t, e, k, minus_one=0.2 if invalid else 0.0)[1]
 
 
 def check(ids, e):
@@ -26,16 +25,11 @@ def check(ids, e):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
 
 
-def need(kind):
-    if not ffi.has_native(kind):
-        pytest.skip(f"jax_moe {kind} module not available: {ffi.native_status()[kind]}")
-
-
 @pytest.mark.parametrize("t,k,e", [c if c in ((0, 2, 8), (37, 4, 16))
                                    else pytest.param(*c, marks=pytest.mark.slow) for c in CASES])
 @pytest.mark.parametrize("invalid", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
 def test_cpu_custom_call_matches_jnp(rng, t, k, e, invalid):
-    need("cpu")
+    need_native("cpu")
     with jax.default_device(jax.devices("cpu")[0]):
         check(random_ids(rng, t, k, e, invalid), e)
 
@@ -53,14 +47,14 @@ def test_bad_arguments_raise_before_lowering():
 @pytest.mark.parametrize("t,k,e", CASES + [(16384, 8, 256)])
 @pytest.mark.parametrize("invalid", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
 def test_cuda_custom_call_matches_jnp(rng, t, k, e, invalid):
-    need("cuda")
+    need_native("cuda")
     check(random_ids(rng, t, k, e, invalid), e)
 
 
 @pytest.mark.gpu
 def test_cuda_custom_call_under_command_buffers(tmp_path):
     """The handler claims command-buffer compatibility: run it with XLA's command buffers forced on."""
-    need("cuda")
+    need_native("cuda")
     import subprocess
     import sys
     import textwrap
@@ -69,6 +63,7 @@ def test_cuda_custom_call_under_command_buffers(tmp_path):
         import os, numpy as np, jax, jax.numpy as jnp
         from jax_moe import ffi
         from jax_moe.permute import sort_by_expert
+from helpers import need_native, random_routing
         ids = jnp.asarray(np.random.default_rng(3).integers(0, 64, (999, 4)), jnp.int32)
         f = jax.jit(lambda i: ffi.sort_by_expert(i, 64))
         for _ in range(3):

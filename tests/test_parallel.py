@@ -4,40 +4,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_moe import fused_experts, select_experts
 from jax_moe.parallel import ParallelConfig, parallel_fused_experts, shard_weights, tp_row_order
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
+from helpers import cpu_mesh, random_biases, random_moe, rel_err
 
 E, K, H, I = 16, 4, 32, 32
 
 
-def cpu_mesh(shape, names):
-    devs = jax.devices("cpu")
-    if len(devs) < int(np.prod(shape)):
-        pytest.skip(f"needs {int(np.prod(shape))} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    return Mesh(np.array(devs[: int(np.prod(shape))]).reshape(shape), names)
-
-
 def moe(rng, t, activation="silu", bias=False):
-    rows = 2 * I if activation != "relu2" else I
-    x = jnp.asarray(rng.standard_normal((t, H)), jnp.float32)
-    w13 = jnp.asarray(rng.standard_normal((E, rows, H)) / np.sqrt(H), jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((E, H, I)) / np.sqrt(I), jnp.float32)
-    w, ids = select_experts(jnp.asarray(rng.standard_normal((t, E)), jnp.float32), K)
-    b = {}
-    if bias:
-        b = dict(w13_bias=jnp.asarray(rng.standard_normal((E, rows)), jnp.float32),
-                 w2_bias=jnp.asarray(rng.standard_normal((E, H)), jnp.float32))
-    return x, w13, w2, w, ids, b
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.isfinite(a).all()
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
+    """(x, w13, w2, topk_weights, topk_ids, biases) of a random float32 layer of this file's
+    sizes; biases a dict of fused_experts' keywords (empty without ``bias``)."""
+    m = random_moe(rng, t, E, K, H, I, activation=activation)
+    return (*m.args, random_biases(rng, m.cfg) if bias else {})
 
 
 MESHES = [((8,), ("ep",), dict(ep_axis="ep")),
@@ -59,7 +40,7 @@ def test_parallel_equals_single_device(rng, shape, names, axes, strategy):
                                                                quant=p["quant"], activation="swigluoai"))(
         x, w, ids, placed)
     assert out.shape == x.shape
-    assert rel(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.slow
@@ -72,7 +53,7 @@ def test_tokens_whose_experts_all_live_on_one_device(rng, strategy):
     w = jnp.asarray(rng.random((32, 4)), jnp.float32)
     p = shard_weights(w13, w2, pcfg)
     out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg)
-    assert rel(out, fused_experts(x, w13, w2, w, ids)) < 1e-5
+    assert rel_err(out, fused_experts(x, w13, w2, w, ids)) < 1e-5
 
 
 @pytest.mark.slow
@@ -82,7 +63,7 @@ def test_quantized_weights_under_expert_parallelism(rng):
     q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_token")
     p = shard_weights(q13, q2, pcfg, quant=quant)
     out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"])
-    assert rel(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-3
+    assert rel_err(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-3
 
 
 @pytest.mark.slow
@@ -104,7 +85,7 @@ def test_cutlass_backend_skips_the_ids_of_other_devices_experts(rng, strategy, o
     ref = fused_experts(x, w13, w2, w, ids, backend="xla")
     p = shard_weights(w13, w2, pcfg)
     out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, backend="cutlass")
-    assert rel(out, ref) < 2e-2
+    assert rel_err(out, ref) < 2e-2
 
 
 @pytest.mark.slow
@@ -119,7 +100,7 @@ def test_per_expert_activation_scales_stay_whole_under_expert_parallelism(rng):
     p = shard_weights(q13, q2, pcfg, quant=quant)
     assert p["quant"].a13_scale.sharding.spec == P() and p["quant"].w13_scale.sharding.spec == P("ep")
     out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"])
-    assert rel(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-5
+    assert rel_err(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-5
 
 
 @pytest.mark.slow
@@ -134,7 +115,7 @@ def test_fp8_weights_split_over_tensor_parallelism(rng, strategy):
     q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=0.01)
     p = shard_weights(q13, q2, pcfg, quant=quant)
     out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"])
-    assert rel(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-5
+    assert rel_err(out, fused_experts(x, q13, q2, w, ids, quant=quant)) < 1e-5
 
 
 @pytest.mark.parametrize("scheme,opts,match", [
@@ -157,7 +138,7 @@ def test_no_ep_with_tensor_and_data_parallelism(rng):
     x, w13, w2, w, ids, _ = moe(rng, 16)
     p = shard_weights(w13, w2, pcfg)
     out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg)
-    assert rel(out, fused_experts(x, w13, w2, w, ids)) < 1e-5
+    assert rel_err(out, fused_experts(x, w13, w2, w, ids)) < 1e-5
 
 
 def test_tp_row_order_keeps_gate_and_up_together():
@@ -255,7 +236,7 @@ def test_prepared_weights_repacked_per_device_equal_single_device(rng, strategy,
     assert prep.w13.addressable_shards[0].data.shape == (E // ep, 2 * i_local, H)
     out = jax.jit(lambda x, w, ids, p: parallel_apply_prepared(x, p, w, ids, pcfg))(x, w, ids, prep)
     # w13/w2 are bf16 in the runner's layout: bf16 bounds against the float32 single-device MoE
-    assert rel(out, ref) < 2e-2
+    assert rel_err(out, ref) < 2e-2
 
 
 def _spec(arr):
@@ -364,7 +345,7 @@ def test_fp8_tokens_are_quantized_before_dispatch(rng, strategy, shape, names, a
     prep = shard_prepared(q13, q2, pcfg, quant=quant)
     f = jax.jit(lambda x, w, ids, p: parallel_apply_prepared(x, p, w, ids, pcfg))
     out = f(x, w, ids, prep)
-    assert seen and rel(out, ref) < 1e-4
+    assert seen and rel_err(out, ref) < 1e-4
     moved = str(jax.make_jaxpr(f)(x, w, ids, prep))
     assert ("all_gather" in moved or "all_to_all" in moved) and "u8[" in moved
 
@@ -407,11 +388,11 @@ def test_nvfp4_tokens_are_quantized_before_dispatch(rng, strategy, shape, names,
     ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
     out, moved = _run_parallel(pcfg, x, q13, q2, w, ids, quant)
     assert out.dtype == x.dtype
-    assert rel(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5
     exchange = "all_gather" if strategy == "naive" else "all_to_all"
     sent = [ln.split("=")[0] for ln in moved.splitlines() if exchange in ln]  # the exchanges' results
-    assert any(f"u8[" in ln and f",{H // 2}]" in ln for ln in sent), "the packed E2M1 rows travel"
-    assert any(f"u8[" in ln and f",{H // 16}]" in ln for ln in sent), "their block scales travel"
+    assert any("u8[" in ln and f",{H // 2}]" in ln for ln in sent), "the packed E2M1 rows travel"
+    assert any("u8[" in ln and f",{H // 16}]" in ln for ln in sent), "their block scales travel"
     float_rows = [ln for ln in sent if "f32[" in ln and f",{H}]" in ln]
     assert len(float_rows) == (0 if strategy == "naive" else 1), "only the combine moves float rows"
 
@@ -425,7 +406,7 @@ def test_nvfp4_dynamic_scale_is_taken_over_every_devices_tokens(rng, strategy):
     x = x.at[3].multiply(8.0)  # one device's token sets the scale for all
     ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
     out, _ = _run_parallel(pcfg, x, q13, q2, w, ids, quant)
-    assert rel(out, ref) < 1e-3
+    assert rel_err(out, ref) < 1e-3
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("naive", marks=pytest.mark.slow), "all_to_all"])
@@ -455,7 +436,7 @@ def test_nvfp4_scales_swizzled_after_the_exchange_for_a_backend_that_reads_tiles
     x, q13, q2, w, ids, quant = _nvfp4_moe(rng, 64)
     ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
     out, _ = _run_parallel(pcfg, x, q13, q2, w, ids, quant, backend="cutlass")
-    assert seen and rel(out, ref) < 1e-5
+    assert seen and rel_err(out, ref) < 1e-5
 
 
 # ------------------------------------------------- the batched expert format after the dispatch
@@ -490,8 +471,8 @@ def test_batched_expert_format_equals_single_device_and_the_standard_format(rng,
                               x, w13, w2, w, ids, b, activation="swigluoai") for fmt in ("batched", "standard")}
     ep, dp = mesh.shape["ep"], mesh.shape.get("dp", 1)
     assert stage == [(E // ep, ep * 32 // (dp * ep), H)]  # [E_local, C = ep * T_local, H]
-    assert rel(run["batched"], ref) < 1e-5
-    assert rel(run["batched"], run["standard"]) < 1e-5
+    assert rel_err(run["batched"], ref) < 1e-5
+    assert rel_err(run["batched"], run["standard"]) < 1e-5
 
 
 @pytest.mark.parametrize("routing", ["all-on-device-0", "repeated-ids"])
@@ -507,7 +488,7 @@ def test_batched_format_never_drops_a_token_copy(rng, strategy, routing):
         ids = jnp.tile(jnp.arange(4, dtype=jnp.int32), (32, 1))
     else:
         ids = ids.at[:, 1].set(ids[:, 0])
-    assert rel(_parallel_out(pcfg, x, w13, w2, w, ids), fused_experts(x, w13, w2, w, ids)) < 1e-5
+    assert rel_err(_parallel_out(pcfg, x, w13, w2, w, ids), fused_experts(x, w13, w2, w, ids)) < 1e-5
 
 
 @pytest.mark.slow
@@ -534,7 +515,7 @@ def test_cutlass_runs_the_batched_stage_under_expert_parallelism(rng, act, monke
     p = shard_weights(w13, w2, pcfg, quant=quant)
     out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"], backend="cutlass")
     assert calls == [(E // 4, 4 * 8, H)]  # [E_local, C = ep * T_local, H]
-    assert rel(out, ref) < (2e-2 if act is None else 5e-2)
+    assert rel_err(out, ref) < (2e-2 if act is None else 5e-2)
 
 
 @pytest.mark.slow
@@ -546,7 +527,7 @@ def test_batched_format_moves_nvfp4_tokens_with_their_scales(rng):
     x, q13, q2, w, ids, quant = _nvfp4_moe(rng, 32)
     ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
     out, moved = _run_parallel(pcfg, x, q13, q2, w, ids, quant)
-    assert rel(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5
     sent = [ln.split("=")[0] for ln in moved.splitlines() if "all_to_all" in ln]
     assert any("u8[" in ln and f",{H // 2}]" in ln for ln in sent), "the packed E2M1 rows travel"
     assert any("u8[" in ln and f",{H // 16}]" in ln for ln in sent), "their block scales travel"
@@ -624,4 +605,4 @@ def test_numpy_arrays_under_expert_parallelism(rng):
     x, w13, w2, w, ids, _ = moe(rng, 32)
     p = shard_weights(np.asarray(w13), np.asarray(w2), pcfg)
     out = parallel_fused_experts(np.asarray(x), p["w13"], p["w2"], np.asarray(w), np.asarray(ids), pcfg)
-    assert rel(out, fused_experts(x, w13, w2, w, ids)) < 1e-5
+    assert rel_err(out, fused_experts(x, w13, w2, w, ids)) < 1e-5

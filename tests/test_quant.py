@@ -41,17 +41,14 @@ from jax_moe.quant.scheme import (
     quantize_weights,
 )
 
+from helpers import rel_err
+
 E4M3 = ml_dtypes.float8_e4m3fn
 E2M1_MAGS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 def normal(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-
-def rel_err(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def f32(a):
