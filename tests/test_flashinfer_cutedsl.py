@@ -21,13 +21,11 @@ from jax_moe.config import MoEConfig
 from jax_moe.device import DeviceInfo
 from jax_moe.quant import fp4
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
-from helpers import jit_call as _jit
+from helpers import jit_call as _jit, random_routing, random_weights, rel_err, sm100
 
 H100, B200 = DeviceInfo("gpu", (9, 0)), DeviceInfo("gpu", (10, 0))
 CFG = MoEConfig(8, 2, 256, 128)
 FOUND = (True, "simulated: nvidia-cutlass-dsl 4.8.1 with cutlass.jax; FlashInfer kernel found")
-
-
 
 
 def _operands(rng, e=3, m=40, n=64, k=128):
@@ -118,9 +116,7 @@ def test_quantized_product_is_close_to_the_float_product(rng):
 
     out = _jit(mg.masked_grouped_gemm_nvfp4, aq, a_sf, bq, block_scale_interleave(b_sf), jnp.full((e,), m, jnp.int32),
                (1.0 / (ga * gb)).astype(jnp.float32))
-    want = np.einsum("emk,enk->emn", a, b)
-    err = np.linalg.norm(np.asarray(out, np.float32) - want) / np.linalg.norm(want)
-    assert err < 0.2, err  # two 4-bit operands
+    assert rel_err(out, np.einsum("emk,enk->emn", a, b)) < 0.2  # two 4-bit operands
 
 
 # ------------------------------------------------------------------ the expert stage
@@ -128,12 +124,10 @@ def test_quantized_product_is_close_to_the_float_product(rng):
 
 def _nvfp4_layer(rng, e=8, h=256, i=128, t=24, k=2):
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) * 0.1, jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((e, h, i)) * 0.1, jnp.float32)
+    w13, w2 = random_weights(rng, e, h, i, scale=0.1)
     q13, q2, quant = quantize_weights("nvfp4", w13, w2, a13_scale=calibrate_activation_scale("nvfp4", x),
                                       a2_scale=jnp.float32(0.5 / 2688))  # static scales, as a checkpoint has
-    ids = jnp.asarray(np.argsort(-rng.standard_normal((t, e)), axis=1)[:, :k], jnp.int32)
-    w = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
+    w, ids = random_routing(rng, t, e, k)
     return x, q13, q2, w, ids, quant, MoEConfig(e, k, h, i)
 
 
@@ -141,10 +135,8 @@ def test_expert_stage_matches_xla_on_the_same_nvfp4_weights(rng):
     """On CPU the GEMMs are the jnp definition: this checks dispatch, quantization, alphas, the
     activation and the reduce; the GPU test below checks the kernel in their place."""
     x, q13, q2, w, ids, quant, cfg = _nvfp4_layer(rng)
-    out = np.asarray(_jit(fc.apply, x, q13, q2, w, ids, cfg=cfg, quant=quant), np.float32)
-    ref = np.asarray(_jit(fused_experts, x, q13, q2, w, ids, quant=quant, backend="xla"), np.float32)
-    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-    assert err < 0.05, err
+    out = _jit(fc.apply, x, q13, q2, w, ids, cfg=cfg, quant=quant)
+    assert rel_err(out, _jit(fused_experts, x, q13, q2, w, ids, quant=quant, backend="xla")) < 0.05
 
 
 def test_batched_rows_past_counts_are_zero(rng):
@@ -286,17 +278,6 @@ def test_the_kernel_compiles_for_sm_100a_without_a_gpu():
 # ------------------------------------------------------------------ on an SM100 GPU
 
 
-def _sm100() -> bool:
-    try:
-        return any(d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("10.")
-                   for d in jax.devices())
-    except RuntimeError:
-        return False
-
-
-sm100 = pytest.mark.skipif(not _sm100(), reason="needs an SM100/SM103 GPU (compute capability 10.x)")
-
-
 @pytest.mark.gpu
 @sm100
 @pytest.mark.parametrize("e,m,n,k", [(3, 40, 64, 128), (8, 130, 256, 512), (2, 1, 8, 32)])
@@ -313,7 +294,4 @@ def test_gpu_kernel_matches_its_definition(rng, e, m, n, k):
 def test_gpu_backend_matches_xla_on_the_same_nvfp4_weights(rng):
     x, q13, q2, w, ids, quant, cfg = _nvfp4_layer(rng)
     f = jax.jit(lambda x, w, ids: fused_experts(x, q13, q2, w, ids, quant=quant, backend="flashinfer_cutedsl"))
-    out = np.asarray(f(x, w, ids), np.float32)
-    ref = np.asarray(fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla"), np.float32)
-    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-    assert err < 0.05, err
+    assert rel_err(f(x, w, ids), fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")) < 0.05

@@ -17,6 +17,7 @@ from jax_moe.device import DeviceInfo
 from jax_moe.layouts import mxfp4_padded_sizes
 from jax_moe.quant import fp4
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
+from helpers import random_moe, random_routing, random_weights, rel_err, sm100
 
 H100, B200, B300, RTX5090 = (DeviceInfo("gpu", c) for c in ((9, 0), (10, 0), (10, 3), (12, 0)))
 CFG = MoEConfig(128, 8, 2048, 768)
@@ -795,92 +796,59 @@ def test_serves_fp8_block_with_module_and_cubins(fake_module):
 # ----------------------------------------------------------------------------- GPU (SM100 only)
 
 
-def _sm100():
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("10.")
+def _layer(rng, t, e, k, h, i, scale):
+    """(x, w13, w2, topk_weights, topk_ids): bf16 tokens, float32 weights of standard deviation
+    ``scale``, top-k routing."""
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    return x, *random_weights(rng, e, h, i, scale=scale), *random_routing(rng, t, e, k)
+
+
+GPU_SCHEMES = {  # scheme -> (I, weights' scale, quantize_weights options from x, bound against xla)
+    "fp8": (128, 0.05, lambda x: dict(act="fp8_per_tensor", a13_scale=calibrate_activation_scale("fp8_per_tensor", x),
+                                      a2_scale=0.05), 0.05),
+    # two 4-bit operands, activations re-quantized between the GEMMs
+    "nvfp4": (128, 0.1, lambda x: dict(a13_scale=calibrate_activation_scale("nvfp4", x),
+                                       a2_scale=jnp.float32(0.5 / 2688)), 0.1),
+    "fp8_block": (256, 0.05, lambda x: {}, 0.05),  # DeepSeek FP8 128x128 block scales
+}
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm100(), reason="needs compute capability 10.x (SM100) for the TRT-LLM gen cubins")
+@sm100
 @pytest.mark.parametrize("t", [1, 37, 300])
-def test_gpu_fp8_matches_xla(t):
+@pytest.mark.parametrize("scheme", sorted(GPU_SCHEMES))
+def test_gpu_matches_xla(rng, scheme, t):
+    """fused_experts on flashinfer_trtllm (its runner for the scheme: FP8 per tensor with static
+    scales, NVFP4 x NVFP4, FP8 128x128 blocks) against the xla backend on the same quantized
+    weights, as a checkpoint has them (static activation scales)."""
     from jax_moe import fused_experts
 
-    e, k, h, i = 8, 2, 256, 128
-    rng = np.random.default_rng(t)
-    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) * 0.05, jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((e, h, i)) * 0.05, jnp.float32)
-    a13 = calibrate_activation_scale("fp8_per_tensor", x)
-    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=0.05)
-    logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32)
-    w, ids = jax.lax.top_k(jax.nn.softmax(logits), k)
-    ids = ids.astype(jnp.int32)
+    i, scale, opts, tol = GPU_SCHEMES[scheme]
+    e, k, h = 8, 2, 256
+    x, w13, w2, w, ids = _layer(rng, t, e, k, h, i, scale)
+    q13, q2, quant = quantize_weights(scheme, w13, w2, **opts(x))
     ok, why = trt.supports(MoEConfig(e, k, h, i), quant)
     if not ok:
         pytest.skip(why)
     got = fused_experts(x, q13, q2, w, ids, quant=quant, backend="flashinfer_trtllm")
     ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
-    err = float(jnp.linalg.norm((got - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
-    assert err < 0.05
-
-
-def _routing(rng, t, e, k):
-    logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32)
-    w, ids = jax.lax.top_k(jax.nn.softmax(logits), k)
-    return w, ids.astype(jnp.int32)
-
-
-def _rel_err(got, ref):
-    got, ref = (jnp.asarray(a, jnp.float32) for a in (got, ref))
-    return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+    assert rel_err(got, ref) < tol
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm100(), reason="needs compute capability 10.x (SM100) for the TRT-LLM gen cubins")
-@pytest.mark.parametrize("t", [1, 37, 300])
-def test_gpu_nvfp4_matches_xla(t):
-    """NVFP4 x NVFP4 through jax_moe_trtllm_fp4_block_scale_moe against the xla backend on the same
-    quantized weights (static activation scales, as a checkpoint has them)."""
-    from jax_moe import fused_experts
-
-    e, k, h, i = 8, 2, 256, 128
-    rng = np.random.default_rng(t)
-    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) * 0.1, jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((e, h, i)) * 0.1, jnp.float32)
-    q13, q2, quant = quantize_weights("nvfp4", w13, w2, a13_scale=calibrate_activation_scale("nvfp4", x),
-                                      a2_scale=jnp.float32(0.5 / 2688))
-    w, ids = _routing(rng, t, e, k)
-    ok, why = trt.supports(MoEConfig(e, k, h, i), quant)
-    if not ok:
-        pytest.skip(why)
-    got = fused_experts(x, q13, q2, w, ids, quant=quant, backend="flashinfer_trtllm")
-    ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
-    assert _rel_err(got, ref) < 0.1  # two 4-bit operands, activations re-quantized between the GEMMs
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm100(), reason="needs compute capability 10.x (SM100) for the TRT-LLM gen cubins")
+@sm100
 @pytest.mark.parametrize("act", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("t", [1, 37, 300])
-def test_gpu_mxfp4_gpt_oss_matches_xla(act, t):
+def test_gpu_mxfp4_gpt_oss_matches_xla(rng, act, t):
     """GPT-OSS MXFP4 (swigluoai, interleaved gate/up, biases on both GEMMs, H and I padded to 256)
     through prepare() + apply_prepared, against the xla backend on the same weights."""
     from jax_moe import fused_experts
 
     e, k, h, i = 8, 2, 160, 96
-    rng = np.random.default_rng(100 + t)
-    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.float32)
+    _, x, w13, w2, w, ids = random_moe(rng, t, e, k, h, i, activation="swigluoai", x_dtype=jnp.bfloat16)
     q13, q2, quant = quantize_weights("mxfp4", w13, w2, act=act)
     b13 = jnp.asarray(rng.standard_normal((e, 2 * i)), jnp.bfloat16).astype(jnp.float32)
     b2 = jnp.asarray(0.3 * rng.standard_normal((e, h)), jnp.bfloat16).astype(jnp.float32)
-    w, ids = _routing(rng, t, e, k)
     cfg = MoEConfig(e, k, h, i, "swigluoai", gate_up_layout="interleaved")
     ok, why = trt.supports(cfg, quant)
     if not ok:
@@ -889,27 +857,4 @@ def test_gpu_mxfp4_gpt_oss_matches_xla(act, t):
     got = jax.jit(trt.apply_prepared)(x, prep, w, ids)
     ref = fused_experts(x, q13, q2, w, ids, quant=quant, activation="swigluoai", gate_up_layout="interleaved",
                         w13_bias=b13, w2_bias=b2, backend="xla")
-    assert got.shape == (t, h) and _rel_err(got, ref) < 0.1
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm100(), reason="needs compute capability 10.x (SM100) for the TRT-LLM gen cubins")
-@pytest.mark.parametrize("t", [1, 37, 300])
-def test_gpu_fp8_block_matches_xla(t):
-    """DeepSeek FP8 128x128 block scale through jax_moe_trtllm_fp8_block_scale_moe against the xla
-    backend on the same quantized weights."""
-    from jax_moe import fused_experts
-
-    e, k, h, i = 8, 2, 256, 256
-    rng = np.random.default_rng(200 + t)
-    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) * 0.05, jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((e, h, i)) * 0.05, jnp.float32)
-    q13, q2, quant = quantize_weights("fp8_block", w13, w2)
-    w, ids = _routing(rng, t, e, k)
-    ok, why = trt.supports(MoEConfig(e, k, h, i), quant)
-    if not ok:
-        pytest.skip(why)
-    got = fused_experts(x, q13, q2, w, ids, quant=quant, backend="flashinfer_trtllm")
-    ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
-    assert _rel_err(got, ref) < 0.05
+    assert got.shape == (t, h) and rel_err(got, ref) < 0.1

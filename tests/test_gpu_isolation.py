@@ -24,82 +24,49 @@ import numpy as np
 import pytest
 
 from jax_moe import fused_experts
-from jax_moe.config import MoEConfig
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
+from helpers import SCHEME_TOL, poison_experts, random_moe, rel_err, skip_unless_available, skip_unless_fi_scheme
 
 pytestmark = pytest.mark.gpu
 
 T, E, K, H, I = 96, 8, 2, 256, 128
 UNUSED = (6, 7)  # no token routes to these experts
 BAD = {"nan": np.nan, "inf": np.inf, "overflow": "overflow"}
-TOL = {"bf16": 2e-2, "fp8": 5e-2, "mxfp4": 5e-2}
-
-
-def _rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def _problem(rng, activation="silu"):
-    """bf16 tokens, float32 weights (quantized or cast by each test), top-K routing over experts
-    0..5 only."""
-    rows = 2 * I if activation != "relu2" else I
-    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
-    w13 = (rng.standard_normal((E, rows, H)) / np.sqrt(H)).astype(np.float32)
-    w2 = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(np.float32)
-    used = E - len(UNUSED)
-    ids = jnp.asarray(np.stack([rng.permutation(used)[:K] for _ in range(T)]).astype(np.int32))
-    tw = rng.random((T, K)).astype(np.float32) + 0.1
-    tw = jnp.asarray(tw / tw.sum(1, keepdims=True))
-    return x, w13, w2, tw, ids, MoEConfig(E, K, H, I, activation)
+    """bf16 tokens, float32 numpy weights (quantized or cast by each test), top-K routing over
+    experts 0..5 only."""
+    m = random_moe(rng, T, E, K, H, I, activation=activation, x_dtype=jnp.bfloat16,
+                   experts=range(E - len(UNUSED)), normalize=True)
+    return m.x, np.asarray(m.w13), np.asarray(m.w2), m.topk_weights, m.topk_ids, m.cfg
 
 
 def _poison(w13, w2, bad, dtype=np.float32):
-    """Copies of the float weights with the unused experts made bad: a NaN / inf in one weight of
-    each GEMM, or every weight of the expert near the dtype's largest finite value (its GEMMs
-    overflow)."""
-    w13, w2 = w13.copy(), w2.copy()
-    if bad == "overflow":
-        big = float(ml_dtypes.finfo(dtype).max) / 4
-        for w in (w13, w2):
-            w[list(UNUSED)] = np.sign(w[list(UNUSED)] + 1e-3) * big
-    else:  # the first, a middle and the last row and column of each unused expert (every tile edge)
-        for e in UNUSED:
-            for w in (w13, w2):
-                n, k = w.shape[1:]
-                for r, c in ((0, 0), (n // 2 + 3, k // 2 + 5), (n - 1, k - 1)):
-                    w[e, r, c] = -bad if (bad == np.inf and (r + c) % 2) else bad
-    return w13, w2
+    """Copies of the float weights with the unused experts made bad (helpers.poison_experts)."""
+    return poison_experts(w13, UNUSED, bad, dtype=dtype), poison_experts(w2, UNUSED, bad, dtype=dtype)
 
 
 def _check(out_bad, out_clean, ref, tol):
     bad, clean = np.asarray(out_bad, np.float32), np.asarray(out_clean, np.float32)
     assert np.isfinite(bad).all(), f"{int((~np.isfinite(bad).all(1)).sum())} of {T} rows are not finite"
     np.testing.assert_array_equal(bad, clean)
-    assert _rel_err(bad, ref) < tol
+    assert rel_err(bad, ref) < tol
 
 
 # ----------------------------------------------------------------------------- cutlass
 
 
-def _skip_unless_cutlass():
-    from jax_moe.backends import cutlass
-
-    ok, why = cutlass.available()
-    if not ok:
-        pytest.skip(why)
-
-
 @pytest.mark.parametrize("bad", list(BAD))
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
 def test_cutlass_bf16_unused_expert_never_reaches_a_token(rng, bad, activation):
-    _skip_unless_cutlass()
+    skip_unless_available("cutlass")
     x, w13, w2, tw, ids, _ = _problem(rng, activation)
     b13, b2 = _poison(w13, w2, BAD[bad], ml_dtypes.bfloat16)
     f = jax.jit(lambda w13, w2: fused_experts(x, w13, w2, tw, ids, activation=activation, backend="cutlass"))
     as_bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     ref = fused_experts(x, as_bf16(w13), as_bf16(w2), tw, ids, activation=activation, backend="xla")
-    _check(f(as_bf16(b13), as_bf16(b2)), f(as_bf16(w13), as_bf16(w2)), ref, TOL["bf16"])
+    _check(f(as_bf16(b13), as_bf16(b2)), f(as_bf16(w13), as_bf16(w2)), ref, SCHEME_TOL["bf16"])
 
 
 # weight scales per expert or per channel: the used experts' scales do not depend on the bad one
@@ -120,7 +87,7 @@ def _fp8(w13, w2, mode, x):
 def test_cutlass_fp8_unused_expert_never_reaches_a_token(rng, bad, mode):
     """The NaN or inf becomes a NaN byte of the unused expert (jax_moe.quant's rule: its scale stays
     finite); an overflowing expert gets a large, finite scale."""
-    _skip_unless_cutlass()
+    skip_unless_available("cutlass")
     x, w13, w2, tw, ids, _ = _problem(rng)
     c13, c2, cq = _fp8(w13, w2, mode, x)
     q13, q2, bq = _fp8(*_poison(w13, w2, BAD[bad]), mode, x)
@@ -128,20 +95,10 @@ def test_cutlass_fp8_unused_expert_never_reaches_a_token(rng, bad, mode):
         assert np.isnan(np.asarray(q13[UNUSED[0]].astype(jnp.float32))).any()
     f = jax.jit(lambda q13, q2, quant: fused_experts(x, q13, q2, tw, ids, quant=quant, backend="cutlass"))
     ref = fused_experts(x, c13, c2, tw, ids, quant=cq, backend="xla")
-    _check(f(q13, q2, bq), f(c13, c2, cq), ref, TOL["fp8"])
+    _check(f(q13, q2, bq), f(c13, c2, cq), ref, SCHEME_TOL["fp8"])
 
 
 # ----------------------------------------------------------------------------- flashinfer_cutlass, prepared
-
-
-def _skip_unless_fi_scheme(name: str):
-    from jax_moe.backends import flashinfer_cutlass as fic
-
-    ok, why = fic.available()
-    if not ok:
-        pytest.skip(why)
-    if name not in fic.compiled_schemes():
-        pytest.skip(f"{name} not compiled into this build (JAX_MOE_FI_SCHEMES=...;{name})")
 
 
 def _prepared(q13, q2, cfg, quant, x, tw, ids):
@@ -152,13 +109,13 @@ def _prepared(q13, q2, cfg, quant, x, tw, ids):
 
 @pytest.mark.parametrize("bad", list(BAD))
 def test_flashinfer_cutlass_prepared_bf16(rng, bad):
-    _skip_unless_fi_scheme("bf16")
+    skip_unless_fi_scheme("bf16")
     x, w13, w2, tw, ids, cfg = _problem(rng)
     b13, b2 = _poison(w13, w2, BAD[bad], ml_dtypes.bfloat16)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     ref = fused_experts(x, bf(w13), bf(w2), tw, ids, backend="xla")
     _check(_prepared(bf(b13), bf(b2), cfg, None, x, tw, ids), _prepared(bf(w13), bf(w2), cfg, None, x, tw, ids),
-           ref, TOL["bf16"])
+           ref, SCHEME_TOL["bf16"])
 
 
 @pytest.mark.parametrize("static_a13", [True, False], ids=["static-a13", "dynamic-a13"])
@@ -166,7 +123,7 @@ def test_flashinfer_cutlass_prepared_bf16(rng, bad):
 def test_flashinfer_cutlass_prepared_fp8(rng, bad, static_a13):
     """FP8 per-tensor activations with a static a2_scale (what the runner takes), per-expert
     weight scales."""
-    _skip_unless_fi_scheme("fp8")
+    skip_unless_fi_scheme("fp8")
     x, w13, w2, tw, ids, cfg = _problem(rng)
     b13, b2 = _poison(w13, w2, BAD[bad])
     a13 = calibrate_activation_scale("fp8_per_tensor", x) if static_a13 else None
@@ -174,7 +131,7 @@ def test_flashinfer_cutlass_prepared_fp8(rng, bad, static_a13):
     c13, c2, cq = quantize_weights("fp8", w13, w2, **opts)
     q13, q2, bq = quantize_weights("fp8", b13, b2, **opts)
     ref = fused_experts(x, c13, c2, tw, ids, quant=cq, backend="xla")
-    _check(_prepared(q13, q2, cfg, bq, x, tw, ids), _prepared(c13, c2, cfg, cq, x, tw, ids), ref, TOL["fp8"])
+    _check(_prepared(q13, q2, cfg, bq, x, tw, ids), _prepared(c13, c2, cfg, cq, x, tw, ids), ref, SCHEME_TOL["fp8"])
 
 
 @pytest.mark.parametrize("bad", [*BAD, "nan-scale-byte"])
@@ -186,7 +143,7 @@ def test_flashinfer_cutlass_prepared_mxfp4(rng, bad):
     would spread them (seen on an H100, FlashInfer 0.7.2: a 0xFF in expert 6's w2 scales for H rows
     192..255 made every token routed to expert 5 NaN in those columns; expert e's GEMM2 reads a
     scale tile of expert e+1 and multiplies it by zero)."""
-    _skip_unless_fi_scheme("mxfp4")
+    skip_unless_fi_scheme("mxfp4")
     x, w13, w2, tw, ids, cfg = _problem(rng)
     c13, c2, cq = quantize_weights("mxfp4", w13, w2)
     if bad == "nan-scale-byte":
@@ -202,4 +159,4 @@ def test_flashinfer_cutlass_prepared_mxfp4(rng, bad):
             fic.prepare(q13, q2, cfg, bq)
         return
     ref = fused_experts(x, c13, c2, tw, ids, quant=cq, backend="xla")
-    _check(_prepared(q13, q2, cfg, bq, x, tw, ids), _prepared(c13, c2, cfg, cq, x, tw, ids), ref, TOL["mxfp4"])
+    _check(_prepared(q13, q2, cfg, bq, x, tw, ids), _prepared(c13, c2, cfg, cq, x, tw, ids), ref, SCHEME_TOL["mxfp4"])
