@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 
 import checkpoint_writers as cw
+from helpers import rel_err
 
 T = 24
 ROUTING_MARGIN = 1e-4
@@ -69,7 +70,7 @@ def assert_matches_reference(block, ck: cw.Checkpoint, x: np.ndarray, tol: float
     ref, margin = cw.checkpoint_reference(ck, np.asarray(x).astype(np.float64).reshape(-1, h))
     keep = margin > ROUTING_MARGIN
     assert keep.mean() >= 0.75, "test data: too many near-tied routing choices"
-    err = np.linalg.norm(y[keep] - ref[keep]) / np.linalg.norm(ref[keep])
+    err = rel_err(y[keep], ref[keep])
     assert err < tol, f"relative L2 error {err:.3g} >= {tol}"
     return err
 
@@ -235,53 +236,36 @@ def _raises_naming(tmp_path, ck: cw.Checkpoint, text: str, layer=None):
         load(path, ck.layer if layer is None else layer)
 
 
-def test_missing_expert_tensor_is_named(rng, tmp_path):
-    ck = cw.qwen3_moe(rng)
-    name = ck.prefix + "experts.3.down_proj.weight"
-    del ck.tensors[name]
-    _raises_naming(tmp_path, ck, name)
+def _transposed(a, shape=None):
+    """a.T (contiguous), after checking that a has ``shape`` where given."""
+    assert shape is None or a.shape == shape, a.shape
+    return np.ascontiguousarray(a.T)
 
 
-def test_extra_tensor_under_the_moe_prefix_is_named(rng, tmp_path):
-    ck = cw.qwen3_moe(rng)
-    name = ck.prefix + "experts.0.extra.weight"
-    ck.tensors[name] = cw.rand_bf16(rng, (8, 64), 64)
-    _raises_naming(tmp_path, ck, name)
+BAD_TENSORS = [  # (what, checkpoint builder, the tensor (after the layer prefix), change: None deletes it)
+    ("missing expert tensor", lambda r: cw.qwen3_moe(r), "experts.3.down_proj.weight", None),
+    ("extra tensor under the MoE prefix", lambda r: cw.qwen3_moe(r), "experts.0.extra.weight",
+     lambda a, r: cw.rand_bf16(r, (8, 64), 64)),
+    ("misshaped tensor ([H, I] for [I, H])", lambda r: cw.qwen3_moe(r), "experts.2.up_proj.weight",
+     lambda a, r: _transposed(a)),
+    ("integer tensor", lambda r: cw.mixtral(r), "experts.1.w1.weight",
+     lambda a, r: r.integers(-8, 8, a.shape).astype(np.int32)),
+    ("misshaped FP8 block scale ([1, 2] for [2, 1])", lambda r: cw.qwen3_moe(r, H=256, I=128, fp8=True),
+     "experts.0.down_proj.weight_scale_inv", lambda a, r: _transposed(a, (2, 1))),
+    ("missing MXFP4 scales", lambda r: cw.gpt_oss(r), "experts.gate_up_proj_scales", None),
+    ("int8 MXFP4 blocks", lambda r: cw.gpt_oss(r), "experts.down_proj_blocks", lambda a, r: a.astype(np.int8)),
+]
 
 
-def test_misshaped_tensor_is_named(rng, tmp_path):
-    ck = cw.qwen3_moe(rng)
-    name = ck.prefix + "experts.2.up_proj.weight"
-    ck.tensors[name] = np.ascontiguousarray(ck.tensors[name].T)  # [H, I] instead of [I, H]
-    _raises_naming(tmp_path, ck, name)
-
-
-def test_wrong_dtype_tensor_is_named(rng, tmp_path):
-    ck = cw.mixtral(rng)
-    name = ck.prefix + "experts.1.w1.weight"
-    ck.tensors[name] = rng.integers(-8, 8, ck.tensors[name].shape).astype(np.int32)
-    _raises_naming(tmp_path, ck, name)
-
-
-def test_misshaped_fp8_scale_is_named(rng, tmp_path):
-    ck = cw.qwen3_moe(rng, H=256, I=128, fp8=True)
-    name = ck.prefix + "experts.0.down_proj.weight_scale_inv"
-    assert ck.tensors[name].shape == (2, 1)
-    ck.tensors[name] = np.ascontiguousarray(ck.tensors[name].T)  # [1, 2]
-    _raises_naming(tmp_path, ck, name)
-
-
-def test_missing_mxfp4_scales_are_named(rng, tmp_path):
-    ck = cw.gpt_oss(rng)
-    name = ck.prefix + "experts.gate_up_proj_scales"
-    del ck.tensors[name]
-    _raises_naming(tmp_path, ck, name)
-
-
-def test_wrong_dtype_mxfp4_blocks_are_named(rng, tmp_path):
-    ck = cw.gpt_oss(rng)
-    name = ck.prefix + "experts.down_proj_blocks"
-    ck.tensors[name] = ck.tensors[name].astype(np.int8)
+@pytest.mark.parametrize("what,make,tensor,change", BAD_TENSORS, ids=[b[0] for b in BAD_TENSORS])
+def test_a_bad_tensor_is_named(rng, tmp_path, what, make, tensor, change):
+    """A missing, extra, misshaped or wrongly typed tensor of the layer: the ValueError names it."""
+    ck = make(rng)
+    name = ck.prefix + tensor
+    if change is None:
+        del ck.tensors[name]
+    else:
+        ck.tensors[name] = change(ck.tensors.get(name), rng)
     _raises_naming(tmp_path, ck, name)
 
 
@@ -344,6 +328,5 @@ def test_gpu_default_backend_matches_xla(gpu_checkpoints, name):
     backend = block.prepare()  # FP8 block / MXFP4 natively, bf16 too: the oracle's prepared backend
     outputs[f"prepared for {backend}"] = np.asarray(block(x), np.float64)
     for what, y in outputs.items():
-        assert np.isfinite(y).all(), what
-        err = np.linalg.norm(y - y_xla) / np.linalg.norm(y_xla)
+        err = rel_err(y, y_xla)
         assert err < tol, f"{what}: relative L2 error {err:.3g} against xla >= {tol}"
