@@ -3,7 +3,7 @@
 * calling: :func:`jit_call`;
 * errors and bounds: :func:`rel_err`, :data:`DTYPE_BOUND`, :data:`SCHEME_TOL`;
 * fresh random layers (never zeros): :func:`random_weights`, :func:`random_routing`,
-  :func:`random_moe`, :func:`random_biases`;
+  :func:`random_moe`, :func:`random_biases`; a scheme without weights: :func:`scheme_only`;
 * float64 numpy definitions, written from the documented formulas and never from jax_moe's code:
   :func:`np_sigmoid`, :func:`np_silu`, :func:`np_softmax`, :func:`np_top_k`, :func:`np_activation`,
   :func:`np_moe`,
@@ -123,6 +123,19 @@ def random_moe(rng: np.random.Generator, t: int, e: int, k: int, h: int, i: int,
     w13, w2 = random_weights(rng, e, h, i, gated=cfg.gated, dtype=dtype)
     w, ids = random_routing(rng, t, e, k, experts=experts, normalize=normalize)
     return Moe(cfg, x, w13, w2, w, ids)
+
+
+def scheme_only(name: str, num_experts: int = 128, **changes):
+    """A scheme's most common serving form without weights (jax_moe.info's SchemeOnly: what the
+    oracle and the backends' ``supports`` read of a QuantConfig), with ``changes``; None for
+    ``"bf16"`` (unquantized)."""
+    if name == "bf16":
+        return None
+    from jax_moe.info import SchemeOnly
+
+    q = SchemeOnly(name, num_experts)
+    q.__dict__.update(changes)
+    return q
 
 
 # ----------------------------------------------------------------------------- float64 definitions

@@ -21,7 +21,7 @@ from jax_moe.config import MoEConfig
 from jax_moe.device import DeviceInfo
 from jax_moe.quant import fp4
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
-from helpers import jit_call as _jit, random_routing, random_weights, rel_err, sm100
+from helpers import jit_call as _jit, random_routing, random_weights, rel_err, scheme_only, sm100
 
 H100, B200 = DeviceInfo("gpu", (9, 0)), DeviceInfo("gpu", (10, 0))
 CFG = MoEConfig(8, 2, 256, 128)
@@ -169,14 +169,6 @@ def probe(monkeypatch):
     return set_
 
 
-def _nvfp4_scheme(**changes):
-    from jax_moe.info import SchemeOnly
-
-    q = SchemeOnly("nvfp4", CFG.num_experts)
-    q.__dict__.update(changes)
-    return q
-
-
 ROW_REASONS = [
     # (device, probe result, scheme changes, reason start)
     (H100, FOUND, {}, "needs SM100/SM103; this device is SM90"),
@@ -191,17 +183,17 @@ ROW_REASONS = [
 @pytest.mark.parametrize("device,found,changes,reason", ROW_REASONS, ids=[r[3][:30] for r in ROW_REASONS])
 def test_the_row_refuses_with_its_reason(probe, device, found, changes, reason):
     probe(found)
-    _, ok, why = oracle.probe("flashinfer_cutedsl", CFG, _nvfp4_scheme(**changes), device)
+    _, ok, why = oracle.probe("flashinfer_cutedsl", CFG, scheme_only("nvfp4", CFG.num_experts, **changes), device)
     assert ok == (reason == "ok")
     assert why.startswith(reason), why
 
 
 def test_a_servable_row_is_used_only_when_forced(probe):
     probe(FOUND)
-    sel = oracle.select_backend(CFG, _nvfp4_scheme(), device=B200)
+    sel = oracle.select_backend(CFG, scheme_only("nvfp4", CFG.num_experts), device=B200)
     assert sel.name == "xla"
     assert dict(sel.reasons)["flashinfer_cutedsl"].startswith("can serve this, but repacks")
-    assert oracle.select_backend(CFG, _nvfp4_scheme(), device=B200, backend="flashinfer_cutedsl").name == \
+    assert oracle.select_backend(CFG, scheme_only("nvfp4", CFG.num_experts), device=B200, backend="flashinfer_cutedsl").name == \
         "flashinfer_cutedsl"
 
 

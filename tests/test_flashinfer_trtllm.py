@@ -17,7 +17,7 @@ from jax_moe.device import DeviceInfo
 from jax_moe.layouts import mxfp4_padded_sizes
 from jax_moe.quant import fp4
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
-from helpers import random_moe, random_routing, random_weights, rel_err, sm100
+from helpers import random_moe, random_routing, random_weights, rel_err, scheme_only, sm100
 
 H100, B200, B300, RTX5090 = (DeviceInfo("gpu", c) for c in ((9, 0), (10, 0), (10, 3), (12, 0)))
 CFG = MoEConfig(128, 8, 2048, 768)
@@ -199,12 +199,6 @@ def test_apply_prepared_value_errors_name_the_argument(change, match, no_module)
 # ----------------------------------------------------------------------------- oracle
 
 
-def _fp8_scheme():
-    from jax_moe.info import SchemeOnly
-
-    return SchemeOnly("fp8", CFG.num_experts)
-
-
 @pytest.mark.parametrize("device,text", [
     (H100, "needs SM100 (compute capability 10.x: B200/GB200/B300); this device is SM90 (9.0)"),
     (RTX5090, "needs SM100 (compute capability 10.x: B200/GB200/B300); this device is SM120 (12.0)"),
@@ -212,17 +206,17 @@ def _fp8_scheme():
 ])
 def test_refuses_other_hardware(device, text, fake_module):
     _write_cubins(fake_module)
-    ok, why = trt.supports(CFG, _fp8_scheme(), device)
+    ok, why = trt.supports(CFG, scheme_only("fp8"), device)
     assert not ok and why == text
 
 
 def test_refuses_without_the_module(no_module):
-    ok, why = trt.supports(CFG, _fp8_scheme(), B200)
+    ok, why = trt.supports(CFG, scheme_only("fp8"), B200)
     assert not ok and "jax_moe._jax_moe_trtllm is not built" in why
 
 
 def test_refuses_without_cubins_and_names_the_directory(fake_module):
-    ok, why = trt.supports(CFG, _fp8_scheme(), B200)
+    ok, why = trt.supports(CFG, scheme_only("fp8"), B200)
     assert not ok
     assert why.startswith(f"cubins not found in {fake_module} (2 of 2 missing, e.g. pack/batched_gemm-x/")
 
@@ -230,13 +224,13 @@ def test_refuses_without_cubins_and_names_the_directory(fake_module):
 @pytest.mark.parametrize("device", [B200, B300], ids=["SM100", "SM103"])
 def test_serves_fp8_with_module_and_cubins(device, fake_module):
     _write_cubins(fake_module)
-    ok, why = trt.supports(CFG, _fp8_scheme(), device)
+    ok, why = trt.supports(CFG, scheme_only("fp8"), device)
     assert ok, why
-    _, ok, _ = oracle.probe("flashinfer_trtllm", CFG, _fp8_scheme(), device)
+    _, ok, _ = oracle.probe("flashinfer_trtllm", CFG, scheme_only("fp8"), device)
     assert ok
     # a row that can serve, but not in AUTO yet: chosen only when forced or prepared-and-listed
-    assert oracle.select_backend(CFG, _fp8_scheme(), device=device, backend="flashinfer_trtllm").name == NAME
-    assert oracle.select_backend(CFG, _fp8_scheme(), device=device).name == "xla"
+    assert oracle.select_backend(CFG, scheme_only("fp8"), device=device, backend="flashinfer_trtllm").name == NAME
+    assert oracle.select_backend(CFG, scheme_only("fp8"), device=device).name == "xla"
 
 
 NAME = "flashinfer_trtllm"
@@ -250,10 +244,7 @@ NAME = "flashinfer_trtllm"
 ])
 def test_refusal_reasons_for_config(cfg, scheme_name, start, fake_module):
     _write_cubins(fake_module)
-    from jax_moe.info import SchemeOnly
-
-    quant = None if scheme_name == "bf16" else SchemeOnly(scheme_name, cfg.num_experts)
-    ok, why = trt.supports(cfg, quant, B200)
+    ok, why = trt.supports(cfg, scheme_only(scheme_name, cfg.num_experts), B200)
     assert not ok and why.startswith(start), why
 
 
@@ -533,33 +524,25 @@ def test_shape_rules_of_the_prepared_schemes():
     np.testing.assert_array_equal(sf, ref_sf)
 
 
-def _scheme(name, e=128, **changes):
-    from jax_moe.info import SchemeOnly
-
-    q = SchemeOnly(name, e)
-    q.__dict__.update(changes)
-    return q
-
-
 @pytest.mark.parametrize("cfg,quant,start", [
-    (MoEConfig(128, 8, 2048, 96), _scheme("nvfp4"),
+    (MoEConfig(128, 8, 2048, 96), scheme_only("nvfp4"),
      "intermediate size 96 must be a multiple of 64 (w13's 2I scale rows fill 128-row tiles; NVFP4 is not padded)"),
-    (CFG, _scheme("nvfp4", act="bf16"), "NVFP4 needs NVFP4 activations (act='nvfp4'), not 'bf16'"),
-    (CFG, _scheme("nvfp4", a2_scale=None), "NVFP4 needs static a13_scale and a2_scale"),
-    (MoEConfig(128, 8, 2048, 768, "gelu"), _scheme("nvfp4"), "activation 'gelu' is not wired up (have ['silu'])"),
-    (MoEConfig(128, 8, 2000, 768), _scheme("nvfp4"), "hidden size 2000 must be a multiple of 128"),
-    (MoEConfig(130, 8, 2048, 768), _scheme("fp8_block", 130),
+    (CFG, scheme_only("nvfp4", act="bf16"), "NVFP4 needs NVFP4 activations (act='nvfp4'), not 'bf16'"),
+    (CFG, scheme_only("nvfp4", a2_scale=None), "NVFP4 needs static a13_scale and a2_scale"),
+    (MoEConfig(128, 8, 2048, 768, "gelu"), scheme_only("nvfp4"), "activation 'gelu' is not wired up (have ['silu'])"),
+    (MoEConfig(128, 8, 2000, 768), scheme_only("nvfp4"), "hidden size 2000 must be a multiple of 128"),
+    (MoEConfig(130, 8, 2048, 768), scheme_only("fp8_block", 130),
      "130 experts: trtllm_fp8_block_scale_moe needs a multiple of 4"),
-    (MoEConfig(128, 8, 2048, 704), _scheme("fp8_block"), "intermediate size 704 must be a multiple of 128"),
-    (CFG, _scheme("fp8_block", act="bf16"), "FP8 block scale needs per-token-group FP8 activations"),
-    (CFG, _scheme("fp8_block", block_shape=(1, 128)), "FP8 block scale needs 128 x 128 blocks, not (1, 128)"),
-    (MoEConfig(128, 8, 2048, 768, gate_up_layout="interleaved"), _scheme("fp8_block"),
+    (MoEConfig(128, 8, 2048, 704), scheme_only("fp8_block"), "intermediate size 704 must be a multiple of 128"),
+    (CFG, scheme_only("fp8_block", act="bf16"), "FP8 block scale needs per-token-group FP8 activations"),
+    (CFG, scheme_only("fp8_block", block_shape=(1, 128)), "FP8 block scale needs 128 x 128 blocks, not (1, 128)"),
+    (MoEConfig(128, 8, 2048, 768, gate_up_layout="interleaved"), scheme_only("fp8_block"),
      "gate_up_layout must be 'concat'"),
-    (MoEConfig(128, 8, 2000, 768), _scheme("mxfp4"), "hidden size 2000 must be a multiple of the MXFP4 scale block 32"),
-    (MoEConfig(128, 8, 2048, 768, "relu2"), _scheme("mxfp4"),
+    (MoEConfig(128, 8, 2000, 768), scheme_only("mxfp4"), "hidden size 2000 must be a multiple of the MXFP4 scale block 32"),
+    (MoEConfig(128, 8, 2048, 768, "relu2"), scheme_only("mxfp4"),
      "activation 'relu2' is not wired up (have ['silu', 'swigluoai'])"),
-    (MoEConfig(128, 40, 2048, 768), _scheme("mxfp4"), "top_k 40 must be in [1, min(32, E)]"),
-    (MoEConfig(1024, 8, 2048, 768), _scheme("mxfp4", 1024), "1024 experts exceed the routing kernels' 512"),
+    (MoEConfig(128, 40, 2048, 768), scheme_only("mxfp4"), "top_k 40 must be in [1, min(32, E)]"),
+    (MoEConfig(1024, 8, 2048, 768), scheme_only("mxfp4", 1024), "1024 experts exceed the routing kernels' 512"),
 ])
 def test_fp4_and_fp8_block_schemes_give_shape_reasons_first(cfg, quant, start, fake_module):
     _write_cubins(fake_module)
@@ -572,8 +555,8 @@ def test_mxfp4_pads_what_fp8_refuses(fake_module):
     not padded along H and refuses it."""
     _write_cubins(fake_module)
     cfg = MoEConfig(128, 8, 2016, 768)
-    assert trt.supports(cfg, _scheme("mxfp4"), B200)[0]
-    assert trt.supports(cfg, _fp8_scheme(), B200)[1] == "hidden size 2016 must be a multiple of 128"
+    assert trt.supports(cfg, scheme_only("mxfp4"), B200)[0]
+    assert trt.supports(cfg, scheme_only("fp8"), B200)[1] == "hidden size 2016 must be a multiple of 128"
 
 
 def test_prepare_raises_the_scheme_reasons():
@@ -713,8 +696,8 @@ def test_mxfp4_mxfp8_takes_tile_128(fp4_module):
     assert params["tile_n"] == 128
 
 
-@pytest.mark.parametrize("quant,sid", [(_scheme("nvfp4"), 1), (_scheme("mxfp4"), 2),
-                                       (_scheme("mxfp4", act="mxfp8"), 3)])
+@pytest.mark.parametrize("quant,sid", [(scheme_only("nvfp4"), 1), (scheme_only("mxfp4"), 2),
+                                       (scheme_only("mxfp4", act="mxfp8"), 3)])
 @pytest.mark.parametrize("device", [B200, B300], ids=["SM100", "SM103"])
 def test_serves_fp4_with_module_and_cubins(quant, sid, device, fake_module):
     """With the FP4 target in the module and the cubins of that scheme's runner present: served,
@@ -735,14 +718,14 @@ def test_refuses_fp4_when_the_module_predates_its_target(name, monkeypatch, tmp_
     monkeypatch.setitem(trt._state, "error", None)
     monkeypatch.setenv(trt.CUBIN_ENV, str(tmp_path))
     _write_cubins(tmp_path)
-    ok, why = trt.supports(CFG, _scheme(name), B200)
+    ok, why = trt.supports(CFG, scheme_only(name), B200)
     assert not ok and why == (f"scheme '{name}': this build of jax_moe._jax_moe_trtllm has no "
                               f"{trt.TARGETS[name]} handler (it serves fp8); rebuild it")
 
 
 def test_refuses_mxfp4_with_another_activation_format(fake_module):
     _write_cubins(fake_module)
-    ok, why = trt.supports(CFG, _scheme("mxfp4", act="nvfp4"), B200)
+    ok, why = trt.supports(CFG, scheme_only("mxfp4", act="nvfp4"), B200)
     assert not ok and why == "MXFP4 takes bf16 or MXFP8 activations (act in ['bf16', 'mxfp8']), not 'nvfp4'"
 
 
@@ -787,7 +770,7 @@ def test_fp8_block_value_errors_name_the_argument(no_module):
 
 def test_serves_fp8_block_with_module_and_cubins(fake_module):
     _write_cubins(fake_module)
-    ok, why = trt.supports(CFG, _scheme("fp8_block"), B200)
+    ok, why = trt.supports(CFG, scheme_only("fp8_block"), B200)
     assert ok, why
     _, args, _ = [c for c in trt._state["module"].calls if c[0] == "cubins"][-1]
     assert args[0] == 4

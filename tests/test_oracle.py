@@ -7,7 +7,7 @@ import pytest
 from jax_moe import fused_experts, oracle
 from jax_moe.config import MoEConfig
 from jax_moe.device import DeviceInfo
-from jax_moe.info import SchemeOnly
+from helpers import scheme_only
 
 CFG = MoEConfig(128, 8, 2048, 768)
 A100, H100, B200, RTX5090 = (DeviceInfo("gpu", c) for c in ((8, 0), (9, 0), (10, 0), (12, 0)))
@@ -37,15 +37,6 @@ def _without_the_cutedsl_extra(monkeypatch):
     monkeypatch.setattr(cutedsl_probe, "probe", lambda: (False, "nvidia-cutlass-dsl is not installed (simulated)"))
 
 
-def scheme(name, **changes):
-    """The scheme's most common serving form (jax_moe.info's stand-in), with ``changes``."""
-    if name == "bf16":
-        return None
-    q = SchemeOnly(name, CFG.num_experts)
-    q.__dict__.update(changes)
-    return q
-
-
 # (device, scheme, backend) -> the start of the reason it gives
 REASONS = [
     (H100, "nvfp4", "flashinfer_trtllm", "needs SM100 (compute capability 10.x: B200/GB200/B300); this device is SM90 (9.0)"),
@@ -73,7 +64,7 @@ REASONS = [
 @pytest.mark.parametrize("device,scheme_name,backend,reason", REASONS,
                          ids=[f"{d.describe()}-{s}-{b}" for d, s, b, _ in REASONS])
 def test_each_refusal_gives_its_reason(device, scheme_name, backend, reason):
-    _, ok, why = oracle.probe(backend, CFG, scheme(scheme_name), device)
+    _, ok, why = oracle.probe(backend, CFG, scheme_only(scheme_name), device)
     assert not ok
     assert why.startswith(reason), why
 
@@ -97,10 +88,10 @@ def _assert_served_only_where_compiled(monkeypatch, schemes, name):
     mask = sum(1 << fic.SCHEME_IDS[s] for s in schemes)
     monkeypatch.setitem(fic._state, "module", _FlashinferModuleStandIn(mask))
     monkeypatch.setitem(fic._state, "error", None)
-    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme(name), H100)
+    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme_only(name), H100)
     if name in schemes:
         assert ok, why
-        assert oracle.select_backend(CFG, scheme(name), device=H100, prepared=True).name == "flashinfer_cutlass"
+        assert oracle.select_backend(CFG, scheme_only(name), device=H100, prepared=True).name == "flashinfer_cutlass"
     else:
         assert not ok and why.startswith(f"scheme '{name}' is not compiled into this build (JAX_MOE_FI_SCHEMES)"), why
 
@@ -111,7 +102,7 @@ def test_flashinfer_cutlass_fp8_block_is_served_only_where_compiled(monkeypatch,
     with it serves DeepSeek-style FP8 block weights for prepared weights (the oracle's
     AUTO_PREPARED), and still refuses activations other than per-group FP8 with its reason."""
     _assert_served_only_where_compiled(monkeypatch, schemes, "fp8_block")
-    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("fp8_block", act="bf16"), H100)
+    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme_only("fp8_block", act="bf16"), H100)
     assert not ok and "act='fp8_per_group'" in why, why
 
 
@@ -121,18 +112,18 @@ def test_flashinfer_cutlass_w4a8_is_served_only_where_compiled(monkeypatch, sche
     serves int4 x FP8 weights for prepared weights, and still refuses per-token activations and
     a missing static a2_scale with their reasons."""
     _assert_served_only_where_compiled(monkeypatch, schemes, "w4a8")
-    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("w4a8", act="fp8_per_token"), H100)
+    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme_only("w4a8", act="fp8_per_token"), H100)
     assert not ok and "act='fp8_per_tensor'" in why, why
-    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("w4a8", a2_scale=None), H100)
+    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme_only("w4a8", a2_scale=None), H100)
     assert not ok and "static a2_scale" in why, why
 
 
 @pytest.mark.parametrize("device", [A100, H100, B200, RTX5090, CPU], ids=lambda d: d.describe())
 @pytest.mark.parametrize("scheme_name", sorted(oracle.SCHEME_ORDER))
 def test_every_device_and_scheme_falls_back_to_xla_with_reasons_in_order(device, scheme_name):
-    sel = oracle.select_backend(CFG, scheme(scheme_name), device=device)
+    sel = oracle.select_backend(CFG, scheme_only(scheme_name), device=device)
     assert sel.name == "xla"
-    assert [name for name, _ in sel.reasons] == list(oracle.order_for(scheme(scheme_name)))[:-1]
+    assert [name for name, _ in sel.reasons] == list(oracle.order_for(scheme_only(scheme_name)))[:-1]
     assert all(reason for _, reason in sel.reasons)
 
 
@@ -146,7 +137,7 @@ def test_orders_follow_vllm():
                                         ("masked_gemm", "flashinfer_cutedsl")])
 def test_flashinfer_preference_moves_its_row_first(monkeypatch, pref, first):
     monkeypatch.setenv(oracle.FLASHINFER_ENV, pref)
-    assert oracle.order_for(scheme("nvfp4"))[0] == first
+    assert oracle.order_for(scheme_only("nvfp4"))[0] == first
 
 
 def test_bad_flashinfer_preference_raises(monkeypatch):
@@ -199,7 +190,7 @@ def test_flashinfer_cutlass_is_picked_for_prepared_weights(monkeypatch, scheme_n
 
     monkeypatch.setattr(fic.native, "available", lambda device=None: (True, "simulated"))
     monkeypatch.setattr(fic.native, "compiled_schemes", lambda: ("bf16", "fp8", "mxfp4"))
-    q = scheme(scheme_name, **changes)
+    q = scheme_only(scheme_name, **changes)
     sel = oracle.select_backend(CFG, q, device=H100)
     assert sel.name == plain
     assert dict(sel.reasons)["flashinfer_cutlass"].startswith(reason)
@@ -211,7 +202,7 @@ def test_flashinfer_cutlass_scheme_left_out_of_the_build(monkeypatch):
 
     monkeypatch.setattr(fic.native, "available", lambda device=None: (True, "simulated"))
     monkeypatch.setattr(fic.native, "compiled_schemes", lambda: ("bf16", "fp8"))
-    sel = oracle.select_backend(CFG, scheme("mxfp4"), device=H100, prepared=True)
+    sel = oracle.select_backend(CFG, scheme_only("mxfp4"), device=H100, prepared=True)
     assert sel.name == "xla"
     assert dict(sel.reasons)["flashinfer_cutlass"] == ("scheme 'mxfp4' is not compiled into this build "
                                                       "(JAX_MOE_FI_SCHEMES)")
@@ -300,6 +291,6 @@ def test_info_without_flashinfer_lists_no_flashinfer_scheme_as_present(monkeypat
         for line in out.splitlines():
             if line.startswith("  flashinfer_"):
                 assert not any(s in line for s in ("bf16,", "'bf16'", "fp8,", "(serves")), line
-    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme("nvfp4"), H100)
+    _, ok, why = oracle.probe("flashinfer_cutlass", CFG, scheme_only("nvfp4"), H100)
     assert not ok and why == ("scheme 'nvfp4' is not built yet (this build serves nothing: simulated: "
                               "jax_moe._jax_moe_flashinfer is not built)")
