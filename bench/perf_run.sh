@@ -38,7 +38,6 @@ if [ "${SKIP_INSTALL:-0}" != 1 ]; then
 fi
 export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
-export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_perf_cache}"
 python3 -m jax_moe.info 2>&1 | filter | grep -E "native|cutlass|fused_experts" | head -12 | tee -a "$out/gpu.txt"
 python3 -c "import tokamax; print('tokamax', tokamax.__version__)" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
 
