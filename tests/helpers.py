@@ -6,8 +6,7 @@
   :func:`random_moe`, :func:`random_biases`; a scheme without weights: :func:`scheme_only`;
 * float64 numpy definitions, written from the documented formulas and never from jax_moe's code:
   :func:`np_sigmoid`, :func:`np_silu`, :func:`np_softmax`, :func:`np_top_k`, :func:`np_activation`,
-  :func:`np_moe`,
-  :func:`np_e2m1_round`, :func:`np_e4m3_round`, :func:`np_fp8_per_token`;
+  :func:`np_moe`, :func:`np_e2m1_round`, :func:`np_e4m3_round`, :func:`np_fp8_per_token`;
 * non-finite values: :data:`BAD_VALUES`, :func:`poison_experts`, :func:`poison_memory`;
 * skips: :func:`skip_unless_available`, :func:`skip_unless_fi_scheme`, :func:`need_native`,
   :func:`has_sm100`, :data:`sm100`, :func:`cpu_mesh`.
