@@ -93,8 +93,9 @@ def test_reference_matches_loop_with_empty_experts_and_unowned_rows(rng):
 
 def test_pick_tile(monkeypatch):
     monkeypatch.delenv(cb.TILE_ENV, raising=False)
-    assert cb.pick_tile(8, 256) == "pingpong_64x128"
-    assert cb.pick_tile(8 * 8192, 256) == "coop_128x128"
+    assert cb.pick_tile(8, 256) == "pingpong_64x128"        # decode: few rows per expert
+    assert cb.pick_tile(100 * 256, 256) == "coop_128x128"   # between
+    assert cb.pick_tile(8 * 8192, 256) == "coop_128x256"    # >= 128 rows per expert: the wide tile
     monkeypatch.setenv(cb.TILE_ENV, "coop_128x128")
     assert cb.pick_tile(1, 256) == "coop_128x128"
     monkeypatch.setenv(cb.TILE_ENV, "nope")
@@ -311,7 +312,7 @@ def test_compiled_module_matches_this_file():
         for e in (1, 8, 256):
             bf16, f8 = (mod.workspace_size(e, tile, sm_count=132, kind=cb.KINDS[kind][0]) for kind in ("bf16", "fp8"))
             assert f8 - bf16 == 2 * (-(-8 * e // 256) * 256)
-    for bad in (dict(tile=len(cb.TILES), kind=0), dict(tile=0, kind=len(cb.KINDS))):
+    for bad in (dict(tile=len(cb.TILES), kind=0), dict(tile=0, kind=len(cb.KINDS) + len(cb.GRAD_KINDS))):
         with pytest.raises(ValueError, match="unknown tile or kind"):
             mod.workspace_size(8, bad["tile"], sm_count=132, kind=bad["kind"])
 

@@ -51,7 +51,8 @@ __global__ void ZeroUnusedBatchedRows(const int32_t* counts, int64_t groups, int
 
 using RunFn = ffi::Error (*)(const GroupedGemmCall&);
 using BytesFn = size_t (*)(int64_t, int);
-#define JAX_MOE_CUTLASS_TILES(FN, KIND) {cutlass_gg::FN<KIND, kTileCoop128x128>, cutlass_gg::FN<KIND, kTilePingpong64x128>}
+#define JAX_MOE_CUTLASS_TILES(FN, KIND) \
+  {cutlass_gg::FN<KIND, kTileCoop128x128>, cutlass_gg::FN<KIND, kTilePingpong64x128>, cutlass_gg::FN<KIND, kTileCoop128x256>}
 constexpr RunFn kRun[kNumCutlassGemmKinds][kNumCutlassTiles] = {
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16), JAX_MOE_CUTLASS_TILES(Run, kGemmFp8),
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Wgrad)};
@@ -59,7 +60,7 @@ constexpr BytesFn kBytes[kNumCutlassGemmKinds][kNumCutlassTiles] = {
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8),
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Wgrad)};
 #undef JAX_MOE_CUTLASS_TILES
-static_assert(kNumCutlassGemmKinds == 4 && kNumCutlassTiles == 2, "one row per kind, one column per tile above");
+static_assert(kNumCutlassGemmKinds == 4 && kNumCutlassTiles == 3, "one row per kind, one column per tile above");
 
 std::string Name(int kind) { return kind == kGemmFp8 ? "cutlass_grouped_gemm_fp8: " : "cutlass_grouped_gemm: "; }
 

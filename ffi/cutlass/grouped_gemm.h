@@ -59,7 +59,8 @@ namespace jax_moe {
 enum CutlassTile : int {
   kTileCoop128x128 = 0,     // 128x128 (x64 bf16, x128 fp8), cooperative (2 consumer warpgroups): prefill
   kTilePingpong64x128 = 1,  // 64x128 (x64 bf16, x128 fp8), pingpong: decode (few rows per expert)
-  kNumCutlassTiles = 2,
+  kTileCoop128x256 = 2,     // 128x256, cooperative, 2x1 cluster: large prefill and training batches
+  kNumCutlassTiles = 3,
 };
 
 // Operand types: one FFI target each.

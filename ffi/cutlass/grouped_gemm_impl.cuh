@@ -112,14 +112,15 @@ ffi::Error Run(const GroupedGemmCall& call);
   size_t WorkspaceBytes<KIND, TILE>(int64_t groups, int sm_count); \
   template <>                                                      \
   ffi::Error Run<KIND, TILE>(const GroupedGemmCall& call);
-JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16, kTileCoop128x128)
-JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16, kTilePingpong64x128)
-JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmFp8, kTileCoop128x128)
-JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmFp8, kTilePingpong64x128)
-JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16Dgrad, kTileCoop128x128)
-JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16Dgrad, kTilePingpong64x128)
-JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16Wgrad, kTileCoop128x128)
-JAX_MOE_DECLARE_CUTLASS_GEMM(kGemmBf16Wgrad, kTilePingpong64x128)
+#define JAX_MOE_DECLARE_CUTLASS_TILES(KIND)                 \
+  JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTileCoop128x128)      \
+  JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTilePingpong64x128)   \
+  JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTileCoop128x256)
+JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16)
+JAX_MOE_DECLARE_CUTLASS_TILES(kGemmFp8)
+JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16Dgrad)
+JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16Wgrad)
+#undef JAX_MOE_DECLARE_CUTLASS_TILES
 #undef JAX_MOE_DECLARE_CUTLASS_GEMM
 
 #ifdef JAX_MOE_CUTLASS_IMPL
@@ -360,27 +361,39 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   return ffi::Error::Success();
 }
 
-// The tile configurations of grouped_gemm.h: the CTA's rows and schedules per tile; every tile is
-// 128 columns wide with a K tile of 128 bytes per row (64 bf16, 128 fp8 elements), cluster 1x1x1.
+// The tile configurations of grouped_gemm.h: the CTA's rows, columns, cluster and schedules per tile,
+// each with a K tile of 128 bytes per row (64 bf16, 128 fp8 elements).
 template <int Tile>
 struct TileSchedule;
 template <>
 struct TileSchedule<kTileCoop128x128> {
   using Rows = _128;
+  using Cols = _128;
+  using Cluster = Shape<_1, _1, _1>;
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 template <>
 struct TileSchedule<kTilePingpong64x128> {
   using Rows = _64;
+  using Cols = _128;
+  using Cluster = Shape<_1, _1, _1>;
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+template <>
+struct TileSchedule<kTileCoop128x256> {  // 2x1 cluster: the two CTAs of a cluster share B's tile (TMA multicast)
+  using Rows = _128;
+  using Cols = _256;
+  using Cluster = Shape<_2, _1, _1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 template <int Kind, int Tile>
 struct TileConfig {
   using S = TileSchedule<Tile>;
-  using type = GroupedGemm<Kind, Shape<typename S::Rows, _128, Int<128 / sizeof(ElementAB<Kind>)>>,
-                           Shape<_1, _1, _1>, typename S::Kernel, typename S::Epilogue>;
+  using type = GroupedGemm<Kind, Shape<typename S::Rows, typename S::Cols, Int<128 / sizeof(ElementAB<Kind>)>>,
+                           typename S::Cluster, typename S::Kernel, typename S::Epilogue>;
 };
 
 #define JAX_MOE_INSTANTIATE_CUTLASS_GEMM(KIND, TILE)                                  \

@@ -56,6 +56,7 @@ from jax_moe.backends.cutlass_gemm import (  # noqa: F401  (the GEMM layer's nam
     ALIGN_K,
     ALIGN_N,
     DECODE_ROWS_PER_EXPERT,
+    GRAD_KINDS,
     KINDS,
     TILE_ENV,
     TILES,

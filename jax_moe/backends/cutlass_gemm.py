@@ -49,11 +49,12 @@ GRAD_KINDS: dict[str, tuple[int, str]] = {
 }
 # tile name -> CutlassTile in ffi/cutlass/grouped_gemm.h (one CUTLASS instantiation per kind; the K
 # tile is 128 bytes: 64 for bf16, 128 for fp8)
-TILES: dict[str, int] = {"coop_128x128": 0, "pingpong_64x128": 1}
+TILES: dict[str, int] = {"coop_128x128": 0, "pingpong_64x128": 1, "coop_128x256": 2}
 TILE_ENV = "JAX_MOE_CUTLASS_TILE"
 ALIGN_N = 8  # N: 16-byte bf16 rows of d; ffi: kCutlassAlignN
 ALIGN_K = {"bf16": 8, "fp8": 16}  # K: 16-byte rows of a and b; ffi: kCutlassAlignKBf16, kCutlassAlignKFp8
 DECODE_ROWS_PER_EXPERT = 64  # at most this many rows per expert on average: the 64-row pingpong tile
+WIDE_ROWS_PER_EXPERT = 128  # at least this many: the 128x256 tile with a 2x1 cluster (bench/RESULTS.md)
 
 _state: dict = {"module": None, "error": None, "registered": False}
 
@@ -130,15 +131,19 @@ def workspace_size(num_groups: int, tile: str, kind: str = "bf16") -> int:
 
 
 def pick_tile(rows: int, num_groups: int) -> str:
-    """The tile for ``rows`` expert-sorted rows over ``num_groups`` experts: the 64-row pingpong
-    tile while experts average at most :data:`DECODE_ROWS_PER_EXPERT` rows (decode, small
-    batches), else the 128x128 cooperative one. ``JAX_MOE_CUTLASS_TILE`` overrides."""
+    """The tile for ``rows`` expert-sorted rows over ``num_groups`` experts, from the average rows
+    per expert: the 64-row pingpong tile up to :data:`DECODE_ROWS_PER_EXPERT` (decode, small
+    batches), the 128x256 cooperative tile with a 2x1 cluster from :data:`WIDE_ROWS_PER_EXPERT`
+    (prefill, training), the 128x128 cooperative one between. Measured on an H100 for the four
+    model shapes of bench/moe_bench.py. ``JAX_MOE_CUTLASS_TILE`` overrides."""
     forced = os.environ.get(TILE_ENV)
     if forced:
         if forced not in TILES:
             raise ValueError(f"{TILE_ENV} must be one of {sorted(TILES)}, got {forced!r}")
         return forced
-    return "pingpong_64x128" if rows <= DECODE_ROWS_PER_EXPERT * num_groups else "coop_128x128"
+    if rows <= DECODE_ROWS_PER_EXPERT * num_groups:
+        return "pingpong_64x128"
+    return "coop_128x256" if rows >= WIDE_ROWS_PER_EXPERT * num_groups else "coop_128x128"
 
 
 def dtype_name(x) -> str:

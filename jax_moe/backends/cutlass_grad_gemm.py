@@ -155,4 +155,4 @@ def grouped_gemm_wgrad(u: jax.Array, v: jax.Array, offsets: jax.Array) -> jax.Ar
     e, p, q = offsets.shape[0] - 1, u.shape[1], v.shape[1]
     if u.shape[0] == 0:
         return jnp.zeros((e, p, q), jnp.bfloat16)
-    return _lower("wgrad", "coop_128x128", (e, p, q), _wgrad_reference, u, v, offsets, (), groups=e)
+    return _lower("wgrad", "coop_128x256", (e, p, q), _wgrad_reference, u, v, offsets, (), groups=e)
