@@ -63,7 +63,6 @@ def test_cuda_custom_call_under_command_buffers(tmp_path):
         import os, numpy as np, jax, jax.numpy as jnp
         from jax_moe import ffi
         from jax_moe.permute import sort_by_expert
-from helpers import need_native, random_routing
         ids = jnp.asarray(np.random.default_rng(3).integers(0, 64, (999, 4)), jnp.int32)
         f = jax.jit(lambda i: ffi.sort_by_expert(i, 64))
         for _ in range(3):

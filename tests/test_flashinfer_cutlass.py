@@ -483,11 +483,11 @@ def _decode_prepared_mxfp4(prep):
 def test_prepare_mxfp4_rows_padding_and_biases(rng):
     """Written from prepare_mxfp4_weights' words: decoded, w13 is [up (I); 0; gate (I); 0] along
     2Ip rows and zero past H; w2 is the checkpoint's, zero past H rows and I columns; the biases
-    follow the rows and are zero in the padding; (H, I) = (160, 96) pad to (256, 128)."""
+    follow the rows and are zero in the padding; (H, I) = (160, 96) pad to (256, 256)."""
     from jax_moe.quant.scheme import dequantize_weights
 
     e, h, i = 3, 160, 96
-    hp, ip = 256, 128
+    hp, ip = 256, 256
     _, q13, q2, _, _, kw = _mxfp4_problem(rng, 1, e, 2, h, i, gpt_oss=True)
     prep = _jit(fic.prepare, q13, q2, cfg=_mxfp4_cfg(e, 2, h, i, kw), quant=kw["quant"],
                 w13_bias=kw["w13_bias"], w2_bias=kw["w2_bias"])
@@ -524,12 +524,15 @@ def test_prepare_mxfp4_concat_and_not_gated(rng, activation):
     prep = _jit(fic.prepare, q13, q2, cfg=_mxfp4_cfg(e, 2, h, i, kw), quant=kw["quant"])
     p13, _ = _decode_prepared_mxfp4(prep)
     d13 = np.asarray(dequantize_weights(kw["quant"], q13, q2)[0])
+    ip = 256  # I and H padded to the mixed-input GEMM's deepest K tile
+    assert p13.shape[-1] == 256 and not p13[..., h:].any()
+    p13 = p13[..., :h]
     if activation == "silu":
         np.testing.assert_array_equal(p13[:, :i], d13[:, i:])  # up
-        np.testing.assert_array_equal(p13[:, 128:128 + i], d13[:, :i])  # gate
-        assert not p13[:, i:128].any() and not p13[:, 128 + i:].any()
+        np.testing.assert_array_equal(p13[:, ip:ip + i], d13[:, :i])  # gate
+        assert not p13[:, i:ip].any() and not p13[:, ip + i:].any()
     else:
-        assert p13.shape == (e, 128, h)
+        assert p13.shape == (e, ip, h)
         np.testing.assert_array_equal(p13[:, :i], d13)
         assert not p13[:, i:].any()
 
@@ -564,7 +567,7 @@ def test_prepare_mxfp4_emulated_runner_matches_xla(rng):
 
 
 def test_mxfp4_refusals_and_shape_checks(rng):
-    e, h, i = 2, 256, 128
+    e, h, i = 2, 512, 128
     x, q13, q2, tw, ids, kw = _mxfp4_problem(rng, 3, e, 2, h, i)
     cfg = _mxfp4_cfg(e, 2, h, i, kw)
     ok, why = fic.supports(cfg, kw["quant"].replace(act="mxfp8"))
@@ -573,7 +576,7 @@ def test_mxfp4_refusals_and_shape_checks(rng):
         fic.prepare(q13, q2, cfg, kw["quant"].replace(act="mxfp8"))
     prep = fic.prepare(q13, q2, cfg, kw["quant"])
     with pytest.raises(ValueError, match="shape mismatch"):  # x's H must pad to the weights' H
-        fic.apply_prepared(x[:, :128], prep, tw, ids)
+        fic.apply_prepared(x[:, :256], prep, tw, ids)
     import dataclasses
 
     bad = dataclasses.replace(prep, w2_block_scale=prep.w2_block_scale[..., :8])
@@ -605,7 +608,7 @@ def test_mxfp4_matches_xla_on_the_same_quantized_weights(rng, t, e, k, gpt_oss):
 
 @pytest.mark.gpu
 def test_mxfp4_gpt_oss_shape_pads_h_and_i(rng):
-    """GPT-OSS's H = I = 2880 (not multiples of 128: padded to 2944, output [T, 2880]),
+    """GPT-OSS's H = I = 2880 (not multiples of 256: padded to 3072, output [T, 2880]),
     prepared once and applied under jit."""
     skip_unless_fi_scheme("mxfp4")
     from jax_moe import fused_experts
@@ -614,7 +617,7 @@ def test_mxfp4_gpt_oss_shape_pads_h_and_i(rng):
     x, q13, q2, tw, ids, kw = _mxfp4_problem(rng, t, e, k, h, i, gpt_oss=True)
     prep = fic.prepare(q13, q2, _mxfp4_cfg(e, k, h, i, kw), kw["quant"], w13_bias=kw["w13_bias"],
                        w2_bias=kw["w2_bias"])
-    assert fic.problem_sizes(prep) == (e, 2944, 2944)
+    assert fic.problem_sizes(prep) == (e, 3072, 3072)
     out = jax.jit(fic.apply_prepared)(x, prep, tw, ids)
     ref = fused_experts(x, q13, q2, tw, ids, backend="xla", **kw)
     assert out.shape == (t, h)

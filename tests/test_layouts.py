@@ -569,7 +569,7 @@ def test_alphas_under_jit(rng):
 # backend -> (intermediate multiple, hidden multiple), as vLLM pads GPT-OSS MXFP4
 MXFP4_RULES = {
     "flashinfer_trtllm": (256, 256),
-    "flashinfer_cutlass": (128, 128),
+    "flashinfer_cutlass": (256, 256),
     "marlin": (128, 256),
     "xla": (64, 1),
     "cutlass": (64, 1),
@@ -588,7 +588,7 @@ def test_mxfp4_padding_table(backend):
 def test_mxfp4_padding_gpt_oss_numbers():
     # GPT-OSS: H = I = 2880
     assert L.mxfp4_padded_sizes("flashinfer_trtllm", 2880, 2880) == (3072, 3072)
-    assert L.mxfp4_padded_sizes("flashinfer_cutlass", 2880, 2880) == (2944, 2944)
+    assert L.mxfp4_padded_sizes("flashinfer_cutlass", 2880, 2880) == (3072, 3072)
     assert L.mxfp4_padded_sizes("marlin", 2880, 2880) == (3072, 2944)
     assert L.mxfp4_padded_sizes("xla", 2880, 2880) == (2880, 2880)
     assert L.mxfp4_padded_sizes("xla", 2880, 720) == (2880, 768)

@@ -87,12 +87,15 @@ class MxPadding(NamedTuple):
 # MXFP4 (GPT-OSS) padding per backend (names as in jax_moe.oracle):
 #   flashinfer_trtllm : I and H to 256 (vLLM's GPT-OSS MXFP4 path, "should_use_flashinfer_mxfp4": 2 * block 32
 #                       for uneven shards, plus swizzling)
-#   flashinfer_cutlass: I and H to 128 (later vLLM: SM90_FI_MXFP4_BF16 / SM100 MXFP8 CUTLASS)
+#   flashinfer_cutlass: I and H to 256, as vLLM's FlashInfer MXFP4 path: the SM90 mixed-input GEMM's
+#                       256-deep K tiles read one scale tile past a K that is only a multiple of 128
+#                       (the next expert's scales, or past the buffer for the last expert: NaN rows
+#                       measured on an H100 at H = I = 128)
 #   marlin            : I to 128, H to 256 (Marlin MoE needs n % 256 == 0 and k % 128 == 0)
 #   anything else     : I to 64, H unchanged (Triton and the pure-JAX path)
 MXFP4_PADDING: dict[str, MxPadding] = {
     "flashinfer_trtllm": MxPadding(256, 256),
-    "flashinfer_cutlass": MxPadding(128, 128),
+    "flashinfer_cutlass": MxPadding(256, 256),
     "marlin": MxPadding(128, 256),
 }
 MXFP4_PADDING_DEFAULT = MxPadding(64, 1)
