@@ -139,6 +139,34 @@ def test_fused_moe_under_grad_runs_the_cutlass_vjp(rng, monkeypatch):
         assert rel_err(g, w) < BF16_GRAD_TOL
 
 
+@pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
+def test_gradients_through_the_expert_parallel_strategies(rng, strategy, monkeypatch):
+    """jax.grad through parallel_fused_experts on backend="cutlass" (its jnp twins on 4 CPU devices):
+    the collectives' transposes come from JAX, the experts' backward from cutlass's VJP, and the
+    gradients for x, the sharded w13 and w2, and topk_weights are those of the single-device xla
+    backend."""
+    from helpers import cpu_mesh
+    from jax_moe.parallel import ParallelConfig, parallel_fused_experts, shard_weights
+
+    monkeypatch.setattr(cutlass, "supports", lambda cfg, quant=None, device=None, **kw: (True, "ok"))
+    pcfg = ParallelConfig(cpu_mesh((4,), ("ep",)), ep_axis="ep", strategy=strategy)
+    moe = random_moe(rng, 16, 8, 2, 32, 16, dtype=jnp.bfloat16)
+    cot = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+    placed = shard_weights(moe.w13, moe.w2, pcfg)
+
+    def loss_parallel(x, w13, w2, tw):
+        out = parallel_fused_experts(x, w13, w2, tw, moe.topk_ids, pcfg, backend="cutlass")
+        return jnp.sum(out.astype(jnp.float32) * cot)
+
+    def loss_xla(x, w13, w2, tw):
+        return jnp.sum(fused_experts(x, w13, w2, tw, moe.topk_ids, backend="xla").astype(jnp.float32) * cot)
+
+    got = jax.jit(jax.grad(loss_parallel, (0, 1, 2, 3)))(moe.x, placed["w13"], placed["w2"], moe.topk_weights)
+    want = jax.grad(loss_xla, (0, 1, 2, 3))(moe.x, moe.w13, moe.w2, moe.topk_weights)
+    for name, g, w in zip(("x", "w13", "w2", "topk_weights"), got, want):
+        assert rel_err(g, w) < BF16_GRAD_TOL, name
+
+
 def test_slots_of_experts_on_other_devices_carry_no_gradient(rng):
     """Ids of -1 (expert parallelism): those slots contribute nothing, so their routing weights get
     zero gradient, as on the xla backend."""
