@@ -275,8 +275,12 @@ def _reference(a, b, offsets, row, col):
     lo, hi = off[0], off[e]
     rows = jnp.arange(m, dtype=jnp.int32)
     owned = (rows >= lo) & (rows < hi)
-    sizes = jnp.diff(off).at[0].add(lo).at[e - 1].add(m - hi)  # unowned rows ride along, zeroed
+    counts = jnp.diff(off)
+    sizes = counts.at[0].add(lo).at[e - 1].add(m - hi)  # unowned rows ride along, zeroed
     a0 = jnp.where(owned[:, None], a, jnp.zeros((), a.dtype))
+    # ragged_dot may multiply every row by every expert's weights (0 * NaN = NaN): an expert without
+    # rows, whatever its weights hold, must not reach the others' rows, as in the kernel
+    b = jnp.where((counts > 0)[:, None, None], b, jnp.zeros((), b.dtype))
     if row is None:
         d = jax.lax.ragged_dot(a0, jnp.swapaxes(b, 1, 2), sizes.astype(jnp.int32),
                                preferred_element_type=jnp.float32)

@@ -40,7 +40,9 @@ def _check_bf16(name: str, x, what: str, *dims: int) -> None:
 
 def _owned_rows(offsets, m: int, e: int):
     """(clamped offsets [E+1], rows owned by some expert [M] bool, ragged_dot group sizes [E] that
-    let the unowned rows ride along in the first and last groups)."""
+    let the unowned rows ride along in the first and last groups). The callers zero what an
+    unowned row or an expert without rows holds: ragged_dot may multiply every row by every
+    group's operand (0 * NaN = NaN), the kernels never read them."""
     off = jax.lax.cummax(jnp.clip(offsets, 0, m))  # the kernel's clamp: a decreasing pair is empty
     lo, hi = off[0], off[e]
     rows = jnp.arange(m, dtype=jnp.int32)
@@ -82,9 +84,10 @@ def grouped_gemm_dgrad_reference(a, b, offsets, *, tile=None) -> jax.Array:
 
 def _dgrad_reference(a, b, offsets, *_):
     m, e = a.shape[0], b.shape[0]
-    _, owned, sizes = _owned_rows(offsets, m, e)
+    off, owned, sizes = _owned_rows(offsets, m, e)
     a0 = jnp.where(owned[:, None], a, jnp.zeros((), a.dtype))
-    d = jax.lax.ragged_dot(a0, b, sizes, preferred_element_type=jnp.float32)
+    b0 = jnp.where((jnp.diff(off) > 0)[:, None, None], b, jnp.zeros((), b.dtype))
+    d = jax.lax.ragged_dot(a0, b0, sizes, preferred_element_type=jnp.float32)
     return jnp.where(owned[:, None], d, 0.0).astype(jnp.bfloat16)
 
 
@@ -137,6 +140,7 @@ def _wgrad_reference(u, v, offsets, *_):
     m, e = u.shape[0], offsets.shape[0] - 1
     _, owned, sizes = _owned_rows(offsets, m, e)
     u0 = jnp.where(owned[:, None], u, jnp.zeros((), u.dtype))  # unowned rows add nothing
+    v = jnp.where(owned[:, None], v, jnp.zeros((), v.dtype))
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     d = jax.lax.ragged_dot_general(u0, v, sizes, dims, preferred_element_type=jnp.float32)
