@@ -5,8 +5,8 @@
 // parallel; the FFI handlers (grouped_gemm.cu) see only GroupedGemmCall, GroupRows and
 // Run/WorkspaceBytes.
 //
-// Layouts, in CUTLASS's terms: A row-major [M_e, K]; B "column-major" (K, N), i.e. our [N, K] rows with
-// K contiguous; D row-major [M_e, N]; no C operand (ElementC = void, beta never read).
+// Layouts, in CUTLASS's terms (grouped_gemm_traits.cuh per kind): forward A row-major [M_e, K], B
+// "column-major" (K, N), i.e. our [N, K] rows with K contiguous; D row-major; no C operand.
 // Epilogues: bf16, D = acc. fp8, an epilogue visitor tree D = bf16((acc * col_scale[n]) * row_scale[m])
 // whose two broadcast vectors are per group too (arrays of pointers, like A, B and D): row_scale + lo
 // (the group's rows) and col_scale + g * N (the group's expert).
@@ -21,19 +21,7 @@
 #include "grouped_gemm.h"
 
 #ifdef JAX_MOE_CUTLASS_IMPL
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/operations.hpp"
-#include "cutlass/epilogue/fusion/sm90_visitor_compute_tma_warpspecialized.hpp"
-#include "cutlass/epilogue/fusion/sm90_visitor_load_tma_warpspecialized.hpp"
-#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/kernel_hardware_info.h"
+#include "grouped_gemm_traits.cuh"
 #endif
 
 namespace jax_moe {
@@ -126,60 +114,7 @@ JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16Wgrad)
 #ifdef JAX_MOE_CUTLASS_IMPL
 using namespace cute;
 
-// The epilogue's fusion: what D is made of (every bf16 kind: D = acc).
-template <int Kind, class TileShape>
-struct Fusion {
-  using type = cutlass::epilogue::fusion::LinearCombination<cutlass::bfloat16_t, float, void, float>;
-};
-template <class TileShape>
-struct Fusion<kGemmFp8, TileShape> {  // D = (acc * col_scale[n]) * row_scale[m], both vectors per group
-  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
-  // Alignment 1: a group's row_scale + lo starts at any float, so no vector loads of the broadcast vectors.
-  using RowScale = cutlass::epilogue::fusion::Sm90ColBroadcast<  // one value per row m, broadcast along N
-      0, TileShape, float*, float, Stride<_1, _0, _0>, 1>;
-  using ColScale = cutlass::epilogue::fusion::Sm90RowBroadcast<  // one value per column n, broadcast along M
-      0, TileShape, float*, float, Stride<_0, _1, _0>, 1>;
-  using AccTimesCol = cutlass::epilogue::fusion::Sm90EVT<
-      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>, ColScale,
-      cutlass::epilogue::fusion::Sm90AccFetch>;
-  using type = cutlass::epilogue::fusion::Sm90EVT<
-      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, cutlass::bfloat16_t, float, kRound>, RowScale,
-      AccTimesCol>;
-};
-
-template <int Kind>
-using ElementAB = std::conditional_t<Kind == kGemmFp8, cutlass::float_e4m3_t, cutlass::bfloat16_t>;
-
-// A and B in CUTLASS's terms (A is M x K, B is K x N; RowMajor A and ColumnMajor B are K-major).
-template <int Kind>
-struct OperandLayouts {  // forward (bf16, fp8): A = rows [M_e, K], B = weights [N, K]
-  using A = cutlass::layout::RowMajor;
-  using B = cutlass::layout::ColumnMajor;
-};
-template <>
-struct OperandLayouts<kGemmBf16Dgrad> {  // A = rows [M_e, K], B = weights [K, N] (N contiguous)
-  using A = cutlass::layout::RowMajor;
-  using B = cutlass::layout::RowMajor;
-};
-template <>
-struct OperandLayouts<kGemmBf16Wgrad> {  // A = u[rows]^T (P x rows, P contiguous), B = v[rows] (rows x Q)
-  using A = cutlass::layout::ColumnMajor;
-  using B = cutlass::layout::RowMajor;
-};
-
-// A CUTLASS stride (one int64 leading dimension and a static unit stride, in either order) with its
-// leading dimension set to ld.
-template <class Stride>
-__device__ __forceinline__ Stride LeadingStride(int64_t ld) {
-  Stride s{};
-  if constexpr (cute::is_static<std::remove_reference_t<decltype(get<0>(s))>>::value) {
-    get<1>(s) = ld;
-  } else {
-    get<0>(s) = ld;
-  }
-  return s;
-}
-
+// One kind's grouped GEMM with one tile's shapes and schedules (grouped_gemm_traits.cuh).
 template <int Kind, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
 struct GroupedGemm {
   static constexpr bool kScaled = Kind == kGemmFp8;
@@ -361,34 +296,7 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   return ffi::Error::Success();
 }
 
-// The tile configurations of grouped_gemm.h: the CTA's rows, columns, cluster and schedules per tile,
-// each with a K tile of 128 bytes per row (64 bf16, 128 fp8 elements).
-template <int Tile>
-struct TileSchedule;
-template <>
-struct TileSchedule<kTileCoop128x128> {
-  using Rows = _128;
-  using Cols = _128;
-  using Cluster = Shape<_1, _1, _1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-template <>
-struct TileSchedule<kTilePingpong64x128> {
-  using Rows = _64;
-  using Cols = _128;
-  using Cluster = Shape<_1, _1, _1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-template <>
-struct TileSchedule<kTileCoop128x256> {  // 2x1 cluster: the two CTAs of a cluster share B's tile (TMA multicast)
-  using Rows = _128;
-  using Cols = _256;
-  using Cluster = Shape<_2, _1, _1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
+// The (kind, tile) pair's grouped GEMM type.
 template <int Kind, int Tile>
 struct TileConfig {
   using S = TileSchedule<Tile>;

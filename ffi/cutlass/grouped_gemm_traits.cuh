@@ -1,0 +1,104 @@
+// What each kind and tile of the grouped GEMMs (grouped_gemm.h) is made of, in CUTLASS's terms: the
+// element types, the operand layouts (which operand is K-major), the epilogue's fusion, and the tile
+// shapes, clusters and schedules. Included by grouped_gemm_impl.cuh in the TUs that instantiate the
+// kernels (JAX_MOE_CUTLASS_IMPL).
+#pragma once
+
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_compute_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_load_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/kernel_hardware_info.h"
+
+#include "grouped_gemm.h"
+
+namespace jax_moe::cutlass_gg {
+using namespace cute;
+
+// The epilogue's fusion: what D is made of (every bf16 kind: D = acc).
+template <int Kind, class TileShape>
+struct Fusion {
+  using type = cutlass::epilogue::fusion::LinearCombination<cutlass::bfloat16_t, float, void, float>;
+};
+template <class TileShape>
+struct Fusion<kGemmFp8, TileShape> {  // D = (acc * col_scale[n]) * row_scale[m], both vectors per group
+  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+  // Alignment 1: a group's row_scale + lo starts at any float, so no vector loads of the broadcast vectors.
+  using RowScale = cutlass::epilogue::fusion::Sm90ColBroadcast<  // one value per row m, broadcast along N
+      0, TileShape, float*, float, Stride<_1, _0, _0>, 1>;
+  using ColScale = cutlass::epilogue::fusion::Sm90RowBroadcast<  // one value per column n, broadcast along M
+      0, TileShape, float*, float, Stride<_0, _1, _0>, 1>;
+  using AccTimesCol = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>, ColScale,
+      cutlass::epilogue::fusion::Sm90AccFetch>;
+  using type = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, cutlass::bfloat16_t, float, kRound>, RowScale,
+      AccTimesCol>;
+};
+
+template <int Kind>
+using ElementAB = std::conditional_t<Kind == kGemmFp8, cutlass::float_e4m3_t, cutlass::bfloat16_t>;
+
+// A and B in CUTLASS's terms (A is M x K, B is K x N; RowMajor A and ColumnMajor B are K-major).
+template <int Kind>
+struct OperandLayouts {  // forward (bf16, fp8): A = rows [M_e, K], B = weights [N, K]
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::ColumnMajor;
+};
+template <>
+struct OperandLayouts<kGemmBf16Dgrad> {  // A = rows [M_e, K], B = weights [K, N] (N contiguous)
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::RowMajor;
+};
+template <>
+struct OperandLayouts<kGemmBf16Wgrad> {  // A = u[rows]^T (P x rows, P contiguous), B = v[rows] (rows x Q)
+  using A = cutlass::layout::ColumnMajor;
+  using B = cutlass::layout::RowMajor;
+};
+
+// A CUTLASS stride (one int64 leading dimension and a static unit stride, in either order) with its
+// leading dimension set to ld.
+template <class Stride>
+__device__ __forceinline__ Stride LeadingStride(int64_t ld) {
+  Stride s{};
+  if constexpr (cute::is_static<std::remove_reference_t<decltype(get<0>(s))>>::value) {
+    get<1>(s) = ld;
+  } else {
+    get<0>(s) = ld;
+  }
+  return s;
+}
+
+// The tile configurations of grouped_gemm.h: the CTA's rows and columns, the cluster, and the
+// schedule (cooperative: two consumer warpgroups on one tile; pingpong: on alternating tiles), each
+// with a K tile of 128 bytes per row (64 bf16, 128 fp8 elements).
+template <class RowsT, class ColsT, class ClusterT, bool kPingpong>
+struct Schedule {
+  using Rows = RowsT;
+  using Cols = ColsT;
+  using Cluster = ClusterT;
+  using Kernel = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using Epilogue = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+};
+template <int Tile>
+struct TileSchedule;
+template <>
+struct TileSchedule<kTileCoop128x128> : Schedule<_128, _128, Shape<_1, _1, _1>, false> {};
+template <>
+struct TileSchedule<kTilePingpong64x128> : Schedule<_64, _128, Shape<_1, _1, _1>, true> {};
+template <>  // 2x1 cluster: the two CTAs of a cluster share B's tile (TMA multicast)
+struct TileSchedule<kTileCoop128x256> : Schedule<_128, _256, Shape<_2, _1, _1>, false> {};
+
+}  // namespace jax_moe::cutlass_gg
