@@ -125,8 +125,11 @@ def check_shape(name: str, x, shape: Sequence[int | None], what: str = "") -> No
 
 
 def check_rank(name: str, x, rank: int, what: str) -> None:
-    """Raise ValueError unless ``x`` has rank ``rank`` (``what`` names the expected shape)."""
-    if getattr(x, "ndim", None) != rank:
+    """Raise ValueError unless ``x`` has rank ``rank`` (``what`` names the expected shape); a value
+    that is not an array (a list, a scalar) is named as such."""
+    if not hasattr(x, "ndim") or not hasattr(x, "shape"):
+        raise ValueError(f"{name} must be an array of rank {rank} {what} (jax or numpy), got {type(x).__name__}")
+    if x.ndim != rank:
         raise ValueError(f"{name} must have rank {rank} {what}, got shape {list(getattr(x, 'shape', ()))}")
 
 

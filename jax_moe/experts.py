@@ -45,8 +45,11 @@ def moe_config_from_arrays(
         check_shape("w13", w13, (e, cfg.w13_rows, h), "[E, 2I, H] with H = x.shape[1]")
         check_shape("w2", w2, (e, h, inter), "[E, H, I] with I from w13")
     else:
-        if w2.shape[:2] != (e, h):
-            raise ValueError(f"w2 must have shape [E={e}, H={h}, ...], got {list(w2.shape)}")
+        if w2.shape[0] != e:
+            raise ValueError(f"w2 must have w13's E={e} experts [E, H, ...], got shape {list(w2.shape)}")
+        if w2.shape[1] != h:
+            raise ValueError(f"x [T, H] and w2 [E, H, ...] must have the same H: x has H={h} (shape "
+                             f"{list(x.shape)}), w2 has H={w2.shape[1]}")
         quant.validate(e, h, inter, gated, w13=w13, w2=w2)
     return cfg
 

@@ -412,3 +412,20 @@ def test_fused_moe_and_fused_experts_check_top_k_and_scalars(rng):
             fused_experts(*a.values(), activation="swigluoai", swiglu_limit=bad)
         with pytest.raises(ValueError, match="swiglu_alpha"):
             fused_moe(a["x"], a["w13"], a["w2"], logits, 2, activation="swigluoai", swiglu_alpha=bad)
+
+
+def test_arguments_that_are_not_arrays_are_named(rng):
+    """A Python list where an array belongs is refused with the argument's name and its type."""
+    m = random_moe(rng, 3, 4, 2, 16, 8)
+    with pytest.raises(ValueError, match=r"x must be an array of rank 2 \[T, H\].*got list"):
+        fused_experts(np.asarray(m.x).tolist(), *m.args[1:])
+
+
+def test_quantized_weights_name_x_and_w2_when_their_hidden_sizes_differ(rng):
+    """With quant=, an x whose H is not the weights' names both x and w2 and both sizes."""
+    from jax_moe import quantize_weights
+
+    m = random_moe(rng, 3, 4, 2, 32, 16)
+    q13, q2, quant = quantize_weights("fp8", m.w13, m.w2)
+    with pytest.raises(ValueError, match=r"x \[T, H\] and w2 .* same H: x has H=16 .*w2 has H=32"):
+        fused_experts(m.x[:, :16], q13, q2, m.topk_weights, m.topk_ids, quant=quant)
