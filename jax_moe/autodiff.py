@@ -20,7 +20,8 @@ inference (:func:`inference_only`).
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -33,42 +34,41 @@ def _zero_cotangent(a):
     return np.zeros(np.shape(a), dtype=jax.dtypes.float0)
 
 
-def differentiable(primal, trainer, cfg: MoEConfig, *, refusal: str = "", residuals: str = "save",
+def differentiable(primal, trainer: Callable[[], Any], cfg: MoEConfig, *, residuals: str = "save",
                    **options) -> Callable:
     """``f(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias) -> [T, H]``.
 
-    ``primal``/``trainer``: backend modules (:mod:`jax_moe.backends.base`); ``trainer`` None
-    means none can differentiate this call, and ``refusal`` says why (raised as a ValueError only
-    when differentiated). ``residuals`` (``"save"`` or ``"recompute"``): what a
-    DifferentiableBackend keeps between its forward and backward. ``options``: static keyword
-    arguments of ``apply`` (activation flags; no ``quant``: quantized layers are for inference).
+    ``primal``: the backend module (:mod:`jax_moe.backends.base`) of the plain evaluation.
+    ``trainer``: called once, only when ``f`` is differentiated, for the backend module that
+    trains; it raises the ValueError that says why when none can (the plain evaluation never
+    asks). ``residuals`` (``"save"`` or ``"recompute"``): what a DifferentiableBackend keeps
+    between its forward and backward. ``options``: static keyword arguments of ``apply``
+    (activation flags; no ``quant``: quantized layers are for inference).
     """
     if options.get("quant") is not None:
         raise ValueError("differentiable() takes float weights; quantized layers are for inference")
+    pick = functools.cache(trainer)
 
     def run(mod, x, w13, w2, tw, ids, b13, b2):
         return mod.apply(x, w13, w2, tw, ids, cfg, w13_bias=b13, w2_bias=b2, **options)
-
-    own_vjp = trainer is not None and hasattr(trainer, "vjp_fwd")
-    extra = {"residuals": residuals} if own_vjp else {}
 
     @jax.custom_vjp
     def f(x, w13, w2, tw, ids, b13, b2):
         return run(primal, x, w13, w2, tw, ids, b13, b2)
 
     def fwd(x, w13, w2, tw, ids, b13, b2):
-        if trainer is None:
-            raise ValueError(refusal)
-        if own_vjp:
-            out, res = trainer.vjp_fwd(x, w13, w2, tw, ids, cfg, w13_bias=b13, w2_bias=b2, **options, **extra)
+        mod = pick()
+        if hasattr(mod, "vjp_fwd"):
+            out, res = mod.vjp_fwd(x, w13, w2, tw, ids, cfg, w13_bias=b13, w2_bias=b2, residuals=residuals, **options)
             return out, (res, ids)
-        out, vjp = jax.vjp(lambda *a: run(trainer, *a[:4], ids, *a[4:]), x, w13, w2, tw, b13, b2)
+        out, vjp = jax.vjp(lambda *a: run(mod, *a[:4], ids, *a[4:]), x, w13, w2, tw, b13, b2)
         return out, (vjp, ids)
 
     def bwd(res, g):
         inner, ids = res
-        if own_vjp:
-            dx, d13, d2, dtw, db13, db2 = trainer.vjp_bwd(inner, g, cfg, **options, **extra)
+        mod = pick()
+        if hasattr(mod, "vjp_bwd"):
+            dx, d13, d2, dtw, db13, db2 = mod.vjp_bwd(inner, g, cfg, residuals=residuals, **options)
         else:
             dx, d13, d2, dtw, db13, db2 = inner(g)
         return dx, d13, d2, dtw, _zero_cotangent(ids), db13, db2

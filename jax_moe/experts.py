@@ -117,12 +117,11 @@ def run_experts(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, backend: 
     if sel.name == "xla" or quant is not None:
         return sel.module.apply(x, w13, w2, topk_weights, topk_ids, cfg, **options)
     # a kernel backend on float weights: under jax.grad, the oracle's pick among the backends that train
-    try:
-        trainer, refusal = oracle.select_backend(cfg, None, backend=backend, features=features | {"grad"}).module, ""
-    except ValueError as e:
-        trainer, refusal = None, str(e)
+    def trainer():
+        return oracle.select_backend(cfg, None, backend=backend, features=features | {"grad"}).module
+
     b13, b2 = options.pop("w13_bias", None), options.pop("w2_bias", None)
-    f = differentiable(sel.module, trainer, cfg, refusal=refusal, residuals=residuals, **options)
+    f = differentiable(sel.module, trainer, cfg, residuals=residuals, **options)
     return f(x, w13, w2, topk_weights, topk_ids, b13, b2)
 
 

@@ -96,7 +96,7 @@ def _grads(fn, moe, cot, argnums=(0, 1, 2, 3)):
 
 def _check_against_xla(moe, cot, tol=BF16_GRAD_TOL, **options):
     """cutlass's custom VJP (its own forward and backward) against jax.grad of the xla backend."""
-    f = differentiable(cutlass, cutlass, moe.cfg, **options)
+    f = differentiable(cutlass, lambda: cutlass, moe.cfg, **options)
     got = _grads(lambda x, w13, w2, tw, ids: f(x, w13, w2, tw, ids, None, None), moe, cot)
     want = _grads(lambda x, w13, w2, tw, ids: xla.apply(x, w13, w2, tw, ids, moe.cfg), moe, cot)
     for name, g, w in zip(("x", "w13", "w2", "topk_weights"), got, want):
@@ -182,7 +182,7 @@ def test_router_weight_on_input(rng):
     """Top-1 with the weight applied to x before GEMM1: dx and dtopk_weights through the product."""
     moe = random_moe(rng, 13, 4, 1, 32, 16, dtype=jnp.bfloat16)
     cot = jnp.asarray(rng.standard_normal((13, 32)), jnp.float32)
-    f = differentiable(cutlass, cutlass, moe.cfg, apply_router_weight_on_input=True)
+    f = differentiable(cutlass, lambda: cutlass, moe.cfg, apply_router_weight_on_input=True)
     got = _grads(lambda *a: f(*a, None, None), moe, cot)
     want = _grads(lambda *a: xla.apply(*a, moe.cfg, apply_router_weight_on_input=True), moe, cot)
     for g, w in zip(got, want):
@@ -194,7 +194,7 @@ def test_remat_policies_see_the_named_residuals(rng):
     the named ones (moe_a1, moe_h1, moe_y) are saved."""
     moe = random_moe(rng, 9, 4, 2, 32, 16, dtype=jnp.bfloat16)
     cot = jnp.asarray(rng.standard_normal((9, 32)), jnp.float32)
-    f = differentiable(cutlass, cutlass, moe.cfg)
+    f = differentiable(cutlass, lambda: cutlass, moe.cfg)
     plain = _grads(lambda *a: f(*a, None, None), moe, cot)
     policy = jax.checkpoint_policies.save_only_these_names("moe_a1", "moe_h1", "moe_y")
     for remat in (jax.checkpoint(lambda *a: f(*a, None, None)),
