@@ -39,7 +39,9 @@ from jax_moe.routing import select_experts  # noqa: E402
 
 
 def ragged_dot_moe(x, w13, w2, topk_weights, topk_ids):
-    """The plain sort + ``jax.lax.ragged_dot`` gated-SiLU MoE (w13 [E, 2I, H], w2 [E, H, I])."""
+    """The plain sort + ``jax.lax.ragged_dot`` gated-SiLU MoE (w13 [E, 2I, H], w2 [E, H, I]), written
+    out here because the xla backend's ``ragged_dot`` strategy (bench/moe_bench.py's forward
+    baseline) does not differentiate."""
     e, i = w13.shape[0], w2.shape[2]
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
