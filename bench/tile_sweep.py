@@ -1,0 +1,155 @@
+"""Which CUTLASS tile serves each grouped GEMM of the cutlass backend best, per model shape and T.
+
+Times :func:`jax_moe.backends.cutlass_gemm.grouped_gemm` alone, each tile of ``TILES`` forced, on
+the two GEMMs of a layer (GEMM1: ``a [T*k, H] @ w13 [E, 2I, H]``; GEMM2: ``a [T*k, I] @ w2 [E, H, I]``)
+with the rows of a random softmax top-k routing, in one process, the tiles interleaved per cell
+(medians after warm-up, inputs rotated). Optionally the whole forward per tile next to tokamax
+(``--forward``), to see what a tile choice is worth end to end.
+
+    python bench/tile_sweep.py                                   # the four models, bf16
+    python bench/tile_sweep.py --kinds bf16 fp8 --json sweep.json
+    python bench/tile_sweep.py --models qwen3 --tokens 64 1024 --forward
+
+Prints one markdown table per kind: per (model, GEMM, T) each tile's ms, the best tile, and the
+tile the trace-time pick chooses (with its loss against the best). ``--json`` writes the raw
+figures, keyed as :func:`jax_moe.backends.cutlass_gemm.pick_tile`'s measured table is
+(``kind/E/N/K`` -> rows per expert -> tile -> ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench import moe_bench, peers  # noqa: E402
+from jax_moe import ffi  # noqa: E402
+from jax_moe.backends import cutlass, cutlass_gemm  # noqa: E402
+from jax_moe.config import MoEConfig  # noqa: E402
+from jax_moe.quant import fp8  # noqa: E402
+
+TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+
+
+def gemm_operands(m: moe_bench.Model, t: int, kind: str, w13, w2, sets: int = 3):
+    """Per routing set: (offsets [E+1], a1 [T*k, H], a2 [T*k, I]) in the kind's dtype (FP8 rows
+    with per-row scales [T*k]), as the forward hands them to the two GEMMs."""
+    out = []
+    for x, _, ids in moe_bench.routed_inputs(m, t, sets):
+        sort = ffi.sort_by_expert(ids.astype(jnp.int32), m.e)
+        rows = t * m.k
+        a1 = x[sort.sorted_slots // m.k]
+        a2 = jax.random.normal(jax.random.key(rows), (rows, m.i), jnp.bfloat16)
+        if kind == "fp8":
+            (q1, s1), (q2, s2) = fp8.quantize_fp8_per_token(a1), fp8.quantize_fp8_per_token(a2)
+            out.append((sort.offsets, (q1, s1[:, 0]), (q2, s2[:, 0])))
+        else:
+            out.append((sort.offsets, (a1, None), (a2, None)))
+    return out
+
+
+def fp8_weights(w13, w2):
+    """Per-channel FP8 weights and scales ([E, N] float32), as the FP8 GEMM takes them."""
+    def q(w):
+        s = jnp.maximum(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=2), 1e-12) / 448.0
+        return (w.astype(jnp.float32) / s[..., None]).astype(jnp.float8_e4m3fn), s
+    return q(w13), q(w2)
+
+
+def sweep_model(m: moe_bench.Model, tokens, kind: str, results: dict, table: list) -> None:
+    w13, w2 = moe_bench.random_experts(m)
+    if kind == "fp8":
+        (w13, s13), (w2, s2) = fp8_weights(w13, w2)
+    else:
+        s13 = s2 = None
+    gemms = (("gemm1", w13, s13, 1), ("gemm2", w2, s2, 2))
+    fns = {tile: jax.jit(lambda a, sa, b, sb, off, tile=tile: cutlass_gemm.grouped_gemm(
+        a, b, off, a_scale=sa, b_scale=sb, tile=tile)) for tile in cutlass_gemm.TILES}
+    for t in tokens:
+        ops = gemm_operands(m, t, kind, *(g[1] for g in gemms))
+        for name, w, ws, which in gemms:
+            e, n, k = w.shape
+            key = f"{kind}/{e}/{n}/{k}"
+            cell = {}
+            for tile, fn in fns.items():
+                inputs = [(op[which][0], op[which][1], w, ws, op[0]) for op in ops]
+                try:
+                    cell[tile] = moe_bench.timeit(fn, inputs)
+                except Exception as err:  # recorded, not fatal
+                    print(f"# {m.name} {name} T={t} {tile}: failed ({str(err).splitlines()[0][:80]})")
+            rows = t * m.k
+            picked = cutlass_gemm.pick_tile(rows, e, n=n, k=k, kind=kind) if _pick_takes_shape() else \
+                cutlass_gemm.pick_tile(rows, e)
+            best = min(cell, key=cell.get) if cell else None
+            results.setdefault(key, {})[str(rows / e)] = cell
+            row = [m.name, name, str(t)] + [moe_bench.fmt(cell.get(tl)) for tl in cutlass_gemm.TILES]
+            loss = f"{cell[picked] / cell[best]:.2f}x" if best and picked in cell else "n/a"
+            row += [best or "n/a", picked, loss]
+            table.append(row)
+            print("| " + " | ".join(row) + " |", flush=True)
+        del ops
+    del w13, w2
+
+
+def _pick_takes_shape() -> bool:
+    import inspect  # noqa: PLC0415
+    return "n" in inspect.signature(cutlass_gemm.pick_tile).parameters
+
+
+def forward_model(m: moe_bench.Model, tokens) -> None:
+    """The bf16 forward with each tile forced for both GEMMs, and tokamax, in one process."""
+    cfg = MoEConfig(m.e, m.k, m.h, m.i)
+    w13, w2 = moe_bench.random_experts(m)
+    impls = {tile: jax.jit(lambda x, w, ids, tile=tile: cutlass.apply(x, w13, w2, w, ids, cfg, tile=tile))
+             for tile in cutlass_gemm.TILES}
+    impls["auto"] = jax.jit(lambda x, w, ids: cutlass.apply(x, w13, w2, w, ids, cfg))
+    ok, why = peers.available()
+    if ok:
+        tw = peers.tokamax_prepare(w13, w2)
+        impls["tokamax"] = jax.jit(lambda x, w, ids: peers.tokamax_moe(x, tw, w, ids))
+    else:
+        print(f"# tokamax: not run ({why})")
+    print("| model | T | " + " | ".join(f"{n} ms" for n in impls) + " |\n|" + "---|" * (len(impls) + 2))
+    for t in tokens:
+        routed = moe_bench.routed_inputs(m, t)
+        cells = [moe_bench.fmt(moe_bench.timeit(fn, routed)) for fn in impls.values()]
+        print(f"| {m.name} | {t} | " + " | ".join(cells) + " |", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["qwen3", "gptoss", "deepseek", "mixtral"],
+                   choices=sorted(moe_bench.MODELS))
+    p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    p.add_argument("--kinds", nargs="+", default=["bf16"], choices=sorted(cutlass_gemm.KINDS))
+    p.add_argument("--forward", action="store_true", help="also time the whole forward per tile, and tokamax")
+    p.add_argument("--json", help="write the raw figures here")
+    args = p.parse_args()
+    ok, why = cutlass_gemm.available(None)
+    if not ok:
+        sys.exit(f"tile_sweep needs the CUTLASS module on an SM90 GPU: {why}")
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    results: dict = {}
+    for kind in args.kinds:
+        table: list = []
+        cols = ["model", "GEMM", "T"] + [f"{tl} ms" for tl in cutlass_gemm.TILES] + ["best", "picked", "picked / best"]
+        print(f"\n## {kind}\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)
+        for name in args.models:
+            sweep_model(moe_bench.MODELS[name], args.tokens, kind, results, table)
+    if args.forward:
+        for name in args.models:
+            forward_model(moe_bench.MODELS[name], args.tokens)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, sort_keys=True)
+        print(f"# figures written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
