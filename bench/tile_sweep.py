@@ -8,7 +8,7 @@ with the rows of a random softmax top-k routing, in one process, the tiles inter
 
     python bench/tile_sweep.py                                   # the four models, bf16
     python bench/tile_sweep.py --kinds bf16 fp8 --json sweep.json
-    python bench/tile_sweep.py --models qwen3 --tokens 64 1024 --forward
+    python bench/tile_sweep.py --models qwen3 --tokens 64 1024 --forward-only
 
 Prints one markdown table per kind: per (model, GEMM, T) each tile's ms, the best tile, and the
 tile the trace-time pick chooses (with its loss against the best). ``--json`` writes the raw
@@ -129,6 +129,7 @@ def main() -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     p.add_argument("--kinds", nargs="+", default=["bf16"], choices=sorted(cutlass_gemm.KINDS))
     p.add_argument("--forward", action="store_true", help="also time the whole forward per tile, and tokamax")
+    p.add_argument("--forward-only", action="store_true", help="only the forward per tile (no GEMM sweep)")
     p.add_argument("--json", help="write the raw figures here")
     args = p.parse_args()
     ok, why = cutlass_gemm.available(None)
@@ -136,13 +137,13 @@ def main() -> None:
         sys.exit(f"tile_sweep needs the CUTLASS module on an SM90 GPU: {why}")
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}")
     results: dict = {}
-    for kind in args.kinds:
+    for kind in [] if args.forward_only else args.kinds:
         table: list = []
         cols = ["model", "GEMM", "T"] + [f"{tl} ms" for tl in cutlass_gemm.TILES] + ["best", "picked", "picked / best"]
         print(f"\n## {kind}\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)
         for name in args.models:
             sweep_model(moe_bench.MODELS[name], args.tokens, kind, results, table)
-    if args.forward:
+    if args.forward or args.forward_only:
         for name in args.models:
             forward_model(moe_bench.MODELS[name], args.tokens)
     if args.json:
