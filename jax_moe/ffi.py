@@ -129,7 +129,8 @@ def sort_by_expert(topk_ids: jax.Array, num_experts: int) -> ExpertSort:
     i32 = jnp.int32
     outs = [jax.ShapeDtypeStruct((n,), i32), jax.ShapeDtypeStruct((n,), i32),
             jax.ShapeDtypeStruct((num_experts,), i32), jax.ShapeDtypeStruct((num_experts + 1,), i32)]
-    workspace = jax.ShapeDtypeStruct((max(1, -(-n // SORT_CHUNK) * (num_experts + 1)),), i32)
+    # the chunks' histograms, then one counter (ffi/kernels/sort_by_expert.h)
+    workspace = jax.ShapeDtypeStruct((-(-n // SORT_CHUNK) * (num_experts + 1) + 1,), i32)
     have_cpu, have_cuda = has_native("cpu"), has_native("cuda")
     if not (have_cpu or have_cuda):
         raise RuntimeError(f"jax_moe native module unavailable: {native_status()}")

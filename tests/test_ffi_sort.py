@@ -17,6 +17,38 @@ def random_ids(rng, t, k, e, invalid=False):
     return random_routing(rng, t, e, k, minus_one=0.2 if invalid else 0.0)[1]
 
 
+def np_sort(ids, e):
+    """The sort's definition in NumPy: slots stably sorted by bucket (the id in [0, E), else E)."""
+    flat = np.asarray(ids, np.int64).reshape(-1)
+    key = np.where((flat >= 0) & (flat < e), flat, e)
+    slots = np.argsort(key, kind="stable").astype(np.int32)
+    inverse = np.empty_like(slots)
+    inverse[slots] = np.arange(flat.size, dtype=np.int32)
+    counts = np.bincount(key, minlength=e + 1)[:e].astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return slots, inverse, counts, offsets
+
+
+def edge_ids(rng, n, e):
+    """[n, 1] ids over [0, E) with about 10 % each of -1 and of ids >= E (E, E + 7, 2^31 - 1)."""
+    ids = rng.integers(0, e, n)
+    u = rng.random(n)
+    ids = np.where(u < 0.1, -1, ids)
+    ids = np.where((u >= 0.1) & (u < 0.2), rng.choice([e, e + 7, 2**31 - 1], n), ids)
+    return jnp.asarray(ids.reshape(n, 1), jnp.int32)
+
+
+# (n, E): every bucket count at the chunk edges (255, 256, 257 slots), one chunk, none, and the
+# T=16384, k=8 batch (512 chunks: more than one scan tile), each over 1 to 1000 experts.
+EDGE_N = [0, 1, 255, 256, 257, 131072]
+EDGE_E = [1, 8, 128, 256, 1000]
+
+
+def check_np(f, ids, e):
+    for g, w, name in zip(f(ids), np_sort(ids, e), ("sorted_slots", "inverse", "counts", "offsets")):
+        np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
+
+
 def check(ids, e):
     f = jax.jit(lambda i: ffi.sort_by_expert(i, e))
     got, again, want = f(ids), f(ids), sort_by_expert(ids, e)
@@ -34,6 +66,13 @@ def test_cpu_custom_call_matches_jnp(rng, t, k, e, invalid):
         check(random_ids(rng, t, k, e, invalid), e)
 
 
+@pytest.mark.parametrize("n,e", [(0, 8), (1, 1), (257, 8), (300, 1000)])
+def test_cpu_custom_call_matches_numpy_edges(rng, n, e):
+    need_native("cpu")
+    with jax.default_device(jax.devices("cpu")[0]):
+        check_np(jax.jit(lambda i: ffi.sort_by_expert(i, e)), edge_ids(rng, n, e), e)
+
+
 def test_bad_arguments_raise_before_lowering():
     with pytest.raises(ValueError, match="topk_ids must have dtype int32"):
         ffi.sort_by_expert(jnp.zeros((2, 2), jnp.float32), 4)
@@ -49,6 +88,31 @@ def test_bad_arguments_raise_before_lowering():
 def test_cuda_custom_call_matches_jnp(rng, t, k, e, invalid):
     need_native("cuda")
     check(random_ids(rng, t, k, e, invalid), e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e", EDGE_E)
+@pytest.mark.parametrize("n", EDGE_N)
+def test_cuda_custom_call_matches_numpy_edges(rng, n, e):
+    """Sorted slots, inverse, counts and offsets equal the NumPy definition, ids of -1 and >= E
+    included; the same jitted function twice on one input, then on a second input (the kernels'
+    scratch, a counter included, carries nothing from one call to the next)."""
+    need_native("cuda")
+    f = jax.jit(lambda i: ffi.sort_by_expert(i, e))
+    ids = edge_ids(rng, n, e)
+    check_np(f, ids, e)
+    check_np(f, ids, e)
+    check_np(f, edge_ids(rng, n, e), e)
+
+
+@pytest.mark.gpu
+def test_cuda_custom_call_skewed_routing():
+    """Every slot on one expert (one bucket's column holds every chunk's count), then on the last."""
+    need_native("cuda")
+    n, e = 131072, 256
+    f = jax.jit(lambda i: ffi.sort_by_expert(i, e))
+    for ex in (0, e - 1):
+        check_np(f, jnp.full((n // 8, 8), ex, jnp.int32), e)
 
 
 @pytest.mark.gpu

@@ -1,10 +1,13 @@
 // CUDA handler of sort_by_expert: a deterministic, stable counting sort in three launches.
-//   1. per chunk of kSortChunk slots: each slot's rank among earlier equal ids of its chunk, and the
-//      chunk's histogram (workspace[chunk][bucket]);
-//   2. one thread per bucket: exclusive scan of the histograms over chunks (in place), the counts;
-//      then the exclusive scan over buckets (offsets);
-//   3. per slot: position = offsets[bucket] + chunk base + rank.
-// Bucket E collects the ids outside [0, E). No allocation, no host synchronisation.
+//   1. ChunkRanks, per chunk of kSortChunk slots: each slot's rank among earlier equal ids of its chunk,
+//      and the chunk's histogram (hist[chunk][bucket]); block 0 also zeroes the ticket;
+//   2. ScanBuckets, one block per bucket: the block-wide exclusive scan of its histogram column over
+//      the chunks (in place) and its count; the last block to finish scans the counts into offsets;
+//   3. Place, per slot: position = offsets[bucket] + chunk base + rank.
+// Bucket E collects the ids outside [0, E). Workspace (int32): hist [chunks * (E+1)], then the ticket
+// (one int32: blocks of ScanBuckets done). Every call writes what it reads (the workspace's contents
+// on entry do not matter), so the handler is re-entrant and CUDA-graph safe: no allocation, no host
+// synchronisation.
 #include <cstdint>
 
 #include "../common/binding.h"
@@ -18,11 +21,17 @@ __device__ __forceinline__ int Bucket(int32_t e, int num_experts) {
   return (e >= 0 && e < num_experts) ? e : num_experts;
 }
 
-__global__ void ChunkRanks(const int32_t* ids, int64_t n, int num_experts, int32_t* rank, int32_t* hist) {
+constexpr int kScanThreads = 256;  // threads of a ScanBuckets block (a multiple of 32, at most 1024)
+
+// Launched with max(chunks, 1) blocks of kSortChunk threads (one block when n == 0, for the ticket).
+__global__ void ChunkRanks(const int32_t* ids, int64_t n, int64_t chunks, int num_experts, int32_t* rank,
+                           int32_t* hist, int32_t* ticket) {
   __shared__ int32_t chunk_ids[kSortChunk];
   const int64_t base = int64_t(blockIdx.x) * kSortChunk;
   const int t = threadIdx.x;
   const int64_t i = base + t;
+  if (blockIdx.x == 0 && t == 0) *ticket = 0;
+  if (blockIdx.x >= chunks) return;
   chunk_ids[t] = i < n ? Bucket(ids[i], num_experts) : -1;
   int32_t* my_hist = hist + int64_t(blockIdx.x) * (num_experts + 1);
   for (int e = t; e <= num_experts; e += blockDim.x) my_hist[e] = 0;
@@ -40,29 +49,70 @@ __global__ void ChunkRanks(const int32_t* ids, int64_t n, int num_experts, int32
   }
 }
 
-__global__ void ScanChunks(int64_t chunks, int num_experts, int32_t* hist, int32_t* counts, int32_t* offsets) {
-  const int e = blockIdx.x * blockDim.x + threadIdx.x;
-  if (e <= num_experts) {
-    int32_t running = 0;
-    for (int64_t c = 0; c < chunks; ++c) {
-      int32_t* h = hist + c * (num_experts + 1) + e;
-      const int32_t v = *h;
-      *h = running;
-      running += v;
-    }
-    if (e < num_experts) counts[e] = running;
+// Exclusive block-wide scan of one int32 per thread (kScanThreads threads): returns the sum of the
+// values before this thread's, and the block's total in *total. Deterministic (a fixed tree).
+__device__ __forceinline__ int32_t BlockExclusiveScan(int32_t v, int32_t* total) {
+  __shared__ int32_t warp_sums[kScanThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int32_t incl = v;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int32_t up = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += up;
   }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t w = lane < kScanThreads / 32 ? warp_sums[lane] : 0;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int32_t up = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += up;
+    }
+    if (lane < kScanThreads / 32) warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  const int32_t before = (warp > 0 ? warp_sums[warp - 1] : 0) + incl - v;
+  *total = warp_sums[kScanThreads / 32 - 1];
+  __syncthreads();  // warp_sums is reused by the next call
+  return before;
 }
 
-__global__ void ScanExperts(int num_experts, const int32_t* counts, int32_t* offsets) {
-  if (threadIdx.x == 0 && blockIdx.x == 0) {
-    int32_t running = 0;
-    for (int e = 0; e < num_experts; ++e) {
-      offsets[e] = running;
-      running += counts[e];
-    }
-    offsets[num_experts] = running;
+// One block per bucket b in [0, E]: the exclusive scan of hist[., b] over the chunks, in place (tiles of
+// kScanThreads chunks); counts[b] = the column's total (b < E). The last block to finish (ticket, which
+// ChunkRanks zeroed) then scans counts into offsets[0..E] (offsets[E] = sum of counts: bucket E, the ids
+// outside [0, E), starts there).
+__global__ void __launch_bounds__(kScanThreads)
+ScanBuckets(int64_t chunks, int num_experts, int32_t* hist, int32_t* counts, int32_t* offsets, int32_t* ticket) {
+  const int b = blockIdx.x;
+  const int64_t stride = num_experts + 1;
+  int32_t carry = 0;
+  for (int64_t c0 = 0; c0 < chunks; c0 += kScanThreads) {
+    const int64_t c = c0 + threadIdx.x;
+    const int64_t at = c * stride + b;
+    const int32_t v = c < chunks ? hist[at] : 0;
+    int32_t total;
+    const int32_t before = BlockExclusiveScan(v, &total);
+    if (c < chunks) hist[at] = carry + before;
+    carry += total;
   }
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    if (b < num_experts) counts[b] = carry;
+    __threadfence();  // counts[b] visible to every block before the ticket says so
+    last = atomicAdd(ticket, 1) == static_cast<int>(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  int32_t running = 0;
+  for (int e0 = 0; e0 < num_experts; e0 += kScanThreads) {
+    const int e = e0 + threadIdx.x;
+    const int32_t v = e < num_experts ? __ldcg(counts + e) : 0;  // L2: written by other blocks
+    int32_t total;
+    const int32_t before = BlockExclusiveScan(v, &total);
+    if (e < num_experts) offsets[e] = running + before;
+    running += total;
+  }
+  if (threadIdx.x == 0) offsets[num_experts] = running;
 }
 
 __global__ void Place(const int32_t* ids, int64_t n, int num_experts, const int32_t* hist, const int32_t* offsets,
@@ -86,17 +136,16 @@ ffi::Error SortByExpertCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi:
   if (static_cast<int64_t>(sorted->element_count()) != n || static_cast<int64_t>(inverse->element_count()) != n ||
       static_cast<int64_t>(counts->element_count()) != num_experts ||
       static_cast<int64_t>(offsets->element_count()) != num_experts + 1 ||
-      static_cast<int64_t>(workspace->element_count()) < chunks * (num_experts + 1))
+      static_cast<int64_t>(workspace->element_count()) < chunks * (num_experts + 1) + 1)
     return InvalidArgument("sort_by_expert: output or workspace sizes do not match T*k and num_experts");
   const int e = static_cast<int>(num_experts);
   int32_t* hist = workspace->typed_data();
-  if (chunks > 0) {
-    ChunkRanks<<<chunks, kSortChunk, 0, stream>>>(ids.typed_data(), n, e, inverse->typed_data(), hist);
-    JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  }
-  ScanChunks<<<(e + 1 + 255) / 256, 256, 0, stream>>>(chunks, e, hist, counts->typed_data(), offsets->typed_data());
+  int32_t* ticket = hist + chunks * (num_experts + 1);
+  ChunkRanks<<<chunks > 0 ? chunks : 1, kSortChunk, 0, stream>>>(ids.typed_data(), n, chunks, e,
+                                                                 inverse->typed_data(), hist, ticket);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  ScanExperts<<<1, 32, 0, stream>>>(e, counts->typed_data(), offsets->typed_data());
+  ScanBuckets<<<e + 1, kScanThreads, 0, stream>>>(chunks, e, hist, counts->typed_data(), offsets->typed_data(),
+                                                  ticket);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (n > 0) {
     Place<<<(n + 255) / 256, 256, 0, stream>>>(ids.typed_data(), n, e, hist, offsets->typed_data(),
