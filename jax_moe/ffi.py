@@ -119,6 +119,15 @@ def sort_by_expert(topk_ids: jax.Array, num_experts: int) -> ExpertSort:
 
     topk_ids [T, k] int32. Runs the CPU or CUDA handler, whichever platform it is lowered for.
     """
+    return sort_by_expert_valid(topk_ids, num_experts)[0]
+
+
+def sort_by_expert_valid(topk_ids: jax.Array, num_experts: int) -> tuple[ExpertSort, jax.Array]:
+    """:func:`sort_by_expert` and ``valid`` [1] int32, equal to ``offsets[E:]`` (the rows of
+    experts in ``[0, E)``) but a buffer the custom call writes itself: pass it as the kernels'
+    ``valid_rows``. A slice ``offsets[E:]`` is an XLA op of its own (on GPU a device-to-device copy,
+    one more launch per forward); this is the same value without it.
+    """
     if getattr(topk_ids, "ndim", None) != 2:
         raise ValueError(f"topk_ids must have rank 2 [T, k], got shape {list(getattr(topk_ids, 'shape', ()))}")
     if jnp.dtype(topk_ids.dtype) != jnp.int32:
@@ -128,7 +137,8 @@ def sort_by_expert(topk_ids: jax.Array, num_experts: int) -> ExpertSort:
     n = topk_ids.shape[0] * topk_ids.shape[1]
     i32 = jnp.int32
     outs = [jax.ShapeDtypeStruct((n,), i32), jax.ShapeDtypeStruct((n,), i32),
-            jax.ShapeDtypeStruct((num_experts,), i32), jax.ShapeDtypeStruct((num_experts + 1,), i32)]
+            jax.ShapeDtypeStruct((num_experts,), i32), jax.ShapeDtypeStruct((num_experts + 1,), i32),
+            jax.ShapeDtypeStruct((1,), i32)]
     # the chunks' histograms, then one counter (ffi/kernels/sort_by_expert.h)
     workspace = jax.ShapeDtypeStruct((-(-n // SORT_CHUNK) * (num_experts + 1) + 1,), i32)
     have_cpu, have_cuda = has_native("cpu"), has_native("cuda")
@@ -141,12 +151,12 @@ def sort_by_expert(topk_ids: jax.Array, num_experts: int) -> ExpertSort:
 
     def cuda(ids):
         call = jax.ffi.ffi_call("jax_moe_sort_by_expert", outs + [workspace], vmap_method="sequential")
-        return tuple(call(ids, num_experts=num_experts))[:4]
+        return tuple(call(ids, num_experts=num_experts))[:5]
 
     branches = {}
     if have_cpu:
         branches["cpu"] = cpu
     if have_cuda:
         branches["cuda"] = cuda
-    sorted_slots, inverse, counts, offsets = jax.lax.platform_dependent(topk_ids, **branches)
-    return ExpertSort(sorted_slots, inverse, counts, offsets)
+    sorted_slots, inverse, counts, offsets, valid = jax.lax.platform_dependent(topk_ids, **branches)
+    return ExpertSort(sorted_slots, inverse, counts, offsets), valid

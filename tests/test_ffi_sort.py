@@ -45,8 +45,16 @@ EDGE_E = [1, 8, 128, 256, 1000]
 
 
 def check_np(f, ids, e):
-    for g, w, name in zip(f(ids), np_sort(ids, e), ("sorted_slots", "inverse", "counts", "offsets")):
+    """f = jit(sort_by_expert_valid): the four arrays and valid against the NumPy definition."""
+    sort, valid = f(ids)
+    want = np_sort(ids, e)
+    for g, w, name in zip(sort, want, ("sorted_slots", "inverse", "counts", "offsets")):
         np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(valid), want[3][e:], err_msg="valid")
+
+
+def sort_valid(e):
+    return jax.jit(lambda i: ffi.sort_by_expert_valid(i, e))
 
 
 def check(ids, e):
@@ -70,7 +78,15 @@ def test_cpu_custom_call_matches_jnp(rng, t, k, e, invalid):
 def test_cpu_custom_call_matches_numpy_edges(rng, n, e):
     need_native("cpu")
     with jax.default_device(jax.devices("cpu")[0]):
-        check_np(jax.jit(lambda i: ffi.sort_by_expert(i, e)), edge_ids(rng, n, e), e)
+        check_np(sort_valid(e), edge_ids(rng, n, e), e)
+
+
+def test_valid_is_an_output_not_a_slice():
+    """sort_by_expert_valid's valid is a result of the custom call: no slice of offsets in the program
+    (on GPU XLA runs a slice as a device-to-device copy: one more launch)."""
+    need_native("cpu")
+    text = jax.jit(lambda i: ffi.sort_by_expert_valid(i, 8)[1]).lower(jnp.zeros((4, 2), jnp.int32)).as_text()
+    assert "jax_moe_sort_by_expert" in text and "stablehlo.slice" not in text, text
 
 
 def test_bad_arguments_raise_before_lowering():
@@ -98,7 +114,7 @@ def test_cuda_custom_call_matches_numpy_edges(rng, n, e):
     included; the same jitted function twice on one input, then on a second input (the kernels'
     scratch, a counter included, carries nothing from one call to the next)."""
     need_native("cuda")
-    f = jax.jit(lambda i: ffi.sort_by_expert(i, e))
+    f = sort_valid(e)
     ids = edge_ids(rng, n, e)
     check_np(f, ids, e)
     check_np(f, ids, e)
@@ -110,7 +126,7 @@ def test_cuda_custom_call_skewed_routing():
     """Every slot on one expert (one bucket's column holds every chunk's count), then on the last."""
     need_native("cuda")
     n, e = 131072, 256
-    f = jax.jit(lambda i: ffi.sort_by_expert(i, e))
+    f = sort_valid(e)
     for ex in (0, e - 1):
         check_np(f, jnp.full((n // 8, 8), ex, jnp.int32), e)
 

@@ -79,9 +79,10 @@ __device__ __forceinline__ int32_t BlockExclusiveScan(int32_t v, int32_t* total)
 // One block per bucket b in [0, E]: the exclusive scan of hist[., b] over the chunks, in place (tiles of
 // kScanThreads chunks); counts[b] = the column's total (b < E). The last block to finish (ticket, which
 // ChunkRanks zeroed) then scans counts into offsets[0..E] (offsets[E] = sum of counts: bucket E, the ids
-// outside [0, E), starts there).
+// outside [0, E), starts there) and copies offsets[E] into valid[0].
 __global__ void __launch_bounds__(kScanThreads)
-ScanBuckets(int64_t chunks, int num_experts, int32_t* hist, int32_t* counts, int32_t* offsets, int32_t* ticket) {
+ScanBuckets(int64_t chunks, int num_experts, int32_t* hist, int32_t* counts, int32_t* offsets, int32_t* valid,
+            int32_t* ticket) {
   const int b = blockIdx.x;
   const int64_t stride = num_experts + 1;
   int32_t carry = 0;
@@ -112,7 +113,7 @@ ScanBuckets(int64_t chunks, int num_experts, int32_t* hist, int32_t* counts, int
     if (e < num_experts) offsets[e] = running + before;
     running += total;
   }
-  if (threadIdx.x == 0) offsets[num_experts] = running;
+  if (threadIdx.x == 0) offsets[num_experts] = valid[0] = running;
 }
 
 __global__ void Place(const int32_t* ids, int64_t n, int num_experts, const int32_t* hist, const int32_t* offsets,
@@ -128,14 +129,14 @@ __global__ void Place(const int32_t* ids, int64_t n, int num_experts, const int3
 
 ffi::Error SortByExpertCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::S32> sorted,
                             ffi::ResultBuffer<ffi::S32> inverse, ffi::ResultBuffer<ffi::S32> counts,
-                            ffi::ResultBuffer<ffi::S32> offsets, ffi::ResultBuffer<ffi::S32> workspace,
-                            int64_t num_experts) {
+                            ffi::ResultBuffer<ffi::S32> offsets, ffi::ResultBuffer<ffi::S32> valid,
+                            ffi::ResultBuffer<ffi::S32> workspace, int64_t num_experts) {
   const int64_t n = static_cast<int64_t>(ids.element_count());
   if (num_experts < 1 || num_experts > (1 << 20)) return InvalidArgument("num_experts must be in [1, 2^20]");
   const int64_t chunks = (n + kSortChunk - 1) / kSortChunk;
   if (static_cast<int64_t>(sorted->element_count()) != n || static_cast<int64_t>(inverse->element_count()) != n ||
       static_cast<int64_t>(counts->element_count()) != num_experts ||
-      static_cast<int64_t>(offsets->element_count()) != num_experts + 1 ||
+      static_cast<int64_t>(offsets->element_count()) != num_experts + 1 || valid->element_count() != 1 ||
       static_cast<int64_t>(workspace->element_count()) < chunks * (num_experts + 1) + 1)
     return InvalidArgument("sort_by_expert: output or workspace sizes do not match T*k and num_experts");
   const int e = static_cast<int>(num_experts);
@@ -145,7 +146,7 @@ ffi::Error SortByExpertCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi:
                                                                  inverse->typed_data(), hist, ticket);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   ScanBuckets<<<e + 1, kScanThreads, 0, stream>>>(chunks, e, hist, counts->typed_data(), offsets->typed_data(),
-                                                  ticket);
+                                                  valid->typed_data(), ticket);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (n > 0) {
     Place<<<(n + 255) / 256, 256, 0, stream>>>(ids.typed_data(), n, e, hist, offsets->typed_data(),
@@ -158,5 +159,5 @@ ffi::Error SortByExpertCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi:
 }  // namespace
 }  // namespace jax_moe
 
-// ids -> sorted, inverse, counts, offsets, workspace; attribute num_experts (common/binding.h).
+// ids -> sorted, inverse, counts, offsets, valid, workspace; attribute num_experts (common/binding.h).
 JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeSortByExpertCuda, jax_moe::SortByExpertCuda, "num_experts");

@@ -2,6 +2,8 @@
 //
 // Inputs:  topk_ids [T, k] int32.
 // Outputs: sorted_slots [T*k] int32, inverse [T*k] int32, counts [E] int32, offsets [E+1] int32,
+//          valid [1] int32 (= offsets[E], the rows of experts in [0, E), in a buffer of its own: the
+//          kernels' valid_rows operand without a slice of offsets, which XLA would run as a copy),
 //          and (CUDA only) workspace [ceil(T*k / kSortChunk) * (E+1) + 1] int32 (the chunks' histograms,
 //          then one counter; scratch, its contents on entry do not matter).
 // Attribute: num_experts (int64). Ids outside [0, E) sort last and are not counted.
