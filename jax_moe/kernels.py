@@ -21,6 +21,11 @@ normal float32, as for any all-zero row), so that their outputs are fully define
 GEMM1 left in its padding rows; ``unpermute_reduce`` skips those slots (they contribute zero,
 whatever the rows hold, NaN included).
 
+Expert biases (GPT-OSS): ``act_and_mul`` and ``unpermute_reduce`` take an optional ``bias``
+([E, 2I] / [E, H] float32) with the sort's ``offsets`` [E+1] int32; row r belongs to the expert e
+with ``offsets[e] <= r < offsets[e+1]`` (:func:`expert_of_row`), whose bias is added to GEMM1's
+row before the activation, or to GEMM2's row before its routing weight.
+
 FP8 is E4M3 (``float8_e4m3fn``) with :mod:`jax_moe.quant.fp8`'s arithmetic: per token,
 ``scale = max(amax * (1/448), FLT_MIN)``; ``q = e4m3(clip(v * (1 / scale), -448, 448))``;
 ``"fp8_static"`` takes a given per-tensor scale instead.
@@ -44,12 +49,13 @@ import numpy as np
 
 from jax_moe import ffi
 from jax_moe.activations import activate
-from jax_moe.config import FLOAT_DTYPES, MoEConfig, check_dtype, check_rank
+from jax_moe.config import FLOAT_DTYPES, MoEConfig, check_dtype, check_positive_finite, check_rank
 from jax_moe.permute import finalize
 from jax_moe.quant.fp8 import quantize_fp8_per_token, quantize_fp8_static
 
 QUANT_MODES = {None: 0, "fp8_per_token": 1, "fp8_static": 2}  # ffi/kernels/moe_prepare_finalize.h: QuantMode
-ACTIVATIONS = {"silu": 0, "gelu": 1}  # ffi/kernels/moe_prepare_finalize.h: Activation
+ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2}  # ffi/kernels/moe_prepare_finalize.h: Activation
+LAYOUTS = {"concat": 0, "interleaved": 1}  # ffi/kernels/moe_prepare_finalize.h: GateUpLayout
 
 
 # ---------------------------------------------------------------- argument checks
@@ -118,6 +124,41 @@ def _quantize_rows(v: jax.Array, mode: int, scale):
         q, s = quantize_fp8_per_token(v)
         return q, s[:, 0]
     return quantize_fp8_static(v, scale), scale
+
+
+def _check_bias(bias, offsets, cols: int, what: str):
+    """The optional expert bias: (bias [E, cols] float32, offsets [E+1] int32) or (None, None).
+    ``what`` names bias's shape in the messages (``"[E, 2I]"``, ``"[E, H]"``)."""
+    if bias is None and offsets is None:
+        return None, None
+    if bias is None:
+        raise ValueError("offsets is only taken with bias (the rows' experts for the bias)")
+    if offsets is None:
+        raise ValueError("offsets is required with bias: the sort's offsets [E+1] int32 give each row's expert")
+    check_rank("bias", bias, 2, what)
+    check_dtype("bias", bias, ("float32",))
+    check_rank("offsets", offsets, 1, "[E+1]")
+    check_dtype("offsets", offsets, ("int32",))
+    e = bias.shape[0]
+    if e < 1 or bias.shape[1] != cols:
+        raise ValueError(f"bias must have shape {what} = [E, {cols}] with E >= 1, got {list(bias.shape)}")
+    if offsets.shape[0] != e + 1:
+        raise ValueError(f"offsets must have E + 1 = {e + 1} elements (E: bias rows), got {offsets.shape[0]}")
+    return jnp.asarray(bias), jnp.asarray(offsets)
+
+
+def expert_of_row(offsets: jax.Array, rows: int) -> jax.Array:
+    """The expert of each expert-sorted row: ``e`` with ``offsets[e] <= r < offsets[e+1]`` (the
+    largest such e, clamped to [0, E); rows at or past ``offsets[E]`` get E - 1). offsets [E+1]
+    int32 (``sort_by_expert``'s) -> [rows] int32."""
+    e = offsets.shape[0] - 1
+    r = jnp.arange(rows, dtype=offsets.dtype)
+    return jnp.clip(jnp.searchsorted(offsets, r, side="right").astype(jnp.int32) - 1, 0, max(e - 1, 0))
+
+
+def _no_bias() -> tuple[jax.Array, jax.Array]:
+    """The custom calls' empty bias and offsets operands ([0] each: no bias)."""
+    return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)
 
 
 # ---------------------------------------------------------------- problem_sizes
@@ -208,82 +249,108 @@ def permute_rows(x: jax.Array, sorted_slots: jax.Array, top_k: int, *, valid_row
 # ---------------------------------------------------------------- act_and_mul
 
 
-def act_and_mul_reference(h, activation: str = "silu", *, valid_rows=None, quant=None, scale=None, out_dtype=None):
+def act_and_mul_reference(h, activation: str = "silu", *, valid_rows=None, quant=None, scale=None, out_dtype=None,
+                          layout: str = "concat", alpha: float = 1.702, limit: float = 7.0, bias=None, offsets=None):
     """jnp reference of :func:`act_and_mul` (same arguments and results)."""
-    _check_act(h, activation)
+    alpha, limit = _check_act(h, activation, layout, alpha, limit)
+    bias, offsets = _check_bias(bias, offsets, h.shape[1], "[E, 2I]")
     mode, scale = _quant_args(quant, scale)
     out_dt = _out_dtype(out_dtype, h.dtype, quant)
-    return _act_ref(h, _valid_rows(valid_rows, h.shape[0]), activation, mode, scale, out_dt)
+    cfg = _act_cfg(h, activation, layout, alpha, limit)
+    return _act_ref(h, _valid_rows(valid_rows, h.shape[0]), cfg, bias, offsets, mode, scale, out_dt)
 
 
-def _act_ref(h, valid, activation, mode, scale, out_dt):
-    i = h.shape[1] // 2
-    cfg = MoEConfig(num_experts=1, top_k=1, hidden_size=1, intermediate_size=i, activation=activation)
-    a = jnp.where(_row_mask(h.shape[0], valid)[:, None], activate(h, cfg), 0.0)
+def _act_cfg(h, activation, layout, alpha, limit) -> MoEConfig:
+    return MoEConfig(num_experts=1, top_k=1, hidden_size=1, intermediate_size=h.shape[1] // 2, activation=activation,
+                     gate_up_layout=layout, swiglu_alpha=alpha, swiglu_limit=limit)
+
+
+def _act_ref(h, valid, cfg, bias, offsets, mode, scale, out_dt):
+    hf = h.astype(jnp.float32)
+    if bias is not None:
+        hf = hf + bias[expert_of_row(offsets, h.shape[0])]
+    a = jnp.where(_row_mask(h.shape[0], valid)[:, None], activate(hf, cfg), 0.0)
     if mode == 0:
         return a.astype(out_dt)
     return _quantize_rows(a, mode, scale)
 
 
-def _check_act(h, activation) -> None:
+def _check_act(h, activation, layout, alpha, limit) -> tuple[float, float]:
     check_rank("h", h, 2, "[M, 2I]")
     check_dtype("h", h, FLOAT_DTYPES)
     if h.shape[1] < 2 or h.shape[1] % 2:
         raise ValueError(f"h must have an even, positive number of columns [M, 2I], got shape {list(h.shape)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    return check_positive_finite("alpha", alpha), check_positive_finite("limit", limit)
 
 
 def act_and_mul(h: jax.Array, activation: str = "silu", *, valid_rows=None, quant: str | None = None, scale=None,
-                out_dtype=None):
-    """Gated activation of GEMM1's output: ``act(h[:, :I]) * h[:, I:]`` in float32.
+                out_dtype=None, layout: str = "concat", alpha: float = 1.702, limit: float = 7.0, bias=None,
+                offsets=None):
+    """Gated activation of GEMM1's output: ``act(gate) * up`` of each row (plus its expert's bias), in float32.
 
-    h [M, 2I] bfloat16/float16/float32, gate columns first, then up (vLLM's w13); activation
-    ``"silu"`` or ``"gelu"`` (erf form), as :func:`jax_moe.activations.activate`. Rows at or past
-    ``valid_rows`` are zero. ``quant``: None -> out [M, I] in ``out_dtype`` (default h's dtype);
+    h [M, 2I] bfloat16/float16/float32; ``layout`` ``"concat"`` (gate columns [0, I), then up:
+    vLLM's w13) or ``"interleaved"`` (gate 2i, up 2i+1: GPT-OSS); activation ``"silu"``,
+    ``"gelu"`` (erf form) or ``"swigluoai"`` (GPT-OSS: gate <- min(gate, limit), up <- clip(up,
+    -limit, limit), ``(up + 1) * gate * sigmoid(alpha * gate)``), as
+    :func:`jax_moe.activations.activate`. ``bias`` [E, 2I] float32 (h's column order) with
+    ``offsets`` [E+1] int32 (the sort's): row r's expert e (``offsets[e] <= r < offsets[e+1]``)
+    adds ``bias[e]`` to h[r] before the activation. Rows at or past ``valid_rows`` are zero.
+    ``quant``: None -> out [M, I] in ``out_dtype`` (default h's dtype);
     ``"fp8_per_token"`` -> (out [M, I] float8_e4m3fn, scales [M] float32);
     ``"fp8_static"`` with ``scale`` ([] float32) -> (out, scale).
     """
-    _check_act(h, activation)
+    alpha, limit = _check_act(h, activation, layout, alpha, limit)
+    bias, offsets = _check_bias(bias, offsets, h.shape[1], "[E, 2I]")
     mode, scale = _quant_args(quant, scale)
     out_dt = _out_dtype(out_dtype, h.dtype, quant)
     m, i = h.shape[0], h.shape[1] // 2
     valid = _valid_rows(valid_rows, m)
+    cfg = _act_cfg(h, activation, layout, alpha, limit)
+    attrs = dict(activation=ACTIVATIONS[activation], quant=mode, layout=LAYOUTS[layout], alpha=np.float32(alpha),
+                 limit=np.float32(limit))
 
-    def reference(h, valid, scale):
-        return _act_ref(h, valid, activation, mode, scale, out_dt)
+    def reference(h, valid, scale, bias, offsets):
+        return _act_ref(h, valid, cfg, bias, offsets, mode, scale, out_dt)
 
-    def cuda(h, valid, scale):
+    def cuda(h, valid, scale, bias, offsets):
         outs = [jax.ShapeDtypeStruct((m, i), out_dt), jax.ShapeDtypeStruct((m if mode == 1 else 0,), jnp.float32)]
         s_in = jnp.reshape(scale, (1,)) if mode == 2 else jnp.zeros((0,), jnp.float32)
+        b_in, o_in = _no_bias() if bias is None else (bias, offsets)
         out, scales = jax.ffi.ffi_call("jax_moe_act_and_mul", outs, vmap_method="sequential")(
-            h, valid, s_in, activation=ACTIVATIONS[activation], quant=mode)
+            h, valid, s_in, b_in, o_in, **attrs)
         return out if mode == 0 else (out, scales if mode == 1 else scale)
 
     if m == 0:
-        return reference(h, valid, scale)
-    return _native(cuda, reference, h, valid, scale)
+        return reference(h, valid, scale, bias, offsets)
+    return _native(cuda, reference, h, valid, scale, bias, offsets)
 
 
 # ---------------------------------------------------------------- unpermute_reduce
 
 
 def unpermute_reduce_reference(y, inverse, topk_weights, *, valid_rows=None, apply_router_weight_on_input=False,
-                               out_dtype=None):
+                               out_dtype=None, bias=None, offsets=None):
     """jnp reference of :func:`unpermute_reduce` (same arguments and result); the reduce is
     :func:`jax_moe.permute.finalize`."""
     _check_unpermute(y, inverse, topk_weights)
+    bias, offsets = _check_bias(bias, offsets, y.shape[1], "[E, H]")
     out_dt = _out_dtype(out_dtype, y.dtype, None)
     return _unpermute_ref(y, inverse, topk_weights.astype(jnp.float32), _valid_rows(valid_rows, y.shape[0]),
-                          bool(apply_router_weight_on_input), out_dt)
+                          bool(apply_router_weight_on_input), out_dt, bias, offsets)
 
 
-def _unpermute_ref(y, inverse, weights, valid, plain_sum, out_dt):
+def _unpermute_ref(y, inverse, weights, valid, plain_sum, out_dt, bias=None, offsets=None):
     m = y.shape[0]
     if weights.shape[0] == 0:
         return jnp.zeros((0, y.shape[1]), out_dt)
     ok = (inverse >= 0) & (inverse < jnp.minimum(valid[0], m))
     row_of_slot = jnp.where(ok, inverse, m)  # row m: a zero row appended below
+    if bias is not None:
+        y = y.astype(jnp.float32) + bias[expert_of_row(offsets, m)]
     y_pad = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)], axis=0)
     return finalize(y_pad, row_of_slot, jnp.ones_like(weights) if plain_sum else weights, out_dt)
 
@@ -303,31 +370,35 @@ def _check_unpermute(y, inverse, topk_weights) -> None:
 
 
 def unpermute_reduce(y: jax.Array, inverse: jax.Array, topk_weights: jax.Array, *, valid_rows=None,
-                     apply_router_weight_on_input: bool = False, out_dtype=None) -> jax.Array:
+                     apply_router_weight_on_input: bool = False, out_dtype=None, bias=None, offsets=None) -> jax.Array:
     """The weighted top-k reduce back to token order, accumulated in float32:
-    ``out[t] = sum_j topk_weights[t, j] * y[inverse[t*k + j]]`` over the slots whose row is below
-    ``valid_rows`` (the others, expert ids of -1, contribute zero).
+    ``out[t] = sum_j topk_weights[t, j] * (y[row] + bias[e(row)])``, ``row = inverse[t*k + j]``,
+    over the slots whose row is below ``valid_rows`` (the others, expert ids of -1, contribute zero).
 
     y [M, H] bfloat16/float16/float32 (GEMM2's expert-sorted rows, M normally T*k); inverse
-    [T*k] int32 (``sort_by_expert``); topk_weights [T, k] float (taken as float32).
+    [T*k] int32 (``sort_by_expert``); topk_weights [T, k] float (taken as float32). ``bias``
+    [E, H] float32 with ``offsets`` [E+1] int32 (the sort's): the GEMM2 bias of the row's expert
+    e(row) (``offsets[e] <= row < offsets[e+1]``); None: no bias.
     ``apply_router_weight_on_input``: the weights were applied before GEMM1, so a plain sum.
     Returns out [T, H] in ``out_dtype`` (default y's dtype).
     """
     _check_unpermute(y, inverse, topk_weights)
+    bias, offsets = _check_bias(bias, offsets, y.shape[1], "[E, H]")
     out_dt = _out_dtype(out_dtype, y.dtype, None)
     t, h = topk_weights.shape[0], y.shape[1]
     valid = _valid_rows(valid_rows, y.shape[0])
     plain = bool(apply_router_weight_on_input)
     weights = topk_weights.astype(jnp.float32)
 
-    def reference(y, inverse, weights, valid):
-        return _unpermute_ref(y, inverse, weights, valid, plain, out_dt)
+    def reference(y, inverse, weights, valid, bias, offsets):
+        return _unpermute_ref(y, inverse, weights, valid, plain, out_dt, bias, offsets)
 
-    def cuda(y, inverse, weights, valid):
+    def cuda(y, inverse, weights, valid, bias, offsets):
         out = jax.ShapeDtypeStruct((t, h), out_dt)
+        b_in, o_in = _no_bias() if bias is None else (bias, offsets)
         return jax.ffi.ffi_call("jax_moe_unpermute_reduce", out, vmap_method="sequential")(
-            y, inverse, weights, valid, weighted=int(not plain))
+            y, inverse, weights, valid, b_in, o_in, weighted=int(not plain))
 
     if t == 0 or h == 0:
-        return reference(y, inverse, weights, valid)
-    return _native(cuda, reference, y, inverse, weights, valid)
+        return reference(y, inverse, weights, valid, bias, offsets)
+    return _native(cuda, reference, y, inverse, weights, valid, bias, offsets)

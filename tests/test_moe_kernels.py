@@ -54,22 +54,37 @@ def np_permute(x, slots, k, valid):
     return out
 
 
-def np_act(h, activation, valid):
-    """act_and_mul's definition in float64: the gated activation of each row, rows at or past
-    ``valid`` zero."""
-    a = np_activation(h, activation)
+def np_act(h, activation, valid, layout="concat", bias=None, offsets=None, alpha=1.702, limit=7.0):
+    """act_and_mul's definition in float64: the gated activation of each row (plus the bias of the
+    row's expert, the e with offsets[e] <= r < offsets[e+1]), rows at or past ``valid`` zero."""
+    h = np.array(h, np.float64)
+    if bias is not None:
+        h = h + np.asarray(bias, np.float64)[np_expert_of_rows(offsets, h.shape[0])]
+    a = np_activation(h, activation, layout, alpha, limit)
     a[valid:] = 0.0
     return a
 
 
-def np_unpermute(y, inverse, w, valid, plain):
+def np_expert_of_rows(offsets, rows):
+    """Row r's expert: the e with offsets[e] <= r < offsets[e+1] (a loop over the experts); rows
+    outside every expert get expert 0 (their values are never used)."""
+    offsets = np.asarray(offsets)
+    out = np.zeros(rows, np.int64)
+    for e in range(len(offsets) - 1):
+        out[offsets[e]:offsets[e + 1]] = e
+    return out
+
+
+def np_unpermute(y, inverse, w, valid, plain, bias=None, offsets=None):
     y, inverse, w = np.asarray(y, np.float64), np.asarray(inverse), np.asarray(w, np.float64)
     t, k = w.shape
+    expert = None if bias is None else np_expert_of_rows(offsets, y.shape[0])
     out = np.zeros((t, y.shape[1]))
     for s in range(t * k):
         row = inverse[s]
         if 0 <= row < valid:
-            out[s // k] += (1.0 if plain else w[s // k, s % k]) * y[row]
+            b = 0.0 if bias is None else np.asarray(bias, np.float64)[expert[row]]
+            out[s // k] += (1.0 if plain else w[s // k, s % k]) * (y[row] + b)
     return out
 
 
@@ -156,6 +171,77 @@ def test_unpermute_reduce_reference(rng, t, k, e, h, i, minus_one, plain):
     assert got.dtype == jnp.bfloat16 and rel_err(got, want) < 1e-2
 
 
+def _gptoss_rows(rng, m, i, e, dtype=jnp.float32):
+    """GEMM1-like rows [m, 2I] (some beyond the swigluoai limit), float32 biases [E, 2I] and
+    offsets [E+1] with empty experts (first, middle, last), the last expert's rows ending at
+    ``valid = offsets[E] < m``."""
+    cuts = np.sort(rng.integers(0, m - 2, e - 1))
+    offsets = np.concatenate([[0], cuts, [m - 2]]).astype(np.int32)
+    offsets[1] = 0  # expert 0 empty
+    offsets[e // 2 + 1] = offsets[e // 2]  # a middle expert empty
+    offsets = np.maximum.accumulate(offsets)
+    h = normal(rng, (m, 2 * i), dtype, 4.0)
+    bias = normal(rng, (e, 2 * i), jnp.float32)
+    return h, bias, jnp.asarray(offsets), int(offsets[-1])
+
+
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+@pytest.mark.parametrize("activation", ["swigluoai", "silu", pytest.param("gelu", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_act_and_mul_reference_layouts_biases_and_swigluoai(rng, layout, activation, with_bias):
+    """GPT-OSS's expert activation: gate/up split per layout, the row's expert bias added before
+    the activation, swigluoai's clamps with other constants than the defaults; FP8 outputs of the
+    same values."""
+    m, i, e = 41, 12, 6
+    h, bias, offsets, valid = _gptoss_rows(rng, m, i, e)
+    kw = dict(bias=bias, offsets=offsets) if with_bias else {}
+    want = np_act(h, activation, valid, layout, alpha=1.5, limit=3.0, **kw)
+    args = dict(valid_rows=jnp.int32(valid), layout=layout, alpha=1.5, limit=3.0, **kw)
+    got = kernels.act_and_mul_reference(h, activation, **args)
+    assert got.shape == (m, i) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda h: kernels.act_and_mul(h, activation, **args))(h)),
+                                  np.asarray(got))  # on CPU: the reference
+    q, s = kernels.act_and_mul_reference(h, activation, quant="fp8_per_token", **args)
+    np.testing.assert_allclose(np.asarray(s), np_fp8_per_token(want.astype(np.float32))[1], rtol=1e-5)
+    assert rel_err(dequant(q, s), want) < 5e-2 and (np.asarray(s)[valid:] == TINY).all()
+    q, s = kernels.act_and_mul_reference(h, activation, quant="fp8_static", scale=jnp.float32(0.05), **args)
+    assert rel_err(dequant(q, s), np.clip(want, -448 * 0.05, 448 * 0.05)) < 5e-2
+
+
+def test_swigluoai_clamps_and_the_interleaved_order_by_hand():
+    """Two rows written out: gate 2i / up 2i+1 when interleaved; gate clamped above only, up both
+    ways; the bias added before the clamps."""
+    h = jnp.asarray([[10.0, -10.0, 1.0, 2.0], [0.5, 9.0, -8.0, 0.0]], jnp.float32)
+    sig = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
+    got = np.asarray(kernels.act_and_mul_reference(h, "swigluoai", layout="interleaved", alpha=1.702, limit=7.0))
+    want = [[(-7 + 1) * 7 * sig(1.702 * 7), (2 + 1) * 1 * sig(1.702)],
+            [(7 + 1) * 0.5 * sig(1.702 * 0.5), (0 + 1) * -8 * sig(1.702 * -8)]]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    bias = jnp.asarray([[0.0, 0.0, 0.0, 0.0], [-1.0, 1.0, 0.0, 0.0]], jnp.float32)
+    got = np.asarray(kernels.act_and_mul_reference(h, "swigluoai", layout="interleaved", bias=bias,
+                                                   offsets=jnp.asarray([0, 1, 2], jnp.int32)))
+    np.testing.assert_allclose(got[1], [(7 + 1) * -0.5 * sig(1.702 * -0.5), want[1][1]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["weighted", "weight-on-input"])
+def test_unpermute_reduce_reference_with_bias(rng, plain):
+    """Each slot's row plus the bias of the row's expert, weighted (or summed); slots of ids -1 and
+    the NaN in their rows contribute nothing, bias included."""
+    t, k, e, h = 37, 4, 16, 24
+    w, ids = random_routing(rng, t, e, k, experts=range(1, e - 1), minus_one=MINUS_ONE)
+    sort = sort_by_expert(ids, e)
+    valid = int(sort.offsets[-1])
+    y = poison_rows(normal(rng, (t * k, h), jnp.float32), valid)
+    bias = normal(rng, (e, h), jnp.float32)
+    args = dict(valid_rows=sort.offsets[-1], apply_router_weight_on_input=plain, bias=bias, offsets=sort.offsets)
+    got = kernels.unpermute_reduce_reference(y, sort.inverse, w, **args)
+    want = np_unpermute(y, sort.inverse, w, valid, plain, bias, sort.offsets)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    got = jax.jit(lambda y: kernels.unpermute_reduce(y.astype(jnp.bfloat16), sort.inverse, w, **args))(y)
+    assert got.dtype == jnp.bfloat16 and rel_err(got, want) < 1e-2
+
+
 def _grouped_gemm(rows, w, offsets):
     """rows [M, K] @ w[expert of row].T in float32; rows past offsets[E] get expert 0 (unused)."""
     e = w.shape[0]
@@ -164,18 +250,21 @@ def _grouped_gemm(rows, w, offsets):
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def _pipeline(x, w13, w2, w, ids, activation, quant=None):
-    """The kernels chained with a jnp grouped GEMM, as a CUTLASS backend will chain them."""
+def _pipeline(x, w13, w2, w, ids, activation, quant=None, layout="concat", b13=None, b2=None):
+    """The kernels chained with a jnp grouped GEMM, as a CUTLASS backend will chain them (with
+    ``b13``/``b2``: the expert biases through act_and_mul and unpermute_reduce)."""
     t, k = ids.shape
     sort = ffi_or_jnp_sort(ids, w13.shape[0])
     valid = sort.offsets[-1]
     a1 = kernels.permute_rows(x, sort.sorted_slots, k, valid_rows=valid, quant=quant)
     a1 = dequant(*a1) if quant else a1
     h1 = _grouped_gemm(jnp.asarray(a1), w13, sort.offsets)
-    a2 = kernels.act_and_mul(h1, activation, valid_rows=valid, quant=quant)
+    bias13 = {} if b13 is None else dict(bias=b13, offsets=sort.offsets)
+    a2 = kernels.act_and_mul(h1, activation, valid_rows=valid, quant=quant, layout=layout, **bias13)
     a2 = dequant(*a2) if quant else a2
     y = _grouped_gemm(jnp.asarray(a2), w2, sort.offsets).astype(x.dtype)
-    return kernels.unpermute_reduce(y, sort.inverse, w, valid_rows=valid)
+    bias2 = {} if b2 is None else dict(bias=b2, offsets=sort.offsets)
+    return kernels.unpermute_reduce(y, sort.inverse, w, valid_rows=valid, **bias2)
 
 
 def ffi_or_jnp_sort(ids, e):
@@ -196,6 +285,24 @@ def test_kernels_chain_to_the_moe(rng, minus_one, activation):
     assert rel_err(jax.jit(_pipeline, static_argnums=5)(x, w13, w2, w, ids, activation), want) < 1e-5
     got = _pipeline(x, w13, w2, w, ids, activation, "fp8_per_token")
     assert rel_err(got, want) < 5e-2
+
+
+def _gptoss_case(rng, t=29, k=4, e=8, h=32, i=16):
+    w, ids = random_routing(rng, t, e, k, experts=range(1, e), minus_one=MINUS_ONE)
+    x = normal(rng, (t, h), jnp.float32)
+    w13 = normal(rng, (e, 2 * i, h), jnp.float32, 1 / math.sqrt(h))
+    w2 = normal(rng, (e, h, i), jnp.float32, 1 / math.sqrt(i))
+    return x, w13, w2, w, ids, normal(rng, (e, 2 * i), jnp.float32), normal(rng, (e, h), jnp.float32)
+
+
+@pytest.mark.parametrize("quant", [None, "fp8_per_token"])
+def test_kernels_chain_to_the_gptoss_moe(rng, quant):
+    """swigluoai on interleaved gate/up with both expert biases, through the kernels: the MoE's
+    definition ``sum_j w_j * (W2[e] act(W13[e] x + b13[e]) + b2[e])``, ids of -1 skipped."""
+    x, w13, w2, w, ids, b13, b2 = _gptoss_case(rng)
+    want = np_moe(x, w13, w2, w, ids, "swigluoai", "interleaved", b13, b2)
+    got = jax.jit(lambda *a: _pipeline(*a[:5], "swigluoai", quant, "interleaved", *a[5:]))(x, w13, w2, w, ids, b13, b2)
+    assert rel_err(got, want) < (1e-5 if quant is None else 5e-2)
 
 
 # ---------------------------------------------------------------- numpy, vmap, non-finite rows
@@ -257,6 +364,7 @@ def test_bad_arguments_raise_before_lowering():
     x, slots = jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8,), jnp.int32)
     h, y = jnp.zeros((8, 6), jnp.bfloat16), jnp.zeros((8, 8), jnp.bfloat16)
     w, inv = jnp.zeros((4, 2), jnp.float32), jnp.zeros((8,), jnp.int32)
+    b6, b8, off = jnp.zeros((3, 6), jnp.float32), jnp.zeros((3, 8), jnp.float32), jnp.asarray([0, 2, 5, 8], jnp.int32)
     cases = [
         (lambda: kernels.problem_sizes(jnp.zeros((4,), jnp.float32), 8, 4), "counts must have dtype"),
         (lambda: kernels.problem_sizes(jnp.zeros((4, 1), jnp.int32), 8, 4), "counts must have rank 1"),
@@ -284,6 +392,20 @@ def test_bad_arguments_raise_before_lowering():
         (lambda: kernels.unpermute_reduce(y, inv.astype(jnp.uint32), w), "inverse must have dtype"),
         (lambda: kernels.unpermute_reduce(y, inv, w[:, :, None]), "topk_weights must have rank 2"),
         (lambda: kernels.unpermute_reduce(y, inv, w, out_dtype=jnp.float8_e4m3fn), "out_dtype must be one of"),
+        (lambda: kernels.act_and_mul(h, "silu", layout="alternate"), "layout must be one of"),
+        (lambda: kernels.act_and_mul(h, "swigluoai", alpha=0.0), "alpha must be a finite number > 0"),
+        (lambda: kernels.act_and_mul(h, "swigluoai", limit=float("nan")), "limit must be a finite number > 0"),
+        (lambda: kernels.act_and_mul(h, "silu", bias=b6), "offsets is required with bias"),
+        (lambda: kernels.act_and_mul(h, "silu", offsets=off), "offsets is only taken with bias"),
+        (lambda: kernels.act_and_mul(h, "silu", bias=b6[:, :4], offsets=off), r"bias must have shape \[E, 2I\] = \[E, 6\]"),
+        (lambda: kernels.act_and_mul(h, "silu", bias=b6.astype(jnp.bfloat16), offsets=off), "bias must have dtype"),
+        (lambda: kernels.act_and_mul(h, "silu", bias=b6[0], offsets=off), "bias must have rank 2"),
+        (lambda: kernels.act_and_mul(h, "silu", bias=b6, offsets=off[:3]), "offsets must have E \\+ 1 = 4"),
+        (lambda: kernels.act_and_mul(h, "silu", bias=b6, offsets=off.astype(jnp.float32)), "offsets must have dtype"),
+        (lambda: kernels.unpermute_reduce(y, inv, w, bias=b8), "offsets is required with bias"),
+        (lambda: kernels.unpermute_reduce(y, inv, w, bias=b8[:, :6], offsets=off), r"bias must have shape \[E, H\]"),
+        (lambda: kernels.unpermute_reduce(y, inv, w, bias=b8.astype(jnp.float16), offsets=off), "bias must have dtype"),
+        (lambda: kernels.unpermute_reduce(y, inv, w, bias=b8, offsets=off[None]), "offsets must have rank 1"),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -324,15 +446,28 @@ def test_shape_rules_lower_for_cuda(monkeypatch):
     assert "-> (tensor<10x16xbf16>, tensor<0xf32>)" in line
     h = jnp.ones((10, 12), jnp.float32)
     (line,) = _custom_calls(lambda h: kernels.act_and_mul(h, "gelu", out_dtype=jnp.bfloat16), h)
-    assert "@jax_moe_act_and_mul" in line and "activation = 1 : i64, quant = 0 : i64" in line
-    assert "(tensor<10x12xf32>, tensor<1xi32>, tensor<0xf32>) -> (tensor<10x6xbf16>, tensor<0xf32>)" in line
+    assert "@jax_moe_act_and_mul" in line and "activation = 1 : i64, alpha = 1.702000e+00 : f32, layout = 0 : i64" in line
+    assert ("(tensor<10x12xf32>, tensor<1xi32>, tensor<0xf32>, tensor<0xf32>, tensor<0xi32>) -> "
+            "(tensor<10x6xbf16>, tensor<0xf32>)") in line  # no bias: empty bias and offsets
     (line,) = _custom_calls(lambda h: kernels.act_and_mul(h, "silu", quant="fp8_per_token"), h)
     assert "-> (tensor<10x6xf8E4M3FN>, tensor<10xf32>)" in line
+    b13, off = jnp.ones((3, 12), jnp.float32), jnp.asarray([0, 4, 4, 10], jnp.int32)
+    (line,) = _custom_calls(lambda h, b, o: kernels.act_and_mul(h, "swigluoai", layout="interleaved", alpha=1.5,
+                                                               limit=3.0, bias=b, offsets=o), h, b13, off)
+    assert ("activation = 2 : i64, alpha = 1.500000e+00 : f32, layout = 1 : i64, limit = 3.000000e+00 : f32, "
+            "quant = 0 : i64") in line
+    assert ("(tensor<10x12xf32>, tensor<1xi32>, tensor<0xf32>, tensor<3x12xf32>, tensor<4xi32>) -> "
+            "(tensor<10x6xf32>, tensor<0xf32>)") in line
     y, w = jnp.ones((10, 16), jnp.bfloat16), jnp.ones((5, 2), jnp.bfloat16)
     (line,) = _custom_calls(lambda y, i, w: kernels.unpermute_reduce(y, i, w, apply_router_weight_on_input=True,
                                                                      out_dtype=jnp.float32), y, slots, w)
     assert "@jax_moe_unpermute_reduce" in line and "weighted = 0 : i64" in line
-    assert "(tensor<10x16xbf16>, tensor<10xi32>, tensor<5x2xf32>, tensor<1xi32>) -> tensor<5x16xf32>" in line
+    assert ("(tensor<10x16xbf16>, tensor<10xi32>, tensor<5x2xf32>, tensor<1xi32>, tensor<0xf32>, tensor<0xi32>) "
+            "-> tensor<5x16xf32>") in line
+    b2 = jnp.ones((3, 16), jnp.float32)
+    (line,) = _custom_calls(lambda y, i, w, b, o: kernels.unpermute_reduce(y, i, w, bias=b, offsets=o),
+                            y, slots, w, b2, off)
+    assert "tensor<1xi32>, tensor<3x16xf32>, tensor<4xi32>) -> tensor<5x16xbf16>" in line
 
 
 # ---------------------------------------------------------------- GPU: CUDA kernels vs references
@@ -447,6 +582,75 @@ def test_cuda_unpermute_reduce(rng, t, k, e, h, i, minus_one, plain, dtype):
         assert out.dtype == ref.dtype and out.shape == (t, h)
         # float32: the reference's reduce is an einsum, which may run in TF32 on the GPU
         assert rel_err(out, ref) < (2e-3 if ref.dtype == jnp.float32 else 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e,h,i", SHAPES)
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_act_and_mul_layouts_biases_and_swigluoai(rng, t, k, e, h, i, layout, activation, dtype):
+    """GPT-OSS's activation on the CUDA kernel: each row's expert bias (binary search over the
+    offsets; experts 0 and 1 empty), both layouts, swigluoai with non-default constants and
+    values past its limit, every output mode; NaN rows past valid_rows stay zero."""
+    need_native("cuda")
+    sort, _, valid = gpu_case(rng, t, k, e, True)
+    v, off = sort.offsets[-1], sort.offsets
+    hin = poison_rows(normal(rng, (t * k, 2 * i), dtype, 4.0), valid)
+    bias = normal(rng, (e, 2 * i), jnp.float32)
+    kw = dict(layout=layout, alpha=1.5, limit=5.0)
+    want = np_act(np.asarray(hin, np.float32), activation, valid, layout, bias, off, alpha=1.5, limit=5.0)
+    for out_dtype in (None, jnp.float32):
+        out = run_twice(lambda h, v, b, o: kernels.act_and_mul(h, activation, valid_rows=v, out_dtype=out_dtype,
+                                                               bias=b, offsets=o, **kw),
+                        hin, v, bias, off, target="jax_moe_act_and_mul")
+        ref = kernels.act_and_mul_reference(hin, activation, valid_rows=v, out_dtype=out_dtype, bias=bias,
+                                            offsets=off, **kw)
+        assert out.dtype == ref.dtype
+        assert rel_err(out, ref) < (1e-2 if ref.dtype == jnp.bfloat16 else 1e-4)
+        assert rel_err(out, want) < (1e-2 if ref.dtype == jnp.bfloat16 else 1e-4)
+        assert (np.asarray(out, np.float32)[valid:] == 0).all()
+    out = run_twice(lambda h, v: kernels.act_and_mul(h, activation, valid_rows=v, **kw), hin, v,
+                    target="jax_moe_act_and_mul")  # no bias
+    assert rel_err(out, kernels.act_and_mul_reference(hin, activation, valid_rows=v, **kw)) < 1e-2
+    for quant, scale in (("fp8_per_token", None), ("fp8_static", jnp.float32(0.05))):
+        args = dict(valid_rows=v, quant=quant, scale=scale, bias=bias, offsets=off, **kw)
+        q, s = run_twice(lambda h: kernels.act_and_mul(h, activation, **args), hin, target="jax_moe_act_and_mul")
+        check_fp8(q, s, *kernels.act_and_mul_reference(hin, activation, **args), valid, scale_rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e,h,i", SHAPES)
+@pytest.mark.parametrize("plain", [False, True], ids=["weighted", "weight-on-input"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_unpermute_reduce_with_bias(rng, t, k, e, h, i, plain, dtype):
+    """The GEMM2 bias of each slot's expert added to its row before the weight; slots of ids -1
+    (NaN rows) skipped, bias included."""
+    need_native("cuda")
+    sort, w, valid = gpu_case(rng, t, k, e, True)
+    v, off = sort.offsets[-1], sort.offsets
+    y = poison_rows(normal(rng, (t * k, h), dtype), valid)
+    bias = normal(rng, (e, h), jnp.float32)
+    want = np_unpermute(np.asarray(y, np.float32), sort.inverse, w, valid, plain, bias, off)
+    for out_dtype in (None, jnp.float32):
+        out = run_twice(lambda y, i, w, v, b, o: kernels.unpermute_reduce(
+            y, i, w, valid_rows=v, out_dtype=out_dtype, apply_router_weight_on_input=plain, bias=b, offsets=o),
+            y, sort.inverse, w, v, bias, off, target="jax_moe_unpermute_reduce")
+        ref = kernels.unpermute_reduce_reference(y, sort.inverse, w, valid_rows=v, out_dtype=out_dtype,
+                                                 apply_router_weight_on_input=plain, bias=bias, offsets=off)
+        assert out.dtype == ref.dtype and out.shape == (t, h)
+        tol = 2e-3 if ref.dtype == jnp.float32 else 1e-2
+        assert rel_err(out, ref) < tol and rel_err(out, want) < tol
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_chain_to_the_gptoss_moe(rng):
+    need_native("cuda")
+    x, w13, w2, w, ids, b13, b2 = _gptoss_case(rng, t=77, k=4, e=16, h=256, i=128)
+    want = np_moe(x, w13, w2, w, ids, "swigluoai", "interleaved", b13, b2)
+    f = jax.jit(lambda *a: _pipeline(*a[:5], "swigluoai", None, "interleaved", *a[5:]))
+    assert rel_err(f(x, w13, w2, w, ids, b13, b2), want) < 1e-4
+    assert rel_err(f(x.astype(jnp.bfloat16), w13, w2, w, ids, b13, b2), want) < 2e-2
 
 
 @pytest.mark.gpu

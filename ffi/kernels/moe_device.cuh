@@ -88,6 +88,38 @@ __device__ __forceinline__ int64_t ValidRows(const int32_t* valid_rows, int64_t 
   return v < 0 ? 0 : (v > rows ? rows : v);
 }
 
+// The expert of expert-sorted row r: the largest e in [0, num_experts) with offsets[e] <= r (offsets
+// [E+1] nondecreasing, sort_by_expert's), so offsets[e] <= r < offsets[e+1] for every r < offsets[E];
+// 0 where no offset is <= r. Binary search, log2(E) reads of offsets.
+__device__ __forceinline__ int ExpertOfRow(const int32_t* offsets, int num_experts, int64_t r) {
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (offsets[mid] <= r) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// The optional expert-bias operands of a row kernel: bias [E, cols] float32 and offsets [E+1] int32,
+// both empty ([0]) for none. *experts gets E (0: no bias).
+inline ffi::Error CheckBias(const std::string& name, ffi::Buffer<ffi::F32>& bias, ffi::Buffer<ffi::S32>& offsets,
+                            int64_t cols, int64_t* experts) {
+  *experts = 0;
+  const int64_t nb = static_cast<int64_t>(bias.element_count()), no = static_cast<int64_t>(offsets.element_count());
+  if (nb == 0 && no == 0) return ffi::Error::Success();
+  const auto bd = bias.dimensions();
+  if (bd.size() != 2 || bd[0] < 1 || bd[1] != cols)
+    return InvalidArgument(name + ": bias must be [E, " + std::to_string(cols) + "] float32 (or [0]: none)");
+  if (no != bd[0] + 1) return InvalidArgument(name + ": offsets must have E + 1 elements (E: bias rows)");
+  if (bd[0] > (int64_t{1} << 30)) return InvalidArgument(name + ": more than 2^30 experts");
+  *experts = bd[0];
+  return ffi::Error::Success();
+}
+
 // Threads per row block: enough for one vector each (a multiple of 32), at most 256.
 inline int RowThreads(int64_t vectors) {
   const int64_t t = ((vectors + 31) / 32) * 32;

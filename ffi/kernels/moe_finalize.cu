@@ -1,6 +1,7 @@
 // CUDA handler of unpermute_reduce (contract in moe_prepare_finalize.h, reference in jax_moe/kernels.py):
-// one CUDA block per token; its k slots' rows and weights are staged in shared memory, then each
-// thread sums V columns over the slots in float32. Slots whose row is at or past valid_rows (expert
+// one CUDA block per token; its k slots' rows, weights and (with a bias) experts are staged in shared
+// memory, then each thread sums V columns over the slots in float32, the row's expert bias added to
+// each row before its weight. Slots whose row is at or past valid_rows (expert
 // ids outside [0, E), sorted last) are skipped, so whatever those rows hold never reaches the output.
 #include <cstdint>
 #include <limits>
@@ -10,19 +11,23 @@
 namespace jax_moe {
 namespace {
 
-constexpr int64_t kMaxTopK = 1024;  // shared memory: 8 bytes per slot
+constexpr int64_t kMaxTopK = 1024;  // shared memory: 12 bytes per slot
 
 template <typename In, typename Out, int V>
 __global__ void UnpermuteReduce(const In* y, const int32_t* inverse, const float* weights,
-                                const int32_t* valid_rows, int64_t m, int64_t h, int k, bool weighted, Out* out) {
-  extern __shared__ int32_t slot_row[];  // [k] rows, then [k] weights
+                                const int32_t* valid_rows, const float* bias, const int32_t* offsets, int experts,
+                                int64_t m, int64_t h, int k, bool weighted, Out* out) {
+  extern __shared__ int32_t slot_row[];  // [k] rows, then [k] weights, then [k] experts
   float* slot_w = reinterpret_cast<float*>(slot_row + k);
+  int32_t* slot_e = slot_row + 2 * k;
   const int64_t t = blockIdx.x;
   const int64_t valid = ValidRows(valid_rows, m);
   for (int j = threadIdx.x; j < k; j += blockDim.x) {
     const int32_t row = inverse[t * k + j];
-    slot_row[j] = (row >= 0 && row < valid) ? row : -1;
+    const bool ok = row >= 0 && row < valid;
+    slot_row[j] = ok ? row : -1;
     slot_w[j] = weighted ? weights[t * k + j] : 1.0f;
+    slot_e[j] = ok && bias != nullptr ? ExpertOfRow(offsets, experts, row) : 0;
   }
   __syncthreads();
   for (int64_t c = threadIdx.x; c < h / V; c += blockDim.x) {
@@ -32,6 +37,12 @@ __global__ void UnpermuteReduce(const In* y, const int32_t* inverse, const float
       if (row < 0) continue;
       float v[V];
       LoadF32<In, V>(y + int64_t(row) * h + c * V, v);
+      if (bias != nullptr) {
+        float b[V];
+        LoadF32<float, V>(bias + int64_t(slot_e[j]) * h + c * V, b);
+#pragma unroll
+        for (int i = 0; i < V; ++i) v[i] += b[i];
+      }
       const float w = slot_w[j];
 #pragma unroll
       for (int i = 0; i < V; ++i) acc[i] += w * v[i];
@@ -42,16 +53,19 @@ __global__ void UnpermuteReduce(const In* y, const int32_t* inverse, const float
 
 template <typename In, typename Out, int V>
 ffi::Error Launch(cudaStream_t stream, const In* y, const int32_t* inverse, const float* weights,
-                  const int32_t* valid_rows, int64_t m, int64_t t, int64_t h, int64_t k, bool weighted, Out* out) {
-  const size_t smem = static_cast<size_t>(k) * (sizeof(int32_t) + sizeof(float));
+                  const int32_t* valid_rows, const float* bias, const int32_t* offsets, int64_t experts, int64_t m,
+                  int64_t t, int64_t h, int64_t k, bool weighted, Out* out) {
+  const size_t smem = static_cast<size_t>(k) * (2 * sizeof(int32_t) + sizeof(float));
   UnpermuteReduce<In, Out, V><<<static_cast<unsigned>(t), RowThreads(h / V), smem, stream>>>(
-      y, inverse, weights, valid_rows, m, h, static_cast<int>(k), weighted, out);
+      y, inverse, weights, valid_rows, bias, offsets, static_cast<int>(experts), m, h, static_cast<int>(k), weighted,
+      out);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
 }
 
 ffi::Error UnpermuteReduceCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> inverse,
                                ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> valid_rows,
+                               ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> offsets,
                                ffi::Result<ffi::AnyBuffer> out, int64_t weighted) {
   const auto yd = y.dimensions();
   const auto wd = topk_weights.dimensions();
@@ -66,6 +80,8 @@ ffi::Error UnpermuteReduceCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffe
     return InvalidArgument("unpermute_reduce: more than 2^31 - 1 rows or tokens");
   const auto od = out->dimensions();
   if (od.size() != 2 || od[0] != t || od[1] != h) return InvalidArgument("unpermute_reduce: out must be [T, H]");
+  int64_t experts = 0;
+  if (auto err = CheckBias("unpermute_reduce", bias, offsets, h, &experts); err.failure()) return err;
   if (t == 0 || h == 0) return ffi::Error::Success();
   return WithFloatType(y.element_type(), "unpermute_reduce: y", [&](auto in_tag) -> ffi::Error {
     using In = typename decltype(in_tag)::type;
@@ -74,11 +90,13 @@ ffi::Error UnpermuteReduceCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffe
       const In* src = static_cast<const In*>(y.untyped_data());
       Out* dst = static_cast<Out*>(out->untyped_data());
       const bool w = weighted != 0;
-      if (CanVectorize(h, kVec<In>, {{src, sizeof(In)}, {dst, sizeof(Out)}}))
+      const float* b = experts > 0 ? bias.typed_data() : nullptr;
+      const int32_t* off = experts > 0 ? offsets.typed_data() : nullptr;
+      if (CanVectorize(h, kVec<In>, {{src, sizeof(In)}, {dst, sizeof(Out)}, {b, sizeof(float)}}))
         return Launch<In, Out, kVec<In>>(stream, src, inverse.typed_data(), topk_weights.typed_data(),
-                                         valid_rows.typed_data(), m, t, h, k, w, dst);
+                                         valid_rows.typed_data(), b, off, experts, m, t, h, k, w, dst);
       return Launch<In, Out, 1>(stream, src, inverse.typed_data(), topk_weights.typed_data(), valid_rows.typed_data(),
-                                m, t, h, k, w, dst);
+                                b, off, experts, m, t, h, k, w, dst);
     });
   });
 }
@@ -86,5 +104,5 @@ ffi::Error UnpermuteReduceCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffe
 }  // namespace
 }  // namespace jax_moe
 
-// y, inverse, topk_weights, valid_rows -> out; attribute weighted (common/binding.h).
+// y, inverse, topk_weights, valid_rows, bias, offsets -> out; attribute weighted (common/binding.h).
 JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeUnpermuteReduceCuda, jax_moe::UnpermuteReduceCuda, "weighted");

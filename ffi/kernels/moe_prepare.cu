@@ -1,6 +1,6 @@
 // CUDA handlers of permute_rows and act_and_mul (contracts in moe_prepare_finalize.h, references in
 // jax_moe/kernels.py). Both are one CUDA block per output row: the row's values are produced in
-// float32 (a gathered input row, or act(gate) * up), optionally quantized to FP8 E4M3 with a
+// float32 (a gathered input row, or act(gate) * up with the row's expert bias added first), optionally quantized to FP8 E4M3 with a
 // per-row scale (amax pass, then a second pass that re-reads the row from cache) or a given
 // static scale. Rows at or past valid_rows are written as zeros. No allocation, no host sync.
 #include <cstdint>
@@ -28,26 +28,82 @@ struct GatherRow {
   __device__ void Load(int64_t c, float (&v)[V]) const { LoadF32<In, V>(src + c, v); }
 };
 
+__device__ __forceinline__ float Sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
 __device__ __forceinline__ float Silu(float g) { return g / (1.0f + expf(-g)); }
 __device__ __forceinline__ float Gelu(float g) { return 0.5f * g * (1.0f + erff(g * 0.70710678118654752440f)); }
+// GPT-OSS's swigluoai: gate clamped above at limit, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
+__device__ __forceinline__ float SwigluOai(float g, float u, float alpha, float limit) {
+  g = fminf(g, limit);
+  u = fminf(fmaxf(u, -limit), limit);
+  return (u + 1.0f) * g * Sigmoid(alpha * g);
+}
 
-// Row r = act(h[r, :I]) * h[r, I:], in float32.
+// Row r = act(gate) * up of h[r] + bias[expert of r] (bias optional), in float32. Gate and up are
+// columns [0, I) and [I, 2I) (concat) or 2i and 2i+1 (interleaved); the bias row has h's column order.
 template <typename In, int V>
 struct GatedActRow {
   const In* h;
-  int64_t cols;  // I
-  int activation;
+  const float* bias;       // [E, 2I], or nullptr: no bias
+  const int32_t* offsets;  // [E+1] with a bias
+  int64_t cols;            // I
+  int experts, activation, layout;
+  float alpha, limit;
   const In* src;
+  const float* bias_row;
 
+  // Called by every thread of the block (the row is uniform over it): the row's expert is looked up
+  // once, by thread 0, and shared.
   __device__ bool Begin(int64_t r) {
     src = h + r * 2 * cols;
+    bias_row = nullptr;
+    if (bias != nullptr) {
+      __shared__ int expert;
+      if (threadIdx.x == 0) expert = ExpertOfRow(offsets, experts, r);
+      __syncthreads();
+      bias_row = bias + int64_t(expert) * 2 * cols;
+    }
     return true;
   }
-  __device__ void Load(int64_t c, float (&v)[V]) const {
-    float gate[V], up[V];
+
+  // Columns [c, c + V) of the row's gate and up (bias added), in float32.
+  __device__ void LoadGateUp(int64_t c, float (&gate)[V], float (&up)[V]) const {
+    if (layout == kLayoutInterleaved) {
+      float lo[V], hi[V];  // h[2c, 2c + V) and h[2c + V, 2c + 2V): pairs (gate, up)
+      LoadF32<In, V>(src + 2 * c, lo);
+      LoadF32<In, V>(src + 2 * c + V, hi);
+      if (bias_row != nullptr) {
+        float blo[V], bhi[V];
+        LoadF32<float, V>(bias_row + 2 * c, blo);
+        LoadF32<float, V>(bias_row + 2 * c + V, bhi);
+#pragma unroll
+        for (int i = 0; i < V; ++i) lo[i] += blo[i], hi[i] += bhi[i];
+      }
+#pragma unroll
+      for (int i = 0; i < V; ++i) {  // element j of the 2V loaded: lo[j] or hi[j - V]
+        const int j = 2 * i;
+        gate[i] = j < V ? lo[j] : hi[j - V];
+        up[i] = j + 1 < V ? lo[j + 1] : hi[j + 1 - V];
+      }
+      return;
+    }
     LoadF32<In, V>(src + c, gate);
     LoadF32<In, V>(src + cols + c, up);
-    if (activation == kActGelu) {
+    if (bias_row != nullptr) {
+      float bg[V], bu[V];
+      LoadF32<float, V>(bias_row + c, bg);
+      LoadF32<float, V>(bias_row + cols + c, bu);
+#pragma unroll
+      for (int i = 0; i < V; ++i) gate[i] += bg[i], up[i] += bu[i];
+    }
+  }
+
+  __device__ void Load(int64_t c, float (&v)[V]) const {
+    float gate[V], up[V];
+    LoadGateUp(c, gate, up);
+    if (activation == kActSwigluOai) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[i] = SwigluOai(gate[i], up[i], alpha, limit);
+    } else if (activation == kActGelu) {
 #pragma unroll
       for (int i = 0; i < V; ++i) v[i] = Gelu(gate[i]) * up[i];
     } else {
@@ -182,18 +238,23 @@ ffi::Error PermuteRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
 }
 
 ffi::Error ActAndMulCuda(cudaStream_t stream, ffi::AnyBuffer h, ffi::Buffer<ffi::S32> valid_rows,
-                         ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> out,
-                         ffi::ResultBuffer<ffi::F32> scales, int64_t activation, int64_t quant) {
+                         ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> offsets,
+                         ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> scales, int64_t activation,
+                         int64_t quant, int64_t layout, float alpha, float limit) {
   const auto hd = h.dimensions();
   if (hd.size() != 2 || hd[1] % 2 != 0) return InvalidArgument("act_and_mul: h must be [M, 2I]");
   const int64_t m = hd[0], i = hd[1] / 2;
-  if (activation != kActSilu && activation != kActGelu)
-    return InvalidArgument("act_and_mul: activation must be 0 (silu) or 1 (gelu)");
+  if (activation != kActSilu && activation != kActGelu && activation != kActSwigluOai)
+    return InvalidArgument("act_and_mul: activation must be 0 (silu), 1 (gelu) or 2 (swigluoai)");
+  if (layout != kLayoutConcat && layout != kLayoutInterleaved)
+    return InvalidArgument("act_and_mul: layout must be 0 (concat) or 1 (interleaved)");
   if (valid_rows.element_count() != 1) return InvalidArgument("act_and_mul: valid_rows must have 1 element");
   const auto od = out->dimensions();
   if (od.size() != 2 || od[0] != m || od[1] != i) return InvalidArgument("act_and_mul: out must be [M, I]");
   if (auto err = CheckQuant("act_and_mul", quant, m, out->element_type(), scale.element_count(),
                                 scales->element_count()); err.failure()) return err;
+  int64_t experts = 0;
+  if (auto err = CheckBias("act_and_mul", bias, offsets, 2 * i, &experts); err.failure()) return err;
   return WithFloatType(h.element_type(), "act_and_mul: h", [&](auto tag) -> ffi::Error {
     using In = typename decltype(tag)::type;
     const int out_bytes = quant != kQuantNone                          ? 1
@@ -202,12 +263,14 @@ ffi::Error ActAndMulCuda(cudaStream_t stream, ffi::AnyBuffer h, ffi::Buffer<ffi:
     const float* s = quant == kQuantStatic ? scale.typed_data() : nullptr;
     float* sc = quant == kQuantPerToken ? scales->typed_data() : nullptr;
     const In* src = static_cast<const In*>(h.untyped_data());
-    const int act = static_cast<int>(activation);
-    if (CanVectorize(i, kVec<In>, {{src, sizeof(In)}, {out->untyped_data(), out_bytes}})) {
-      GatedActRow<In, kVec<In>> op{src, i, act, nullptr};
+    const float* b = experts > 0 ? bias.typed_data() : nullptr;
+    const int32_t* off = experts > 0 ? offsets.typed_data() : nullptr;
+    const int act = static_cast<int>(activation), lay = static_cast<int>(layout), ne = static_cast<int>(experts);
+    if (CanVectorize(i, kVec<In>, {{src, sizeof(In)}, {out->untyped_data(), out_bytes}, {b, sizeof(float)}})) {
+      GatedActRow<In, kVec<In>> op{src, b, off, i, ne, act, lay, alpha, limit, nullptr, nullptr};
       return DispatchQuant<kVec<In>>(stream, op, quant, m, i, valid_rows.typed_data(), s, out, sc);
     }
-    GatedActRow<In, 1> op{src, i, act, nullptr};
+    GatedActRow<In, 1> op{src, b, off, i, ne, act, lay, alpha, limit, nullptr, nullptr};
     return DispatchQuant<1>(stream, op, quant, m, i, valid_rows.typed_data(), s, out, sc);
   });
 }
@@ -218,5 +281,6 @@ ffi::Error ActAndMulCuda(cudaStream_t stream, ffi::AnyBuffer h, ffi::Buffer<ffi:
 // Bindings read off the handlers' signatures (common/binding.h).
 // x, sorted_slots, valid_rows, scale -> rows, scales; attributes top_k, quant.
 JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoePermuteRowsCuda, jax_moe::PermuteRowsCuda, "top_k", "quant");
-// h, valid_rows, scale -> out, scales; attributes activation, quant.
-JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeActAndMulCuda, jax_moe::ActAndMulCuda, "activation", "quant");
+// h, valid_rows, scale, bias, offsets -> out, scales; attributes activation, quant, layout, alpha, limit.
+JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeActAndMulCuda, jax_moe::ActAndMulCuda, "activation", "quant", "layout", "alpha",
+                            "limit");

@@ -9,14 +9,21 @@
 //                       -> rows [T*k, H] (x's dtype, or f8e4m3fn), scales [T*k] f32 (per-token) or [0].
 //                          attrs: top_k, quant (kQuant*). Row r = x[sorted_slots[r] / k]; rows >= valid_rows
 //                          are zero (their per-token scale is kFp8MinScale).
-// jax_moe_act_and_mul      h [M, 2I] bf16/f16/f32 (gate columns [0, I), up [I, 2I)), valid_rows [1] i32,
-//                          scale [1] f32 or [0]
+// jax_moe_act_and_mul      h [M, 2I] bf16/f16/f32, valid_rows [1] i32, scale [1] f32 or [0],
+//                          bias [E, 2I] f32 or [0], offsets [E+1] i32 or [0] (both or neither)
 //                       -> out [M, I] (bf16/f16/f32, or f8e4m3fn), scales [M] f32 or [0].
-//                          attrs: activation (kAct*), quant (kQuant*). Rows >= valid_rows are zero.
-// jax_moe_unpermute_reduce y [M, H] bf16/f16/f32, inverse [T*k] i32, topk_weights [T, k] f32, valid_rows [1] i32
+//                          attrs: activation (kAct*), quant (kQuant*), layout (kLayout*: gate columns [0, I)
+//                          and up [I, 2I), or gate 2i and up 2i+1), alpha, limit (f32, swigluoai's).
+//                          With a bias, row r's expert is the e with offsets[e] <= r < offsets[e+1] and
+//                          bias[e] is added to h[r] (same column order) before the activation:
+//                          silu(g) * u, gelu_erf(g) * u, or swigluoai: g <- min(g, limit),
+//                          u <- clip(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g).
+//                          Rows >= valid_rows are zero. Quantization applies to the activated row.
+// jax_moe_unpermute_reduce y [M, H] bf16/f16/f32, inverse [T*k] i32, topk_weights [T, k] f32, valid_rows [1] i32,
+//                          bias [E, H] f32 or [0], offsets [E+1] i32 or [0] (both or neither)
 //                       -> out [T, H] bf16/f16/f32. attr: weighted (0: apply_router_weight_on_input, plain sum).
-//                          out[t] = sum_j w[t, j] * y[inverse[t*k + j]] over slots with inverse < valid_rows,
-//                          accumulated in float32.
+//                          out[t] = sum_j w[t, j] * (y[row] + bias[e(row)]) over slots with row = inverse[t*k + j]
+//                          < valid_rows (e(row): as above; no bias: y[row] alone), accumulated in float32.
 #pragma once
 
 #include <cfloat>
@@ -30,7 +37,8 @@ constexpr float kFp8Max = 448.0f;
 constexpr float kFp8MinScale = FLT_MIN;
 
 enum QuantMode : int { kQuantNone = 0, kQuantPerToken = 1, kQuantStatic = 2 };
-enum Activation : int { kActSilu = 0, kActGelu = 1 };
+enum Activation : int { kActSilu = 0, kActGelu = 1, kActSwigluOai = 2 };
+enum GateUpLayout : int { kLayoutConcat = 0, kLayoutInterleaved = 1 };
 }  // namespace jax_moe
 
 extern "C" XLA_FFI_Error* JaxMoePermuteRowsCuda(XLA_FFI_CallFrame* call_frame);
