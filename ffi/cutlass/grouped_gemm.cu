@@ -1,10 +1,11 @@
 // XLA FFI handlers of jax_moe_cutlass_grouped_gemm and jax_moe_cutlass_grouped_gemm_fp8 (contract in
 // grouped_gemm.h): decode and check the buffers on the host from their static shapes (CUTLASS's
-// can_implement cannot see the per-group sizes, which live on the device), zero the rows no expert owns
-// (standard format) or the rows past each expert's count (batched format),
-// and hand the call to the (kind, tile)'s instantiation. No allocation, no host sync, no device-to-host
-// copy: safe inside a CUDA graph. Also the launch helpers the backward's handlers share
-// (grouped_gemm_grad.cu): SmCount, ZeroUnownedRows, RunKind.
+// can_implement cannot see the per-group sizes, which live on the device) and hand the call to the
+// (kind, tile)'s instantiation, two launches: the setup kernel (the group arrays, and the zeroing of
+// the rows no expert owns (standard format) or of the rows past each expert's count (batched format);
+// grouped_gemm_impl.cuh), then CUTLASS's kernel. No allocation, no host sync, no device-to-host copy:
+// safe inside a CUDA graph. Also the launch helpers the backward's handlers share (grouped_gemm_grad.cu):
+// SmCount, RunKind.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -18,36 +19,6 @@
 
 namespace jax_moe {
 namespace {
-
-constexpr int kZeroBlocks = 132;
-
-// Zeros the rows of d [m, n] outside [offsets[0], offsets[groups]) (clamped to [0, m]); n % 8 == 0,
-// so every row is whole 16-byte vectors.
-__global__ void ZeroUnownedRowsKernel(const int32_t* offsets, int64_t groups, int64_t m, int64_t n, uint4* d) {
-  int64_t lo = offsets[0], hi = offsets[groups];
-  lo = lo < 0 ? 0 : (lo > m ? m : lo);
-  hi = hi < lo ? lo : (hi > m ? m : hi);
-  const int64_t vec_per_row = n / 8;
-  const int64_t unowned = lo + (m - hi);
-  for (int64_t i = blockIdx.x; i < unowned; i += gridDim.x) {
-    const int64_t row = i < lo ? i : hi + (i - lo);
-    uint4* dst = d + row * vec_per_row;
-    for (int64_t c = threadIdx.x; c < vec_per_row; c += blockDim.x) dst[c] = make_uint4(0, 0, 0, 0);
-  }
-}
-
-// Batched format: zeros the rows of d [groups * capacity, n] past each group's count (GroupRows), one
-// block per row, grid-stride; n % 8 == 0 as above.
-__global__ void ZeroUnusedBatchedRows(const int32_t* counts, int64_t groups, int64_t capacity, int64_t n, uint4* d) {
-  const int64_t vec_per_row = n / 8;
-  for (int64_t row = blockIdx.x; row < groups * capacity; row += gridDim.x) {
-    int64_t lo, hi;
-    GroupRows(counts, row / capacity, groups * capacity, true, capacity, lo, hi);
-    if (row < hi) continue;
-    uint4* dst = d + row * vec_per_row;
-    for (int64_t c = threadIdx.x; c < vec_per_row; c += blockDim.x) dst[c] = make_uint4(0, 0, 0, 0);
-  }
-}
 
 using RunFn = ffi::Error (*)(const GroupedGemmCall&);
 using BytesFn = size_t (*)(int64_t, int);
@@ -115,17 +86,11 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
   return std::nullopt;
 }
 
-// Zeros the unowned rows and runs the (kind, tile) instantiation on a checked call.
+// Runs the (kind, tile) instantiation on a checked call, its setup launch zeroing the unowned rows.
 template <int Kind>
 ffi::Error Launch(GroupedGemmCall& call, int64_t tile) {
   if (call.m == 0) return ffi::Error::Success();
-  if (call.batched) {
-    ZeroUnusedBatchedRows<<<kZeroBlocks, 128, 0, call.stream>>>(call.offsets, call.groups, call.capacity, call.n,
-                                                                static_cast<uint4*>(call.d));
-  } else {
-    JAX_MOE_CUDA_RETURN_IF_ERROR(ZeroUnownedRows(call));
-  }
-  JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  call.zero_unowned = true;
   return RunKind(Kind, tile, call);
 }
 
@@ -165,12 +130,6 @@ int SmCount(int device) {
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
   if (device >= 0 && device < kMaxDevices) cache[device] = sms;
   return sms;
-}
-
-cudaError_t ZeroUnownedRows(const GroupedGemmCall& call) {
-  ZeroUnownedRowsKernel<<<kZeroBlocks, 128, 0, call.stream>>>(call.offsets, call.groups, call.m, call.n,
-                                                              static_cast<uint4*>(call.d));
-  return cudaGetLastError();
 }
 
 ffi::Error RunKind(int kind, int64_t tile, const GroupedGemmCall& call) {

@@ -1,8 +1,8 @@
 // XLA FFI handlers of the backward pass's grouped GEMMs, jax_moe_cutlass_grouped_gemm_dgrad and
 // jax_moe_cutlass_grouped_gemm_wgrad (contract in grouped_gemm.h; bf16, standard format): decode and
 // check the buffers from their static shapes, zero what no group writes (dgrad: the rows no expert
-// owns; wgrad: the experts without rows), and run the (kind, tile)'s instantiation. No allocation, no
-// host sync: safe inside a CUDA graph.
+// owns, in the GEMM's setup launch; wgrad: the experts without rows, a launch of its own), and run the
+// (kind, tile)'s instantiation. No allocation, no host sync: safe inside a CUDA graph.
 #include <cstdint>
 #include <string>
 
@@ -73,7 +73,7 @@ ffi::Error DgradCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ff
       err.failure())
     return err;
   if (call.m == 0) return ffi::Error::Success();
-  JAX_MOE_CUDA_RETURN_IF_ERROR(ZeroUnownedRows(call));
+  call.zero_unowned = true;  // the setup launch zeroes the rows no expert owns
   return RunKind(kGemmBf16Dgrad, tile, call);
 }
 

@@ -43,6 +43,7 @@ struct GroupedGemmCall {
   int64_t groups, m, n, k;
   bool batched;             // the batched format (a rank 3): offsets holds counts
   int64_t capacity;         // batched: rows per expert (C); 0 for the standard format
+  bool zero_unowned;        // the setup launch also zeroes d's rows no group writes (ZeroUnownedRows)
   int device, sm_count;
 };
 
@@ -77,10 +78,37 @@ __device__ __forceinline__ void GroupRows(const int32_t* offsets, int64_t g, int
   hi = hi < lo ? lo : (hi > m ? m : hi);
 }
 
-// Shared by the handler files (grouped_gemm.cu): SMs of a device (cached), the zeroing of the rows no
-// expert owns (d [m, n], n % 8 == 0), and the (kind, tile) instantiation's run on a checked call.
+// Zeroes the rows of d [m, n] (n % 8 == 0: whole 16-byte vectors per row) that the GEMM does not
+// write, block `block` of `blocks` (block-stride over rows, threads over a row's vectors).
+// Standard: the rows outside [offsets[0], offsets[groups]) (clamped to [0, m]); batched: the rows
+// of group g past clamp(counts[g], 0, capacity) (GroupRows).
+__device__ __forceinline__ void ZeroUnownedRows(const int32_t* offsets, int64_t groups, int64_t m, bool batched,
+                                                int64_t capacity, int64_t n, uint4* d, int64_t block,
+                                                int64_t blocks) {
+  const int64_t vec_per_row = n / 8;
+  auto zero_row = [&](int64_t row) {
+    uint4* dst = d + row * vec_per_row;
+    for (int64_t c = threadIdx.x; c < vec_per_row; c += blockDim.x) dst[c] = make_uint4(0, 0, 0, 0);
+  };
+  if (batched) {
+    for (int64_t row = block; row < m; row += blocks) {
+      int64_t lo, hi;
+      GroupRows(offsets, row / capacity, m, true, capacity, lo, hi);
+      if (row >= hi) zero_row(row);
+    }
+    return;
+  }
+  int64_t lo = offsets[0], hi = offsets[groups];
+  lo = lo < 0 ? 0 : (lo > m ? m : lo);
+  hi = hi < lo ? lo : (hi > m ? m : hi);
+  const int64_t unowned = lo + (m - hi);
+  for (int64_t i = block; i < unowned; i += blocks) zero_row(i < lo ? i : hi + (i - lo));
+}
+
+// Shared by the handler files (grouped_gemm.cu): SMs of a device (cached) and the (kind, tile)
+// instantiation's run on a checked call (one setup launch, which also zeroes the unowned rows when
+// call.zero_unowned, then the CUTLASS kernel).
 int SmCount(int device);
-cudaError_t ZeroUnownedRows(const GroupedGemmCall& call);
 ffi::Error RunKind(int kind, int64_t tile, const GroupedGemmCall& call);
 
 namespace cutlass_gg {
@@ -226,7 +254,10 @@ struct GroupedGemm {
   }
 };
 
-// Thread g fills group g's entries from its rows [lo, hi) (GroupRows):
+// The setup launch. Blocks [0, ceil(groups / blockDim.x)): thread g fills group g's entries from its
+// rows [lo, hi) (GroupRows); the blocks after them (zero_blocks > 0, forward and dgrad kinds only)
+// zero d's unowned rows (ZeroUnownedRows), so each GEMM is two launches (this, then CUTLASS's).
+// Group g's entries per kind:
 //   forward, dgrad: rows [lo, hi) of a and d (and row_scale), expert g's weights (and col_scale row);
 //                   problem (hi - lo, n, k); b is [E, N, K] (forward) or [E, K, N] (dgrad)
 //   wgrad:          rows [lo, hi) of u (a, [M, k]) and v (b, [M, n]), expert g's d [k, n]; problem
@@ -237,6 +268,13 @@ __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, 
                                 bool batched, int64_t capacity, int n, int k, const typename G::Element* a,
                                 const typename G::Element* b, typename G::ElementD* d, const float* row_scale,
                                 const float* col_scale) {
+  const int64_t fill_blocks = (groups + blockDim.x - 1) / blockDim.x;
+  if (static_cast<int64_t>(blockIdx.x) >= fill_blocks) {
+    if constexpr (Kind != kGemmBf16Wgrad)
+      ZeroUnownedRows(offsets, groups, m, batched, capacity, n, reinterpret_cast<uint4*>(d), blockIdx.x - fill_blocks,
+                      gridDim.x - fill_blocks);
+    return;
+  }
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= groups) return;
   int64_t lo, hi;
@@ -281,7 +319,10 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   using E = typename G::Element;
   using D = typename G::ElementD;
   constexpr int kThreads = 128;
-  FillGroupArrays<Kind, G><<<static_cast<unsigned>((c.groups + kThreads - 1) / kThreads), kThreads, 0, c.stream>>>(
+  const int64_t fill_blocks = (c.groups + kThreads - 1) / kThreads;
+  // zeroing: one block per unowned row at most, at most one per SM (block-stride beyond)
+  const int64_t zero_blocks = Kind != kGemmBf16Wgrad && c.zero_unowned ? (c.m < c.sm_count ? c.m : c.sm_count) : 0;
+  FillGroupArrays<Kind, G><<<static_cast<unsigned>(fill_blocks + zero_blocks), kThreads, 0, c.stream>>>(
       arr, c.offsets, c.groups, c.m, c.batched, c.capacity, static_cast<int>(c.n), static_cast<int>(c.k),
       static_cast<const E*>(c.a), static_cast<const E*>(c.b), static_cast<D*>(c.d), c.row_scale, c.col_scale);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
