@@ -12,8 +12,12 @@ with the rows of a random softmax top-k routing, in one process, the tiles inter
 
 Prints one markdown table per kind: per (model, GEMM, T) each tile's ms, the best tile, and the
 tile the trace-time pick chooses (with its loss against the best). ``--json`` writes the raw
-figures, keyed as :func:`jax_moe.backends.cutlass_gemm.pick_tile`'s measured table is
-(``kind/E/N/K`` -> rows per expert -> tile -> ms).
+figures (``kind/E/N/K`` -> rows per expert -> tile -> ms, with the device under ``"device"``).
+``--update-table`` rewrites the measured table of :mod:`jax_moe.backends.cutlass_tiles` from this
+run's figures, or from ``--from-json`` files of earlier runs (no GPU needed for that)::
+
+    python bench/tile_sweep.py --kinds bf16 fp8 --json sweep.json      # on the GPU
+    python bench/tile_sweep.py --from-json sweep.json --update-table  # anywhere
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench import moe_bench, peers  # noqa: E402
 from jax_moe import ffi  # noqa: E402
-from jax_moe.backends import cutlass, cutlass_gemm  # noqa: E402
+from jax_moe.backends import cutlass, cutlass_gemm, cutlass_tiles  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.quant import fp8  # noqa: E402
 
@@ -55,10 +59,12 @@ def gemm_operands(m: moe_bench.Model, t: int, kind: str, w13, w2, sets: int = 3)
 
 
 def fp8_weights(w13, w2):
-    """Per-channel FP8 weights and scales ([E, N] float32), as the FP8 GEMM takes them."""
-    def q(w):
-        s = jnp.maximum(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=2), 1e-12) / 448.0
-        return (w.astype(jnp.float32) / s[..., None]).astype(jnp.float8_e4m3fn), s
+    """Per-channel FP8 weights and scales ([E, N] float32), as the FP8 GEMM takes them; one expert
+    at a time (a float32 copy of DeepSeek-V3's w13 would not fit next to the rest)."""
+    def q_expert(w):
+        s = jnp.maximum(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=1), 1e-12) / 448.0
+        return (w.astype(jnp.float32) / s[:, None]).astype(jnp.float8_e4m3fn), s
+    q = jax.jit(lambda w: jax.lax.map(q_expert, w))
     return q(w13), q(w2)
 
 
@@ -84,8 +90,7 @@ def sweep_model(m: moe_bench.Model, tokens, kind: str, results: dict, table: lis
                 except Exception as err:  # recorded, not fatal
                     print(f"# {m.name} {name} T={t} {tile}: failed ({str(err).splitlines()[0][:80]})")
             rows = t * m.k
-            picked = cutlass_gemm.pick_tile(rows, e, n=n, k=k, kind=kind) if _pick_takes_shape() else \
-                cutlass_gemm.pick_tile(rows, e)
+            picked = cutlass_tiles.pick_tile(rows, e, n=n, k=k, kind=kind)
             best = min(cell, key=cell.get) if cell else None
             results.setdefault(key, {})[str(rows / e)] = cell
             row = [m.name, name, str(t)] + [moe_bench.fmt(cell.get(tl)) for tl in cutlass_gemm.TILES]
@@ -97,29 +102,66 @@ def sweep_model(m: moe_bench.Model, tokens, kind: str, results: dict, table: lis
     del w13, w2
 
 
-def _pick_takes_shape() -> bool:
-    import inspect  # noqa: PLC0415
-    return "n" in inspect.signature(cutlass_gemm.pick_tile).parameters
-
-
 def forward_model(m: moe_bench.Model, tokens) -> None:
-    """The bf16 forward with each tile forced for both GEMMs, and tokamax, in one process."""
+    """The bf16 forward with each tile forced for both GEMMs, and tokamax, in one process (the
+    weights are arguments, not constants folded into the program)."""
     cfg = MoEConfig(m.e, m.k, m.h, m.i)
     w13, w2 = moe_bench.random_experts(m)
-    impls = {tile: jax.jit(lambda x, w, ids, tile=tile: cutlass.apply(x, w13, w2, w, ids, cfg, tile=tile))
-             for tile in cutlass_gemm.TILES}
-    impls["auto"] = jax.jit(lambda x, w, ids: cutlass.apply(x, w13, w2, w, ids, cfg))
+    impls = {tile: (jax.jit(lambda x, ws, w, ids, tile=tile: cutlass.apply(x, *ws, w, ids, cfg, tile=tile)),
+                    (w13, w2)) for tile in cutlass_gemm.TILES}
+    impls["auto"] = (jax.jit(lambda x, ws, w, ids: cutlass.apply(x, *ws, w, ids, cfg)), (w13, w2))
     ok, why = peers.available()
     if ok:
-        tw = peers.tokamax_prepare(w13, w2)
-        impls["tokamax"] = jax.jit(lambda x, w, ids: peers.tokamax_moe(x, tw, w, ids))
+        impls["tokamax"] = (jax.jit(peers.tokamax_moe), peers.tokamax_prepare(w13, w2))
     else:
         print(f"# tokamax: not run ({why})")
     print("| model | T | " + " | ".join(f"{n} ms" for n in impls) + " |\n|" + "---|" * (len(impls) + 2))
     for t in tokens:
         routed = moe_bench.routed_inputs(m, t)
-        cells = [moe_bench.fmt(moe_bench.timeit(fn, routed)) for fn in impls.values()]
+        cells = [moe_bench.fmt(moe_bench.timeit(fn, [(x, ws, w, ids) for x, w, ids in routed]))
+                 for fn, ws in impls.values()]
         print(f"| {m.name} | {t} | " + " | ".join(cells) + " |", flush=True)
+
+
+def table_from_figures(results: dict) -> dict:
+    """The measured table (:data:`jax_moe.backends.cutlass_tiles.MEASURED`) from sweep figures:
+    per GEMM shape, at each rows per expert, the fastest tile where it beats the heuristic's by
+    more than ``MIN_GAIN`` (else the heuristic's); shapes where the heuristic is never beaten are
+    left out (it answers for them)."""
+    table = {}
+    for key, points in results.items():
+        if key == "device":
+            continue
+        kind, e, n, k = key.split("/")
+        chosen, differs = [], False
+        for r, cell in sorted(points.items(), key=lambda p: float(p[0])):
+            if not cell:
+                continue
+            heur = cutlass_tiles.heuristic_tile(kind, float(r))
+            best = min(cell, key=cell.get)
+            beaten = heur not in cell or cell[heur] > cell[best] * (1 + cutlass_tiles.MIN_GAIN)
+            tile = best if beaten else heur
+            differs |= tile != heur
+            chosen.append((float(r), tile))
+        if differs:
+            table[(kind, int(e), int(n), int(k))] = tuple(chosen)
+    return table
+
+
+def update_table(table: dict, device: str, path: str = cutlass_tiles.__file__) -> None:
+    """Rewrites the lines between the measured-table markers of ``path`` with ``table``."""
+    src = open(path).read()
+    begin, end = "# measured table: begin\n", "# measured table: end\n"
+    i, j = src.index(begin) + len(begin), src.index(end)
+    lines = ["MEASURED: dict[tuple[str, int, int, int], tuple[tuple[float, str], ...]] = {"]
+    for key in sorted(table):
+        lines.append(f"    {key!r}: (")
+        lines += [f"        ({r:g}, {t!r})," for r, t in table[key]]
+        lines.append("    ),")
+    lines += ["}", f"MEASURED_ON = {device!r}"]
+    with open(path, "w") as f:
+        f.write(src[:i] + "\n".join(lines) + "\n" + src[j:])
+    print(f"# {len(table)} GEMM shapes written to {path}")
 
 
 def main() -> None:
@@ -131,12 +173,27 @@ def main() -> None:
     p.add_argument("--forward", action="store_true", help="also time the whole forward per tile, and tokamax")
     p.add_argument("--forward-only", action="store_true", help="only the forward per tile (no GEMM sweep)")
     p.add_argument("--json", help="write the raw figures here")
+    p.add_argument("--from-json", nargs="+", help="figures of earlier runs (no timing: with --update-table)")
+    p.add_argument("--update-table", action="store_true",
+                   help="rewrite jax_moe/backends/cutlass_tiles.py's measured table from the figures")
     args = p.parse_args()
+    if args.from_json:
+        results: dict = {}
+        for path in args.from_json:
+            with open(path) as f:
+                for key, points in json.load(f).items():
+                    if key == "device":
+                        results.setdefault("device", points)
+                    else:
+                        results.setdefault(key, {}).update(points)
+        if args.update_table:
+            update_table(table_from_figures(results), results.get("device", ""))
+        return
     ok, why = cutlass_gemm.available(None)
     if not ok:
         sys.exit(f"tile_sweep needs the CUTLASS module on an SM90 GPU: {why}")
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    results: dict = {}
+    results: dict = {"device": jax.devices()[0].device_kind}
     for kind in [] if args.forward_only else args.kinds:
         table: list = []
         cols = ["model", "GEMM", "T"] + [f"{tl} ms" for tl in cutlass_gemm.TILES] + ["best", "picked", "picked / best"]
@@ -150,6 +207,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, sort_keys=True)
         print(f"# figures written to {args.json}")
+    if args.update_table:
+        update_table(table_from_figures(results), results["device"])
 
 
 if __name__ == "__main__":

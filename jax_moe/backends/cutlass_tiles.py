@@ -1,0 +1,100 @@
+"""Which CUTLASS tile the cutlass backend's grouped GEMMs run with, chosen at trace time.
+
+The SM90 grouped GEMM (``ffi/cutlass``) is built in three tile configurations (:data:`TILES`):
+
+- ``pingpong_64x128``: 64-row tiles, two consumer warpgroups on alternating tiles. Few rows per
+  expert (decode, small batches): the weights stream, and a 64-row tile wastes least.
+- ``coop_128x128``: 128x128 tiles, both warpgroups on one tile.
+- ``coop_128x256``: 128x256 tiles on a 2x1 cluster (two CTAs share the weight tile by TMA
+  multicast). Many rows per expert (prefill, training) in bf16. Never FP8: the FP8 mainloop keeps
+  a second float32 accumulator for its periodic promotion, which at 128x256 does not fit in the
+  registers (measured 2.0-2.8x slower than 128x128 on an H100).
+
+:func:`pick_tile` chooses per GEMM from the average rows per expert (``rows / E``):
+
+1. ``JAX_MOE_CUTLASS_TILE`` forces one tile everywhere.
+2. A GEMM whose ``(kind, E, N, K)`` is in :data:`MEASURED` takes the tile measured fastest at the
+   nearest rows per expert (on a log scale). The table is written by ``bench/tile_sweep.py
+   --update-table`` from an H100 run (every tile timed on each GEMM of the bench's models, with
+   the rows of a random softmax top-k routing); a tile is recorded only where it beat the
+   heuristic's by more than :data:`MIN_GAIN`.
+3. Otherwise the heuristic :func:`heuristic_tile`: bf16 -- pingpong below
+   :data:`DECODE_ROWS_PER_EXPERT`, 128x256 from :data:`WIDE_ROWS_PER_EXPERT`, 128x128 between;
+   FP8 -- pingpong below :data:`DECODE_ROWS_PER_EXPERT`, else 128x128.
+
+Everything here is static (shapes and a dict): the choice costs nothing at run time and the
+program stays one CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+# tile name -> CutlassTile in ffi/cutlass/grouped_gemm.h (one CUTLASS instantiation per kind; the K
+# tile is 128 bytes: 64 for bf16, 128 for fp8)
+TILES: dict[str, int] = {"coop_128x128": 0, "pingpong_64x128": 1, "coop_128x256": 2}
+TILE_ENV = "JAX_MOE_CUTLASS_TILE"
+DECODE_ROWS_PER_EXPERT = 64  # below this many rows per expert on average: the 64-row pingpong tile
+WIDE_ROWS_PER_EXPERT = 128  # bf16 from this many: the 128x256 tile with a 2x1 cluster
+MIN_GAIN = 0.03  # a measured tile replaces the heuristic's only where it is this much faster
+
+# (kind, E, N, K) -> ((rows per expert, tile), ...) in increasing rows per expert.
+# Written by `python bench/tile_sweep.py --update-table` (the lines between the markers).
+# measured table: begin
+MEASURED: dict[tuple[str, int, int, int], tuple[tuple[float, str], ...]] = {
+    ('bf16', 128, 2048, 768): (
+        (0.0625, 'pingpong_64x128'),
+        (1, 'pingpong_64x128'),
+        (4, 'coop_128x128'),
+        (16, 'pingpong_64x128'),
+        (64, 'coop_128x128'),
+        (256, 'coop_128x256'),
+        (1024, 'coop_128x256'),
+    ),
+    ('fp8', 8, 4096, 14336): (
+        (16, 'coop_128x128'),
+        (256, 'coop_128x128'),
+        (1024, 'coop_128x128'),
+        (4096, 'coop_128x128'),
+    ),
+}
+MEASURED_ON = 'NVIDIA H100 80GB HBM3'
+# measured table: end
+
+
+def heuristic_tile(kind: str, rows_per_expert: float) -> str:
+    """The tile for ``rows_per_expert`` rows per expert on average, for a GEMM not in the table."""
+    if rows_per_expert < DECODE_ROWS_PER_EXPERT:
+        return "pingpong_64x128"
+    if kind == "bf16" and rows_per_expert >= WIDE_ROWS_PER_EXPERT:
+        return "coop_128x256"
+    return "coop_128x128"
+
+
+def measured_tile(kind: str, groups: int, n: int, k: int, rows_per_expert: float) -> str | None:
+    """The tile :data:`MEASURED` has for this GEMM at the nearest rows per expert, or None."""
+    points = MEASURED.get((kind, groups, n, k))
+    if not points:
+        return None
+    x = math.log2(max(rows_per_expert, 1e-6))
+    return min(points, key=lambda p: abs(math.log2(p[0]) - x))[1]
+
+
+def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None = None,
+              kind: str = "bf16") -> str:
+    """The tile for a grouped GEMM of ``rows`` expert-sorted rows over ``num_groups`` experts,
+    ``d [rows, n] = a [rows, k] @ b [E, n, k]^T`` of ``kind`` (``"bf16"`` or ``"fp8"``): the
+    override, else the measured table (when ``n`` and ``k`` are given), else the heuristic (see
+    the module note)."""
+    forced = os.environ.get(TILE_ENV)
+    if forced:
+        if forced not in TILES:
+            raise ValueError(f"{TILE_ENV} must be one of {sorted(TILES)}, got {forced!r}")
+        return forced
+    r = rows / max(num_groups, 1)
+    if n is not None and k is not None:
+        tile = measured_tile(kind, num_groups, n, k, r)
+        if tile is not None:
+            return tile
+    return heuristic_tile(kind, r)

@@ -1,0 +1,91 @@
+"""The cutlass backend's tile choice (jax_moe/backends/cutlass_tiles.py): the override, the measured
+table, the heuristic, and the bench tool that writes the table. No GPU needed."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from bench import tile_sweep
+from jax_moe.backends import cutlass_tiles as ct
+
+RATES = (0.03125, 0.25, 1, 4, 16, 32, 63, 64, 100, 127, 128, 512, 4096)
+
+
+@pytest.fixture(autouse=True)
+def _no_override(monkeypatch):
+    monkeypatch.delenv(ct.TILE_ENV, raising=False)
+
+
+def test_every_tile_named_anywhere_is_built():
+    named = {ct.heuristic_tile(kind, r) for kind in ("bf16", "fp8") for r in RATES}
+    named |= {tile for points in ct.MEASURED.values() for _, tile in points}
+    assert named <= set(ct.TILES)
+
+
+@pytest.mark.parametrize("r, tile", [(0.05, "pingpong_64x128"), (63, "pingpong_64x128"), (64, "coop_128x128"),
+                                     (127, "coop_128x128"), (128, "coop_128x256"), (4096, "coop_128x256")])
+def test_bf16_heuristic_by_rows_per_expert(r, tile):
+    assert ct.heuristic_tile("bf16", r) == tile
+
+
+@pytest.mark.parametrize("r", RATES)
+def test_fp8_never_takes_the_wide_tile(r):
+    """The FP8 mainloop's promotion accumulator does not fit in registers at 128x256."""
+    assert ct.heuristic_tile("fp8", r) != "coop_128x256"
+    assert ct.pick_tile(int(r * 128), 128, n=4096, k=7168, kind="fp8") != "coop_128x256"
+
+
+def test_measured_table_is_sorted_and_positive():
+    for key, points in ct.MEASURED.items():
+        kind, e, n, k = key
+        assert kind in ("bf16", "fp8") and min(e, n, k) > 0, key
+        rates = [r for r, _ in points]
+        assert rates == sorted(rates) and rates[0] > 0, key
+
+
+def test_a_measured_shape_takes_the_nearest_point_on_a_log_scale(monkeypatch):
+    key = ("bf16", 16, 256, 512)
+    monkeypatch.setitem(ct.MEASURED, key, ((1.0, "coop_128x128"), (64.0, "pingpong_64x128")))
+    assert ct.pick_tile(16 * 7, 16, n=256, k=512) == "coop_128x128"     # 7 rows: nearer 1 than 64 (log2)
+    assert ct.pick_tile(16 * 9, 16, n=256, k=512) == "pingpong_64x128"  # 9 rows: nearer 64
+    assert ct.pick_tile(16 * 4096, 16, n=256, k=512) == "pingpong_64x128"  # past the last point: the last
+    assert ct.pick_tile(16 * 4096, 16) == "coop_128x256"  # no N, K: the heuristic
+    assert ct.pick_tile(16 * 4096, 16, n=256, k=512, kind="fp8") == "coop_128x128"  # another kind
+
+
+def test_the_override_wins_and_is_checked(monkeypatch):
+    monkeypatch.setenv(ct.TILE_ENV, "coop_128x128")
+    assert ct.pick_tile(1, 128, n=2048, k=768) == "coop_128x128"
+    monkeypatch.setenv(ct.TILE_ENV, "huge")
+    with pytest.raises(ValueError, match=ct.TILE_ENV):
+        ct.pick_tile(1, 128)
+
+
+def test_the_table_records_a_tile_only_where_it_beats_the_heuristic():
+    figures = {
+        "device": "H100",
+        "bf16/8/64/32": {"4.0": {"pingpong_64x128": 1.00, "coop_128x128": 0.99, "coop_128x256": 2.0},  # 1%: noise
+                         "256.0": {"pingpong_64x128": 3.0, "coop_128x128": 1.0, "coop_128x256": 1.2}},  # 20%: kept
+        "fp8/8/64/32": {"4.0": {"pingpong_64x128": 1.0, "coop_128x128": 1.5},
+                        "256.0": {"pingpong_64x128": 1.2, "coop_128x128": 1.0}},  # the heuristic is right
+    }
+    table = tile_sweep.table_from_figures(figures)
+    assert table == {("bf16", 8, 64, 32): ((4.0, "pingpong_64x128"), (256.0, "coop_128x128"))}
+
+
+def test_update_table_rewrites_only_the_marked_lines(tmp_path):
+    path = tmp_path / "cutlass_tiles.py"
+    shutil.copy(ct.__file__, path)
+    before = path.read_text()
+    tile_sweep.update_table({("fp8", 4, 16, 32): ((2.0, "coop_128x128"),)}, "Some GPU", str(path))
+    after = path.read_text()
+    ns: dict = {}
+    block = after[after.index("# measured table: begin"):after.index("# measured table: end")]
+    exec(block, ns)  # noqa: S102  (the table is plain literals)
+    assert ns["MEASURED"] == {("fp8", 4, 16, 32): ((2.0, "coop_128x128"),)}
+    assert ns["MEASURED_ON"] == "Some GPU"
+    head = before[:before.index("# measured table: begin")]
+    tail = before[before.index("# measured table: end"):]
+    assert after.startswith(head) and after.endswith(tail)
