@@ -16,7 +16,19 @@ from jax_moe.backends import xla
 from jax_moe.config import MoEConfig
 from jax_moe.device import DeviceInfo
 from jax_moe.quant.scheme import QuantConfig, calibrate_activation_scale, quantize_weights
-from helpers import SCHEME_TOL, jit_call as _jit, random_moe, rel_err, skip_unless_available
+import ml_dtypes
+
+from helpers import (
+    SCHEME_TOL,
+    jit_call as _jit,
+    np_moe,
+    poison_memory,
+    random_biases,
+    random_moe,
+    random_routing,
+    rel_err,
+    skip_unless_available,
+)
 
 H100, A100 = DeviceInfo("gpu", (9, 0)), DeviceInfo("gpu", (8, 0))
 REL_TOL = SCHEME_TOL["bf16"]
@@ -113,8 +125,11 @@ def _moe_problem(rng, t, e, k, h, i, gated=True):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(w13_bias=jnp.zeros((8, 64))), "biases are not supported"),
-    (dict(w2_bias=jnp.zeros((8, 64))), "biases are not supported"),
+    (dict(w13_bias=jnp.zeros((8, 63))), r"w13_bias must have shape \[8, 64\] \(\[E, 2I\]"),
+    (dict(w13_bias=jnp.zeros((7, 64))), r"w13_bias must have shape \[8, 64\]"),
+    (dict(w13_bias=jnp.zeros((8, 64), jnp.int32)), "w13_bias must have dtype"),
+    (dict(w2_bias=jnp.zeros((8, 32))), r"w2_bias must have shape \[8, 64\] \(\[E, H\]"),
+    (dict(w2_bias=jnp.zeros((8 * 64,))), "w2_bias must have rank 2"),
     (dict(apply_router_weight_on_input=True), "top_k == 1"),
     (dict(tile="huge"), "tile must be"),
 ])
@@ -128,8 +143,8 @@ def test_apply_refuses_other_dtypes_and_activations(rng):
     x, w13, w2, tw, ids = _moe_problem(rng, 4, 8, 2, 64, 32)
     with pytest.raises(ValueError, match="w13 must be bfloat16"):
         cb.apply(x, w13.astype(jnp.float32), w2, tw, ids, _cfg())
-    with pytest.raises(ValueError, match="swigluoai"):
-        cb.apply(x, w13, w2, tw, ids, _cfg(activation="swigluoai"))
+    with pytest.raises(ValueError, match="w13 must be bfloat16"):  # GPT-OSS's layer: the same dtype rule
+        cb.apply(x, w13.astype(jnp.float16), w2, tw, ids, _cfg(activation="swigluoai", gate_up_layout="interleaved"))
 
 
 def test_supports_reasons(monkeypatch):
@@ -140,7 +155,8 @@ def test_supports_reasons(monkeypatch):
     monkeypatch.setitem(cb._state, "module", object())
     monkeypatch.setitem(cb._state, "error", None)
     assert cb.supports(_cfg(), None, H100) == (True, "ok")
-    assert "swigluoai" in cb.supports(_cfg(activation="swigluoai"), None, H100)[1]
+    assert cb.supports(_cfg(activation="swigluoai", gate_up_layout="interleaved"), None, H100) == (True, "ok")
+    assert cb.supports(_cfg(activation="gelu", gate_up_layout="interleaved"), None, H100) == (True, "ok")
     assert "multiples of 8" in cb.supports(_cfg(h=60), None, H100)[1]
     assert cb.supports(_cfg(activation="relu2"), None, H100)[0]
 
@@ -174,8 +190,8 @@ def test_oracle_module_row_and_order():
 
 
 @pytest.mark.parametrize("call,reason", [
-    (dict(w13_bias=np.zeros((8, 64), np.float32)), "does not take expert biases"),
     (dict(dtype=np.float32), "takes bfloat16 weights, not float32"),
+    (dict(dtype=np.float32, w13_bias=np.zeros((8, 64), np.float32)), "takes bfloat16 weights, not float32"),
 ])
 def test_oracle_passes_over_cutlass_for_what_it_does_not_take(call, reason, monkeypatch):
     """What the call needs beyond the config (biases, the weights' dtype) is part of the choice:
@@ -187,6 +203,99 @@ def test_oracle_passes_over_cutlass_for_what_it_does_not_take(call, reason, monk
     assert sel.name == "xla" and any(n == "cutlass" and reason in r for n, r in sel.reasons), sel.reasons
     assert oracle.select_backend(_cfg(), device=H100, features=oracle.call_features(dtype=np.dtype("bfloat16"))
                                  ).name in ("cutlass", "flashinfer_cutlass")
+
+
+def test_oracle_picks_cutlass_for_gptoss_layers_with_biases(monkeypatch):
+    """A GPT-OSS layer (swigluoai, interleaved gate/up) with both biases, bf16 weights, plain or
+    differentiated: cutlass takes it (its FEATURES list "bias" and "grad")."""
+    monkeypatch.setattr(cb, "supports", lambda *a, **k: (True, "ok"))
+    monkeypatch.setattr(oracle, "module", lambda name: importlib.import_module(oracle.MODULES[name]))
+    cfg = _cfg(activation="swigluoai", gate_up_layout="interleaved")
+    feats = oracle.call_features(dtype=np.dtype("bfloat16"), w13_bias=np.zeros((8, 64), np.float32),
+                                 w2_bias=np.zeros((8, 64), np.float32))
+    assert oracle.select_backend(cfg, backend="cutlass", device=H100, features=feats).name == "cutlass"
+    assert oracle.select_backend(cfg, backend="cutlass", device=H100, features=feats | {"grad"}).name == "cutlass"
+    assert oracle.select_backend(cfg, backend="cutlass", device=H100,
+                                 features=feats | {"batched"}).name == "cutlass"
+
+
+# GPT-OSS-style layers: swigluoai on interleaved gate/up rows, both expert biases (float32), random data
+GPTOSS_CASES = [(t, e, k) for t in (1, 37) for e, k in ((8, 2), (16, 4))]
+
+
+def _gptoss_problem(rng, t, e, k, h, i, activation="swigluoai", minus_one=0.0):
+    """(cfg, x, w13, w2, topk_weights, topk_ids, biases) of a random bf16 GPT-OSS-style layer
+    (alpha and limit not the defaults, some gate/up values past the limit); ``minus_one``: that
+    fraction of the ids -1 (experts on other devices)."""
+    layout = "interleaved" if activation != "relu2" else "concat"
+    cfg = MoEConfig(e, k, h, i, activation=activation, gate_up_layout=layout, swiglu_alpha=1.5, swiglu_limit=4.0,
+                    expert_shard=bool(minus_one))
+    x = jnp.asarray(rng.standard_normal((t, h)) * 2, jnp.bfloat16)
+    w13 = jnp.asarray(rng.standard_normal((e, cfg.w13_rows, h)) * 2 / np.sqrt(h), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
+    tw, ids = random_routing(rng, t, e, k, minus_one=minus_one)
+    return cfg, x, w13, w2, tw, ids, random_biases(rng, cfg)
+
+
+def _np_definition(cfg, x, w13, w2, tw, ids, w13_bias=None, w2_bias=None, **kw):
+    """helpers.np_moe (float64) on the layer's config."""
+    return np_moe(x, w13, w2, tw, ids, cfg.activation, cfg.gate_up_layout, w13_bias, w2_bias,
+                  alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, **kw)
+
+
+@pytest.mark.parametrize("t,e,k", GPTOSS_CASES)
+def test_gptoss_layer_matches_the_float64_definition_on_cpu(rng, t, e, k):
+    """cutlass.apply on a GPT-OSS-style layer (the kernels' jnp references here) is
+    ``sum_j w_j (W2[e] act(W13[e] x + b13[e]) + b2[e])`` with swigluoai on interleaved rows."""
+    cfg, x, w13, w2, tw, ids, b = _gptoss_problem(rng, t, e, k, 64, 32)
+    out = _jit(cb.apply, x, w13, w2, tw, ids, cfg=cfg, **b)
+    assert out.dtype == x.dtype and out.shape == (t, 64)
+    assert rel_err(out, _np_definition(cfg, x, w13, w2, tw, ids, **b)) < REL_TOL
+
+
+@pytest.mark.parametrize("case", ["ids of -1", "one bias", "relu2 with biases", "router weight on input"])
+def test_gptoss_layer_variants_on_cpu(rng, case):
+    """Slots of ids -1 add nothing (not even their bias); either bias alone; relu2 (not gated:
+    its GEMM1 bias [E, I] added in jnp); the router weight on the input (top-1: the biases are not
+    weighted)."""
+    t, e, k = 23, 8, 2
+    activation = "relu2" if case.startswith("relu2") else "swigluoai"
+    cfg, x, w13, w2, tw, ids, b = _gptoss_problem(rng, t, e, k, 64, 32, activation,
+                                                  minus_one=0.3 if case == "ids of -1" else 0.0)
+    kw = {}
+    if case == "one bias":
+        b = dict(w2_bias=b["w2_bias"])
+    if case == "router weight on input":
+        cfg = MoEConfig(e, 1, 64, 32, activation="swigluoai", gate_up_layout="interleaved")
+        tw, ids = tw[:, :1], ids[:, :1]
+        kw = dict(apply_router_weight_on_input=True)
+    out = _jit(cb.apply, x, w13, w2, tw, ids, cfg=cfg, **b, **kw)
+    want = _np_definition(cfg, x, w13, w2, tw, ids, on_input=bool(kw), dtype=ml_dtypes.bfloat16, **b)
+    assert rel_err(out, want) < REL_TOL
+    if case == "ids of -1":  # a token whose every slot is elsewhere: exactly zero
+        gone = np.flatnonzero((np.asarray(ids) < 0).all(axis=1))
+        assert (np.asarray(out, np.float32)[gone] == 0).all()
+
+
+def test_bias_value_errors_name_the_argument(rng):
+    """cutlass.apply and apply_batched are public: a bias of the wrong shape or dtype is a
+    ValueError naming it, before any kernel; fused_experts says the same first."""
+    from jax_moe import fused_experts
+
+    cfg, x, w13, w2, tw, ids, b = _gptoss_problem(rng, 4, 8, 2, 64, 32)
+    with pytest.raises(ValueError, match=r"w13_bias must have shape \[8, 64\]"):
+        cb.apply(x, w13, w2, tw, ids, cfg, w13_bias=b["w13_bias"][:, :32])
+    with pytest.raises(ValueError, match=r"w2_bias must have shape \[8, 64\]"):
+        cb.apply(x, w13, w2, tw, ids, cfg, w2_bias=b["w2_bias"][:4])
+    with pytest.raises(ValueError, match=r"w2_bias must have shape \[8, 64\]"):
+        cb.apply_batched(jnp.zeros((8, 2, 64), jnp.bfloat16), jnp.ones(8, jnp.int32), w13, w2, cfg,
+                         w2_bias=b["w2_bias"][:, :32])
+    with pytest.raises(ValueError, match="w13_bias must have dtype"):
+        cb.apply_batched(jnp.zeros((8, 2, 64), jnp.bfloat16), jnp.ones(8, jnp.int32), w13, w2, cfg,
+                         w13_bias=b["w13_bias"].astype(jnp.int32))
+    with pytest.raises(ValueError, match="w13_bias must have shape"):
+        fused_experts(x, w13, w2, tw, ids, activation="swigluoai", gate_up_layout="interleaved", backend="cutlass",
+                      w13_bias=b["w13_bias"][:, :32])
 
 
 # ----------------------------------------------------------------------------- FP8 on CPU
@@ -366,6 +475,33 @@ def test_fp8_router_weight_on_input_and_float32_x_match_xla_on_cpu(rng):
     out = _jit(cb.apply, x, q13, q2, tw, ids, cfg=cfg, quant=quant, apply_router_weight_on_input=True)
     ref = _jit(xla.apply, x, q13, q2, tw, ids, cfg=cfg, quant=quant, apply_router_weight_on_input=True)
     assert out.dtype == jnp.float32 and rel_err(out, ref) < FP8_REL_TOL
+
+
+def _fp8_quantize(x, w13, w2, cfg, mode, w13_bias):
+    """``quantize_weights("fp8", ...)`` of float weights as :func:`_fp8_moe_problem`'s ``mode`` says
+    (static scales calibrated on this batch, GEMM1's bias in the activation's calibration)."""
+    opts = {"static": dict(act="fp8_per_tensor", weight_scale="per_expert"),
+            "dynamic": dict(act="fp8_per_tensor", weight_scale="per_tensor"),
+            "per_token": dict(act="fp8_per_token", weight_scale="per_channel")}[mode]
+    if mode == "static":
+        from jax_moe.activations import activate
+
+        h1 = jnp.einsum("th,enh->ten", x.astype(jnp.float32), w13.astype(jnp.float32)) + w13_bias[None]
+        opts.update(a13_scale=calibrate_activation_scale("fp8_per_tensor", x),
+                    a2_scale=calibrate_activation_scale("fp8_per_tensor", activate(h1, cfg)))
+    return quantize_weights("fp8", w13, w2, **opts)
+
+
+@pytest.mark.parametrize("mode", FP8_MODES)
+def test_fp8_gptoss_layer_matches_xla_on_cpu(rng, mode):
+    """FP8 weights on a GPT-OSS-style layer: the same fused activation (bias, layout, swigluoai)
+    with each activation format, against backend="xla" on the same QuantConfig."""
+    t, e, k, h, i = 29, 8, 2, 64, 32
+    cfg, x, w13, w2, tw, ids, b = _gptoss_problem(rng, t, e, k, h, i)
+    q13, q2, quant = _fp8_quantize(x, w13, w2, cfg, mode, b["w13_bias"])
+    out = _jit(cb.apply, x, q13, q2, tw, ids, cfg=cfg, quant=quant, **b)
+    ref = _jit(xla.apply, x, q13, q2, tw, ids, cfg=cfg, quant=quant, **b)
+    assert rel_err(out, ref) < FP8_REL_TOL
 
 
 def test_fp8_dynamic_per_tensor_scales_are_over_the_tensor_handed_over(rng, monkeypatch):
@@ -564,9 +700,9 @@ def test_under_command_buffers(scheme, command_buffer_check):
 
 
 @pytest.mark.gpu
-def test_fused_experts_picks_cutlass_on_hopper_and_falls_back_for_biases(rng):
+def test_fused_experts_picks_cutlass_on_hopper_with_and_without_biases(rng):
     """On SM90 with the module built, bf16 fused_experts runs on cutlass without being forced
-    (the oracle says so), matches xla, and a call with biases goes to a backend that takes them."""
+    (the oracle says so), matches xla, and so does a call with biases (cutlass takes them)."""
     skip_unless_available(cb)
     e, h = 16, 1024
     cfg, x, w13, w2, w, ids = random_moe(rng, 77, e, 4, h, 512, dtype=jnp.bfloat16)
@@ -574,8 +710,64 @@ def test_fused_experts_picks_cutlass_on_hopper_and_falls_back_for_biases(rng):
     out = jax.jit(fused_experts)(x, w13, w2, w, ids)
     assert rel_err(out, fused_experts(x, w13, w2, w, ids, backend="xla")) < REL_TOL
     b2 = jnp.asarray(rng.standard_normal((e, h)), jnp.float32)
-    biased = fused_experts(x, w13, w2, w, ids, w2_bias=b2)  # no ValueError: not on cutlass
-    assert np.isfinite(np.asarray(biased, np.float32)).all()
+    feats = oracle.call_features(dtype=w13.dtype, w2_bias=b2)
+    assert oracle.select_backend(cfg, features=feats).name == "cutlass"
+    biased = jax.jit(lambda x, b: fused_experts(x, w13, w2, w, ids, w2_bias=b))(x, b2)
+    assert rel_err(biased, np_moe(x, w13, w2, w, ids, b2=b2)) < REL_TOL
+
+
+GPTOSS_GPU_CASES = [(t, e, k) for t in (1, 37, 1000) for e, k in ((8, 2), (16, 4), (128, 4))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,k", GPTOSS_GPU_CASES)
+def test_gptoss_layer_vs_definition_on_gpu(rng, t, e, k):
+    """The CUTLASS pipeline on GPT-OSS-style layers (swigluoai, interleaved, both biases; some ids
+    -1) against the float64 definition, with every tile, jitted, twice; NaN-poisoned memory."""
+    skip_unless_available(cb)
+    cfg, x, w13, w2, tw, ids, b = _gptoss_problem(rng, t, e, k, 512, 256, minus_one=0.1)
+    want = _np_definition(cfg, x, w13, w2, tw, ids, **b)
+    for tile in cb.TILES:
+        f = jax.jit(lambda x, tw, ids, b: cb.apply(x, w13, w2, tw, ids, cfg, tile=tile, **b))
+        for _ in range(2):
+            poison_memory(jax.ShapeDtypeStruct((t * k, 2 * 512), jnp.float32))
+            out = f(x, tw, ids, b)
+            assert out.dtype == x.dtype and out.shape == (t, 512)
+            assert rel_err(out, want) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["gpt-oss sizes", "relu2 with biases", "router weight on input", "one bias"])
+def test_gptoss_layer_variants_on_gpu(rng, case):
+    """GPT-OSS-120B's H = I = 2880 (E = 8 here, for the float64 definition's memory); relu2 with
+    its [E, I] GEMM1 bias; top-1 with the router weight on the input; the GEMM2 bias alone."""
+    skip_unless_available(cb)
+    t, e, k, h, i = 37, 8, 2, 512, 256
+    activation, kw = "swigluoai", {}
+    if case == "gpt-oss sizes":
+        h = i = 2880
+    if case.startswith("relu2"):
+        activation = "relu2"
+    cfg, x, w13, w2, tw, ids, b = _gptoss_problem(rng, t, e, k, h, i, activation)
+    if case == "one bias":
+        b = dict(w2_bias=b["w2_bias"])
+    if case == "router weight on input":
+        cfg = MoEConfig(e, 1, h, i, activation="swigluoai", gate_up_layout="interleaved")
+        tw, ids, kw = tw[:, :1], ids[:, :1], dict(apply_router_weight_on_input=True)
+    out = jax.jit(lambda x, tw, ids, b: cb.apply(x, w13, w2, tw, ids, cfg, **b, **kw))(x, tw, ids, b)
+    want = _np_definition(cfg, x, w13, w2, tw, ids, on_input=bool(kw), dtype=ml_dtypes.bfloat16, **b)
+    assert rel_err(out, want) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["static", "dynamic", "per_token"])
+def test_fp8_gptoss_layer_vs_xla_on_gpu(rng, mode):
+    skip_unless_available(cb)
+    t, e, k, h, i = 77, 16, 4, 512, 256
+    cfg, x, w13, w2, tw, ids, b = _gptoss_problem(rng, t, e, k, h, i, minus_one=0.1)
+    q13, q2, quant = _fp8_quantize(x, w13, w2, cfg, mode, b["w13_bias"])
+    out = jax.jit(lambda x, b: cb.apply(x, q13, q2, tw, ids, cfg, quant=quant, **b))(x, b)
+    assert rel_err(out, xla.apply(x, q13, q2, tw, ids, cfg, quant=quant, **b)) < FP8_REL_TOL
 
 
 # ----------------------------------------------------------------------------- FP8 on a GPU
@@ -804,16 +996,44 @@ def _batched_moe_problem(rng, e, c, h, i, counts, quant_mode=None, activation="s
     return jnp.asarray(x, jnp.bfloat16), w13, w2, MoEConfig(e, 1, h, i, activation=activation), quant
 
 
-def _batched_expert_definition(x, counts, w13, w2, cfg, quant):
+def _batched_expert_definition(x, counts, w13, w2, cfg, quant, **biases):
     """y[e, r] = expert_e(x[e, r]) on the used rows, zero elsewhere: backend="xla" with top-1 and
     weight 1 on the flattened rows (the padding zeroed first, so dynamic scales see what
-    apply_batched's do)."""
+    apply_batched's do); ``biases``: w13_bias / w2_bias."""
     e, c, h = x.shape
     used = np.arange(c)[None, :] < np.clip(np.asarray(counts), 0, c)[:, None]
     xf = jnp.where(jnp.asarray(used)[..., None], x, 0).reshape(e * c, h)
     ids = jnp.repeat(jnp.arange(e, dtype=jnp.int32), c)[:, None]
-    y = _jit(xla.apply, xf, w13, w2, jnp.ones((e * c, 1), jnp.float32), ids, cfg=cfg, quant=quant).reshape(e, c, h)
+    y = _jit(xla.apply, xf, w13, w2, jnp.ones((e * c, 1), jnp.float32), ids, cfg=cfg, quant=quant,
+             **biases).reshape(e, c, h)
     return np.where(used[..., None], np.asarray(y, np.float32), 0.0)
+
+
+def _batched_gptoss_problem(rng, e, c, h, i, counts, quant_mode):
+    """A GPT-OSS-style layer (swigluoai, interleaved, both biases) on the batched format: x [E, C, H]
+    with NaN padding, the weights (bf16, or FP8 as _fp8_quantize's ``quant_mode``), cfg, quant, biases."""
+    cfg, _, w13, w2, _, _, b = _gptoss_problem(rng, 4, e, 1, h, i)
+    x = rng.standard_normal((e, c, h))
+    x[~(np.arange(c)[None, :] < np.clip(counts, 0, c)[:, None])] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    quant = None
+    if quant_mode is not None:
+        w13, w2, quant = _fp8_quantize(jnp.nan_to_num(x.reshape(e * c, h)), w13, w2, cfg, quant_mode, b["w13_bias"])
+    return x, w13, w2, cfg, quant, b
+
+
+@pytest.mark.parametrize("quant_mode", [None, "dynamic", "per_token"])
+def test_apply_batched_with_gptoss_biases_on_cpu(rng, quant_mode):
+    """The batched expert stage on a GPT-OSS-style layer: each used row's expert bias (GEMM1's
+    inside the activation, GEMM2's on the output), unused rows zero (their activations, non-zero
+    with a bias, never read and never in a dynamic scale), NaN padding never read."""
+    counts = [3, 0, 6, 8, 1, -1, 2, 6]
+    x, w13, w2, cfg, quant, b = _batched_gptoss_problem(rng, 8, 6, 64, 32, counts, quant_mode)
+    out = _jit(cb.apply_batched, x, jnp.asarray(counts, jnp.int32), w13, w2, cfg=cfg, quant=quant, **b)
+    want = _batched_expert_definition(x, counts, w13, w2, cfg, quant, **b)
+    assert rel_err(out, want) < (REL_TOL if quant is None else FP8_REL_TOL)
+    out = np.asarray(out, np.float32)
+    assert (out[1] == 0).all() and (out[0, 3:] == 0).all() and (out[5] == 0).all()
 
 
 BATCHED_MOE_CASES = [(None, "silu"), (None, "relu2"), ("static", "gelu"), ("dynamic", "silu"),
@@ -895,6 +1115,19 @@ def test_apply_batched_vs_definition_on_gpu(rng, quant_mode, activation):
     f = jax.jit(lambda x, c: cb.apply_batched(x, c, w13, w2, cfg, quant=quant))
     for _ in range(2):
         out = f(x, jnp.asarray(counts, jnp.int32))
+        assert rel_err(out, want) < (REL_TOL if quant is None else FP8_REL_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant_mode", [None, "dynamic", "per_token"])
+def test_apply_batched_with_gptoss_biases_on_gpu(rng, quant_mode):
+    skip_unless_available(cb)
+    counts = [3, 0, 40, 64, 1, -1, 17, 99]
+    x, w13, w2, cfg, quant, b = _batched_gptoss_problem(rng, 8, 64, 512, 256, counts, quant_mode)
+    want = _batched_expert_definition(x, counts, w13, w2, cfg, quant, **b)
+    f = jax.jit(lambda x, c, b: cb.apply_batched(x, c, w13, w2, cfg, quant=quant, **b))
+    for _ in range(2):
+        out = f(x, jnp.asarray(counts, jnp.int32), b)
         assert rel_err(out, want) < (REL_TOL if quant is None else FP8_REL_TOL)
 
 

@@ -120,6 +120,108 @@ def test_the_custom_vjp_gives_the_gradient_of_the_definition(rng, t, e, k, activ
     assert float(jnp.abs(d13[e - 1]).max()) == 0.0 and float(jnp.abs(d2[e - 1]).max()) == 0.0
 
 
+def _gptoss_moe(rng, t, e, k, h, i, activation="swigluoai", minus_one=0.0, limit=None, x_scale=2.0):
+    """(moe, biases) of a random bf16 GPT-OSS-style layer: swigluoai on interleaved gate/up (relu2:
+    concat), alpha not the default, float32 biases; expert e - 1 receives no token. ``limit``
+    (None: picked here) is swigluoai's clamp: min(gate, limit) and clip(up) have a jump in their
+    derivative at +-limit, and cutlass rounds GEMM1's output to bf16 where xla keeps float32, so a
+    pre-activation within a rounding step of +-limit would take the derivative of the other side
+    on one backend. The limit picked is the candidate farthest from every pre-activation, with
+    some of them beyond it (the clamps' zero derivative is tested too)."""
+    from helpers import random_biases, random_routing
+
+    moe = random_moe(rng, t, e, k, h, i, activation=activation, dtype=jnp.bfloat16, experts=range(e - 1))
+    w, ids = random_routing(rng, t, e, k, experts=range(e - 1), minus_one=minus_one)
+    x = moe.x * x_scale
+    layout = "concat" if activation == "relu2" else "interleaved"
+    probe = MoEConfig(e, k, h, i, activation=activation, gate_up_layout=layout, expert_shard=bool(minus_one))
+    biases = random_biases(rng, probe)
+    if limit is None:
+        pre = np.einsum("th,tknh->tkn", np.asarray(x, np.float64), np.asarray(moe.w13, np.float64)[np.asarray(ids)])
+        pre = np.abs(pre + np.asarray(biases["w13_bias"], np.float64)[np.asarray(ids)])[np.asarray(ids) >= 0]
+        limit = max(np.arange(2.0, 4.0, 0.125), key=lambda v: np.abs(pre - v).min())
+    cfg = MoEConfig(e, k, h, i, activation=activation, gate_up_layout=layout, swiglu_alpha=1.5,
+                    swiglu_limit=float(limit), expert_shard=bool(minus_one))
+    return moe._replace(cfg=cfg, x=x, topk_weights=w, topk_ids=ids), biases
+
+
+def _bias_grads(fn, moe, biases, cot):
+    """Gradients of <fn(...), cot> for x, w13, w2, topk_weights, w13_bias, w2_bias."""
+    def loss(x, w13, w2, tw, b13, b2):
+        return jnp.sum(fn(x, w13, w2, tw, moe.topk_ids, b13, b2).astype(jnp.float32) * cot)
+
+    return jax.jit(jax.grad(loss, tuple(range(6))))(moe.x, moe.w13, moe.w2, moe.topk_weights,
+                                                   biases["w13_bias"], biases["w2_bias"])
+
+
+GRAD_NAMES = ("x", "w13", "w2", "topk_weights", "w13_bias", "w2_bias")
+
+
+def _check_biased_against_xla(moe, biases, cot, tol=BF16_GRAD_TOL, residuals="save", **options):
+    """cutlass's custom VJP with biases against jax.grad of the xla backend (every gradient)."""
+    f = differentiable(cutlass, lambda: cutlass, moe.cfg, residuals=residuals, **options)
+    got = _bias_grads(f, moe, biases, cot)
+    want = _bias_grads(lambda x, w13, w2, tw, ids, b13, b2: xla.apply(x, w13, w2, tw, ids, moe.cfg, w13_bias=b13,
+                                                                      w2_bias=b2, **options), moe, biases, cot)
+    for name, g, w in zip(GRAD_NAMES, got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert rel_err(g, w) < tol, name
+    return got
+
+
+@pytest.mark.parametrize("t,e,k,activation,residuals", [
+    (1, 4, 2, "swigluoai", "save"),
+    (37, 8, 2, "swigluoai", "recompute"),
+    (29, 16, 4, "swigluoai", "save"),
+    pytest.param(37, 8, 2, "relu2", "save", marks=pytest.mark.slow),
+])
+def test_gptoss_gradients_with_biases_match_xla(rng, t, e, k, activation, residuals):
+    """swigluoai on interleaved gate/up with both biases: gradients for x, w13, w2, topk_weights,
+    w13_bias and w2_bias (CPU: the kernels' jnp twins) match jax.grad of the xla backend; an
+    expert without tokens gets zero bias gradients."""
+    moe, biases = _gptoss_moe(rng, t, e, k, 32, 16, activation)
+    cot = jnp.asarray(rng.standard_normal((t, 32)), jnp.float32)
+    got = _check_biased_against_xla(moe, biases, cot, residuals=residuals)
+    db13, db2 = got[4], got[5]
+    assert float(jnp.abs(db13[e - 1]).max()) == 0.0 and float(jnp.abs(db2[e - 1]).max()) == 0.0
+
+
+def test_gptoss_gradients_with_ids_of_minus_one_and_router_weight_on_input(rng):
+    """Slots of experts on other devices carry no gradient (bias gradients included); top-1 with the
+    router weight on the input: dtopk_weights through the product, the biases unweighted."""
+    moe, biases = _gptoss_moe(rng, 19, 8, 2, 32, 16, minus_one=0.3)
+    got = _check_biased_against_xla(moe, biases, jnp.asarray(rng.standard_normal((19, 32)), jnp.float32))
+    ids = np.asarray(moe.topk_ids)
+    assert np.all(np.asarray(got[3])[ids < 0] == 0)
+    moe, biases = _gptoss_moe(rng, 13, 4, 1, 32, 16)
+    _check_biased_against_xla(moe, biases, jnp.asarray(rng.standard_normal((13, 32)), jnp.float32),
+                              apply_router_weight_on_input=True)
+
+
+def test_fused_experts_under_grad_trains_biases_on_cutlass(rng, monkeypatch):
+    """The public path: jax.grad through fused_experts with biases, the oracle on cutlass (its
+    support forced here, on CPU: its jnp twins): cutlass's vjp runs (not xla's) and gives xla's
+    gradients, the biases' included."""
+    monkeypatch.setattr(cutlass, "supports", lambda cfg, quant=None, device=None, **kw: (True, "ok"))
+    calls = []
+    real = cutlass.vjp_bwd
+    monkeypatch.setattr(cutlass, "vjp_bwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    moe, biases = _gptoss_moe(rng, 11, 8, 2, 32, 16)
+    cot = jnp.asarray(rng.standard_normal((11, 32)), jnp.float32)
+    opts = dict(activation="swigluoai", gate_up_layout="interleaved", swiglu_alpha=1.5,
+                swiglu_limit=moe.cfg.swiglu_limit)
+
+    def grads(backend):
+        return jax.grad(lambda x, w13, w2, tw, b13, b2: jnp.sum(fused_experts(
+            x, w13, w2, tw, moe.topk_ids, w13_bias=b13, w2_bias=b2, backend=backend, **opts).astype(jnp.float32)
+            * cot), tuple(range(6)))(moe.x, moe.w13, moe.w2, moe.topk_weights, biases["w13_bias"], biases["w2_bias"])
+
+    got = grads("cutlass")
+    assert calls, "cutlass.vjp_bwd did not run"
+    for name, g, w in zip(GRAD_NAMES, got, grads("xla")):
+        assert rel_err(g, w) < BF16_GRAD_TOL, name
+
+
 def test_fused_moe_under_grad_runs_the_cutlass_vjp(rng, monkeypatch):
     """The public path: jax.grad through fused_moe with the oracle on cutlass (its support forced
     here, on CPU: its jnp twins) gives the xla backend's gradients, the router logits' included."""
@@ -255,6 +357,18 @@ def test_gpu_the_cutlass_backward_matches_xla(rng, activation, residuals):
     skip_unless_available("cutlass")
     moe = random_moe(rng, 300, 16, 4, 512, 256, activation=activation, dtype=jnp.bfloat16, experts=range(15))
     _check_against_xla(moe, jnp.asarray(rng.standard_normal((300, 512)), jnp.float32), residuals=residuals)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,k,residuals", [(300, 16, 4, "save"), (37, 128, 4, "recompute"), (1, 8, 2, "save")])
+def test_gpu_gptoss_gradients_with_biases_match_xla(rng, t, e, k, residuals):
+    """On the CUTLASS kernels: swigluoai, interleaved gate/up, both biases: every gradient, the
+    biases' included, matches jax.grad of xla."""
+    skip_unless_available("cutlass")
+    # std ~1.4 pre-activations: none within a rounding step of +-7 (see _gptoss_moe)
+    moe, biases = _gptoss_moe(rng, t, e, k, 512, 256, limit=7.0, x_scale=1.0)
+    _check_biased_against_xla(moe, biases, jnp.asarray(rng.standard_normal((t, 512)), jnp.float32),
+                              residuals=residuals)
 
 
 _GRAD_COMMAND_BUFFER_SCRIPT = """

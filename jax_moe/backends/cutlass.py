@@ -5,13 +5,18 @@ One forward, every stage a custom call on the expert-sorted rows (:mod:`jax_moe.
     sort = sort_by_expert(topk_ids, E)                              # jax_moe.ffi
     a1 = permute_rows(x, sort.sorted_slots, k, valid_rows=valid)    # [T*k, H] bf16
     h = grouped_gemm(a1, w13, sort.offsets)                         # [T*k, 2I] (I for relu2)
-    a2 = act_and_mul(h, activation, valid_rows=valid)               # [T*k, I]
+    a2 = act_and_mul(h, activation, valid_rows=valid, layout=..., bias=w13_bias, offsets=sort.offsets)
     y = grouped_gemm(a2, w2, sort.offsets)                          # [T*k, H]
-    out = unpermute_reduce(y, sort.inverse, topk_weights, valid_rows=valid)   # [T, H]
+    out = unpermute_reduce(y, sort.inverse, topk_weights, valid_rows=valid,
+                           bias=w2_bias, offsets=sort.offsets)      # [T, H]
 
 ``valid = sort.offsets[E]``: slots whose expert id is outside ``[0, E)`` (expert-parallel ids of
 -1) sort last and are skipped. The weights are used as vLLM stores them (``w13 [E, 2I, H]`` gate
-rows then up rows, ``w2 [E, H, I]``, K contiguous): no repack, no per-call weight pass.
+rows then up rows, or alternating with ``gate_up_layout="interleaved"``; ``w2 [E, H, I]``, K
+contiguous): no repack, no per-call weight pass. GPT-OSS layers (``swigluoai``, interleaved
+gate/up, expert biases) run as they are stored: the activation kernel splits gate and up per the
+layout and adds each row's GEMM1 bias (its expert found from the offsets) before the activation,
+and the un-permute adds each row's GEMM2 bias before the routing weight.
 
 FP8 (``quant=QuantConfig("fp8", ...)``: float8_e4m3fn weights with per-tensor ``[]``, per-expert
 ``[E]`` or per-channel ``[E, N, 1]`` scales) runs the same pipeline on FP8 rows, each GEMM's
@@ -40,8 +45,11 @@ act_and_mul over all E*C rows -> GEMM2; no routing weights, those belong to the 
 parallelism CPU-tested on the jnp references, its multi-GPU tests written.
 
 Scope of this build: bf16, and FP8 W8A8 (``act`` ``fp8_per_tensor`` static or dynamic, or
-``fp8_per_token``; not ``bf16`` activations on FP8 weights); activations ``silu`` and ``gelu``
-(gated, gate/up rows concatenated) and ``relu2``; no biases; SM90 (``sm_90a``).
+``fp8_per_token``; not ``bf16`` activations on FP8 weights); activations ``silu``, ``gelu`` and
+``swigluoai`` (gated; gate/up rows concatenated or interleaved) and ``relu2`` (not gated: its
+GEMM1 bias added in jnp); expert biases ``w13_bias`` [E, 2I] / ``w2_bias`` [E, H] on every path
+(bf16, FP8, the batched format, training, where the backward returns their gradients); SM90
+(``sm_90a``).
 """
 
 from __future__ import annotations
@@ -51,7 +59,8 @@ import jax.numpy as jnp
 
 from jax_moe import ffi, kernels
 from jax_moe.backends import cutlass_vjp
-from jax_moe.backends.cutlass_vjp import relu2_rows
+from jax_moe.backends.cutlass_vjp import activation as _activation
+from jax_moe.backends.cutlass_vjp import act_options, bias_options
 from jax_moe.backends.cutlass_gemm import (  # noqa: F401  (the GEMM layer's names, re-exported)
     ALIGN_K,
     ALIGN_N,
@@ -74,7 +83,7 @@ from jax_moe.backends.cutlass_gemm import (  # noqa: F401  (the GEMM layer's nam
     pick_tile,
     workspace_size,
 )
-from jax_moe.config import check_rank
+from jax_moe.config import FLOAT_DTYPES, check_dtype, check_rank, check_shape
 from jax_moe.device import sm90_refusal
 from jax_moe.permute import batched_rows_used
 from jax_moe.quant import fp8
@@ -84,8 +93,9 @@ NAME = "cutlass"
 # call carries no dtype feature and supports() decides from the QuantConfig (scheme "fp8").
 # "batched": apply_batched, the expert stage on the batched format.
 # "grad": vjp_fwd/vjp_bwd, the backward on this backend's own kernels (bf16 weights).
-FEATURES = frozenset({"router_weight_on_input", "batched", "grad", "dtype:bfloat16"})
-ACTIVATIONS = ("silu", "gelu", "relu2")
+# "bias": w13_bias [E, 2I] and w2_bias [E, H], in every path (the fused kernels add them).
+FEATURES = frozenset({"bias", "router_weight_on_input", "batched", "grad", "dtype:bfloat16"})
+ACTIVATIONS = ("silu", "gelu", "swigluoai", "relu2")
 FP8_ACTS = ("fp8_per_tensor", "fp8_per_token")  # QuantConfig.act values the FP8 path serves
 
 
@@ -126,8 +136,8 @@ def _config_refusal(activation: str, gate_up_layout: str, h: int, i: int, quant)
     16-byte rows, the quant scheme. :func:`supports` returns it; the apply functions raise it."""
     if activation not in ACTIVATIONS:
         return f"activation {activation!r} is not wired up (have {', '.join(ACTIVATIONS)})"
-    if gate_up_layout != "concat":
-        return f"gate_up_layout {gate_up_layout!r} is not wired up (have 'concat': gate rows, then up)"
+    if gate_up_layout not in ("concat", "interleaved"):
+        return f"gate_up_layout {gate_up_layout!r} is not wired up (have 'concat', 'interleaved')"
     if h % ALIGN_N or i % ALIGN_N:
         return f"hidden and intermediate sizes (H={h}, I={i}) must be multiples of {ALIGN_N} (16-byte rows)"
     return _quant_refusal(quant, h, i)
@@ -159,31 +169,42 @@ def _fp8_gemm1_input(xin, sort, k, valid, quant):
                                 scale=_per_tensor_scale(quant.a13_scale, xin))
 
 
-def _fp8_gemm2_input(h1, cfg, valid, quant):
+def _fp8_gemm2_input(h1, cfg, valid, quant, offsets=None, b13=None, rows_used=None):
     """GEMM2's FP8 rows and scales: fused into act_and_mul for per-token and static scales; a
-    dynamic per-tensor scale needs the whole activation first (float32 pass, jnp quantization)."""
+    dynamic per-tensor scale needs the whole activation first (float32 pass, jnp quantization),
+    over the rows below ``valid`` (and in ``rows_used`` [M] bool where given: the batched format's).
+    ``b13`` [E, w13 rows] or None: the rows' expert bias (their experts from ``offsets``)."""
     fused = quant.act == "fp8_per_token" or quant.a2_scale is not None
     if cfg.gated and fused:
         mode = "fp8_per_token" if quant.act == "fp8_per_token" else "fp8_static"
         scale = None if mode == "fp8_per_token" else _per_tensor_scale(quant.a2_scale, None)
-        return kernels.act_and_mul(h1, cfg.activation, valid_rows=valid, quant=mode, scale=scale)
-    if cfg.gated:
-        a = kernels.act_and_mul(h1, cfg.activation, valid_rows=valid, out_dtype=jnp.float32)
-    else:
-        a = relu2_rows(h1, valid, jnp.float32)
+        return kernels.act_and_mul(h1, cfg.activation, valid_rows=valid, quant=mode, scale=scale, **act_options(cfg),
+                                   **bias_options(b13, offsets))
+    a = _activation(h1, cfg, valid, offsets, b13, jnp.float32)
+    if rows_used is not None:
+        a = jnp.where(rows_used[:, None], a, 0.0)
     return _quantize_rows(a, quant.act, quant.a2_scale)
 
 
-def _check_biases(w13_bias, w2_bias) -> None:
-    if w13_bias is not None or w2_bias is not None:
-        raise ValueError(f"{NAME}: GEMM biases are not supported yet (use backend='flashinfer_cutlass' or 'xla')")
+def _check_biases(w13_bias, w2_bias, w13, w2) -> None:
+    """ValueError naming the bias whose shape is not the weights' (w13_bias [E, 2I] ([E, I] for
+    relu2: w13's rows), w2_bias [E, H]) or whose dtype is not a float."""
+    e, n1, h = w13.shape[0], w13.shape[1], w2.shape[1]
+    for name, b, shape, what in (("w13_bias", w13_bias, (e, n1), "[E, 2I]: w13's experts and rows"),
+                                 ("w2_bias", w2_bias, (e, h), "[E, H]: w2's experts and rows")):
+        if b is None:
+            continue
+        check_rank(name, b, 2, what)
+        check_shape(name, b, shape, what)
+        check_dtype(name, b, FLOAT_DTYPES)
 
 
 def _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bias,
                  apply_router_weight_on_input, tile) -> None:
-    """ValueError for what this build does not take (quant schemes, biases, activations, dtypes, shapes)."""
-    _check_biases(w13_bias, w2_bias)
+    """ValueError for what this build does not take (quant schemes, activations, dtypes, shapes,
+    bias shapes)."""
     _check_experts(x, w13, w2, cfg, quant, tile)
+    _check_biases(w13_bias, w2_bias, w13, w2)
     t = x.shape[0]
     k = topk_ids.shape[1]
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != t:
@@ -219,14 +240,17 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     """``y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` on jax_moe's CUTLASS
     grouped GEMMs (the oracle's entry point; ``fused_experts`` checks the shapes first).
 
-    x [T, H] float; w13 [E, 2I, H] (gate rows, then up; [E, I, H] for relu2); w2 [E, H, I]:
-    bfloat16 (x computed in bf16), or float8_e4m3fn with ``quant`` a ``QuantConfig("fp8", ...)``
-    (x quantized from its own dtype; see the module note for the scales). topk_weights [T, k]
-    float; topk_ids [T, k] int32 in [0, E), or outside it (-1: an expert on another rank) for a
-    skipped slot. With ``apply_router_weight_on_input`` (top-1) the weight scales x and the
-    experts' outputs are summed. ``tile``: both GEMMs' tile (:func:`grouped_gemm`). Returns
-    [T, H] in x's dtype. Raises ValueError for what this build does not take: other schemes or
-    activation formats, biases, other activations, other weight dtypes.
+    x [T, H] float; w13 [E, 2I, H] (gate rows, then up, or alternating per
+    ``cfg.gate_up_layout``; [E, I, H] for relu2); w2 [E, H, I]: bfloat16 (x computed in bf16),
+    or float8_e4m3fn with ``quant`` a ``QuantConfig("fp8", ...)`` (x quantized from its own
+    dtype; see the module note for the scales). topk_weights [T, k] float; topk_ids [T, k] int32
+    in [0, E), or outside it (-1: an expert on another rank) for a skipped slot. ``w13_bias``
+    [E, 2I] ([E, I] for relu2) and ``w2_bias`` [E, H] float, or None: each expert's
+    ``W2[e] act(W13[e] x + b13[e]) + b2[e]``, biases added in float32. With
+    ``apply_router_weight_on_input`` (top-1) the weight scales x and the experts' outputs are
+    summed. ``tile``: both GEMMs' tile (:func:`grouped_gemm`). Returns [T, H] in x's dtype.
+    Raises ValueError for what this build does not take: other schemes or activation formats,
+    other activations, other weight dtypes, biases of other shapes.
     """
     _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bias,
                  apply_router_weight_on_input, tile)
@@ -238,6 +262,7 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
         tile = pick_tile(t * k, e)
     if quant is None:
         return cutlass_vjp.forward(x, w13, w2, topk_weights, topk_ids, cfg, tile=tile, residuals="recompute",
+                                   w13_bias=w13_bias, w2_bias=w2_bias,
                                    apply_router_weight_on_input=apply_router_weight_on_input)[0]
     tw = topk_weights.astype(jnp.float32)
     sort = ffi.sort_by_expert(topk_ids.astype(jnp.int32), e)
@@ -247,11 +272,12 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     a1, s1 = _fp8_gemm1_input(xin, sort, k, valid, quant)
     h1 = grouped_gemm(a1, w13, sort.offsets, a_scale=s1, b_scale=jnp.asarray(quant.w13_scale, jnp.float32),
                       tile=tile)
-    a2, s2 = _fp8_gemm2_input(h1, cfg, valid, quant)
+    a2, s2 = _fp8_gemm2_input(h1, cfg, valid, quant, sort.offsets, w13_bias)
     y = grouped_gemm(a2, w2, sort.offsets, a_scale=s2, b_scale=jnp.asarray(quant.w2_scale, jnp.float32),
                      tile=tile)
-    return kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid,
-                                    apply_router_weight_on_input=apply_router_weight_on_input, out_dtype=x.dtype)
+    return kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid, out_dtype=x.dtype,
+                                    apply_router_weight_on_input=apply_router_weight_on_input,
+                                    **bias_options(w2_bias, sort.offsets))
 
 
 def vjp_fwd(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None, w2_bias=None,
@@ -265,7 +291,7 @@ def vjp_fwd(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=Non
     _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, None, w13_bias, w2_bias,
                  apply_router_weight_on_input, tile)
     return cutlass_vjp.forward(x, w13, w2, topk_weights, topk_ids, cfg, residuals=residuals,
-                               tile=_vjp_tile(tile, x, topk_ids, w13),
+                               tile=_vjp_tile(tile, x, topk_ids, w13), w13_bias=w13_bias, w2_bias=w2_bias,
                                apply_router_weight_on_input=apply_router_weight_on_input)
 
 
@@ -273,11 +299,12 @@ def vjp_bwd(res, g, cfg, *, quant=None, w13_bias=None, w2_bias=None, apply_route
             tile: str | None = "auto", residuals: str = "save"):
     """The backward of :func:`vjp_fwd` for the cotangent g [T, H] -> (dx, dw13, dw2, dtopk_weights,
     dw13_bias, dw2_bias) on jax_moe's grouped GEMMs (input gradients against the stored weights,
-    weight gradients as a reduction over each expert's rows); no biases here (None)."""
-    dx, d13, d2, dtw = cutlass_vjp.backward(
+    weight gradients as a reduction over each expert's rows; a bias's gradient is the sum of its
+    expert's rows of the pre-activation / output gradient, None where the call had no bias).
+    The biases come from the residuals (``w13_bias``/``w2_bias`` here are not read)."""
+    return cutlass_vjp.backward(
         res, g, cfg, residuals=residuals, tile=_vjp_tile(tile, res["x"], res["topk_ids"], res["w13"]),
         apply_router_weight_on_input=apply_router_weight_on_input)
-    return dx, d13, d2, dtw, None, None
 
 
 def _vjp_tile(tile, x, topk_ids, w13) -> str:
@@ -288,7 +315,6 @@ def _vjp_tile(tile, x, topk_ids, w13) -> str:
 
 
 def _check_apply_batched(x, counts, w13, w2, cfg, quant, w13_bias, w2_bias, tile) -> None:
-    _check_biases(w13_bias, w2_bias)
     check_rank("x", x, 3, "[E, C, H]")
     check_rank("counts", counts, 1, "[E]")
     if jnp.dtype(counts.dtype) != jnp.int32:
@@ -298,6 +324,7 @@ def _check_apply_batched(x, counts, w13, w2, cfg, quant, w13_bias, w2_bias, tile
     if x.shape[0] != e or counts.shape[0] != e:
         raise ValueError(f"{NAME}: x [E, C, H] and counts [E] must have the weights' E = {e} experts, "
                          f"got x {list(x.shape)}, counts {list(counts.shape)}")
+    _check_biases(w13_bias, w2_bias, w13, w2)
 
 
 def apply_batched(x: jax.Array, counts: jax.Array, w13: jax.Array, w2: jax.Array, cfg, *, quant=None,
@@ -308,17 +335,20 @@ def apply_batched(x: jax.Array, counts: jax.Array, w13: jax.Array, w2: jax.Array
     holds its tokens grouped per local expert: x [E, C, H] (C a static capacity; rows at or past
     ``counts[e]`` are padding, never read), counts [E] int32 (clamped to [0, C] on the device), the
     weights as :func:`apply` takes them (E here is the experts this call owns: E_local under EP).
-    No routing weights: the weighted top-k reduce belongs to the combine. Returns y [E, C, H] in
-    x's dtype, rows at or past ``counts[e]`` zero.
+    No routing weights: the weighted top-k reduce belongs to the combine. ``w13_bias`` /
+    ``w2_bias`` as for :func:`apply`. Returns y [E, C, H] in x's dtype, rows at or past
+    ``counts[e]`` zero.
 
-    Pipeline, on E*C rows::
+    Pipeline, on E*C rows (row e*C + r is expert e's: offsets ``C * arange(E + 1)``)::
 
         h = grouped_gemm_batched(x, w13, counts)                      # [E, C, 2I]
-        a = act_and_mul(h.reshape(E*C, 2I), activation)              # [E*C, I] (relu2: jnp)
+        a = act_and_mul(h.reshape(E*C, 2I), activation, bias=b13)    # [E*C, I] (relu2: jnp)
         y = grouped_gemm_batched(a.reshape(E, C, I), w2, counts)     # [E, C, H]
+        y = y + b2[e] on the used rows                                # jnp
 
     act_and_mul runs over every row: the unused rows of h are zeros (GEMM1 writes them so), act(0)
-    * 0 = 0, and GEMM2 never reads them. FP8 (``quant`` as for :func:`apply`): x is quantized in
+    * 0 = 0 (with a bias not zero, but GEMM2 never reads them, and a dynamic GEMM2 scale is taken
+    over the used rows only). FP8 (``quant`` as for :func:`apply`): x is quantized in
     jnp (per-token scales [E, C], or per tensor: the static ``a13_scale``, or the dynamic amax over
     the used rows only); GEMM2's input as in :func:`apply` (fused into act_and_mul for per-token
     and static scales). ``tile``: both GEMMs' (``"auto"``: from C, :func:`pick_tile`).
@@ -337,23 +367,24 @@ def apply_batched(x: jax.Array, counts: jax.Array, w13: jax.Array, w2: jax.Array
         tile = pick_tile(e * c, e)
     rows = e * c
     valid = jnp.full((1,), rows, jnp.int32)  # every row: the unused ones are zeros from GEMM1
+    offsets = c * jnp.arange(e + 1, dtype=jnp.int32)  # row e*C + r: expert e
+    used = batched_rows_used(counts, c)  # [E, C]
     if quant is None:
         h1 = grouped_gemm_batched(x.astype(jnp.bfloat16), w13, counts, tile=tile).reshape(rows, -1)
-        if cfg.gated:
-            a2 = kernels.act_and_mul(h1, cfg.activation, valid_rows=valid)
-        else:
-            a2 = relu2_rows(h1, valid, jnp.bfloat16)
+        a2 = _activation(h1, cfg, valid, offsets, w13_bias)
         y = grouped_gemm_batched(a2.reshape(e, c, i), w2, counts, tile=tile)
     else:
         xf = x.astype(jnp.float32)
         if quant.act == "fp8_per_tensor" and quant.a13_scale is None:  # dynamic: amax over the used rows
-            xf = jnp.where(batched_rows_used(counts, c)[..., None], xf, 0.0)
+            xf = jnp.where(used[..., None], xf, 0.0)
         a1, s1 = _quantize_rows(xf.reshape(rows, h), quant.act, quant.a13_scale)
         h1 = grouped_gemm_batched(a1.reshape(e, c, h), w13, counts, a_scale=_batched_scale(s1, e, c),
                                   b_scale=jnp.asarray(quant.w13_scale, jnp.float32), tile=tile)
-        a2, s2 = _fp8_gemm2_input(h1.reshape(rows, -1), cfg, valid, quant)
+        a2, s2 = _fp8_gemm2_input(h1.reshape(rows, -1), cfg, valid, quant, offsets, w13_bias, used.reshape(rows))
         y = grouped_gemm_batched(a2.reshape(e, c, i), w2, counts, a_scale=_batched_scale(s2, e, c),
                                  b_scale=jnp.asarray(quant.w2_scale, jnp.float32), tile=tile)
+    if w2_bias is not None:
+        y = jnp.where(used[..., None], y.astype(jnp.float32) + w2_bias.astype(jnp.float32)[:, None, :], 0.0)
     return y.astype(x.dtype)
 
 

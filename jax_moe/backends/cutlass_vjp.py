@@ -5,23 +5,30 @@ Forward (:func:`forward`), rows in expert-sorted order (:mod:`jax_moe.kernels`):
     sort = sort_by_expert(topk_ids, E)                         # jax_moe.ffi
     a1 = permute_rows(x, sort.sorted_slots, k)                 # [R, H]   R = T*k
     h1 = grouped_gemm(a1, w13, sort.offsets)                   # [R, 2I]  (I for relu2)
-    a2 = act_and_mul(h1)                                       # [R, I]
+    a2 = act_and_mul(h1, bias=b13, offsets)                    # [R, I]   act(h1 + b13[e(row)])
     y = grouped_gemm(a2, w2, sort.offsets)                     # [R, H]
-    out = unpermute_reduce(y, sort.inverse, topk_weights)      # [T, H]
+    out = unpermute_reduce(y, sort.inverse, topk_weights, bias=b2, offsets)   # [T, H]
+
+The activation follows ``cfg`` (silu, gelu, swigluoai with its alpha and limit; gate/up
+concatenated or interleaved; relu2 in jnp); the expert biases b13 [E, 2I] and b2 [E, H] are
+optional, each row's expert being the e with ``offsets[e] <= row < offsets[e+1]``.
 
 Backward (:func:`backward`, the cotangent g [T, H]), the same rows and offsets::
 
     dy = permute_rows(g) * topk_weights[slot]                  # [R, H]
-    dtw[t, j] = <g[t], y[row(t, j)]>                           # [T, k]  (the router learns)
+    dtw[t, j] = <g[t], y[row(t, j)] + b2[e]>                   # [T, k]  (the router learns)
     da2 = grouped_gemm_dgrad(dy, w2, offsets)                  # [R, I]   dy @ w2[e]
     dw2 = grouped_gemm_wgrad(dy, a2, offsets)                  # [E, H, I]
-    dh1 = vjp(act_and_mul)(h1, da2)                            # [R, 2I]  (jnp, float32)
+    db2[e] = sum of dy over e's rows                           # [E, H]
+    dh1 = vjp(act)(h1 + b13[e], da2)                           # [R, 2I]  (jnp, float32)
+    db13[e] = sum of dh1 over e's rows                         # [E, 2I]
     da1 = grouped_gemm_dgrad(dh1, w13, offsets)                # [R, H]   dh1 @ w13[e]
     dw13 = grouped_gemm_wgrad(dh1, a1, offsets)                # [E, 2I, H]
     dx = unpermute_reduce(da1, inverse, ones)                  # [T, H]
 
-The activation's VJP is ``jax.vjp`` of its jnp definition (:func:`jax_moe.activations.activate`),
-which XLA fuses into one elementwise pass. Residuals (:func:`forward`'s second result): with
+The activation's VJP is ``jax.vjp`` of its jnp definition (:func:`jax_moe.activations.activate`,
+on the pre-activation ``h1 + b13[e]``), which XLA fuses into one elementwise pass; the bias
+gradients are ``jax.ops.segment_sum`` over the rows' experts. Residuals (:func:`forward`'s second result): with
 ``residuals="save"`` the permuted rows ``a1``, GEMM1's pre-activation ``h1`` and GEMM2's rows
 ``y`` (named ``"moe_a1"``, ``"moe_h1"``, ``"moe_y"`` with ``jax.ad_checkpoint.checkpoint_name``,
 so remat policies can pick them), plus the sort; with ``"recompute"`` only the inputs, and the
@@ -44,26 +51,43 @@ from jax_moe.config import MoEConfig
 RESIDUALS = ("save", "recompute")
 
 
-def relu2_rows(h, valid, dtype):
-    """relu(h)^2 in float32, rows at or past ``valid[0]`` zero (act_and_mul's convention)."""
+def relu2_rows(h, valid, dtype, bias=None, offsets=None):
+    """relu(h + bias[e(row)])^2 in float32, rows at or past ``valid[0]`` zero (act_and_mul's
+    convention); ``bias`` [E, I] float32 with ``offsets`` [E+1] (the rows' experts), or None."""
     rows = jnp.arange(h.shape[0], dtype=jnp.int32) < valid[0]
-    r = jnp.maximum(h.astype(jnp.float32), 0.0)
+    hf = h.astype(jnp.float32)
+    if bias is not None:
+        hf = hf + bias[kernels.expert_of_row(offsets, h.shape[0])]
+    r = jnp.maximum(hf, 0.0)
     return jnp.where(rows[:, None], r * r, 0.0).astype(dtype)
 
 
-def _act(h1, cfg: MoEConfig, valid):
-    """GEMM2's input from GEMM1's rows: the fused act_and_mul (gated) or relu(h)^2 in jnp."""
+def act_options(cfg: MoEConfig) -> dict:
+    """:func:`jax_moe.kernels.act_and_mul`'s keywords for ``cfg``: the gate/up layout and swigluoai's constants."""
+    return dict(layout=cfg.gate_up_layout, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+
+
+def bias_options(bias, offsets) -> dict:
+    """The kernels' ``bias``/``offsets`` keywords: a float32 bias with the sort's offsets, or nothing."""
+    return {} if bias is None else dict(bias=bias.astype(jnp.float32), offsets=offsets)
+
+
+def activation(h1, cfg: MoEConfig, valid, offsets, b13, dtype=jnp.bfloat16):
+    """GEMM2's input from GEMM1's rows: the fused act_and_mul (gated) or relu(h)^2 in jnp, the
+    rows' expert bias ``b13`` [E, w13 rows] (or None) added first; rows at or past ``valid[0]`` zero."""
     if cfg.gated:
-        return kernels.act_and_mul(h1, cfg.activation, valid_rows=valid)
-    return relu2_rows(h1, valid, jnp.bfloat16)
+        return kernels.act_and_mul(h1, cfg.activation, valid_rows=valid, out_dtype=dtype, **act_options(cfg),
+                                   **bias_options(b13, offsets))
+    return relu2_rows(h1, valid, dtype, None if b13 is None else b13.astype(jnp.float32), offsets)
 
 
-def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, apply_router_weight_on_input: bool = False,
-            tile: str = "auto", residuals: str = "save"):
+def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None, w2_bias=None,
+            apply_router_weight_on_input: bool = False, tile: str = "auto", residuals: str = "save"):
     """The bf16 forward on checked arguments -> (out [T, H] in x's dtype, residuals).
 
     x [T, H] float (computed in bf16); w13 [E, 2I, H] bf16; w2 [E, H, I] bf16; topk_weights
-    [T, k] float; topk_ids [T, k] int32. ``tile``: both GEMMs' (resolved by the caller).
+    [T, k] float; topk_ids [T, k] int32; w13_bias [E, 2I] / w2_bias [E, H] float (added in
+    float32) or None. ``tile``: both GEMMs' (resolved by the caller).
     ``residuals``: what the backward gets (see the module note); :func:`backward` takes them.
     """
     if residuals not in RESIDUALS:
@@ -75,10 +99,12 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, apply_router_
     xin = x.astype(jnp.float32) * tw if apply_router_weight_on_input else x
     a1 = kernels.permute_rows(xin.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid)
     h1 = grouped_gemm(a1, w13, sort.offsets, tile=tile)
-    y = grouped_gemm(_act(h1, cfg, valid), w2, sort.offsets, tile=tile)
-    out = kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid,
-                                   apply_router_weight_on_input=apply_router_weight_on_input, out_dtype=x.dtype)
-    res = {"x": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w2": w2}
+    y = grouped_gemm(activation(h1, cfg, valid, sort.offsets, w13_bias), w2, sort.offsets, tile=tile)
+    out = kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid, out_dtype=x.dtype,
+                                   apply_router_weight_on_input=apply_router_weight_on_input,
+                                   **bias_options(w2_bias, sort.offsets))
+    res = {"x": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w2": w2,
+           "w13_bias": w13_bias, "w2_bias": w2_bias}
     if residuals == "save":
         res.update(sort=sort, a1=checkpoint_name(a1, "moe_a1"), h1=checkpoint_name(h1, "moe_h1"),
                    y=checkpoint_name(y, "moe_y"))
@@ -88,35 +114,44 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, apply_router_
 def backward(res: dict, g: jax.Array, cfg: MoEConfig, *, apply_router_weight_on_input: bool = False,
              tile: str = "auto", residuals: str = "save"):
     """The VJP of :func:`forward` at its residuals for the cotangent g [T, H] ->
-    (dx [T, H], dw13 [E, 2I, H], dw2 [E, H, I], dtopk_weights [T, k]), each in its input's dtype."""
+    (dx [T, H], dw13 [E, 2I, H], dw2 [E, H, I], dtopk_weights [T, k], dw13_bias [E, 2I] or None,
+    dw2_bias [E, H] or None), each in its input's dtype."""
     x, topk_weights, w13, w2 = res["x"], res["topk_weights"], res["w13"], res["w2"]
+    b13, b2 = res["w13_bias"], res["w2_bias"]
     if residuals == "recompute":
-        _, res = forward(x, w13, w2, topk_weights, res["topk_ids"], cfg, tile=tile, residuals="save",
-                         apply_router_weight_on_input=apply_router_weight_on_input)
+        _, res = forward(x, w13, w2, topk_weights, res["topk_ids"], cfg, w13_bias=b13, w2_bias=b2, tile=tile,
+                         residuals="save", apply_router_weight_on_input=apply_router_weight_on_input)
     sort, a1, h1, y = res["sort"], res["a1"], res["h1"], res["y"]
     t, k = topk_weights.shape
     e = w13.shape[0]
     valid = sort.offsets[e:]
     tw = topk_weights.astype(jnp.float32)
     slot_ok = (sort.inverse < valid[0]).reshape(t, k)  # slots whose expert is on this rank
+    row_expert = kernels.expert_of_row(sort.offsets, h1.shape[0])
 
-    # out[t] = sum_j w[t, j] * y[row(t, j)]  (router weight on input: a plain sum)
+    # out[t] = sum_j w[t, j] * (y[row(t, j)] + b2[e])  (router weight on input: a plain sum)
     g_rows = kernels.permute_rows(g.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid)
     if apply_router_weight_on_input:
-        dy = g_rows
+        dy_f32 = g_rows.astype(jnp.float32)
     else:
         w_rows = tw.reshape(-1)[sort.sorted_slots]
-        dy = (g_rows.astype(jnp.float32) * w_rows[:, None]).astype(jnp.bfloat16)
+        dy_f32 = g_rows.astype(jnp.float32) * w_rows[:, None]
         y_slots = jnp.take(y, sort.inverse, axis=0, mode="fill", fill_value=0).reshape(t, k, -1)
         dtw = jnp.einsum("th,tkh->tk", g.astype(jnp.float32), y_slots.astype(jnp.float32))
+        if b2 is not None:  # <g[t], b2[e]> for e = topk_ids[t, j]
+            gb = g.astype(jnp.float32) @ b2.astype(jnp.float32).T  # [T, E]
+            dtw = dtw + jnp.take_along_axis(gb, jnp.clip(res["topk_ids"], 0, e - 1).astype(jnp.int32), axis=1)
         dtw = jnp.where(slot_ok, dtw, 0.0)
+    dy = dy_f32.astype(jnp.bfloat16)
+    db2 = None if b2 is None else jax.ops.segment_sum(dy_f32, row_expert, num_segments=e).astype(b2.dtype)
 
-    # y = a2 @ w2[e].T ; a2 = act(h1)
-    a2, act_vjp = jax.vjp(lambda h: _masked_act(h, cfg, valid), h1.astype(jnp.float32))
+    # y = a2 @ w2[e].T ; a2 = act(h1 + b13[e])
+    a2, act_vjp = jax.vjp(lambda h: _masked_act(h, cfg, valid, row_expert, b13), h1.astype(jnp.float32))
     da2 = grouped_gemm_dgrad(dy, w2, sort.offsets, tile=tile)
     dw2 = grouped_gemm_wgrad(dy, a2.astype(jnp.bfloat16), sort.offsets)
-    (dh1,) = act_vjp(da2.astype(jnp.float32))
-    dh1 = dh1.astype(jnp.bfloat16)
+    (dh1_f32,) = act_vjp(da2.astype(jnp.float32))
+    dh1 = dh1_f32.astype(jnp.bfloat16)
+    db13 = None if b13 is None else jax.ops.segment_sum(dh1_f32, row_expert, num_segments=e).astype(b13.dtype)
 
     # h1 = a1 @ w13[e].T ; a1 = xin[slot // k]
     da1 = grouped_gemm_dgrad(dh1, w13, sort.offsets, tile=tile)
@@ -128,10 +163,14 @@ def backward(res: dict, g: jax.Array, cfg: MoEConfig, *, apply_router_weight_on_
         dtw = jnp.where(slot_ok, dtw, 0.0)
     else:
         dx = dxin
-    return (dx.astype(x.dtype), dw13.astype(w13.dtype), dw2.astype(w2.dtype), dtw.astype(topk_weights.dtype))
+    return (dx.astype(x.dtype), dw13.astype(w13.dtype), dw2.astype(w2.dtype), dtw.astype(topk_weights.dtype),
+            db13, db2)
 
 
-def _masked_act(h, cfg: MoEConfig, valid):
-    """The activation's jnp definition on float32 rows, rows at or past ``valid[0]`` zero."""
+def _masked_act(h, cfg: MoEConfig, valid, row_expert, b13):
+    """The activation's jnp definition on float32 rows plus their expert's bias, rows at or past
+    ``valid[0]`` zero."""
     rows = jnp.arange(h.shape[0], dtype=jnp.int32) < valid[0]
+    if b13 is not None:
+        h = h + b13.astype(jnp.float32)[row_expert]
     return jnp.where(rows[:, None], activate(h, cfg), 0.0)
