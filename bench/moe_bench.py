@@ -8,6 +8,7 @@
     python bench/moe_bench.py --scheme w4a8   # int4 group-128 weights, FP8 activations
     python bench/moe_bench.py --scheme f16    # float16 activations and weights
     python bench/moe_bench.py --impls xla cutlass tokamax --in-loop 1 16   # + device time per layer
+    python bench/moe_bench.py --models gptoss-native   # GPT-OSS's own layer: swigluoai, interleaved, biases
 
 Columns: each implementation's median time (ms), its speedup over the plain sort +
 ``jax.lax.ragged_dot`` MoE, and the floor ``max(bytes / bandwidth, FLOPs / peak)`` with the
@@ -26,6 +27,12 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
 - ``tokamax`` (bf16 only, where tokamax is importable on an NVIDIA GPU; :mod:`bench.peers`): the
   same routing and data through tokamax's Mosaic-GPU ``ragged_dot``, the peer to beat. Its column
   is followed by "vs tokamax", tokamax's time over the best jax_moe time (above 1: jax_moe is faster).
+
+``gptoss-native`` is GPT-OSS-120B's layer as the model defines it (``gptoss`` is its shapes with
+silu): ``swigluoai`` on interleaved gate/up rows with random float32 expert biases, run by the
+implementations that take all of it (``xla``, ``cutlass``, ``flashinfer_cutlass`` where built);
+``ragged_dot``, ``dense`` and ``tokamax`` compute a silu MoE without biases and are skipped for
+it, with the reason printed.
 
 ``best`` names the fastest jax_moe implementation of the row (``ragged_dot``, ``dense`` and the
 peers are not jax_moe's). ``--impls`` restricts the columns; ``--in-loop T ...`` adds a second
@@ -79,6 +86,14 @@ class Model:
     h: int
     i: int
     k: int
+    activation: str = "silu"
+    gate_up_layout: str = "concat"
+    biases: bool = False  # random float32 w13_bias [E, 2I] and w2_bias [E, H]
+
+    @property
+    def cfg(self) -> MoEConfig:
+        return MoEConfig(self.e, self.k, self.h, self.i, activation=self.activation,
+                         gate_up_layout=self.gate_up_layout)
 
 
 MODELS = {
@@ -86,6 +101,7 @@ MODELS = {
     "qwen3": Model("Qwen3-30B-A3B", 128, 2048, 768, 8),
     "deepseek": Model("DeepSeek-V3", 256, 7168, 2048, 8),
     "gptoss": Model("GPT-OSS-120B", 128, 2880, 2880, 4),
+    "gptoss-native": Model("GPT-OSS-120B native", 128, 2880, 2880, 4, "swigluoai", "interleaved", biases=True),
     "tiny": Model("tiny (CPU demo)", 16, 256, 128, 4),
 }
 
@@ -139,33 +155,61 @@ def dense_reference(x, w13, w2, w, ids, cfg):
     return jnp.einsum("tkh,tk->th", y, w).astype(x.dtype)
 
 
-def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16, only: list[str] | None = None) -> dict:
+def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16, only: list[str] | None = None,
+                    biases: tuple[jax.Array, jax.Array] | None = None) -> dict:
     """name -> (uses the scheme's weights?, prepare(w13, w2) -> weights (load time, untimed),
     fn(x, weights, w, ids)); ``dtype``: the unquantized scheme weights' dtype (float16 for f16);
-    ``only``: the names to keep (None: every one that runs here)."""
+    ``only``: the names to keep (None: every one that runs here); ``biases``: (w13_bias [E, 2I],
+    w2_bias [E, H]) that every implementation applies (they travel with the weights: jit
+    arguments, never constants), or None. The baselines and peers, which compute a silu MoE
+    without biases, are left out of a layer that is not one (the reason printed)."""
     want = (lambda name: True) if only is None else (lambda name: name in only)  # noqa: E731
-    same = lambda w13, w2: (w13, w2)  # noqa: E731
+    b13, b2 = biases if biases is not None else (None, None)
+
+    def same(w13, w2):
+        return (w13, w2) if biases is None else (w13, w2, b13, b2)
+
+    def bias_kw(ws) -> dict:
+        return {} if len(ws) == 2 else dict(w13_bias=ws[2], w2_bias=ws[3])
+
     impls = {
-        "xla": (True, same, lambda x, ws, w, ids: xla.apply(x, *ws, w, ids, cfg, quant=quant)),
+        "xla": (True, same, lambda x, ws, w, ids: xla.apply(x, *ws[:2], w, ids, cfg, quant=quant, **bias_kw(ws))),
         "ragged_dot": (False, same, lambda x, ws, w, ids: xla.apply(x, *ws, w, ids, cfg, strategy="ragged_dot")),
     }
     if quant is None:
         impls["dense"] = (False, same, lambda x, ws, w, ids: dense_reference(x, *ws, w, ids, cfg))
+    plain = biases is None and cfg.activation == "silu" and cfg.gate_up_layout == "concat"
+    for name in ("ragged_dot", "dense", "tokamax"):
+        if not plain and want(name):
+            impls.pop(name, None)
+            print(f"# {name}: not run (computes a silu MoE on concatenated gate/up without biases; this layer is "
+                  f"{cfg.activation}, {cfg.gate_up_layout}{', with biases' if biases is not None else ''})")
     impls = {name: v for name, v in impls.items() if want(name)}
+    features = oracle.call_features(dtype=dtype, w13_bias=b13, w2_bias=b2)
     for name in oracle.MODULES:
         if name == "xla" or not want(name):
             continue
-        mod, ok, reason = oracle.probe(name, cfg, quant, None, oracle.call_features(dtype=dtype))
+        mod, ok, reason = oracle.probe(name, cfg, quant, None, features)
         if not ok:
             print(f"# {name}: not run ({reason})")
         elif hasattr(mod, "prepare") and hasattr(mod, "apply_prepared"):
-            impls[name] = (True, lambda w13, w2, mod=mod: mod.prepare(w13, w2, cfg, quant),
+            impls[name] = (True, lambda w13, w2, mod=mod: mod.prepare(w13, w2, cfg, quant, w13_bias=b13, w2_bias=b2),
                            lambda x, p, w, ids, mod=mod: mod.apply_prepared(x, p, w, ids))
         else:
-            impls[name] = (True, same, lambda x, ws, w, ids, mod=mod: mod.apply(x, *ws, w, ids, cfg, quant=quant))
-    if quant is None and jnp.dtype(dtype) == jnp.bfloat16 and cfg.activation == "silu" and want("tokamax"):
+            impls[name] = (True, same, lambda x, ws, w, ids, mod=mod: mod.apply(x, *ws[:2], w, ids, cfg, quant=quant,
+                                                                                **bias_kw(ws)))
+    if quant is None and jnp.dtype(dtype) == jnp.bfloat16 and plain and want("tokamax"):
         impls.update(peers.implementations())
     return impls
+
+
+def random_biases(m: Model) -> tuple[jax.Array, jax.Array] | None:
+    """float32 w13_bias [E, 2I] and w2_bias [E, H] (standard normal / 4) where ``m`` has biases, else None."""
+    if not m.biases:
+        return None
+    k1, k2 = jax.random.split(jax.random.key(1))
+    return (jax.random.normal(k1, (m.e, m.cfg.w13_rows), jnp.float32) / 4,
+            jax.random.normal(k2, (m.e, m.h), jnp.float32) / 4)
 
 
 def quantized(scheme: str, w13, w2, m: Model):
@@ -217,11 +261,11 @@ def run_model(m: Model, tokens: list[int], bw: float, peak: float, dense_limit: 
     """Time every implementation at each T of ``tokens`` (one row each, appended to ``rows`` and
     printed), then, for each T of ``loop_tokens``, per call and per layer inside a jitted loop
     (:mod:`bench.in_loop`; rows appended to ``loop_rows``)."""
-    cfg = MoEConfig(m.e, m.k, m.h, m.i)
+    cfg = m.cfg
     w13, w2 = random_experts(m)
     q13, q2, quant = quantized(scheme, w13, w2, m)
     tok_dtype = TOKEN_DTYPE.get(scheme, jnp.bfloat16)
-    impls = implementations(cfg, quant, tok_dtype, only)
+    impls = implementations(cfg, quant, tok_dtype, only, random_biases(m))
     print(header(list(impls)), flush=True)
     weights = {name: prep(*((q13, q2) if scheme_w else (w13, w2)))
                for name, (scheme_w, prep, _) in impls.items()}  # load time, untimed

@@ -572,6 +572,36 @@ def test_moe_bench_has_a_cutlass_column_for_bf16_and_fp8(scheme, monkeypatch):
     assert "cutlass" in impls and impls["cutlass"][0]  # runs on the scheme's weights
 
 
+def test_moe_bench_gptoss_native_runs_cutlass_and_xla_on_the_real_layer(monkeypatch, capsys):
+    """bench/moe_bench.py's gptoss-native model (GPT-OSS-120B's layer: swigluoai, interleaved,
+    biases): cutlass and xla take it and agree (here at a tiny size, cutlass on its jnp
+    references); the silu-only baselines and peers are skipped with the reason printed."""
+    import dataclasses
+    import os
+
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench import moe_bench
+
+    _simulate_module(monkeypatch)
+    real = cb.supports
+    monkeypatch.setattr(cb, "supports", lambda cfg, quant=None, device=None, **kw: real(cfg, quant, H100, **kw))
+    native = moe_bench.MODELS["gptoss-native"]
+    assert (native.e, native.h, native.i, native.k) == (128, 2880, 2880, 4) and native.biases
+    assert (native.cfg.activation, native.cfg.gate_up_layout) == ("swigluoai", "interleaved")
+    m = dataclasses.replace(native, e=8, h=64, i=32, k=2)
+    biases = moe_bench.random_biases(m)
+    impls = moe_bench.implementations(m.cfg, None, jnp.bfloat16, None, biases)
+    out = capsys.readouterr().out
+    assert {"xla", "cutlass"} <= set(impls) and not {"ragged_dot", "dense", "tokamax"} & set(impls)
+    assert "# ragged_dot: not run (computes a silu MoE" in out and "# dense: not run" in out
+    w13, w2 = moe_bench.random_experts(m)
+    x, w, ids = moe_bench.routed_inputs(m, 5, sets=1)[0]
+    outs = {name: jax.jit(fn)(x, prep(w13, w2), w, ids) for name, (_, prep, fn) in impls.items()}
+    want = np_moe(x, w13, w2, w, ids, "swigluoai", "interleaved", *biases)
+    for name, o in outs.items():
+        assert rel_err(o, want) < REL_TOL, name
+
+
 def test_fp8_supports_reasons(rng, monkeypatch):
     _simulate_module(monkeypatch)
     _, _, _, _, _, quant = _fp8_moe_problem(rng, 4, 8, 2, 64, 32, "per_token")
