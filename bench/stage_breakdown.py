@@ -43,7 +43,7 @@ from bench import kernel_trace, peers  # noqa: E402
 from bench.moe_bench import MODELS, Model, measure_ceilings, random_experts, routed_inputs, timeit  # noqa: E402
 from jax_moe import ffi, kernels  # noqa: E402
 from jax_moe.backends import cutlass  # noqa: E402
-from jax_moe.backends.cutlass_gemm import grouped_gemm, pick_tile  # noqa: E402
+from jax_moe.backends.cutlass_gemm import grouped_gemm  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.routing import select_experts  # noqa: E402
 
@@ -70,7 +70,6 @@ def alone_stages(m: Model, x, w13, w2, w, ids, logits) -> dict[str, float]:
     """Microseconds per stage, each stage jitted alone on the previous stage's real output
     (per-call timing, dispatch included), as :func:`jax_moe.backends.cutlass.apply` chains them."""
     e, k = m.e, m.k
-    tile = pick_tile(x.shape[0] * k, e)
     tw = w.astype(jnp.float32)
     steps = {
         "route": (lambda lg: select_experts(lg, k), (logits,)),
@@ -80,11 +79,11 @@ def alone_stages(m: Model, x, w13, w2, w, ids, logits) -> dict[str, float]:
     valid = offsets[e:]
     steps["permute"] = (lambda xx, s, v: kernels.permute_rows(xx, s, k, valid_rows=v), (x, sorted_slots, valid))
     a1 = jax.jit(steps["permute"][0])(*steps["permute"][1])
-    steps["gemm1"] = (lambda a, b, o: grouped_gemm(a, b, o, tile=tile), (a1, w13, offsets))
+    steps["gemm1"] = (lambda a, b, o: grouped_gemm(a, b, o), (a1, w13, offsets))
     h1 = jax.jit(steps["gemm1"][0])(*steps["gemm1"][1])
     steps["act"] = (lambda h, v: kernels.act_and_mul(h, "silu", valid_rows=v), (h1, valid))
     a2 = jax.jit(steps["act"][0])(*steps["act"][1])
-    steps["gemm2"] = (lambda a, b, o: grouped_gemm(a, b, o, tile=tile), (a2, w2, offsets))
+    steps["gemm2"] = (lambda a, b, o: grouped_gemm(a, b, o), (a2, w2, offsets))
     y = jax.jit(steps["gemm2"][0])(*steps["gemm2"][1])
     steps["finalize"] = (lambda yy, inv, ww, v: kernels.unpermute_reduce(yy, inv, ww, valid_rows=v,
                                                                          out_dtype=x.dtype), (y, inverse, tw, valid))

@@ -7,8 +7,8 @@ epilogue visitor tree; float32 accumulation), in the nanobind module ``jax_moe._
 (``cmake/cutlass_gemm.cmake``). Its per-group arguments are built on the device from the offsets,
 so the call never waits for the GPU and is safe in a CUDA graph. Its workspace is a second,
 discarded ``uint8`` result, sized at trace time (:func:`workspace_size`). The tile configuration
-(:data:`TILES`) is picked at trace time from the rows per expert (:func:`pick_tile`); ``tile=`` or
-``JAX_MOE_CUTLASS_TILE`` overrides it.
+(:data:`TILES`) is picked at trace time per GEMM, from its shape and rows per expert
+(:mod:`jax_moe.backends.cutlass_tiles`); ``tile=`` or ``JAX_MOE_CUTLASS_TILE`` overrides it.
 
 Batched activation format (``[E, C, H]``, C rows of capacity per expert, ``counts [E]`` rows used,
 as after an all-to-all dispatch): :func:`grouped_gemm_batched` runs the same FFI targets and CUTLASS
@@ -25,12 +25,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe.backends.cutlass_tiles import (  # noqa: F401  (the tile facts, re-exported)
+    DECODE_ROWS_PER_EXPERT,
+    TILE_ENV,
+    TILES,
+    WIDE_ROWS_PER_EXPERT,
+    pick_tile,
+)
 from jax_moe.config import check_rank
 from jax_moe.ffi import gpu_backend, load_once
 from jax_moe.permute import batched_rows_used
@@ -47,14 +53,8 @@ GRAD_KINDS: dict[str, tuple[int, str]] = {
     "dgrad": (2, "jax_moe_cutlass_grouped_gemm_dgrad"),  # d[r] = a[r] @ b[e]       (b [E, K, N])
     "wgrad": (3, "jax_moe_cutlass_grouped_gemm_wgrad"),  # d[e] = u[rows of e]^T @ v[rows of e]
 }
-# tile name -> CutlassTile in ffi/cutlass/grouped_gemm.h (one CUTLASS instantiation per kind; the K
-# tile is 128 bytes: 64 for bf16, 128 for fp8)
-TILES: dict[str, int] = {"coop_128x128": 0, "pingpong_64x128": 1, "coop_128x256": 2}
-TILE_ENV = "JAX_MOE_CUTLASS_TILE"
 ALIGN_N = 8  # N: 16-byte bf16 rows of d; ffi: kCutlassAlignN
 ALIGN_K = {"bf16": 8, "fp8": 16}  # K: 16-byte rows of a and b; ffi: kCutlassAlignKBf16, kCutlassAlignKFp8
-DECODE_ROWS_PER_EXPERT = 64  # at most this many rows per expert on average: the 64-row pingpong tile
-WIDE_ROWS_PER_EXPERT = 128  # at least this many: the 128x256 tile with a 2x1 cluster (bench/RESULTS.md)
 
 _state: dict = {"module": None, "error": None, "registered": False}
 
@@ -130,22 +130,6 @@ def workspace_size(num_groups: int, tile: str, kind: str = "bf16") -> int:
 # ----------------------------------------------------------------------------- grouped GEMM
 
 
-def pick_tile(rows: int, num_groups: int) -> str:
-    """The tile for ``rows`` expert-sorted rows over ``num_groups`` experts, from the average rows
-    per expert: the 64-row pingpong tile up to :data:`DECODE_ROWS_PER_EXPERT` (decode, small
-    batches), the 128x256 cooperative tile with a 2x1 cluster from :data:`WIDE_ROWS_PER_EXPERT`
-    (prefill, training), the 128x128 cooperative one between. Measured on an H100 for the four
-    model shapes of bench/moe_bench.py. ``JAX_MOE_CUTLASS_TILE`` overrides."""
-    forced = os.environ.get(TILE_ENV)
-    if forced:
-        if forced not in TILES:
-            raise ValueError(f"{TILE_ENV} must be one of {sorted(TILES)}, got {forced!r}")
-        return forced
-    if rows <= DECODE_ROWS_PER_EXPERT * num_groups:
-        return "pingpong_64x128"
-    return "coop_128x256" if rows >= WIDE_ROWS_PER_EXPERT * num_groups else "coop_128x128"
-
-
 def dtype_name(x) -> str:
     return jnp.dtype(x.dtype).name
 
@@ -169,7 +153,7 @@ def _check_gemm(a, b, offsets, a_scale, b_scale, tile) -> tuple[str, str]:
     e = b.shape[0]
     kind = _check_operands(a, b, k, a_scale, b_scale, {(m,): "per row [M]"})
     check_offsets(offsets, e, m)
-    return kind, _resolve_tile(tile, m, e)
+    return kind, _resolve_tile(tile, m, e, n=b.shape[1], k=k, kind=kind)
 
 
 def check_offsets(offsets, e: int, m: int) -> None:
@@ -197,7 +181,7 @@ def _check_gemm_batched(a, b, counts, a_scale, b_scale, tile) -> tuple[str, str]
         raise ValueError(f"counts must have E = {e} elements (one per expert), got {counts.shape[0]}")
     if e * c >= 2**31:
         raise ValueError(f"dimensions must fit in int32, got E*C={e * c}")
-    return kind, _resolve_tile(tile, e * c, e)
+    return kind, _resolve_tile(tile, e * c, e, n=b.shape[1], k=k, kind=kind)
 
 
 def _check_operands(a, b, k: int, a_scale, b_scale, row_forms: dict[tuple, str]) -> str:
@@ -234,9 +218,12 @@ def _check_operands(a, b, k: int, a_scale, b_scale, row_forms: dict[tuple, str])
     return kind
 
 
-def _resolve_tile(tile, rows: int, e: int) -> str:
+def _resolve_tile(tile, rows: int, e: int, *, n: int | None = None, k: int | None = None,
+                  kind: str = "bf16") -> str:
+    """``tile`` checked, or for ``"auto"``/None the pick for this GEMM (:func:`pick_tile`: the
+    measured table when ``n``/``k`` are given, else the heuristic)."""
     if tile is None or tile == "auto":
-        return pick_tile(rows, e)
+        return pick_tile(rows, e, n=n, k=k, kind=kind)
     if tile not in TILES:
         raise ValueError(f"tile must be 'auto' or one of {sorted(TILES)}, got {tile!r}")
     return tile
