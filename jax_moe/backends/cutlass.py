@@ -248,7 +248,8 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     [E, 2I] ([E, I] for relu2) and ``w2_bias`` [E, H] float, or None: each expert's
     ``W2[e] act(W13[e] x + b13[e]) + b2[e]``, biases added in float32. With
     ``apply_router_weight_on_input`` (top-1) the weight scales x and the experts' outputs are
-    summed. ``tile``: both GEMMs' tile (:func:`grouped_gemm`). Returns [T, H] in x's dtype.
+    summed. ``tile``: both GEMMs' tile (``"auto"``: each GEMM picks its own from its shape and rows per
+    expert, :mod:`jax_moe.backends.cutlass_tiles`). Returns [T, H] in x's dtype.
     Raises ValueError for what this build does not take: other schemes or activation formats,
     other activations, other weight dtypes, biases of other shapes.
     """
@@ -258,15 +259,12 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     e, k = w13.shape[0], topk_ids.shape[1]
     if t == 0:
         return jnp.zeros((0, h), x.dtype)
-    if tile in (None, "auto"):
-        tile = pick_tile(t * k, e)
     if quant is None:
         return cutlass_vjp.forward(x, w13, w2, topk_weights, topk_ids, cfg, tile=tile, residuals="recompute",
                                    w13_bias=w13_bias, w2_bias=w2_bias,
                                    apply_router_weight_on_input=apply_router_weight_on_input)[0]
     tw = topk_weights.astype(jnp.float32)
-    sort = ffi.sort_by_expert(topk_ids.astype(jnp.int32), e)
-    valid = sort.offsets[e:]  # [1]: rows of experts in [0, E)
+    sort, valid = ffi.sort_by_expert_valid(topk_ids.astype(jnp.int32), e)  # valid [1]: rows of experts in [0, E)
     # as the xla backend: the router weight scales x in x's dtype, then x is quantized
     xin = (x.astype(jnp.float32) * tw).astype(x.dtype) if apply_router_weight_on_input else x
     a1, s1 = _fp8_gemm1_input(xin, sort, k, valid, quant)
@@ -291,7 +289,7 @@ def vjp_fwd(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=Non
     _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, None, w13_bias, w2_bias,
                  apply_router_weight_on_input, tile)
     return cutlass_vjp.forward(x, w13, w2, topk_weights, topk_ids, cfg, residuals=residuals,
-                               tile=_vjp_tile(tile, x, topk_ids, w13), w13_bias=w13_bias, w2_bias=w2_bias,
+                               tile=tile, w13_bias=w13_bias, w2_bias=w2_bias,
                                apply_router_weight_on_input=apply_router_weight_on_input)
 
 
@@ -303,12 +301,8 @@ def vjp_bwd(res, g, cfg, *, quant=None, w13_bias=None, w2_bias=None, apply_route
     expert's rows of the pre-activation / output gradient, None where the call had no bias).
     The biases come from the residuals (``w13_bias``/``w2_bias`` here are not read)."""
     return cutlass_vjp.backward(
-        res, g, cfg, residuals=residuals, tile=_vjp_tile(tile, res["x"], res["topk_ids"], res["w13"]),
+        res, g, cfg, residuals=residuals, tile=tile,
         apply_router_weight_on_input=apply_router_weight_on_input)
-
-
-def _vjp_tile(tile, x, topk_ids, w13) -> str:
-    return pick_tile(x.shape[0] * topk_ids.shape[1], w13.shape[0]) if tile in (None, "auto") else tile
 
 
 # ----------------------------------------------------------------------------- the batched expert stage
@@ -351,7 +345,7 @@ def apply_batched(x: jax.Array, counts: jax.Array, w13: jax.Array, w2: jax.Array
     over the used rows only). FP8 (``quant`` as for :func:`apply`): x is quantized in
     jnp (per-token scales [E, C], or per tensor: the static ``a13_scale``, or the dynamic amax over
     the used rows only); GEMM2's input as in :func:`apply` (fused into act_and_mul for per-token
-    and static scales). ``tile``: both GEMMs' (``"auto"``: from C, :func:`pick_tile`).
+    and static scales). ``tile``: both GEMMs' (``"auto"``: each GEMM's own pick for E*C rows).
 
     Where it plugs in: :mod:`jax_moe.parallel` with ``expert_format="batched"`` lays each
     device's received token copies out per local expert (:func:`jax_moe.permute.batched_layout`,
@@ -363,8 +357,6 @@ def apply_batched(x: jax.Array, counts: jax.Array, w13: jax.Array, w2: jax.Array
     i = w2.shape[2]
     if c == 0:
         return jnp.zeros((e, 0, h), x.dtype)
-    if tile in (None, "auto"):
-        tile = pick_tile(e * c, e)
     rows = e * c
     valid = jnp.full((1,), rows, jnp.int32)  # every row: the unused ones are zeros from GEMM1
     offsets = c * jnp.arange(e + 1, dtype=jnp.int32)  # row e*C + r: expert e

@@ -87,15 +87,15 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None
 
     x [T, H] float (computed in bf16); w13 [E, 2I, H] bf16; w2 [E, H, I] bf16; topk_weights
     [T, k] float; topk_ids [T, k] int32; w13_bias [E, 2I] / w2_bias [E, H] float (added in
-    float32) or None. ``tile``: both GEMMs' (resolved by the caller).
+    float32) or None. ``tile``: both GEMMs' (``"auto"``: each GEMM picks its own,
+    :mod:`jax_moe.backends.cutlass_tiles`).
     ``residuals``: what the backward gets (see the module note); :func:`backward` takes them.
     """
     if residuals not in RESIDUALS:
         raise ValueError(f"residuals must be one of {RESIDUALS}, got {residuals!r}")
     e, k = w13.shape[0], topk_ids.shape[1]
     tw = topk_weights.astype(jnp.float32)
-    sort = ffi.sort_by_expert(topk_ids.astype(jnp.int32), e)
-    valid = sort.offsets[e:]  # [1]: rows of experts in [0, E)
+    sort, valid = ffi.sort_by_expert_valid(topk_ids.astype(jnp.int32), e)  # valid [1]: rows of experts in [0, E)
     xin = x.astype(jnp.float32) * tw if apply_router_weight_on_input else x
     a1 = kernels.permute_rows(xin.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid)
     h1 = grouped_gemm(a1, w13, sort.offsets, tile=tile)
@@ -106,7 +106,7 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None
     res = {"x": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w2": w2,
            "w13_bias": w13_bias, "w2_bias": w2_bias}
     if residuals == "save":
-        res.update(sort=sort, a1=checkpoint_name(a1, "moe_a1"), h1=checkpoint_name(h1, "moe_h1"),
+        res.update(sort=sort, valid=valid, a1=checkpoint_name(a1, "moe_a1"), h1=checkpoint_name(h1, "moe_h1"),
                    y=checkpoint_name(y, "moe_y"))
     return out, res
 
@@ -124,7 +124,7 @@ def backward(res: dict, g: jax.Array, cfg: MoEConfig, *, apply_router_weight_on_
     sort, a1, h1, y = res["sort"], res["a1"], res["h1"], res["y"]
     t, k = topk_weights.shape
     e = w13.shape[0]
-    valid = sort.offsets[e:]
+    valid = res["valid"]
     tw = topk_weights.astype(jnp.float32)
     slot_ok = (sort.inverse < valid[0]).reshape(t, k)  # slots whose expert is on this rank
     row_expert = kernels.expert_of_row(sort.offsets, h1.shape[0])
