@@ -342,7 +342,7 @@ template <int Kind, int Tile>
 struct TileConfig {
   using S = TileSchedule<Tile>;
   using type = GroupedGemm<Kind, Shape<typename S::Rows, typename S::Cols, Int<128 / sizeof(ElementAB<Kind>)>>,
-                           typename S::Cluster, typename S::Kernel, typename S::Epilogue>;
+                           typename S::Cluster, MainloopKernel<Kind, S>, typename S::Epilogue>;
 };
 
 #define JAX_MOE_INSTANTIATE_CUTLASS_GEMM(KIND, TILE)                                  \

@@ -6,9 +6,8 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in three tile configurations (:
   expert (decode, small batches): the weights stream, and a 64-row tile wastes least.
 - ``coop_128x128``: 128x128 tiles, both warpgroups on one tile.
 - ``coop_128x256``: 128x256 tiles on a 2x1 cluster (two CTAs share the weight tile by TMA
-  multicast). Many rows per expert (prefill, training) in bf16. Never FP8: the FP8 mainloop keeps
-  a second float32 accumulator for its periodic promotion, which at 128x256 does not fit in the
-  registers (measured 2.0-2.8x slower than 128x128 on an H100).
+  multicast). Many rows per expert (prefill, training), bf16 and FP8 (the FP8 kernels accumulate
+  without promotion into a second register accumulator, which would not fit at this tile).
 
 :func:`pick_tile` chooses per GEMM from the average rows per expert (``rows / E``):
 
@@ -18,9 +17,8 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in three tile configurations (:
    --update-table`` from an H100 run (every tile timed on each GEMM of the bench's models, with
    the rows of a random softmax top-k routing); a tile is recorded only where it beat the
    heuristic's by more than :data:`MIN_GAIN`.
-3. Otherwise the heuristic :func:`heuristic_tile`: bf16 -- pingpong below
-   :data:`DECODE_ROWS_PER_EXPERT`, 128x256 from :data:`WIDE_ROWS_PER_EXPERT`, 128x128 between;
-   FP8 -- pingpong below :data:`DECODE_ROWS_PER_EXPERT`, else 128x128.
+3. Otherwise the heuristic :func:`heuristic_tile`, the same for both kinds: pingpong below
+   :data:`DECODE_ROWS_PER_EXPERT`, 128x256 from :data:`WIDE_ROWS_PER_EXPERT`, 128x128 between.
 
 Everything here is static (shapes and a dict): the choice costs nothing at run time and the
 program stays one CUDA graph.
@@ -36,7 +34,7 @@ import os
 TILES: dict[str, int] = {"coop_128x128": 0, "pingpong_64x128": 1, "coop_128x256": 2}
 TILE_ENV = "JAX_MOE_CUTLASS_TILE"
 DECODE_ROWS_PER_EXPERT = 64  # below this many rows per expert on average: the 64-row pingpong tile
-WIDE_ROWS_PER_EXPERT = 128  # bf16 from this many: the 128x256 tile with a 2x1 cluster
+WIDE_ROWS_PER_EXPERT = 128  # from this many: the 128x256 tile with a 2x1 cluster
 MIN_GAIN = 0.03  # a measured tile replaces the heuristic's only where it is this much faster
 
 # (kind, E, N, K) -> ((rows per expert, tile), ...) in increasing rows per expert.
@@ -52,11 +50,26 @@ MEASURED: dict[tuple[str, int, int, int], tuple[tuple[float, str], ...]] = {
         (256, 'coop_128x256'),
         (1024, 'coop_128x256'),
     ),
-    ('fp8', 8, 4096, 14336): (
+    ('fp8', 128, 1536, 2048): (
+        (4, 'pingpong_64x128'),
         (16, 'coop_128x128'),
+        (64, 'coop_128x128'),
         (256, 'coop_128x128'),
-        (1024, 'coop_128x128'),
-        (4096, 'coop_128x128'),
+        (1024, 'coop_128x256'),
+    ),
+    ('fp8', 128, 2048, 768): (
+        (4, 'pingpong_64x128'),
+        (16, 'coop_128x128'),
+        (64, 'pingpong_64x128'),
+        (256, 'coop_128x256'),
+        (1024, 'coop_128x256'),
+    ),
+    ('fp8', 128, 5760, 2880): (
+        (2, 'coop_128x128'),
+        (8, 'pingpong_64x128'),
+        (32, 'pingpong_64x128'),
+        (128, 'coop_128x256'),
+        (512, 'coop_128x256'),
     ),
 }
 MEASURED_ON = 'NVIDIA H100 80GB HBM3'
@@ -64,10 +77,12 @@ MEASURED_ON = 'NVIDIA H100 80GB HBM3'
 
 
 def heuristic_tile(kind: str, rows_per_expert: float) -> str:
-    """The tile for ``rows_per_expert`` rows per expert on average, for a GEMM not in the table."""
+    """The tile for ``rows_per_expert`` rows per expert on average, for a GEMM of ``kind`` not in
+    the table (both kinds measured alike on an H100: bench/sweeps)."""
+    del kind
     if rows_per_expert < DECODE_ROWS_PER_EXPERT:
         return "pingpong_64x128"
-    if kind == "bf16" and rows_per_expert >= WIDE_ROWS_PER_EXPERT:
+    if rows_per_expert >= WIDE_ROWS_PER_EXPERT:
         return "coop_128x256"
     return "coop_128x128"
 
