@@ -16,9 +16,10 @@
 //   row_scale [M] float32    a's dequantization scale per row (per token; a per-tensor scale broadcast)
 //   col_scale [E, N] float32 b's dequantization scale per output channel of each expert (per-tensor or
 //                            per-expert scales broadcast)
-// -> d [M, N] bf16       d[r, n] = (a[r] @ b[e]^T)[n] * row_scale[r] * col_scale[e, n], accumulated in
-//                        float32 (CUTLASS's FP8 mainloop promotes the tensor-core partial sums into
-//                        float32 registers every 4 MMAs: no "fast accumulation"); rows outside as above
+// -> d [M, N] bf16       d[r, n] = (a[r] @ b[e]^T)[n] * row_scale[r] * col_scale[e, n], accumulated by the
+//                        tensor cores over the whole K ("fast accumulation": no periodic promotion into a
+//                        second float32 register accumulator, which does not fit at 128x256; see
+//                        grouped_gemm_traits.cuh); rows outside as above
 //    workspace [W] uint8 as above (two more pointer arrays: the groups' scale vectors)
 //
 // Batched format (both targets; a's rank says which): activations already grouped per expert, as after an

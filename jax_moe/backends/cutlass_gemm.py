@@ -3,7 +3,8 @@
 
 :func:`grouped_gemm` is the SM90 CUTLASS pointer-array grouped GEMM of
 ``ffi/cutlass/grouped_gemm*`` (bf16 x bf16 -> bf16, or e4m3 x e4m3 -> bf16 with the scales in an
-epilogue visitor tree; float32 accumulation), in the nanobind module ``jax_moe._jax_moe_cutlass``
+epilogue visitor tree; float32 accumulation, for FP8 the tensor cores' own over the whole K
+without promotion), in the nanobind module ``jax_moe._jax_moe_cutlass``
 (``cmake/cutlass_gemm.cmake``). Its per-group arguments are built on the device from the offsets,
 so the call never waits for the GPU and is safe in a CUDA graph. Its workspace is a second,
 discarded ``uint8`` result, sized at trace time (:func:`workspace_size`). The tile configuration
