@@ -18,7 +18,7 @@ CPU = DeviceInfo("cpu")
 def _without_the_cutlass_module(monkeypatch):
     """The tables here are those of a build without jax_moe's CUTLASS module (what CI has), whatever
     this checkout built: on a simulated SM90 device a locally built module would otherwise serve
-    bf16 and fp8. tests/test_cutlass_backend.py simulates the module's presence."""
+    bf16 and fp8. tests/test_cutlass_backend.py and test_cutlass_fp8.py simulate the module's presence."""
     from jax_moe.backends import cutlass as cb
     from jax_moe.backends import flashinfer_trtllm as trt
 
