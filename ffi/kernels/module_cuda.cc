@@ -19,7 +19,8 @@ NB_MODULE(_jax_moe_cuda, m) {
     return jax_moe::HandlerCapsules({{"jax_moe_sort_by_expert", &JaxMoeSortByExpertCuda},
                                      {"jax_moe_permute_rows", &JaxMoePermuteRowsCuda},
                                      {"jax_moe_act_and_mul", &JaxMoeActAndMulCuda},
-                                     {"jax_moe_unpermute_reduce", &JaxMoeUnpermuteReduceCuda}});
+                                     {"jax_moe_unpermute_reduce", &JaxMoeUnpermuteReduceCuda},
+                                     {"jax_moe_decode_moe", &JaxMoeDecodeMoeCuda}});
   });
   m.def("cuda_archs", []() { return std::string(JAX_MOE_CUDA_ARCHS_STR); });
   m.attr("sort_chunk") = jax_moe::kSortChunk;

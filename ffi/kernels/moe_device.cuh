@@ -62,6 +62,22 @@ __device__ __forceinline__ void StoreF32(T* p, const float (&vals)[V]) {
   *reinterpret_cast<Vec<T, V>*>(p) = o;
 }
 
+// The gated activations of jax_moe/activations.py, in float32.
+__device__ __forceinline__ float Sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
+__device__ __forceinline__ float Silu(float g) { return g / (1.0f + expf(-g)); }
+__device__ __forceinline__ float Gelu(float g) { return 0.5f * g * (1.0f + erff(g * 0.70710678118654752440f)); }
+// GPT-OSS's swigluoai: gate clamped above at limit, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
+__device__ __forceinline__ float SwigluOai(float g, float u, float alpha, float limit) {
+  g = fminf(g, limit);
+  u = fminf(fmaxf(u, -limit), limit);
+  return (u + 1.0f) * g * Sigmoid(alpha * g);
+}
+// act(gate) * up for activation (kAct*), as act_and_mul computes it.
+__device__ __forceinline__ float GatedAct(int activation, float g, float u, float alpha, float limit) {
+  if (activation == kActSwigluOai) return SwigluOai(g, u, alpha, limit);
+  return (activation == kActGelu ? Gelu(g) : Silu(g)) * u;
+}
+
 // Max over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ __forceinline__ float BlockMax(float v) {
   __shared__ float warp_max[32];

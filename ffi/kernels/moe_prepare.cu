@@ -28,16 +28,6 @@ struct GatherRow {
   __device__ void Load(int64_t c, float (&v)[V]) const { LoadF32<In, V>(src + c, v); }
 };
 
-__device__ __forceinline__ float Sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
-__device__ __forceinline__ float Silu(float g) { return g / (1.0f + expf(-g)); }
-__device__ __forceinline__ float Gelu(float g) { return 0.5f * g * (1.0f + erff(g * 0.70710678118654752440f)); }
-// GPT-OSS's swigluoai: gate clamped above at limit, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
-__device__ __forceinline__ float SwigluOai(float g, float u, float alpha, float limit) {
-  g = fminf(g, limit);
-  u = fminf(fmaxf(u, -limit), limit);
-  return (u + 1.0f) * g * Sigmoid(alpha * g);
-}
-
 // Row r = act(gate) * up of h[r] + bias[expert of r] (bias optional), in float32. Gate and up are
 // columns [0, I) and [I, 2I) (concat) or 2i and 2i+1 (interleaved); the bias row has h's column order.
 template <typename In, int V>

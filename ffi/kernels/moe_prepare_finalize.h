@@ -24,6 +24,12 @@
 //                       -> out [T, H] bf16/f16/f32. attr: weighted (0: apply_router_weight_on_input, plain sum).
 //                          out[t] = sum_j w[t, j] * (y[row] + bias[e(row)]) over slots with row = inverse[t*k + j]
 //                          < valid_rows (e(row): as above; no bias: y[row] alone), accumulated in float32.
+// jax_moe_decode_moe      x [T, H] bf16, topk_ids [T, k] i32, topk_weights [T, k] f32, w13 [E, 2I, H] bf16,
+//                          w2 [E, H, I] bf16, w13_bias [E, 2I] f32 or [0], w2_bias [E, H] f32 or [0]
+//                       -> out [T, H] bf16/f16/f32, act [T*k, I] bf16 (scratch). attrs: activation, layout,
+//                          alpha, limit. The gated MoE of a few slots with no sort (moe_decode.cu): per slot,
+//                          GEMM1 + activation from the slot's expert id, then GEMM2 + the weighted reduce per
+//                          token; slots with ids outside [0, E) contribute zero.
 #pragma once
 
 #include <cfloat>
@@ -44,3 +50,4 @@ enum GateUpLayout : int { kLayoutConcat = 0, kLayoutInterleaved = 1 };
 extern "C" XLA_FFI_Error* JaxMoePermuteRowsCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeActAndMulCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeUnpermuteReduceCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeDecodeMoeCuda(XLA_FFI_CallFrame* call_frame);

@@ -10,6 +10,10 @@ One forward, every stage a custom call on the expert-sorted rows (:mod:`jax_moe.
     out = unpermute_reduce(y, sort.inverse, topk_weights, valid_rows=valid,
                            bias=w2_bias, offsets=sort.offsets)      # [T, H]
 
+Decode (at most :data:`jax_moe.decode.MAX_SLOTS` slots, at most one per two experts, bf16, a
+gated activation, the tile left to the pick): :func:`jax_moe.decode.decode_moe` instead, the same
+function in two launches with no sort.
+
 ``valid = sort.offsets[E]``: slots whose expert id is outside ``[0, E)`` (expert-parallel ids of
 -1) sort last and are skipped. The weights are used as vLLM stores them (``w13 [E, 2I, H]`` gate
 rows then up rows, or alternating with ``gate_up_layout="interleaved"``; ``w2 [E, H, I]``, K
@@ -57,7 +61,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_moe import ffi, kernels
+from jax_moe import decode, ffi, kernels
 from jax_moe.backends import cutlass_vjp
 from jax_moe.backends.cutlass_vjp import activation as _activation
 from jax_moe.backends.cutlass_vjp import act_options, bias_options
@@ -259,6 +263,9 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     e, k = w13.shape[0], topk_ids.shape[1]
     if t == 0:
         return jnp.zeros((0, h), x.dtype)
+    if quant is None and tile in (None, "auto") and not apply_router_weight_on_input and decode.serves(t, k, e, cfg):
+        return decode.decode_moe(x, w13, w2, topk_weights, topk_ids.astype(jnp.int32), cfg, w13_bias=w13_bias,
+                                 w2_bias=w2_bias, out_dtype=x.dtype)
     if quant is None:
         return cutlass_vjp.forward(x, w13, w2, topk_weights, topk_ids, cfg, tile=tile, residuals="recompute",
                                    w13_bias=w13_bias, w2_bias=w2_bias,
