@@ -362,10 +362,11 @@ def test_backend_vs_xla(rng, t, e, k):
     skip_unless_available(cb)
     h, i = 512, 256
     x, w13, w2, tw, ids = _moe_problem(rng, t, e, k, h, i)
-    f = jax.jit(lambda x, tw, ids: fused_experts(x, w13, w2, tw, ids, backend="cutlass"))
+    # weights as arguments: captured, they would be constants folded into each compile
+    f = jax.jit(lambda x, w13, w2, tw, ids: fused_experts(x, w13, w2, tw, ids, backend="cutlass"))
     ref = fused_experts(x, w13, w2, tw, ids, backend="xla")
     for _ in range(2):  # cached executable, second call
-        out = f(x, tw, ids)
+        out = f(x, w13, w2, tw, ids)
         assert out.dtype == x.dtype and out.shape == (t, h)
         assert rel_err(out, ref) < REL_TOL
 
@@ -381,7 +382,7 @@ def test_backend_activations_tiles_and_ep_ids(rng, activation):
     cfg = MoEConfig(e, k, h, i, activation=activation, expert_shard=True)
     ref = xla.apply(x, w13, w2, tw, ids, cfg)
     for tile in cb.TILES:
-        out = jax.jit(lambda x, tw, ids: cb.apply(x, w13, w2, tw, ids, cfg, tile=tile))(x, tw, ids)
+        out = jax.jit(lambda x, w13, w2, tw, ids: cb.apply(x, w13, w2, tw, ids, cfg, tile=tile))(x, w13, w2, tw, ids)
         assert rel_err(out, ref) < REL_TOL
 
 
@@ -444,10 +445,10 @@ def test_gptoss_layer_vs_definition_on_gpu(rng, t, e, k):
     cfg, x, w13, w2, tw, ids, b = _gptoss_problem(rng, t, e, k, 512, 256, minus_one=0.1)
     want = _np_definition(cfg, x, w13, w2, tw, ids, **b)
     for tile in cb.TILES:
-        f = jax.jit(lambda x, tw, ids, b: cb.apply(x, w13, w2, tw, ids, cfg, tile=tile, **b))
+        f = jax.jit(lambda x, w13, w2, tw, ids, b: cb.apply(x, w13, w2, tw, ids, cfg, tile=tile, **b))
         for _ in range(2):
             poison_memory(jax.ShapeDtypeStruct((t * k, 2 * 512), jnp.float32))
-            out = f(x, tw, ids, b)
+            out = f(x, w13, w2, tw, ids, b)
             assert out.dtype == x.dtype and out.shape == (t, 512)
             assert rel_err(out, want) < REL_TOL
 
@@ -470,6 +471,6 @@ def test_gptoss_layer_variants_on_gpu(rng, case):
     if case == "router weight on input":
         cfg = MoEConfig(e, 1, h, i, activation="swigluoai", gate_up_layout="interleaved")
         tw, ids, kw = tw[:, :1], ids[:, :1], dict(apply_router_weight_on_input=True)
-    out = jax.jit(lambda x, tw, ids, b: cb.apply(x, w13, w2, tw, ids, cfg, **b, **kw))(x, tw, ids, b)
+    out = jax.jit(lambda x, w13, w2, tw, ids, b: cb.apply(x, w13, w2, tw, ids, cfg, **b, **kw))(x, w13, w2, tw, ids, b)
     want = _np_definition(cfg, x, w13, w2, tw, ids, on_input=bool(kw), dtype=ml_dtypes.bfloat16, **b)
     assert rel_err(out, want) < REL_TOL

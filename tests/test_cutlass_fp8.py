@@ -263,7 +263,7 @@ def test_fp8_gptoss_layer_vs_xla_on_gpu(rng, mode):
     t, e, k, h, i = 77, 16, 4, 512, 256
     cfg, x, w13, w2, tw, ids, b = _gptoss_problem(rng, t, e, k, h, i, minus_one=0.1)
     q13, q2, quant = _fp8_quantize(x, w13, w2, cfg, mode, b["w13_bias"])
-    out = jax.jit(lambda x, b: cb.apply(x, q13, q2, tw, ids, cfg, quant=quant, **b))(x, b)
+    out = jax.jit(lambda x, q13, q2, b: cb.apply(x, q13, q2, tw, ids, cfg, quant=quant, **b))(x, q13, q2, b)
     assert rel_err(out, xla.apply(x, q13, q2, tw, ids, cfg, quant=quant, **b)) < FP8_REL_TOL
 
 
@@ -299,10 +299,10 @@ def test_fp8_backend_vs_xla(rng, t, e, k, mode):
     skip_unless_available(cb)
     h, i = 512, 256
     x, q13, q2, tw, ids, quant = _fp8_moe_problem(rng, t, e, k, h, i, mode)
-    f = jax.jit(lambda x, tw, ids, q: fused_experts(x, q13, q2, tw, ids, quant=q, backend="cutlass"))
+    f = jax.jit(lambda x, q13, q2, tw, ids, q: fused_experts(x, q13, q2, tw, ids, quant=q, backend="cutlass"))
     ref = fused_experts(x, q13, q2, tw, ids, quant=quant, backend="xla")
     for _ in range(2):  # cached executable, second call
-        out = f(x, tw, ids, quant)
+        out = f(x, q13, q2, tw, ids, quant)
         assert out.dtype == x.dtype and out.shape == (t, h)
         assert rel_err(out, ref) < FP8_REL_TOL
 
@@ -317,7 +317,8 @@ def test_fp8_backend_activations_tiles_and_ep_ids(rng, activation, mode):
     cfg = MoEConfig(e, k, h, i, activation=activation, expert_shard=True)
     ref = xla.apply(x, q13, q2, tw, ids, cfg, quant=quant)
     for tile in cb.TILES:
-        out = jax.jit(lambda x, tw, ids: cb.apply(x, q13, q2, tw, ids, cfg, quant=quant, tile=tile))(x, tw, ids)
+        out = jax.jit(lambda x, q13, q2, tw, ids: cb.apply(x, q13, q2, tw, ids, cfg, quant=quant, tile=tile))(
+            x, q13, q2, tw, ids)
         assert rel_err(out, ref) < FP8_REL_TOL
 
 
