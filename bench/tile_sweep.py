@@ -137,7 +137,7 @@ def table_from_figures(results: dict) -> dict:
         for r, cell in sorted(points.items(), key=lambda p: float(p[0])):
             if not cell:
                 continue
-            heur = cutlass_tiles.heuristic_tile(kind, float(r))
+            heur = cutlass_tiles.heuristic_tile(float(r))
             best = min(cell, key=cell.get)
             beaten = heur not in cell or cell[heur] > cell[best] * (1 + cutlass_tiles.MIN_GAIN)
             tile = best if beaten else heur
