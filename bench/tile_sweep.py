@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench import moe_bench, peers  # noqa: E402
-from jax_moe import ffi  # noqa: E402
+from jax_moe import ffi, kernels  # noqa: E402
 from jax_moe.backends import cutlass, cutlass_gemm, cutlass_tiles  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.quant import fp8  # noqa: E402
@@ -41,20 +41,21 @@ from jax_moe.quant import fp8  # noqa: E402
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 
 
-def gemm_operands(m: moe_bench.Model, t: int, kind: str, w13, w2, sets: int = 3):
+def gemm_operands(m: moe_bench.Model, t: int, kind: str, sets: int = 3):
     """Per routing set: (offsets [E+1], a1 [T*k, H], a2 [T*k, I]) in the kind's dtype (FP8 rows
-    with per-row scales [T*k]), as the forward hands them to the two GEMMs."""
+    with per-row scales [T*k]), as the forward hands them to the two GEMMs: a1 from the forward's
+    own permute (quantized in it for FP8), a2 random."""
     out = []
     for x, _, ids in moe_bench.routed_inputs(m, t, sets):
         sort = ffi.sort_by_expert(ids.astype(jnp.int32), m.e)
         rows = t * m.k
-        a1 = x[sort.sorted_slots // m.k]
         a2 = jax.random.normal(jax.random.key(rows), (rows, m.i), jnp.bfloat16)
         if kind == "fp8":
-            (q1, s1), (q2, s2) = fp8.quantize_fp8_per_token(a1), fp8.quantize_fp8_per_token(a2)
-            out.append((sort.offsets, (q1, s1[:, 0]), (q2, s2[:, 0])))
+            q2, s2 = fp8.quantize_fp8_per_token(a2)
+            a1 = kernels.permute_rows(x, sort.sorted_slots, m.k, quant="fp8_per_token")
+            out.append((sort.offsets, a1, (q2, s2[:, 0])))
         else:
-            out.append((sort.offsets, (a1, None), (a2, None)))
+            out.append((sort.offsets, (kernels.permute_rows(x, sort.sorted_slots, m.k), None), (a2, None)))
     return out
 
 
@@ -78,7 +79,7 @@ def sweep_model(m: moe_bench.Model, tokens, kind: str, results: dict, table: lis
     fns = {tile: jax.jit(lambda a, sa, b, sb, off, tile=tile: cutlass_gemm.grouped_gemm(
         a, b, off, a_scale=sa, b_scale=sb, tile=tile)) for tile in cutlass_gemm.TILES}
     for t in tokens:
-        ops = gemm_operands(m, t, kind, *(g[1] for g in gemms))
+        ops = gemm_operands(m, t, kind)
         for name, w, ws, which in gemms:
             e, n, k = w.shape
             key = f"{kind}/{e}/{n}/{k}"
