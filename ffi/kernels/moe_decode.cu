@@ -132,6 +132,10 @@ ffi::Error DecodeMoeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     if (dt != ffi::DataType::BF16) return InvalidArgument(n + "x, w13 and w2 must be bfloat16");
   if (act->element_type() != ffi::DataType::BF16 || act->element_count() != static_cast<size_t>(t * k * i))
     return InvalidArgument(n + "act must be [T*k, I] bfloat16");
+  const auto out_type = out->element_type();
+  if (out->element_count() != static_cast<size_t>(t * h) ||
+      (out_type != ffi::DataType::BF16 && out_type != ffi::DataType::F16 && out_type != ffi::DataType::F32))
+    return InvalidArgument(n + "out must be [T, H] bfloat16, float16 or float32");
   const size_t nb13 = w13_bias.element_count(), nb2 = w2_bias.element_count();
   if ((nb13 != 0 && nb13 != static_cast<size_t>(e * 2 * i)) || (nb2 != 0 && nb2 != static_cast<size_t>(e * h)))
     return InvalidArgument(n + "w13_bias must be [E, 2I] and w2_bias [E, H] float32, or empty");
@@ -152,7 +156,6 @@ ffi::Error DecodeMoeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return WithFloatType(out->element_type(), "decode_moe: out", [&](auto tag) -> ffi::Error {
     using Out = typename decltype(tag)::type;
-    if (out->element_count() != static_cast<size_t>(t * h)) return InvalidArgument(n + "out must be [T, H]");
     ExpertGemvReduce<Out><<<dim3((h + kWarps - 1) / kWarps, t), block, 0, stream>>>(
         a, topk_ids.typed_data(), topk_weights.typed_data(), static_cast<const __nv_bfloat16*>(w2.untyped_data()),
         nb2 ? w2_bias.typed_data() : nullptr, s, static_cast<Out*>(out->untyped_data()));
