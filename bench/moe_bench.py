@@ -198,9 +198,37 @@ def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16, only: list[s
         else:
             impls[name] = (True, same, lambda x, ws, w, ids, mod=mod: mod.apply(x, *ws[:2], w, ids, cfg, quant=quant,
                                                                                 **bias_kw(ws)))
+    if "cutlass" in impls and cfg.gated and cfg.gate_up_layout == "concat" and want("cutlass_il"):
+        il = interleaved_cutlass(cfg, quant, b13, b2)
+        if il is not None:
+            impls["cutlass_il"] = il
     if quant is None and jnp.dtype(dtype) == jnp.bfloat16 and plain and want("tokamax"):
         impls.update(peers.implementations())
     return impls
+
+
+def interleaved_cutlass(cfg: MoEConfig, quant, b13, b2):
+    """``cutlass_il``: the cutlass backend on w13 (and its bias) interleaved at load time
+    (``gate_up_layout="interleaved"``), so that GEMM1 takes the activation into its epilogue
+    (:func:`jax_moe.backends.cutlass_act_gemm.fuses_activation`); None where that does not apply
+    (per-channel w13 scales would need the same reorder)."""
+    from jax_moe.backends import cutlass
+    from jax_moe.backends.cutlass_act_gemm import fuses_activation
+    from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
+
+    cfg_il = dataclasses.replace(cfg, gate_up_layout="interleaved")
+    if not fuses_activation(cfg_il, quant) or (quant is not None and jnp.ndim(quant.w13_scale) > 1):
+        return None
+
+    def prepare(w13, w2):
+        ws = (reorder_rows_for_gated_act_gemm(w13), w2)
+        return ws if b13 is None else ws + (reorder_rows_for_gated_act_gemm(b13, axis=-1), b2)
+
+    def fn(x, ws, w, ids):
+        bias = {} if len(ws) == 2 else dict(w13_bias=ws[2], w2_bias=ws[3])
+        return cutlass.apply(x, ws[0], ws[1], w, ids, cfg_il, quant=quant, **bias)
+
+    return True, prepare, fn
 
 
 def random_biases(m: Model) -> tuple[jax.Array, jax.Array] | None:

@@ -1,4 +1,4 @@
-// XLA FFI handlers of jax_moe_cutlass_grouped_gemm and jax_moe_cutlass_grouped_gemm_fp8 (contract in
+// XLA FFI handlers of jax_moe_cutlass_grouped_gemm, _fp8 and _act (contract in
 // grouped_gemm.h): decode and check the buffers on the host from their static shapes (CUTLASS's
 // can_implement cannot see the per-group sizes, which live on the device) and hand the call to the
 // (kind, tile)'s instantiation, two launches: the setup kernel (the group arrays, and the zeroing of
@@ -14,6 +14,7 @@
 
 #include "../common/binding.h"
 #include "../common/errors.h"
+#include "../kernels/moe_prepare_finalize.h"
 #include "grouped_gemm.h"
 #include "grouped_gemm_impl.cuh"
 
@@ -25,15 +26,21 @@ using BytesFn = size_t (*)(int64_t, int);
 #define JAX_MOE_CUTLASS_TILES(FN, KIND) \
   {cutlass_gg::FN<KIND, kTileCoop128x128>, cutlass_gg::FN<KIND, kTilePingpong64x128>, cutlass_gg::FN<KIND, kTileCoop128x256>}
 constexpr RunFn kRun[kNumCutlassGemmKinds][kNumCutlassTiles] = {
-    JAX_MOE_CUTLASS_TILES(Run, kGemmBf16), JAX_MOE_CUTLASS_TILES(Run, kGemmFp8),
-    JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Wgrad)};
+    JAX_MOE_CUTLASS_TILES(Run, kGemmBf16),      JAX_MOE_CUTLASS_TILES(Run, kGemmFp8),
+    JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Wgrad),
+    JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Act),   JAX_MOE_CUTLASS_TILES(Run, kGemmFp8Act)};
 constexpr BytesFn kBytes[kNumCutlassGemmKinds][kNumCutlassTiles] = {
-    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8),
-    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Wgrad)};
+    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16),      JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8),
+    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Wgrad),
+    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Act),   JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8Act)};
 #undef JAX_MOE_CUTLASS_TILES
-static_assert(kNumCutlassGemmKinds == 4 && kNumCutlassTiles == 3, "one row per kind, one column per tile above");
+static_assert(kNumCutlassGemmKinds == 6 && kNumCutlassTiles == 3, "one row per kind, one column per tile above");
 
-std::string Name(int kind) { return kind == kGemmFp8 ? "cutlass_grouped_gemm_fp8: " : "cutlass_grouped_gemm: "; }
+std::string Name(int kind) {
+  return IsActKind(kind) ? "cutlass_grouped_gemm_act: "
+         : kind == kGemmFp8 ? "cutlass_grouped_gemm_fp8: "
+                            : "cutlass_grouped_gemm: ";
+}
 
 // Checks what both targets share (a, b, offsets or counts, d, workspace, tile) and fills call's shapes and
 // pointers; a's rank says the format (2: standard, 3: batched).
@@ -44,10 +51,12 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
   if (tile < 0 || tile >= kNumCutlassTiles)
     return InvalidArgument(n_ + "tile must be in [0, " + std::to_string(kNumCutlassTiles) + "), got " +
                            std::to_string(tile));
-  const auto ab = kind == kGemmFp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16;
+  const auto ab = IsFp8Kind(kind) ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16;
   if (a.element_type() != ab || b.element_type() != ab)
-    return InvalidArgument(n_ + (kind == kGemmFp8 ? "a and b must be float8_e4m3fn" : "a and b must be bfloat16"));
-  if (d->element_type() != ffi::DataType::BF16) return InvalidArgument(n_ + "d must be bfloat16");
+    return InvalidArgument(n_ + (IsFp8Kind(kind) ? "a and b must be float8_e4m3fn" : "a and b must be bfloat16"));
+  const bool d_fp8 = kind == kGemmFp8Act;
+  if (d->element_type() != (d_fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16))
+    return InvalidArgument(n_ + (d_fp8 ? "d must be float8_e4m3fn" : "d must be bfloat16"));
   if (workspace->element_type() != ffi::DataType::U8) return InvalidArgument(n_ + "workspace must be uint8");
   const auto ad = a.dimensions(), bd = b.dimensions(), dd = d->dimensions();
   if (ad.size() != 2 && ad.size() != 3)
@@ -55,6 +64,7 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
   if (bd.size() != 3) return InvalidArgument(n_ + "b must have rank 3 [E, N, K]");
   const bool batched = ad.size() == 3;
   const int64_t groups = bd[0], n = bd[1], k = ad[ad.size() - 1];
+  const int64_t d_cols = IsActKind(kind) ? n / 2 : n;  // the act kinds write act(gate) * up: N / 2 columns
   const int64_t capacity = batched ? ad[1] : 0;
   const int64_t m = batched ? ad[0] * capacity : ad[0];
   if (bd[2] != k) return InvalidArgument(n_ + "b must be [E, N, K] with a's K");
@@ -63,18 +73,23 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
     if (ad[0] != groups) return InvalidArgument(n_ + "batched a must be [E, C, K] with b's E");
     if (offsets.dimensions().size() != 1 || offsets.dimensions()[0] != groups)
       return InvalidArgument(n_ + "counts must be [E] int32 (batched a)");
-    if (dd.size() != 3 || dd[0] != groups || dd[1] != capacity || dd[2] != n)
-      return InvalidArgument(n_ + "d must be [E, C, N] (batched a)");
+    if (dd.size() != 3 || dd[0] != groups || dd[1] != capacity || dd[2] != d_cols)
+      return InvalidArgument(n_ + (IsActKind(kind) ? "d must be [E, C, N/2] (batched a)" : "d must be [E, C, N] (batched a)"));
   } else {
     if (offsets.dimensions().size() != 1 || offsets.dimensions()[0] != groups + 1)
       return InvalidArgument(n_ + "offsets must be [E + 1] int32");
-    if (dd.size() != 2 || dd[0] != m || dd[1] != n) return InvalidArgument(n_ + "d must be [M, N]");
+    if (dd.size() != 2 || dd[0] != m || dd[1] != d_cols)
+      return InvalidArgument(n_ + (IsActKind(kind) ? "d must be [M, N/2]" : "d must be [M, N]"));
   }
   const int64_t align_k = CutlassAlignK(kind);
   if (k < align_k || k % align_k || n < kCutlassAlignN || n % kCutlassAlignN)
     return InvalidArgument(n_ + "K must be a positive multiple of " + std::to_string(align_k) + " and N of " +
                            std::to_string(kCutlassAlignN) + " (16-byte rows for TMA), got K=" + std::to_string(k) +
                            ", N=" + std::to_string(n));
+  const int64_t align_n = kind == kGemmFp8Act ? 32 : IsActKind(kind) ? 16 : kCutlassAlignN;  // 16-byte rows of d
+  if (n % align_n)
+    return InvalidArgument(n_ + "N must be a multiple of " + std::to_string(align_n) + " (16-byte rows of d), got N=" +
+                           std::to_string(n));
   if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX || groups > INT32_MAX)
     return InvalidArgument(n_ + "dimensions must fit in int32");
   call.a = a.untyped_data();
@@ -83,6 +98,7 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
   call.capacity = capacity;
   SetCommon(call, offsets.typed_data(), d->untyped_data(), workspace->untyped_data(), workspace->size_bytes(), groups,
             m, n, k);
+  call.d_cols = d_cols;
   return std::nullopt;
 }
 
@@ -120,6 +136,48 @@ ffi::Error GroupedGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
   return Launch<kGemmFp8>(call, tile);
 }
 
+// The act kinds (kGemmBf16Act for bf16 a and b, kGemmFp8Act for FP8): scales only with FP8, an
+// optional bias, FP8's static output scale.
+ffi::Error GroupedGemmActCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> offsets,
+                              ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::F32> col_scale,
+                              ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> out_scale,
+                              ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace, int64_t tile,
+                              int64_t activation, float alpha, float limit) {
+  const int kind = a.element_type() == ffi::DataType::F8E4M3FN ? kGemmFp8Act : kGemmBf16Act;
+  const std::string n_ = Name(kind);
+  GroupedGemmCall call{};
+  call.stream = stream;
+  if (auto err = CheckOperands(kind, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
+  if (activation != kActSilu && activation != kActGelu && activation != kActSwigluOai)
+    return InvalidArgument(n_ + "activation must be 0 (silu), 1 (gelu) or 2 (swigluoai)");
+  const auto rd = row_scale.dimensions(), cd = col_scale.dimensions(), bd = bias.dimensions();
+  if (kind == kGemmFp8Act) {
+    const bool row_ok = call.batched ? rd.size() == 2 && rd[0] == call.groups && rd[1] == call.capacity
+                                     : rd.size() == 1 && rd[0] == call.m;
+    if (!row_ok) return InvalidArgument(n_ + "row_scale must be [M] ([E, C] batched) float32 with FP8 a");
+    if (cd.size() != 2 || cd[0] != call.groups || cd[1] != call.n)
+      return InvalidArgument(n_ + "col_scale must be [E, N] float32 with FP8 a");
+    if (out_scale.element_count() != 1)
+      return InvalidArgument(n_ + "out_scale must have 1 element (d's static FP8 scale) with FP8 a");
+    call.row_scale = row_scale.typed_data();
+    call.col_scale = col_scale.typed_data();
+    call.out_scale = out_scale.typed_data();
+  } else if (row_scale.element_count() != 0 || col_scale.element_count() != 0 || out_scale.element_count() != 0) {
+    return InvalidArgument(n_ + "row_scale, col_scale and out_scale must be [0] with bf16 a (no scales)");
+  }
+  if (bias.element_count() != 0) {
+    if (bd.size() != 2 || bd[0] != call.groups || bd[1] != call.n)
+      return InvalidArgument(n_ + "bias must be [E, N] float32 (b's experts and rows) or [0]");
+    call.bias = bias.typed_data();
+  }
+  call.activation = static_cast<int>(activation);
+  call.alpha = alpha;
+  call.limit = limit;
+  if (call.m == 0) return ffi::Error::Success();
+  call.zero_unowned = true;
+  return RunKind(kind, tile, call);
+}
+
 }  // namespace
 
 int SmCount(int device) {
@@ -155,3 +213,6 @@ int CutlassCurrentSmCount() {
 
 JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemm, jax_moe::GroupedGemmCuda, "tile");
 JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmFp8, jax_moe::GroupedGemmFp8Cuda, "tile");
+// a, b, offsets, row_scale, col_scale, bias, out_scale -> d, workspace; attrs tile, activation, alpha, limit.
+JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmAct, jax_moe::GroupedGemmActCuda, "tile", "activation", "alpha",
+                            "limit");

@@ -1,4 +1,4 @@
-// jax_moe's own SM90 grouped GEMMs (CUTLASS 3.x pointer-array kernels), four XLA FFI targets
+// jax_moe's own SM90 grouped GEMMs (CUTLASS 3.x pointer-array kernels), five XLA FFI targets
 // (jax_moe/backends/cutlass_gemm.py and cutlass_grad_gemm.py hold their shape rules and jnp references):
 //
 // jax_moe_cutlass_grouped_gemm (bf16):
@@ -42,6 +42,20 @@
 // -> d [E, P, Q] bf16    d[e] = u[rows of e]^T @ v[rows of e] (float32 accumulation; the GEMM's K is the
 //                        expert's row count, "ragged K"); an expert with no rows gets zeros
 //
+// jax_moe_cutlass_grouped_gemm_act (GEMM1 with the gated activation in its epilogue; ffi/cutlass/gated_epilogue.cuh):
+//   a [M, K], b [E, N, K] with N = 2I whose rows alternate gate and up (row 2i gate i, 2i+1 up i),
+//   offsets [E+1] as above, and
+//   row_scale [M] float32, col_scale [E, N] float32   FP8 a and b (as the fp8 target); [0] for bf16
+//   bias [E, N] float32   each expert's GEMM1 bias in b's row order, or [0]: none
+//   out_scale [1] float32 FP8 a and b: d's static quantization scale; [0] for bf16
+// -> d [M, I]            h = a[r] @ b[e]^T (times the scales, plus the bias, in float32), then
+//                        d[r, i] = act(h[2i], h[2i+1]) (silu(g) * u, gelu(g) * u, or swigluoai), bf16
+//                        for bf16 a and b, float8_e4m3fn = clip(v / out_scale) for FP8; rows outside
+//                        [offsets[0], offsets[E]) zero. N a multiple of 16 (32 for FP8: 16-byte rows of d).
+//    workspace [W] uint8 as above
+//   attrs tile, activation (kAct* of ffi/kernels/moe_prepare_finalize.h), alpha, limit (swigluoai's).
+//   The batched format as above (a [E, C, K], counts [E], row_scale [E, C], d [E, C, I]).
+//
 // attr tile: a CutlassTile below. E >= 1. K must be a multiple of CutlassAlignK(kind) (16-byte TMA rows of
 // a and b), N a multiple of kCutlassAlignN (16-byte bf16 rows of d). Offsets are clamped to [0, M] on
 // device, so no value of them makes the kernel touch memory outside the buffers; a decreasing pair
@@ -70,13 +84,18 @@ enum CutlassGemmKind : int {
   kGemmFp8 = 1,        // e4m3 x e4m3 -> bf16, row and column scales in the epilogue
   kGemmBf16Dgrad = 2,  // bf16: d = a @ b[e], b's N contiguous
   kGemmBf16Wgrad = 3,  // bf16: d[e] = a[rows]^T @ b[rows], ragged K
-  kNumCutlassGemmKinds = 4,
+  kGemmBf16Act = 4,    // bf16 x bf16 -> bf16 act(gate) * up of interleaved gate/up columns (gated_epilogue.cuh)
+  kGemmFp8Act = 5,     // e4m3 x e4m3 -> e4m3 act(gate) * up, scales and a static output scale in the epilogue
+  kNumCutlassGemmKinds = 6,
 };
+
+constexpr bool IsFp8Kind(int kind) { return kind == kGemmFp8 || kind == kGemmFp8Act; }
+constexpr bool IsActKind(int kind) { return kind == kGemmBf16Act || kind == kGemmFp8Act; }
 
 constexpr int kCutlassAlignN = 8;      // bf16 elements per 16 bytes: N (d's rows) must be a multiple of it
 constexpr int kCutlassAlignKBf16 = 8;  // K of bf16 a and b: 16-byte rows
 constexpr int kCutlassAlignKFp8 = 16;  // K of fp8 a and b: 16-byte rows
-constexpr int CutlassAlignK(int kind) { return kind == kGemmFp8 ? kCutlassAlignKFp8 : kCutlassAlignKBf16; }
+constexpr int CutlassAlignK(int kind) { return IsFp8Kind(kind) ? kCutlassAlignKFp8 : kCutlassAlignKBf16; }
 
 // Bytes of the workspace result for E groups with this kind and tile on a device with sm_count SMs
 // (0 when the kind or tile is unknown). Host only; no CUDA call.
@@ -91,3 +110,4 @@ extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemm(XLA_FFI_CallFrame* call_frame
 extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemmFp8(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemmDgrad(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemmWgrad(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemmAct(XLA_FFI_CallFrame* call_frame);

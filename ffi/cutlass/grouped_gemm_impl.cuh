@@ -10,6 +10,8 @@
 // Epilogues: bf16, D = acc. fp8, an epilogue visitor tree D = bf16((acc * col_scale[n]) * row_scale[m])
 // whose two broadcast vectors are per group too (arrays of pointers, like A, B and D): row_scale + lo
 // (the group's rows) and col_scale + g * N (the group's expert).
+// The act kinds: the gated activation of gated_epilogue.cuh (no shared memory, direct stores), d of
+// N / 2 columns; its FP8 kind takes the same two pointer arrays of scales.
 #pragma once
 
 #include <cstddef>
@@ -37,7 +39,12 @@ struct GroupedGemmCall {
   const int32_t* offsets;   // standard: offsets [groups + 1]; batched: counts [groups]; int32, device
   const float* row_scale;   // [m] (fp8; nullptr for bf16)
   const float* col_scale;   // [groups, n] (fp8; nullptr for bf16)
-  void* d;                  // [m, n] bf16 (wgrad: [groups, k, n])
+  void* d;                  // [m, d_cols] bf16, or e4m3 for kGemmFp8Act (wgrad: [groups, k, n])
+  int64_t d_cols;           // d's row length: n, or n / 2 for the act kinds (16-byte multiple of rows)
+  const float* bias;        // act kinds: [groups, n] float32 GEMM1 bias, or nullptr
+  const float* out_scale;   // kGemmFp8Act: [1] float32 static output scale
+  int activation;           // act kinds: kAct*
+  float alpha, limit;       // act kinds: swigluoai's constants
   void* workspace;
   size_t workspace_bytes;
   int64_t groups, m, n, k;
@@ -58,6 +65,7 @@ inline void SetCommon(GroupedGemmCall& call, const int32_t* offsets, void* d, vo
   call.m = m;
   call.n = n;
   call.k = k;
+  call.d_cols = n;
 }
 
 // Rows [lo, hi) of a (and d, row_scale) that group g owns, in 0 <= lo <= hi <= m, whatever the
@@ -78,14 +86,13 @@ __device__ __forceinline__ void GroupRows(const int32_t* offsets, int64_t g, int
   hi = hi < lo ? lo : (hi > m ? m : hi);
 }
 
-// Zeroes the rows of d [m, n] (n % 8 == 0: whole 16-byte vectors per row) that the GEMM does not
-// write, block `block` of `blocks` (block-stride over rows, threads over a row's vectors).
+// Zeroes the rows of d [m, vec_per_row 16-byte vectors] that the GEMM does not write, block `block`
+// of `blocks` (block-stride over rows, threads over a row's vectors).
 // Standard: the rows outside [offsets[0], offsets[groups]) (clamped to [0, m]); batched: the rows
 // of group g past clamp(counts[g], 0, capacity) (GroupRows).
 __device__ __forceinline__ void ZeroUnownedRows(const int32_t* offsets, int64_t groups, int64_t m, bool batched,
-                                                int64_t capacity, int64_t n, uint4* d, int64_t block,
+                                                int64_t capacity, int64_t vec_per_row, uint4* d, int64_t block,
                                                 int64_t blocks) {
-  const int64_t vec_per_row = n / 8;
   auto zero_row = [&](int64_t row) {
     uint4* dst = d + row * vec_per_row;
     for (int64_t c = threadIdx.x; c < vec_per_row; c += blockDim.x) dst[c] = make_uint4(0, 0, 0, 0);
@@ -136,6 +143,8 @@ JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16)
 JAX_MOE_DECLARE_CUTLASS_TILES(kGemmFp8)
 JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16Dgrad)
 JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16Wgrad)
+JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16Act)
+JAX_MOE_DECLARE_CUTLASS_TILES(kGemmFp8Act)
 #undef JAX_MOE_DECLARE_CUTLASS_TILES
 #undef JAX_MOE_DECLARE_CUTLASS_GEMM
 
@@ -145,22 +154,18 @@ using namespace cute;
 // One kind's grouped GEMM with one tile's shapes and schedules (grouped_gemm_traits.cuh).
 template <int Kind, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
 struct GroupedGemm {
-  static constexpr bool kScaled = Kind == kGemmFp8;
+  static constexpr bool kScaled = IsFp8Kind(Kind);
+  static constexpr bool kAct = IsActKind(Kind);
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using Element = ElementAB<Kind>;
-  using ElementD = cutlass::bfloat16_t;
+  using ElementD = ElementDOf<Kind>;
   using Acc = float;
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
   static_assert(kAlign == CutlassAlignK(Kind), "grouped_gemm.h's K alignment must match the TMA's");
-  static_assert(kAlignD == kCutlassAlignN, "grouped_gemm.h's N alignment must match the TMA's");
+  static_assert(EpilogueOf<kGemmBf16, TileShape, ClusterShape, EpilogueSchedule>::kAlignD == kCutlassAlignN,
+                "grouped_gemm.h's N alignment must match the TMA's");
 
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, Acc, Acc,
-      void, cutlass::layout::RowMajor*, kAlignD,        // no C operand
-      ElementD, cutlass::layout::RowMajor*, kAlignD,    // D [M_e, N]
-      EpilogueSchedule, typename Fusion<Kind, TileShape>::type>::CollectiveOp;
+  using CollectiveEpilogue = typename EpilogueOf<Kind, TileShape, ClusterShape, EpilogueSchedule>::type;
 
   // FP8 with these (non-FastAccum) schedules gets CUTLASS's FP8 mainloop: float32 promotion every 4 MMAs.
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -219,7 +224,9 @@ struct GroupedGemm {
     return r;
   }
 
-  static typename Gemm::Arguments MakeArguments(const Arrays& arr, int64_t groups, int device, int sm_count) {
+  // call: the act kinds' epilogue operands (nullptr to size the workspace, which they do not change).
+  static typename Gemm::Arguments MakeArguments(const Arrays& arr, int64_t groups, int device, int sm_count,
+                                                const GroupedGemmCall* call = nullptr) {
     cutlass::KernelHardwareInfo hw;
     hw.device_id = device;
     hw.sm_count = sm_count;
@@ -231,16 +238,31 @@ struct GroupedGemm {
     args.mainloop.dA = arr.sa;
     args.mainloop.ptr_B = arr.pb;
     args.mainloop.dB = arr.sb;
-    if constexpr (kScaled) {
-      auto& t = args.epilogue.thread;  // Sm90EVT arguments: children first, then the node's own
-      t.op_0.ptr_col = arr.prow;       // RowScale
-      t.op_1.op_0.ptr_row = arr.pcol;  // AccTimesCol's ColScale
+    if constexpr (kAct) {
+      auto& ep = args.epilogue;
+      if constexpr (kScaled) {
+        ep.ptr_row_scale = arr.prow;
+        ep.ptr_col_scale = arr.pcol;
+      }
+      if (call != nullptr) {
+        ep.bias = call->bias;
+        ep.out_scale = call->out_scale;
+        ep.activation = call->activation;
+        ep.alpha = call->alpha;
+        ep.limit = call->limit;
+      }
     } else {
-      args.epilogue.thread.alpha = 1.0f;
-      args.epilogue.thread.beta = 0.0f;
+      if constexpr (kScaled) {
+        auto& t = args.epilogue.thread;  // Sm90EVT arguments: children first, then the node's own
+        t.op_0.ptr_col = arr.prow;       // RowScale
+        t.op_1.op_0.ptr_row = arr.pcol;  // AccTimesCol's ColScale
+      } else {
+        args.epilogue.thread.alpha = 1.0f;
+        args.epilogue.thread.beta = 0.0f;
+      }
+      args.epilogue.ptr_C = nullptr;
+      args.epilogue.dC = nullptr;
     }
-    args.epilogue.ptr_C = nullptr;
-    args.epilogue.dC = nullptr;
     args.epilogue.ptr_D = arr.pd;
     args.epilogue.dD = arr.sd;
     args.hw_info = hw;
@@ -265,14 +287,14 @@ struct GroupedGemm {
 //                   zeroes its d: a K of 0 is not a GEMM CUTLASS's mainloop runs)
 template <int Kind, class G>
 __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, int64_t groups, int64_t m,
-                                bool batched, int64_t capacity, int n, int k, const typename G::Element* a,
+                                bool batched, int64_t capacity, int n, int k, int64_t d_cols, const typename G::Element* a,
                                 const typename G::Element* b, typename G::ElementD* d, const float* row_scale,
                                 const float* col_scale) {
   const int64_t fill_blocks = (groups + blockDim.x - 1) / blockDim.x;
   if (static_cast<int64_t>(blockIdx.x) >= fill_blocks) {
     if constexpr (Kind != kGemmBf16Wgrad)
-      ZeroUnownedRows(offsets, groups, m, batched, capacity, n, reinterpret_cast<uint4*>(d), blockIdx.x - fill_blocks,
-                      gridDim.x - fill_blocks);
+      ZeroUnownedRows(offsets, groups, m, batched, capacity, d_cols * int64_t(sizeof(*d)) / 16,
+                      reinterpret_cast<uint4*>(d), blockIdx.x - fill_blocks, gridDim.x - fill_blocks);
     return;
   }
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -292,7 +314,7 @@ __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, 
     arr.shapes[g] = make_shape(static_cast<int>(hi - lo), n, k);
     arr.pa[g] = a + lo * k64;
     arr.pb[g] = b + g * n64 * k64;
-    arr.pd[g] = d + lo * n64;
+    arr.pd[g] = d + lo * d_cols;
     arr.sa[g] = LeadingStride<typename G::StrideA>(k64);
     arr.sb[g] = LeadingStride<typename G::StrideB>(Kind == kGemmBf16Dgrad ? n64 : k64);
   }
@@ -300,7 +322,7 @@ __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, 
     arr.prow[g] = row_scale + lo;
     arr.pcol[g] = col_scale + g * n64;
   }
-  arr.sd[g] = LeadingStride<typename G::StrideD>(n64);
+  arr.sd[g] = LeadingStride<typename G::StrideD>(Kind == kGemmBf16Wgrad ? n64 : d_cols);
 }
 
 inline ffi::Error CutlassError(const char* what, cutlass::Status s) {
@@ -323,12 +345,12 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   // zeroing: one block per unowned row at most, at most one per SM (block-stride beyond)
   const int64_t zero_blocks = Kind != kGemmBf16Wgrad && c.zero_unowned ? (c.m < c.sm_count ? c.m : c.sm_count) : 0;
   FillGroupArrays<Kind, G><<<static_cast<unsigned>(fill_blocks + zero_blocks), kThreads, 0, c.stream>>>(
-      arr, c.offsets, c.groups, c.m, c.batched, c.capacity, static_cast<int>(c.n), static_cast<int>(c.k),
+      arr, c.offsets, c.groups, c.m, c.batched, c.capacity, static_cast<int>(c.n), static_cast<int>(c.k), c.d_cols,
       static_cast<const E*>(c.a), static_cast<const E*>(c.b), static_cast<D*>(c.d), c.row_scale, c.col_scale);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   typename G::Gemm gemm;
-  const auto args = G::MakeArguments(arr, c.groups, c.device, c.sm_count);
+  const auto args = G::MakeArguments(arr, c.groups, c.device, c.sm_count, &c);
   if (auto s = gemm.can_implement(args); s != cutlass::Status::kSuccess) return CutlassError("can_implement", s);
   if (auto s = gemm.initialize(args, arr.cutlass_workspace, c.stream); s != cutlass::Status::kSuccess)
     return CutlassError("initialize", s);

@@ -20,6 +20,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 
+#include "gated_epilogue.cuh"
 #include "grouped_gemm.h"
 
 namespace jax_moe::cutlass_gg {
@@ -47,7 +48,29 @@ struct Fusion<kGemmFp8, TileShape> {  // D = (acc * col_scale[n]) * row_scale[m]
 };
 
 template <int Kind>
-using ElementAB = std::conditional_t<Kind == kGemmFp8, cutlass::float_e4m3_t, cutlass::bfloat16_t>;
+using ElementAB = std::conditional_t<IsFp8Kind(Kind), cutlass::float_e4m3_t, cutlass::bfloat16_t>;
+// d's element: bf16, except the FP8 act kind's quantized output.
+template <int Kind>
+using ElementDOf = std::conditional_t<Kind == kGemmFp8Act, cutlass::float_e4m3_t, cutlass::bfloat16_t>;
+
+// The collective epilogue of a kind: CUTLASS's TMA epilogue with the kind's Fusion, or for the act
+// kinds the gated activation (gated_epilogue.cuh) under the no-shared-memory adapter.
+template <int Kind, class TileShape, class ClusterShape, class EpilogueSchedule, bool kAct = IsActKind(Kind)>
+struct EpilogueOf {
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<cutlass::bfloat16_t>::value;
+  using type = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, cutlass::layout::RowMajor*, kAlignD,                 // no C operand
+      cutlass::bfloat16_t, cutlass::layout::RowMajor*, kAlignD,  // D [M_e, N]
+      EpilogueSchedule, typename Fusion<Kind, TileShape>::type>::CollectiveOp;
+};
+template <int Kind, class TileShape, class ClusterShape, class EpilogueSchedule>
+struct EpilogueOf<Kind, TileShape, ClusterShape, EpilogueSchedule, true> {
+  using Out = std::conditional_t<Kind == kGemmFp8Act, Fp8, __nv_bfloat16>;
+  using type = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+      GatedActEpilogue<ElementDOf<Kind>, Out, IsFp8Kind(Kind)>>;
+};
 
 // A and B in CUTLASS's terms (A is M x K, B is K x N; RowMajor A and ColumnMajor B are K-major).
 template <int Kind>
@@ -100,7 +123,7 @@ struct Schedule {
 // the registers at 128x256 (measured 2.0-2.8x slower than 128x128 on an H100), and costs at every tile.
 template <int Kind, class S>
 using MainloopKernel = std::conditional_t<
-    Kind == kGemmFp8,
+    IsFp8Kind(Kind),
     std::conditional_t<S::kIsPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>,
     typename S::Kernel>;

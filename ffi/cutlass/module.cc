@@ -11,13 +11,14 @@
 namespace nb = nanobind;
 
 NB_MODULE(_jax_moe_cutlass, m) {
-  m.doc() = "jax_moe's CUTLASS SM90 grouped GEMMs (bf16, fp8 with row/column scales, and bf16 backward) as XLA FFI custom calls";
+  m.doc() = "jax_moe's CUTLASS SM90 grouped GEMMs (bf16, fp8 with row/column scales, the gated activation in GEMM1's epilogue, and bf16 backward) as XLA FFI custom calls";
   m.def("registrations", []() {
     nb::dict d;
     d["jax_moe_cutlass_grouped_gemm"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeCutlassGroupedGemm));
     d["jax_moe_cutlass_grouped_gemm_fp8"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeCutlassGroupedGemmFp8));
     d["jax_moe_cutlass_grouped_gemm_dgrad"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeCutlassGroupedGemmDgrad));
     d["jax_moe_cutlass_grouped_gemm_wgrad"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeCutlassGroupedGemmWgrad));
+    d["jax_moe_cutlass_grouped_gemm_act"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeCutlassGroupedGemmAct));
     return d;
   }, "FFI target name -> handler capsule (platform CUDA).");
   m.def(
@@ -31,7 +32,7 @@ NB_MODULE(_jax_moe_cutlass, m) {
       },
       nb::arg("num_groups"), nb::arg("tile"), nb::arg("sm_count") = 0, nb::arg("kind") = 0,
       "Bytes of the uint8 workspace result for num_groups experts, this tile and kind (0 bf16, 1 fp8, "
-      "2 bf16 dgrad, 3 bf16 wgrad); "
+      "2 bf16 dgrad, 3 bf16 wgrad, 4 bf16 act, 5 fp8 act); "
       "sm_count 0: the current device's.");
   m.def("current_sm_count", &jax_moe::CutlassCurrentSmCount, "SMs of the current CUDA device (0: none).");
   m.attr("num_tiles") = static_cast<int>(jax_moe::kNumCutlassTiles);

@@ -54,6 +54,12 @@ GRAD_KINDS: dict[str, tuple[int, str]] = {
     "dgrad": (2, "jax_moe_cutlass_grouped_gemm_dgrad"),  # d[r] = a[r] @ b[e]       (b [E, K, N])
     "wgrad": (3, "jax_moe_cutlass_grouped_gemm_wgrad"),  # d[e] = u[rows of e]^T @ v[rows of e]
 }
+# GEMM1 with the gated activation in its epilogue (jax_moe.backends.cutlass_act_gemm), one FFI target
+# for both: kind -> (CutlassGemmKind, FFI target, dtype of a and b)
+ACT_KINDS: dict[str, tuple[int, str, str]] = {
+    "bf16_act": (4, "jax_moe_cutlass_grouped_gemm_act", "bfloat16"),
+    "fp8_act": (5, "jax_moe_cutlass_grouped_gemm_act", "float8_e4m3fn"),
+}
 ALIGN_N = 8  # N: 16-byte bf16 rows of d; ffi: kCutlassAlignN
 ALIGN_K = {"bf16": 8, "fp8": 16}  # K: 16-byte rows of a and b; ffi: kCutlassAlignKBf16, kCutlassAlignKFp8
 
@@ -93,7 +99,7 @@ def available(device=None) -> tuple[bool, str]:
 
 def _constants_match(mod) -> bool:
     """The compiled module's tile and kind counts and alignments are this file's."""
-    want = {"num_tiles": len(TILES), "num_kinds": len(KINDS) + len(GRAD_KINDS), "align_n": ALIGN_N,
+    want = {"num_tiles": len(TILES), "num_kinds": len(KINDS) + len(GRAD_KINDS) + len(ACT_KINDS), "align_n": ALIGN_N,
             "align_k_bf16": ALIGN_K["bf16"], "align_k_fp8": ALIGN_K["fp8"]}
     return all(getattr(mod, name, None) == value for name, value in want.items())
 
@@ -119,12 +125,12 @@ def _register() -> bool:
 @functools.lru_cache(maxsize=None)
 def workspace_size(num_groups: int, tile: str, kind: str = "bf16") -> int:
     """Bytes of the grouped GEMM's workspace result for ``num_groups`` experts, ``tile`` and
-    ``kind`` (a key of :data:`KINDS` or :data:`GRAD_KINDS`) on the current CUDA device (its SM
-    count sets CUTLASS's share: TMA descriptors per SM)."""
+    ``kind`` (a key of :data:`KINDS`, :data:`GRAD_KINDS` or :data:`ACT_KINDS`) on the current CUDA
+    device (its SM count sets CUTLASS's share: TMA descriptors per SM)."""
     mod = _module()
     if mod is None:
         raise RuntimeError(_state["error"])
-    kind_id = KINDS[kind][0] if kind in KINDS else GRAD_KINDS[kind][0]
+    kind_id = {**KINDS, **GRAD_KINDS, **ACT_KINDS}[kind][0]
     return int(mod.workspace_size(int(num_groups), TILES[tile], kind=kind_id))
 
 
@@ -255,14 +261,21 @@ def grouped_gemm_reference(a, b, offsets, *, a_scale=None, b_scale=None, tile=No
     return _reference(a, b, offsets, *_row_col_scales(a_scale, b_scale, (a.shape[0],), b.shape[0], b.shape[1]))
 
 
-def _reference(a, b, offsets, row, col):
+def owned_rows(offsets, m: int):
+    """The kernel's clamp of ``offsets`` [E+1] to [0, m] (a decreasing pair is an empty expert) ->
+    (clamped offsets [E+1], owned [m] bool: rows in [offsets[0], offsets[E]))."""
+    off = jax.lax.cummax(jnp.clip(offsets, 0, m))
+    rows = jnp.arange(m, dtype=jnp.int32)
+    return off, (rows >= off[0]) & (rows < off[-1])
+
+
+def _reference(a, b, offsets, row, col, dtype=jnp.bfloat16):
+    """The standard format's reference; ``dtype``: d's (float32 keeps the epilogue's values unrounded)."""
     m = a.shape[0]
     e = b.shape[0]
-    off = jnp.clip(offsets, 0, m)
-    off = jax.lax.cummax(off)  # the kernel's clamp: a decreasing pair is an empty expert
+    off, owned = owned_rows(offsets, m)
     lo, hi = off[0], off[e]
     rows = jnp.arange(m, dtype=jnp.int32)
-    owned = (rows >= lo) & (rows < hi)
     counts = jnp.diff(off)
     sizes = counts.at[0].add(lo).at[e - 1].add(m - hi)  # unowned rows ride along, zeroed
     a0 = jnp.where(owned[:, None], a, jnp.zeros((), a.dtype))
@@ -272,14 +285,14 @@ def _reference(a, b, offsets, row, col):
     if row is None:
         d = jax.lax.ragged_dot(a0, jnp.swapaxes(b, 1, 2), sizes.astype(jnp.int32),
                                preferred_element_type=jnp.float32)
-        return d.astype(jnp.bfloat16)
+        return d.astype(dtype)
     # fp8: exact products in float32, then the epilogue's (acc * col) * row
     d = jax.lax.ragged_dot(a0.astype(jnp.float32), jnp.swapaxes(b, 1, 2).astype(jnp.float32),
                            sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)
     expert = jnp.clip(jnp.searchsorted(off, rows, side="right") - 1, 0, e - 1)
     d = d * col[expert] * row[:, None]
-    return jnp.where(owned[:, None], d, 0.0).astype(jnp.bfloat16)
+    return jnp.where(owned[:, None], d, 0.0).astype(dtype)
 
 
 def grouped_gemm(a: jax.Array, b: jax.Array, offsets: jax.Array, *, a_scale=None, b_scale=None,

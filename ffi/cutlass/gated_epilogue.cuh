@@ -1,0 +1,173 @@
+// The gated activation as a grouped GEMM's epilogue (the act kinds of grouped_gemm.h): GEMM1's
+// accumulator tile goes straight to act(gate) * up, so the [M, 2I] pre-activation is never written.
+//
+// The weights' rows alternate gate and up (gate_up_layout "interleaved": row 2i is gate i, row 2i+1
+// up i), so output columns 2i and 2i+1 of a tile are one pair. In the SM90 tensor cores' accumulator
+// layout (wgmma, m64nNk16) a thread holds columns 2q and 2q+1 of every 8-column group of its rows
+// (q = lane % 4), as the fragment's first two values: every pair lies in one thread's registers.
+// Each thread computes act(gate) * up for its pairs in float32 (FP8: the row and column
+// dequantization scales first; then the expert's bias, then the activation, then, for an FP8 output,
+// the static quantization scale); the four lanes of a quad (same rows, columns 8g .. 8g+7 of a
+// group) then exchange results so that each lane writes four consecutive outputs of one group as
+// one 8-byte (bf16) or 4-byte (FP8) store. No shared memory: the adapter runs it where the TMA
+// epilogue would (cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter).
+//
+// d [M, N/2] per group: row m of the group, column i = act(acc[m, 2i] ..., acc[m, 2i+1] ...).
+#pragma once
+
+#include <cstdint>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+
+#include "../kernels/moe_device.cuh"
+
+namespace jax_moe::cutlass_gg {
+
+// Out: the stored element as the row kernels write it (__nv_bfloat16, or Fp8 with a static scale);
+// ElementD: the same bytes in CUTLASS's type (the pointer arrays' type). kScaled: FP8 operands, the
+// row and column dequantization scales applied to the accumulator first.
+template <class ElementD_, class Out, bool kScaled>
+class GatedActEpilogue {
+ public:
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using ElementC = void;
+  using ElementD = ElementD_;
+  using ElementOutput = ElementD;
+  using InternalStrideC = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
+  using InternalStrideD = InternalStrideC;
+  using StrideC = InternalStrideC*;
+  using StrideD = InternalStrideD*;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  using ThreadEpilogueOp = void;  // named by CUTLASS's device adapter, never used: the activation is operator()'s
+  static_assert(sizeof(ElementD) == sizeof(Out), "CUTLASS's and the row kernels' output element differ in size");
+
+  struct SharedStorage {};
+  using TensorMapStorage = SharedStorage;
+
+  struct Arguments {
+    ElementD** ptr_D = nullptr;               // per group: its rows of d [M, N/2]
+    StrideD dD = nullptr;                     // per group: d's leading dimension (N/2)
+    const float** ptr_row_scale = nullptr;    // FP8 per group: its rows' scales
+    const float** ptr_col_scale = nullptr;    // FP8 per group: its expert's [N] column scales
+    const float* bias = nullptr;              // [E, N] float32 (w13's rows), or nullptr
+    const float* out_scale = nullptr;         // [1] float32, FP8 output only: d = fp8(v / out_scale)
+    int activation = kActSilu;                // kAct* (moe_prepare_finalize.h)
+    float alpha = 1.702f, limit = 7.0f;       // swigluoai's
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.ptr_D != nullptr && (!kScaled || (args.ptr_row_scale != nullptr && args.ptr_col_scale != nullptr));
+  }
+
+  CUTLASS_HOST_DEVICE explicit GatedActEpilogue(Params const& params) : params_(params) {}
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
+                                 BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    // The fragment is ((2 columns, 2 row halves, groups of 8 columns), MMA_M, MMA_N): wgmma's.
+    static_assert(rank<0>(FrgLayout{}) == 3 && size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2,
+                  "the gated epilogue needs the SM90 wgmma accumulator layout");
+    constexpr int kGroups = size<0, 2>(FrgLayout{});
+    static_assert(kGroups % 4 == 0, "a quad exchanges four 8-column groups at a time");
+
+    const int m_size = static_cast<int>(get<0>(problem_shape_mnkl));
+    const int n_size = static_cast<int>(get<1>(problem_shape_mnkl));
+    const int l = static_cast<int>(get<3>(blk_coord_mnkl));
+    Tensor cd = local_tile(make_identity_tensor(make_shape(m_size, n_size)), take<0, 2>(blk_shape_mnk),
+                           make_coord(get<0>(blk_coord_mnkl), get<1>(blk_coord_mnkl)));
+    Tensor tc = tiled_mma.get_thread_slice(thread_idx).partition_C(cd);  // (m, n) of each accumulator
+
+    Out* d = reinterpret_cast<Out*>(params_.ptr_D[l]);
+    const int64_t ld = n_size / 2;
+    const float* row_scale = nullptr;
+    const float* col_scale = nullptr;
+    if constexpr (kScaled) {
+      row_scale = params_.ptr_row_scale[l];
+      col_scale = params_.ptr_col_scale[l];
+    }
+    const float* bias = params_.bias != nullptr ? params_.bias + int64_t(l) * n_size : nullptr;
+    float inv_out = 1.0f;
+    if constexpr (sizeof(Out) == 1) inv_out = 1.0f / *params_.out_scale;
+    const int lane = static_cast<int>(threadIdx.x & 31), q = lane & 3;
+
+    CUTLASS_PRAGMA_UNROLL
+    for (int mi = 0; mi < size<1>(acc); ++mi) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int ni = 0; ni < size<2>(acc); ++ni) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int g0 = 0; g0 < kGroups; g0 += 4) {
+            // v[j]: this lane's output of group g0 + j (columns 2q, 2q+1 of the group's 8).
+            float v[4];
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < 4; ++j) {
+              const auto crd = tc(make_coord(make_coord(0, half, g0 + j), mi, ni));
+              const int m = get<0>(crd), n = get<1>(crd);
+              float gate = acc(make_coord(make_coord(0, half, g0 + j), mi, ni));
+              float up = acc(make_coord(make_coord(1, half, g0 + j), mi, ni));
+              v[j] = 0.0f;
+              if (m < m_size && n < n_size) {
+                if constexpr (kScaled) {
+                  const float rs = row_scale[m];
+                  gate = gate * col_scale[n] * rs;
+                  up = up * col_scale[n + 1] * rs;
+                }
+                if (bias != nullptr) gate += bias[n], up += bias[n + 1];
+                v[j] = GatedAct(params_.activation, gate, up, params_.alpha, params_.limit) * inv_out;
+              }
+            }
+            // A 4x4 transpose over the quad: lane q ends with group g0 + q's outputs of lanes 0..3,
+            // the group's four consecutive output columns. Round r: lane q sends v[(q + r) % 4] and
+            // receives lane (q - r) % 4's value for group g0 + q.
+            float w[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < 4; ++r) {
+              const int send_j = (q + r) & 3, src = (q - r) & 3;
+              const float send = send_j == 0 ? v[0] : send_j == 1 ? v[1] : send_j == 2 ? v[2] : v[3];
+              const float got = __shfl_sync(0xffffffffu, send, (lane & ~3) | src);
+              CUTLASS_PRAGMA_UNROLL
+              for (int i = 0; i < 4; ++i) w[i] = i == src ? got : w[i];
+            }
+            const auto crd = tc(make_coord(make_coord(0, half, g0 + q), mi, ni));
+            const int m = get<0>(crd), n = get<1>(crd) - 2 * q;  // the group's first column
+            if (m < m_size && n < n_size) StoreF32<Out, 4>(d + int64_t(m) * ld + n / 2, w);
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  Params params_;
+};
+
+}  // namespace jax_moe::cutlass_gg

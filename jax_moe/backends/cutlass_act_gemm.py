@@ -1,0 +1,173 @@
+"""GEMM1 with the gated activation in its epilogue: ``act(gate) * up`` straight from the
+accumulators, so the ``[M, 2I]`` pre-activation is never written nor read back.
+
+:func:`grouped_gemm_act` is :func:`jax_moe.backends.cutlass_gemm.grouped_gemm` on weights whose
+gate and up rows alternate (``gate_up_layout="interleaved"``: row 2i of ``w13[e]`` is gate i, row
+2i+1 up i). In the SM90 tensor cores' accumulator layout the two columns of a pair sit in one
+thread's registers, so the epilogue (``ffi/cutlass/gated_epilogue.cuh``) computes, in float32::
+
+    h = a[r] @ b[e].T                        # [N] = [2I]   (FP8: * a_scale[r] * b_scale[e, n])
+    h = h + bias[e]                          # optional GEMM1 bias, in b's row order
+    d[r, i] = act(h[2i], h[2i + 1])          # silu(g) * u, gelu(g) * u, or swigluoai(g, u)
+
+and writes ``d [M, I]``: bfloat16 for bf16 a and b; for FP8 a and b, float8_e4m3fn quantized with a
+static scale (``out_scale``: GEMM2's input scale), ``clip(d / out_scale, -448, 448)`` rounded to
+nearest. Rows outside ``[offsets[0], offsets[E])`` are zeros. A dynamic (per-token or per-tensor
+amax) GEMM2 scale needs the whole row first, so those keep the separate activation kernel.
+
+Weights stored ``concat`` (``[gate; up]``) interleave once at load time with
+:func:`jax_moe.layouts.gated.reorder_rows_for_gated_act_gemm` (``out[2i] = gate_i``, ``out[2i+1] = up_i``) and run with ``gate_up_layout="interleaved"``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe.activations import activate
+from jax_moe.backends.cutlass_gemm import (
+    ACT_KINDS,
+    TILES,
+    _check_gemm,
+    _check_scale,
+    _reference,
+    _register,
+    _row_col_scales,
+    owned_rows,
+    workspace_size,
+)
+from jax_moe.config import MoEConfig
+from jax_moe.quant import fp8
+
+ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2}  # ffi/kernels/moe_prepare_finalize.h: Activation
+ALIGN_N = {"bf16_act": 16, "fp8_act": 32}  # N = 2I: 16-byte rows of d [M, I] (bf16 / e4m3)
+FUSED_ACT_ENV = "JAX_MOE_CUTLASS_FUSED_ACT"  # "0": keep the separate activation kernel (to compare)
+
+
+def fuses_activation(cfg: MoEConfig, quant=None) -> bool:
+    """Whether the cutlass forward takes ``cfg``'s activation into GEMM1's epilogue: a gated
+    activation on interleaved gate/up rows, bf16 weights or FP8 with a static GEMM2 input scale
+    (``fp8_per_tensor`` with ``a2_scale``), 2I a multiple of :data:`ALIGN_N`, and
+    ``JAX_MOE_CUTLASS_FUSED_ACT`` not ``"0"`` (read at trace time)."""
+    if os.environ.get(FUSED_ACT_ENV, "1") == "0":
+        return False
+    if cfg.activation not in ACTIVATIONS or cfg.gate_up_layout != "interleaved":
+        return False
+    n = 2 * cfg.intermediate_size
+    if quant is None:
+        return n % ALIGN_N["bf16_act"] == 0
+    return (quant.scheme == "fp8" and quant.act == "fp8_per_tensor" and quant.a2_scale is not None
+            and n % ALIGN_N["fp8_act"] == 0)
+
+
+def _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile) -> tuple[str, str]:
+    """Checks :func:`grouped_gemm_act`'s arguments (ValueError) -> (act kind, tile)."""
+    kind, tile = _check_gemm(a, b, offsets, a_scale, b_scale, tile)
+    act_kind = f"{kind}_act"
+    e, n, _ = b.shape
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)} (gated), got {activation!r}")
+    if n % ALIGN_N[act_kind]:
+        raise ValueError(f"b's N = 2I must be a multiple of {ALIGN_N[act_kind]} for {kind} "
+                         f"(16-byte rows of d [M, I]), got N={n}")
+    if bias is not None:
+        _check_scale("bias", bias, {(e, n): "[E, N] float32: each expert's GEMM1 bias in b's row order"})
+    if kind == "fp8":
+        if out_scale is None:
+            raise ValueError("out_scale (d's static FP8 scale, [] float32) is required with float8_e4m3fn a and b")
+        _check_scale("out_scale", out_scale, {(): "per tensor", (1,): "per tensor"})
+    elif out_scale is not None:
+        raise ValueError("out_scale is only taken with float8_e4m3fn a and b (the bf16 kind writes bf16)")
+    return act_kind, tile
+
+
+def grouped_gemm_act_shape(a, b, offsets, activation: str = "silu", *, bias=None, a_scale=None, b_scale=None,
+                           out_scale=None) -> jax.ShapeDtypeStruct:
+    """The shape rule: a [M, K], b [E, 2I, K] -> d [M, I] bfloat16 (float8_e4m3fn for FP8 a, b)."""
+    kind, _ = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, "auto")
+    return jax.ShapeDtypeStruct((a.shape[0], b.shape[1] // 2),
+                                jnp.float8_e4m3fn if kind == "fp8_act" else jnp.bfloat16)
+
+
+def _act_reference(a, b, offsets, row, col, bias, out_scale, cfg: MoEConfig):
+    """float32 GEMM (the scales included), the bias, the activation, zero rows outside, d's dtype."""
+    h = _reference(a, b, offsets, row, col, dtype=jnp.float32)
+    off, owned = owned_rows(offsets, a.shape[0])
+    if bias is not None:
+        rows = jnp.arange(a.shape[0], dtype=jnp.int32)
+        h = h + bias[jnp.clip(jnp.searchsorted(off, rows, side="right") - 1, 0, b.shape[0] - 1)]
+    d = jnp.where(owned[:, None], activate(h, cfg), 0.0)
+    if out_scale is None:
+        return d.astype(jnp.bfloat16)
+    return fp8.quantize_fp8_static(d, jnp.reshape(out_scale, ()))
+
+
+def _cfg(b, activation: str, alpha: float, limit: float) -> MoEConfig:
+    return MoEConfig(num_experts=b.shape[0], top_k=1, hidden_size=b.shape[2], intermediate_size=b.shape[1] // 2,
+                     activation=activation, gate_up_layout="interleaved", swiglu_alpha=float(alpha),
+                     swiglu_limit=float(limit))
+
+
+def grouped_gemm_act_reference(a, b, offsets, activation: str = "silu", *, alpha: float = 1.702, limit: float = 7.0,
+                               bias=None, a_scale=None, b_scale=None, out_scale=None, tile=None) -> jax.Array:
+    """jnp reference of :func:`grouped_gemm_act` (same arguments and result; ``tile`` is checked
+    and ignored): the grouped GEMM in float32, the bias, the activation of
+    :func:`jax_moe.activations.activate` on interleaved gate/up, then d's dtype."""
+    kind, _ = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile)
+    scales = (None, None) if kind == "bf16_act" else _row_col_scales(a_scale, b_scale, (a.shape[0],), b.shape[0],
+                                                                     b.shape[1])
+    return _act_reference(a, b, offsets, *scales, bias, out_scale, _cfg(b, activation, alpha, limit))
+
+
+def grouped_gemm_act(a: jax.Array, b: jax.Array, offsets: jax.Array, activation: str = "silu", *,
+                     alpha: float = 1.702, limit: float = 7.0, bias=None, a_scale=None, b_scale=None,
+                     out_scale=None, tile: str | None = "auto") -> jax.Array:
+    """Per expert e, ``d[r] = act(a[r] @ b[e].T)`` over interleaved gate/up columns, for the rows
+    ``offsets[e] <= r < offsets[e+1]``.
+
+    a [M, K] expert-sorted rows; b [E, 2I, K] (K contiguous; rows 2i gate, 2i+1 up); offsets
+    [E+1] int32 (``sort_by_expert``'s, clamped to [0, M]). ``activation``: ``"silu"``,
+    ``"gelu"`` or ``"swigluoai"`` (``alpha``, ``limit``). ``bias``: [E, 2I] float32 in b's row
+    order, or None.
+
+    - bfloat16 a and b -> d [M, I] bfloat16; 2I a multiple of 16.
+    - float8_e4m3fn a and b with ``a_scale``/``b_scale`` as :func:`grouped_gemm` takes them, and
+      ``out_scale`` ([] float32) -> d [M, I] float8_e4m3fn = fp8(act / out_scale); 2I a multiple of 32.
+
+    Rows outside ``[offsets[0], offsets[E])`` are zeros. ``tile``: ``"auto"`` (the grouped GEMM's
+    pick for this shape) or a name in :data:`jax_moe.backends.cutlass_gemm.TILES`. CPU or no
+    module: :func:`grouped_gemm_act_reference`.
+    """
+    kind, tile = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile)
+    m, (e, n, _) = a.shape[0], b.shape
+    out_dt = jnp.float8_e4m3fn if kind == "fp8_act" else jnp.bfloat16
+    if m == 0:
+        return jnp.zeros((0, n // 2), out_dt)
+    cfg = _cfg(b, activation, alpha, limit)
+    if kind == "fp8_act":
+        row, col = _row_col_scales(a_scale, b_scale, (m,), e, n)
+        out = jnp.reshape(jnp.asarray(out_scale, jnp.float32), (1,))
+    else:
+        row = col = out = jnp.zeros((0,), jnp.float32)
+    bias_in = jnp.zeros((0,), jnp.float32) if bias is None else bias
+
+    def default(a, b, offsets, row, col, bias_in, out):
+        scaled = kind == "fp8_act"
+        return _act_reference(a, b, offsets, row if scaled else None, col if scaled else None,
+                              None if bias is None else bias_in, out[0] if scaled else None, cfg)
+
+    if not _register():
+        return default(a, b, offsets, row, col, bias_in, out)
+
+    def cuda(*args):
+        outs = (jax.ShapeDtypeStruct((m, n // 2), out_dt),
+                jax.ShapeDtypeStruct((workspace_size(e, tile, kind),), jnp.uint8))
+        d, _ = jax.ffi.ffi_call(ACT_KINDS[kind][1], outs, vmap_method="sequential")(
+            *args, tile=np.int64(TILES[tile]), activation=np.int64(ACTIVATIONS[activation]),
+            alpha=np.float32(alpha), limit=np.float32(limit))
+        return d
+
+    return jax.lax.platform_dependent(a, b, offsets, row, col, bias_in, out, cuda=cuda, default=default)

@@ -1,0 +1,248 @@
+"""GEMM1 with the gated activation in its epilogue (jax_moe.backends.cutlass_act_gemm): the
+definition in float64, the argument errors, when the cutlass forward takes it, and on the GPU the
+kernel against the definition and the fused forward against the unfused one and the xla backend."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jax_moe.backends import cutlass as cb
+from jax_moe.backends import xla
+from jax_moe.backends.cutlass_act_gemm import (
+    FUSED_ACT_ENV,
+    fuses_activation,
+    grouped_gemm_act,
+    grouped_gemm_act_reference,
+    grouped_gemm_act_shape,
+)
+from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
+from jax_moe.quant.scheme import QuantConfig
+
+from cutlass_cases import F8, FP8_REL_TOL, REL_TOL, gemm_problem, gptoss_problem, group_offsets, small_cfg
+from helpers import rel_err, skip_unless_available
+
+ALPHA, LIMIT = 1.5, 4.0  # swigluoai's constants, not the defaults
+
+
+def act64(g, u, activation):
+    """act(gate) * up in float64, from the activations' definitions."""
+    from math import erf
+
+    if activation == "silu":
+        return g / (1 + np.exp(-g)) * u
+    if activation == "gelu":
+        return 0.5 * g * (1 + np.vectorize(erf, otypes=[np.float64])(g / np.sqrt(2))) * u
+    g, u = np.minimum(g, LIMIT), np.clip(u, -LIMIT, LIMIT)
+    return (u + 1) * g / (1 + np.exp(-ALPHA * g))
+
+
+def definition(a, b, offsets, activation, bias=None, row=None, col=None):
+    """d[r, i] = act(h[2i], h[2i+1]), h = a[r] @ b[e].T (* row[r] * col[e]) + bias[e], expert by
+    expert in float64; rows outside the offsets zero."""
+    a, b = np.asarray(a.astype(jnp.float32), np.float64), np.asarray(b.astype(jnp.float32), np.float64)
+    off = np.asarray(offsets)
+    d = np.zeros((a.shape[0], b.shape[1] // 2))
+    for e in range(b.shape[0]):
+        r = slice(off[e], off[e + 1])
+        h = a[r] @ b[e].T
+        if row is not None:
+            h = h * np.asarray(col, np.float64)[e][None, :] * np.asarray(row, np.float64)[r, None]
+        if bias is not None:
+            h = h + np.asarray(bias, np.float64)[e][None, :]
+        d[r] = act64(h[:, 0::2], h[:, 1::2], activation)
+    return d
+
+
+def bf16_case(rng, counts, n=128, k=64, bias=True):
+    a, b, off = gemm_problem(rng, counts, n, k)
+    b = (b * 2).astype(jnp.bfloat16)  # gate/up values past swigluoai's limit
+    bias_v = jnp.asarray(rng.standard_normal((len(counts), n)), jnp.float32) if bias else None
+    return a, b, off, bias_v
+
+
+def fp8_case(rng, counts, n=128, k=128):
+    m, e = int(np.sum(counts)), len(counts)
+    a = jnp.asarray(rng.standard_normal((m, k)), jnp.float32).astype(F8)
+    b = jnp.asarray(rng.standard_normal((e, n, k)), jnp.float32).astype(F8)
+    row = jnp.asarray(rng.uniform(0.5, 2.0, m) / 16, jnp.float32)
+    col = jnp.asarray(rng.uniform(0.5, 2.0, (e, n)) / np.sqrt(k), jnp.float32)
+    return a, b, group_offsets(counts), row, col
+
+
+def fp8_value(q, scale):
+    return np.asarray(q.astype(jnp.float32), np.float64) * float(scale)
+
+
+# ----------------------------------------------------------------------------- the definition (CPU)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])
+def test_reference_is_the_gated_activation_of_the_grouped_gemm_with_bias(rng, activation):
+    """The jnp reference against the float64 definition: pairs (2i, 2i+1), the bias before the
+    activation, an expert without rows, rows past offsets[E] zero."""
+    a, b, off, bias = bf16_case(rng, [5, 0, 9, 3])
+    pad = jnp.concatenate([a, jnp.asarray(rng.standard_normal((4, a.shape[1])), jnp.bfloat16)])
+    got = grouped_gemm_act_reference(pad, b, off, activation, alpha=ALPHA, limit=LIMIT, bias=bias)
+    assert got.shape == (pad.shape[0], b.shape[1] // 2) and got.dtype == jnp.bfloat16
+    want = definition(a, b, off, activation, bias)
+    assert rel_err(got[: a.shape[0]], want) < REL_TOL
+    assert (np.asarray(got[a.shape[0]:], np.float32) == 0).all()
+
+
+def test_fp8_reference_applies_the_scales_then_quantizes_with_the_static_scale(rng):
+    a, b, off, row, col = fp8_case(rng, [7, 2, 0, 11])
+    out_scale = jnp.float32(0.05)
+    got = grouped_gemm_act_reference(a, b, off, "silu", a_scale=row, b_scale=col, out_scale=out_scale)
+    assert got.dtype == F8
+    want = definition(a, b, off, "silu", row=row, col=col)
+    assert rel_err(fp8_value(got, out_scale), want) < FP8_REL_TOL
+
+
+def test_the_reference_equals_the_unfused_pipeline_on_interleaved_weights(rng):
+    """grouped_gemm then act_and_mul (layout interleaved) computes the same rows, up to the bf16
+    rounding of the pre-activation that the fused epilogue does not do."""
+    from jax_moe import kernels
+
+    a, b, off, bias = bf16_case(rng, [6, 4, 8])
+    h = cb.grouped_gemm_reference(a, b, off)
+    unfused = kernels.act_and_mul_reference(h, "silu", layout="interleaved", bias=bias, offsets=off)
+    fused = grouped_gemm_act_reference(a, b, off, "silu", bias=bias)
+    assert rel_err(fused, np.asarray(unfused, np.float32)) < REL_TOL
+
+
+def test_shape_rule(rng):
+    a, b, off, _ = bf16_case(rng, [3, 3])
+    assert grouped_gemm_act_shape(a, b, off) == jax.ShapeDtypeStruct((6, 64), jnp.bfloat16)
+    a8, b8, off8, row, col = fp8_case(rng, [3, 3])
+    s = grouped_gemm_act_shape(a8, b8, off8, a_scale=row, b_scale=col, out_scale=jnp.float32(1))
+    assert s == jax.ShapeDtypeStruct((6, 64), F8)
+
+
+def _errors(rng):
+    a, b, off, bias = bf16_case(rng, [3, 3])
+    a8, b8, off8, row, col = fp8_case(rng, [3, 3])
+    one = jnp.float32(1)
+    return [
+        (lambda: grouped_gemm_act(a, b, off, "relu2"), "activation must be one of"),
+        (lambda: grouped_gemm_act(a, b[:, :120], off), "N = 2I must be a multiple of 16"),
+        (lambda: grouped_gemm_act(a8, b8[:, :112], off8, a_scale=row, b_scale=col[:, :112], out_scale=one),
+         "N = 2I must be a multiple of 32"),
+        (lambda: grouped_gemm_act(a, b, off, bias=bias[:, :64]), "bias must have shape"),
+        (lambda: grouped_gemm_act(a, b, off, out_scale=one), "out_scale is only taken"),
+        (lambda: grouped_gemm_act(a8, b8, off8, a_scale=row, b_scale=col), "out_scale .* is required"),
+        (lambda: grouped_gemm_act(a, b, off, tile="huge"), "tile must be"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_value_errors_name_the_argument(rng, case):
+    fn, match = _errors(rng)[case]
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def test_the_forward_fuses_gated_interleaved_bf16_and_static_fp8_only(monkeypatch):
+    inter = small_cfg(gate_up_layout="interleaved")
+    static = QuantConfig("fp8", w13_scale=1.0, w2_scale=1.0, act="fp8_per_tensor", a13_scale=1.0, a2_scale=1.0)
+    assert fuses_activation(inter)
+    assert fuses_activation(small_cfg(activation="swigluoai", gate_up_layout="interleaved"))
+    assert fuses_activation(inter, static)
+    assert not fuses_activation(small_cfg())  # concat: gate and up in different tiles
+    assert not fuses_activation(small_cfg(activation="relu2"))
+    assert not fuses_activation(inter, dataclasses.replace(static, a2_scale=None))  # dynamic: needs the whole row
+    assert not fuses_activation(inter, dataclasses.replace(static, act="fp8_per_token"))
+    assert not fuses_activation(small_cfg(i=36, gate_up_layout="interleaved"))  # 2I = 72: d rows of 72 bytes
+    monkeypatch.setenv(FUSED_ACT_ENV, "0")
+    assert not fuses_activation(inter)
+
+
+# ----------------------------------------------------------------------------- the kernel (GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])
+def test_kernel_matches_the_definition(rng, tile, activation):
+    """bf16, with a bias, 16 experts of 0..300 rows (empty experts, partial tiles) and 13 unowned
+    rows at each end, which come back as zeros."""
+    skip_unless_available(cb)
+    counts = rng.integers(0, 300, 16)
+    counts[3] = 0
+    a, b, off, bias = bf16_case(rng, counts, n=512, k=256)
+    pad = jnp.asarray(rng.standard_normal((13, 256)), jnp.bfloat16)
+    a_all = jnp.concatenate([pad, a, pad])
+    fn = jax.jit(lambda a, b, o, bias: grouped_gemm_act(a, b, o, activation, alpha=ALPHA, limit=LIMIT, bias=bias,
+                                                        tile=tile))
+    got = np.asarray(fn(a_all, b, off + 13, bias), np.float32)
+    m = a.shape[0]
+    assert rel_err(got[13: 13 + m], definition(a, b, off, activation, bias)) < REL_TOL
+    assert (got[:13] == 0).all() and (got[13 + m:] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
+def test_fp8_kernel_matches_the_definition(rng, tile):
+    skip_unless_available(cb)
+    counts = rng.integers(0, 200, 24)
+    a, b, off, row, col = fp8_case(rng, counts, n=256, k=256)
+    out_scale = jnp.float32(0.02)
+    fn = jax.jit(lambda a, b, o, r, c, s: grouped_gemm_act(a, b, o, "silu", a_scale=r, b_scale=c, out_scale=s,
+                                                           tile=tile))
+    got = fn(a, b, off, row, col, out_scale)
+    assert got.dtype == F8
+    assert rel_err(fp8_value(got, out_scale), definition(a, b, off, "silu", row=row, col=col)) < FP8_REL_TOL
+
+
+def _interleaved(cfg, w13):
+    return dataclasses.replace(cfg, gate_up_layout="interleaved"), reorder_rows_for_gated_act_gemm(w13)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [40, 1000])
+def test_fused_forward_equals_the_unfused_one_and_xla(rng, t, monkeypatch):
+    """Qwen3-style silu weights interleaved at load time: the forward with the activation in
+    GEMM1's epilogue matches the unfused forward and the xla backend on the concat weights."""
+    skip_unless_available(cb)
+    from cutlass_cases import moe_problem
+
+    e, k, h, i = 32, 4, 256, 128
+    x, w13, w2, tw, ids = moe_problem(rng, t, e, k, h, i)
+    cfg = small_cfg(e, k, h, i)
+    cfg_il, w13_il = _interleaved(cfg, w13)
+    assert fuses_activation(cfg_il)
+    run = lambda c: jax.jit(lambda x, a, b, w, d: cb.apply(x, a, b, w, d, c))  # noqa: E731
+    fused = run(cfg_il)(x, w13_il, w2, tw, ids)
+    monkeypatch.setenv(FUSED_ACT_ENV, "0")
+    unfused = run(cfg_il)(x, w13_il, w2, tw, ids)
+    want = xla.apply(x, w13, w2, tw, ids, cfg)
+    assert rel_err(fused, want) < REL_TOL
+    assert rel_err(fused, unfused) < REL_TOL
+
+
+@pytest.mark.gpu
+def test_fused_gptoss_layer_with_biases_and_absent_experts_matches_xla(rng):
+    skip_unless_available(cb)
+    cfg, x, w13, w2, tw, ids, b = gptoss_problem(rng, 300, 16, 4, 256, 128, minus_one=0.1)
+    assert fuses_activation(cfg)
+    out = jax.jit(lambda x, w13, w2, b: cb.apply(x, w13, w2, tw, ids, cfg, **b))(x, w13, w2, b)
+    assert rel_err(out, xla.apply(x, w13, w2, tw, ids, cfg, **b)) < REL_TOL
+
+
+@pytest.mark.gpu
+def test_fused_fp8_static_forward_matches_xla(rng):
+    skip_unless_available(cb)
+    from cutlass_cases import moe_problem
+    from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
+
+    e, k, h, i, t = 16, 4, 256, 128, 500
+    x, w13, w2, tw, ids = moe_problem(rng, t, e, k, h, i)
+    cfg, w13_il = _interleaved(small_cfg(e, k, h, i), w13)
+    a13 = calibrate_activation_scale("fp8_per_tensor", x.astype(jnp.float32))
+    q13, q2, quant = quantize_weights("fp8", w13_il, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=a13 / 4)
+    assert fuses_activation(cfg, quant)
+    out = jax.jit(lambda x, q13, q2: cb.apply(x, q13, q2, tw, ids, cfg, quant=quant))(x, q13, q2)
+    assert rel_err(out, xla.apply(x, q13, q2, tw, ids, cfg, quant=quant)) < FP8_REL_TOL
