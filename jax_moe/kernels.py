@@ -8,7 +8,8 @@ One forward of a grouped-GEMM backend, rows in expert-sorted order (:mod:`jax_mo
     sort = sort_by_expert(topk_ids, E)                       # jax_moe.ffi (or jax_moe.permute)
     valid = sort.offsets[-1]                                 # rows of local experts (EP: ids of -1 sort last)
     ps1, ps2 = problem_sizes(sort.counts, H, I)              # [E, 3] int32 each
-    a1, s1 = permute_rows(x, sort.sorted_slots, k, valid_rows=valid, quant="fp8_per_token")
+    a1, s1 = permute_rows(x, sort.sorted_slots, k, valid_rows=valid, quant="fp8_per_token",
+                          inverse=sort.inverse)              # slot order: x read once, not k times
     h = grouped_gemm(a1, w13, ps1)                           # [T*k, 2I]
     a2, s2 = act_and_mul(h, "silu", valid_rows=valid, quant="fp8_per_token")
     y = grouped_gemm(a2, w2, ps2)                            # [T*k, H]
@@ -188,23 +189,30 @@ def problem_sizes(counts: jax.Array, hidden_size: int, intermediate_size: int, *
 # ---------------------------------------------------------------- permute_rows
 
 
-def permute_rows_reference(x, sorted_slots, top_k: int, *, valid_rows=None, quant=None, scale=None):
-    """jnp reference of :func:`permute_rows` (same arguments and results)."""
-    n = _check_permute(x, sorted_slots, top_k)
+def permute_rows_reference(x, sorted_slots, top_k: int, *, valid_rows=None, quant=None, scale=None, inverse=None):
+    """jnp reference of :func:`permute_rows` (same arguments and results); with ``inverse`` the rows
+    are scattered in slot order, as the CUDA kernel writes them."""
+    n = _check_permute(x, sorted_slots, top_k, inverse)
     mode, scale = _quant_args(quant, scale)
-    return _permute_ref(x, sorted_slots, _valid_rows(valid_rows, n), top_k, mode, scale)
+    return _permute_ref(x, sorted_slots, inverse, _valid_rows(valid_rows, n), top_k, mode, scale)
 
 
-def _permute_ref(x, slots, valid, top_k, mode, scale):
+def _permute_ref(x, slots, inverse, valid, top_k, mode, scale):
     n = slots.shape[0]
-    ok = _row_mask(n, valid) & (slots >= 0) & (slots < n)
-    rows = jnp.where(ok[:, None], x[jnp.clip(slots, 0, max(n - 1, 0)) // top_k], jnp.zeros((), x.dtype))
+    zero = jnp.zeros((), x.dtype)
+    if inverse is None:  # row r gathers slot sorted_slots[r]
+        ok = _row_mask(n, valid) & (slots >= 0) & (slots < n)
+        rows = jnp.where(ok[:, None], x[jnp.clip(slots, 0, max(n - 1, 0)) // top_k], zero)
+    else:  # slot s scatters x[s // k] to row inverse[s] (positions outside [0, n) dropped)
+        dest = jnp.where((inverse >= 0) & (inverse < n), inverse, n)
+        rows = jnp.zeros((n, x.shape[1]), x.dtype).at[dest].set(jnp.repeat(x, top_k, axis=0), mode="drop")
+        rows = jnp.where(_row_mask(n, valid)[:, None], rows, zero)
     if mode == 0:
         return rows
     return _quantize_rows(rows.astype(jnp.float32), mode, scale)
 
 
-def _check_permute(x, sorted_slots, top_k) -> int:
+def _check_permute(x, sorted_slots, top_k, inverse=None) -> int:
     check_rank("x", x, 2, "[T, H]")
     check_dtype("x", x, FLOAT_DTYPES)
     k = _check_int("top_k", top_k)
@@ -213,37 +221,51 @@ def _check_permute(x, sorted_slots, top_k) -> int:
     n = x.shape[0] * k
     if sorted_slots.shape[0] != n:
         raise ValueError(f"sorted_slots must have T*k = {n} elements, got {sorted_slots.shape[0]}")
+    if inverse is not None:
+        check_rank("inverse", inverse, 1, "[T*k]")
+        check_dtype("inverse", inverse, ("int32",))
+        if inverse.shape[0] != n:
+            raise ValueError(f"inverse must have T*k = {n} elements, got {inverse.shape[0]}")
     return n
 
 
 def permute_rows(x: jax.Array, sorted_slots: jax.Array, top_k: int, *, valid_rows=None, quant: str | None = None,
-                 scale=None):
+                 scale=None, inverse=None):
     """Gather the tokens into expert-sorted rows: row r = ``x[sorted_slots[r] // top_k]``.
 
     x [T, H] bfloat16/float16/float32; sorted_slots [T*k] int32 (``sort_by_expert``); rows at or
     past ``valid_rows`` are zero. ``quant``: None -> rows [T*k, H] in x's dtype;
     ``"fp8_per_token"`` -> (rows [T*k, H] float8_e4m3fn, scales [T*k] float32);
     ``"fp8_static"`` with ``scale`` ([] float32, dequantization scale) -> (rows, scale).
+
+    ``inverse`` ([T*k] int32, the same sort's: ``sorted_slots[inverse[s]] == s``; None: gather
+    order): the CUDA kernel runs in slot order, writing ``x[s // top_k]`` to row ``inverse[s]``, so
+    that the k slots of a token read its row once from DRAM instead of k times (a win where x does
+    not fit in L2). Same result as without it; ``sorted_slots`` is then not read. It must be the
+    sort's own (a permutation of [0, T*k)): the kernel skips a position outside [0, T*k), and a
+    row that no slot maps to is left unwritten.
     """
-    n = _check_permute(x, sorted_slots, top_k)
+    n = _check_permute(x, sorted_slots, top_k, inverse)
     mode, scale = _quant_args(quant, scale)
     valid = _valid_rows(valid_rows, n)
     k, h = int(top_k), x.shape[1]
     out_dt = _out_dtype(None, x.dtype, quant)
+    inv = None if inverse is None else jnp.asarray(inverse)
 
-    def reference(x, slots, valid, scale):
-        return _permute_ref(x, slots, valid, k, mode, scale)
+    def reference(x, slots, inv, valid, scale):
+        return _permute_ref(x, slots, inv, valid, k, mode, scale)
 
-    def cuda(x, slots, valid, scale):
+    def cuda(x, slots, inv, valid, scale):
         outs = [jax.ShapeDtypeStruct((n, h), out_dt), jax.ShapeDtypeStruct((n if mode == 1 else 0,), jnp.float32)]
         s_in = jnp.reshape(scale, (1,)) if mode == 2 else jnp.zeros((0,), jnp.float32)
+        inv_in = jnp.zeros((0,), jnp.int32) if inv is None else inv  # [0]: gather order
         rows, scales = jax.ffi.ffi_call("jax_moe_permute_rows", outs, vmap_method="sequential")(
-            x, slots, valid, s_in, top_k=k, quant=mode)
+            x, slots, inv_in, valid, s_in, top_k=k, quant=mode)
         return rows if mode == 0 else (rows, scales if mode == 1 else scale)
 
     if n == 0:
-        return reference(x, sorted_slots, valid, scale)
-    return _native(cuda, reference, x, sorted_slots, valid, scale)
+        return reference(x, sorted_slots, inv, valid, scale)
+    return _native(cuda, reference, x, sorted_slots, inv, valid, scale)
 
 
 # ---------------------------------------------------------------- act_and_mul

@@ -133,6 +133,52 @@ def test_permute_rows_reference(rng, t, k, e, h, i, minus_one, dtype):
     assert float(s) == np.float32(0.004)
 
 
+def permute_three_ways(permute, x, sorted_slots, k, valid, **slot_order):
+    """permute_rows (or its reference) without quantization, with FP8 per token and FP8 static
+    (scale 0.004): [rows, (q, scales), (q, scale)]."""
+    args = (x, sorted_slots, k)
+    return [permute(*args, valid_rows=valid, **slot_order),
+            permute(*args, valid_rows=valid, quant="fp8_per_token", **slot_order),
+            permute(*args, valid_rows=valid, quant="fp8_static", scale=0.004, **slot_order)]
+
+
+def assert_same_bytes(got, want):
+    """Equal pytrees of arrays, compared byte for byte (a NaN equals nothing, not even a NaN)."""
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = np.atleast_1d(np.asarray(g)), np.atleast_1d(np.asarray(w))
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+
+
+@pytest.mark.parametrize("t,k,e,h,i", CPU_SHAPES)
+@pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
+def test_permute_rows_reference_in_slot_order_is_the_gather(rng, t, k, e, h, i, minus_one):
+    """With the sort's inverse, the rows scattered in slot order (row inverse[s] = x[s // k]) are the
+    gathered rows, quantized or not; ids of -1 sort last, at or past valid_rows, and stay zero."""
+    _, ids = random_routing(rng, t, e, k, minus_one=MINUS_ONE * minus_one)
+    sort = sort_by_expert(ids, e)
+    x = normal(rng, (t, h), jnp.bfloat16)
+    gathered = permute_three_ways(kernels.permute_rows_reference, x, sort.sorted_slots, k, sort.offsets[-1])
+    scattered = permute_three_ways(kernels.permute_rows_reference, x, sort.sorted_slots, k, sort.offsets[-1],
+                                   inverse=sort.inverse)
+    assert_same_bytes(scattered, gathered)
+    assert_same_bytes(permute_three_ways(kernels.permute_rows, x, sort.sorted_slots, k, sort.offsets[-1],
+                                         inverse=sort.inverse),
+                      gathered)
+
+
+def test_permute_rows_in_slot_order_by_hand():
+    """T=2, k=2: slot s writes x[s // 2] to row inverse[s]; rows at or past valid_rows are zero; a
+    position outside [0, T*k) is dropped (-1 does not wrap to the last row)."""
+    x = jnp.asarray([[1.0, 2.0], [3.0, 4.0]], jnp.float32)
+    slots = jnp.asarray([1, 3, 2, 0], jnp.int32)  # sorted_slots[inverse[s]] == s
+    inverse = jnp.asarray([3, 0, 2, 1], jnp.int32)
+    rows = kernels.permute_rows_reference(x, slots, 2, valid_rows=3, inverse=inverse)
+    np.testing.assert_array_equal(np.asarray(rows), [[1, 2], [3, 4], [3, 4], [0, 0]])
+    rows = kernels.permute_rows_reference(x, slots, 2, inverse=jnp.asarray([5, 0, -1, 1], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(rows), [[1, 2], [3, 4], [0, 0], [0, 0]])
+
+
 @pytest.mark.parametrize("m,i", [pytest.param(1, 8, marks=pytest.mark.slow), (37, 7),
                                  pytest.param(300, 64, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
@@ -381,6 +427,11 @@ def test_bad_arguments_raise_before_lowering():
         (lambda: kernels.permute_rows(x, slots, 2, scale=1.0), "scale is only taken"),
         (lambda: kernels.permute_rows(x, slots, 2, valid_rows=jnp.zeros((2,), jnp.int32)), "valid_rows must be"),
         (lambda: kernels.permute_rows(x, slots, 2, valid_rows=jnp.float32(3)), "valid_rows must be"),
+        (lambda: kernels.permute_rows(x, slots, 2, inverse=inv[:7]), "inverse must have T\\*k = 8 elements, got 7"),
+        (lambda: kernels.permute_rows(x, slots, 2, inverse=inv[None]), "inverse must have rank 1"),
+        (lambda: kernels.permute_rows(x, slots, 2, inverse=inv.astype(jnp.uint32)), "inverse must have dtype"),
+        (lambda: kernels.permute_rows(x, slots, 2, inverse=[0] * 8), "inverse must be an array"),
+        (lambda: kernels.permute_rows_reference(x, slots, 2, inverse=inv[:7]), "inverse must have T\\*k = 8"),
         (lambda: kernels.act_and_mul(h[:, :5], "silu"), "h must have an even"),
         (lambda: kernels.act_and_mul(h[0], "silu"), "h must have rank 2"),
         (lambda: kernels.act_and_mul(h, "relu2"), "activation must be one of"),
@@ -417,6 +468,8 @@ def test_empty_batch():
     assert kernels.permute_rows(x, slots, 2).shape == (0, 8)
     q, s = kernels.permute_rows(x, slots, 2, quant="fp8_per_token")
     assert q.shape == (0, 8) and s.shape == (0,)
+    q, s = kernels.permute_rows(x, slots, 2, quant="fp8_per_token", inverse=slots)
+    assert q.shape == (0, 8) and s.shape == (0,)
     assert kernels.act_and_mul(jnp.zeros((0, 8), jnp.float32), "gelu").shape == (0, 4)
     out = kernels.unpermute_reduce(jnp.zeros((0, 8), jnp.bfloat16), slots, jnp.zeros((0, 2), jnp.float32))
     assert out.shape == (0, 8) and out.dtype == jnp.bfloat16
@@ -438,8 +491,10 @@ def test_shape_rules_lower_for_cuda(monkeypatch):
     (line,) = _custom_calls(lambda x, s, v: kernels.permute_rows(x, s, 2, valid_rows=v, quant="fp8_per_token"),
                             x, slots, v)
     assert "@jax_moe_permute_rows" in line and "quant = 1 : i64, top_k = 2 : i64" in line
-    assert ("(tensor<5x16xbf16>, tensor<10xi32>, tensor<1xi32>, tensor<0xf32>) -> "
-            "(tensor<10x16xf8E4M3FN>, tensor<10xf32>)") in line
+    assert ("(tensor<5x16xbf16>, tensor<10xi32>, tensor<0xi32>, tensor<1xi32>, tensor<0xf32>) -> "
+            "(tensor<10x16xf8E4M3FN>, tensor<10xf32>)") in line  # no inverse: an empty one (gather order)
+    (line,) = _custom_calls(lambda x, s, v: kernels.permute_rows(x, s, 2, valid_rows=v, inverse=s), x, slots, v)
+    assert "(tensor<5x16xbf16>, tensor<10xi32>, tensor<10xi32>, tensor<1xi32>, tensor<0xf32>) -> " in line
     (line,) = _custom_calls(lambda x, s: kernels.permute_rows(x, s, 2, quant="fp8_static", scale=0.5), x, slots)
     assert "tensor<0xf32>) ->" not in line and "tensor<1xf32>) -> (tensor<10x16xf8E4M3FN>, tensor<0xf32>)" in line
     (line,) = _custom_calls(lambda x, s: kernels.permute_rows(x, s, 2), x, slots)
@@ -532,6 +587,47 @@ def test_cuda_permute_rows(rng, t, k, e, h, i, minus_one, dtype):
                      x, sort.sorted_slots, target="jax_moe_permute_rows")
     check_fp8(q, s, *kernels.permute_rows_reference(x, sort.sorted_slots, k, quant="fp8_static", scale=scale),
               t * k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e,h", [(1, 1, 4, 128), (257, 1, 8, 203), (37, 7, 16, 256), (4096, 8, 128, 2048)],
+                         ids=["rows-1", "rows-257-scalar", "rows-259", "qwen3-rows-32768"])
+@pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_permute_rows_in_slot_order(rng, t, k, e, h, minus_one, dtype):
+    """With the sort's inverse the kernel runs one block per slot, in slot order: its rows and scales
+    are the gather-order kernel's, byte for byte, on freshly poisoned outputs, and the reference's."""
+    need_native("cuda")
+    sort, _, valid = gpu_case(rng, t, k, e, minus_one)
+    x = normal(rng, (t, h), dtype, 3.0)
+    v = sort.offsets[-1]
+
+    def permute(x, slots, v, inverse):
+        return permute_three_ways(kernels.permute_rows, x, slots, k, v, inverse=inverse)
+
+    slot_order = run_twice(permute, x, sort.sorted_slots, v, sort.inverse, target="jax_moe_permute_rows")
+    gather_order = run_twice(lambda x, s, v: permute(x, s, v, None), x, sort.sorted_slots, v,
+                             target="jax_moe_permute_rows")
+    assert_same_bytes(slot_order, gather_order)
+    rows, (q, s), (qs, ss) = slot_order
+    ref_rows, ref_tok, ref_static = permute_three_ways(kernels.permute_rows_reference, x, sort.sorted_slots, k, v,
+                                                       inverse=sort.inverse)
+    assert_same_bytes(rows, ref_rows)
+    same = check_fp8(q, s, *ref_tok, valid)
+    assert same > 0.999, f"only {same:.4f} of the FP8 bytes equal the reference's"
+    check_fp8(qs, ss, *ref_static, valid)
+
+
+@pytest.mark.gpu
+def test_cuda_permute_rows_rejects_an_inverse_of_the_wrong_size():
+    """The handler's own check (before any launch): inverse has T*k elements or none."""
+    need_native("cuda")
+    x, slots = jnp.ones((4, 8), jnp.bfloat16), jnp.arange(8, dtype=jnp.int32)
+    call = jax.ffi.ffi_call("jax_moe_permute_rows", [jax.ShapeDtypeStruct((8, 8), jnp.bfloat16),
+                                                     jax.ShapeDtypeStruct((0,), jnp.float32)])
+    with pytest.raises(Exception, match=r"permute_rows: inverse must have T\*k elements"):
+        jax.block_until_ready(call(x, slots, slots[:7], jnp.full((1,), 8, jnp.int32), jnp.zeros((0,), jnp.float32),
+                                   top_k=2, quant=0))
 
 
 @pytest.mark.gpu

@@ -1,10 +1,12 @@
 // CUDA handlers of permute_rows and act_and_mul (contracts in moe_prepare_finalize.h, references in
-// jax_moe/kernels.py). Both are one CUDA block per output row: the row's values are produced in
+// jax_moe/kernels.py). Both are one CUDA block per output row (permute_rows with an inverse: per
+// slot, in slot order, written to the slot's sorted row): the row's values are produced in
 // float32 (a gathered input row, or act(gate) * up with the row's expert bias added first), optionally quantized to FP8 E4M3 with a
 // per-row scale (amax pass, then a second pass that re-reads the row from cache) or a given
 // static scale. Rows at or past valid_rows are written as zeros. No allocation, no host sync.
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "moe_device.cuh"
 
@@ -19,10 +21,28 @@ struct GatherRow {
   int64_t cols, num_slots, top_k;
   const In* src;
 
+  __device__ int64_t Dest(int64_t r) const { return r; }
   __device__ bool Begin(int64_t r) {
     const int64_t slot = slots[r];
     if (slot < 0 || slot >= num_slots) return false;
     src = x + (slot / top_k) * cols;
+    return true;
+  }
+  __device__ void Load(int64_t c, float (&v)[V]) const { LoadF32<In, V>(src + c, v); }
+};
+
+// Block s = slot s reads x[s / top_k] and writes it to row inverse[s]: in slot order, the k blocks
+// of a token read its row together (from L2 after the first) instead of k times from DRAM.
+template <typename In, int V>
+struct SlotRow {
+  const In* x;
+  const int32_t* inverse;
+  int64_t cols, top_k;
+  const In* src;
+
+  __device__ int64_t Dest(int64_t s) const { return inverse[s]; }
+  __device__ bool Begin(int64_t s) {
+    src = x + (s / top_k) * cols;
     return true;
   }
   __device__ void Load(int64_t c, float (&v)[V]) const { LoadF32<In, V>(src + c, v); }
@@ -41,6 +61,7 @@ struct GatedActRow {
   const In* src;
   const float* bias_row;
 
+  __device__ int64_t Dest(int64_t r) const { return r; }
   // Called by every thread of the block (the row is uniform over it): the row's expert is looked up
   // once, by thread 0, and shared.
   __device__ bool Begin(int64_t r) {
@@ -103,15 +124,18 @@ struct GatedActRow {
   }
 };
 
-// One block per row of out [rows, cols]; Op produces the row's float32 values V at a time.
+// One block per row b of Op, written to row r = Op::Dest(b) of out [rows, cols] (skipped where r is
+// outside [0, rows)); Op produces the row's float32 values V at a time.
 template <typename Out, int V, int Quant, typename Op>
 __global__ void RowKernel(Op op, int64_t rows, int64_t cols, const int32_t* valid_rows, const float* static_scale,
                           Out* out, float* scales) {
-  const int64_t r = blockIdx.x;
+  const int64_t b = blockIdx.x;
+  Op o = op;
+  const int64_t r = o.Dest(b);  // uniform over the block
+  if (r < 0 || r >= rows) return;
   Out* dst = out + r * cols;
   const int64_t vectors = cols / V;
-  Op o = op;
-  const bool valid = r < ValidRows(valid_rows, rows) && o.Begin(r);  // uniform over the block
+  const bool valid = r < ValidRows(valid_rows, rows) && o.Begin(b);  // uniform over the block
   if (!valid) {
     float zero[V] = {};
     for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) StoreF32<Out, V>(dst + c * V, zero);
@@ -194,7 +218,7 @@ ffi::Error CheckQuant(const char* name, int64_t quant, int64_t rows, ffi::DataTy
 }
 
 ffi::Error PermuteRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sorted_slots,
-                           ffi::Buffer<ffi::S32> valid_rows, ffi::Buffer<ffi::F32> scale,
+                           ffi::Buffer<ffi::S32> inverse, ffi::Buffer<ffi::S32> valid_rows, ffi::Buffer<ffi::F32> scale,
                            ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> scales, int64_t top_k,
                            int64_t quant) {
   const auto xd = x.dimensions();
@@ -204,6 +228,9 @@ ffi::Error PermuteRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
   const int64_t n = t * top_k;
   if (static_cast<int64_t>(sorted_slots.element_count()) != n)
     return InvalidArgument("permute_rows: sorted_slots must have T*k elements");
+  const int64_t inverse_count = static_cast<int64_t>(inverse.element_count());
+  if (inverse_count != 0 && inverse_count != n)
+    return InvalidArgument("permute_rows: inverse must have T*k elements (slot order) or 0 (gather order)");
   if (valid_rows.element_count() != 1) return InvalidArgument("permute_rows: valid_rows must have 1 element");
   const auto od = out->dimensions();
   if (od.size() != 2 || od[0] != n || od[1] != h) return InvalidArgument("permute_rows: out must be [T*k, H]");
@@ -217,13 +244,19 @@ ffi::Error PermuteRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
     const int32_t* slots = sorted_slots.typed_data();
     const float* s = quant == kQuantStatic ? scale.typed_data() : nullptr;
     float* sc = quant == kQuantPerToken ? scales->typed_data() : nullptr;
+    const int32_t* inv = inverse_count != 0 ? inverse.typed_data() : nullptr;
     const In* src = static_cast<const In*>(x.untyped_data());
-    if (CanVectorize(h, kVec<In>, {{src, sizeof(In)}, {out->untyped_data(), out_bytes}})) {
-      GatherRow<In, kVec<In>> op{src, slots, h, n, top_k, nullptr};
-      return DispatchQuant<kVec<In>>(stream, op, quant, n, h, valid_rows.typed_data(), s, out, sc);
-    }
-    GatherRow<In, 1> op{src, slots, h, n, top_k, nullptr};
-    return DispatchQuant<1>(stream, op, quant, n, h, valid_rows.typed_data(), s, out, sc);
+    auto launch = [&](auto vec) -> ffi::Error {  // one block per slot with an inverse, else per row
+      constexpr int V = decltype(vec)::value;
+      if (inv != nullptr)
+        return DispatchQuant<V>(stream, SlotRow<In, V>{src, inv, h, top_k, nullptr}, quant, n, h,
+                                valid_rows.typed_data(), s, out, sc);
+      return DispatchQuant<V>(stream, GatherRow<In, V>{src, slots, h, n, top_k, nullptr}, quant, n, h,
+                              valid_rows.typed_data(), s, out, sc);
+    };
+    if (CanVectorize(h, kVec<In>, {{src, sizeof(In)}, {out->untyped_data(), out_bytes}}))
+      return launch(std::integral_constant<int, kVec<In>>{});
+    return launch(std::integral_constant<int, 1>{});
   });
 }
 
@@ -269,7 +302,7 @@ ffi::Error ActAndMulCuda(cudaStream_t stream, ffi::AnyBuffer h, ffi::Buffer<ffi:
 }  // namespace jax_moe
 
 // Bindings read off the handlers' signatures (common/binding.h).
-// x, sorted_slots, valid_rows, scale -> rows, scales; attributes top_k, quant.
+// x, sorted_slots, inverse, valid_rows, scale -> rows, scales; attributes top_k, quant.
 JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoePermuteRowsCuda, jax_moe::PermuteRowsCuda, "top_k", "quant");
 // h, valid_rows, scale, bias, offsets -> out, scales; attributes activation, quant, layout, alpha, limit.
 JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeActAndMulCuda, jax_moe::ActAndMulCuda, "activation", "quant", "layout", "alpha",

@@ -4,11 +4,13 @@
 // offsets[E] of sort_by_expert: rows at or past it belong to slots whose expert id is outside
 // [0, E) (expert-parallel ids of -1, sorted last).
 //
-// jax_moe_permute_rows     x [T, H] bf16/f16/f32, sorted_slots [T*k] i32, valid_rows [1] i32,
-//                          scale [1] f32 (static) or [0]
+// jax_moe_permute_rows     x [T, H] bf16/f16/f32, sorted_slots [T*k] i32, inverse [T*k] i32 or [0],
+//                          valid_rows [1] i32, scale [1] f32 (static) or [0]
 //                       -> rows [T*k, H] (x's dtype, or f8e4m3fn), scales [T*k] f32 (per-token) or [0].
 //                          attrs: top_k, quant (kQuant*). Row r = x[sorted_slots[r] / k]; rows >= valid_rows
-//                          are zero (their per-token scale is kFp8MinScale).
+//                          are zero (their per-token scale is kFp8MinScale). With an inverse (sort_by_expert's:
+//                          a permutation of [0, T*k) with sorted_slots[inverse[s]] == s) the rows are written
+//                          in slot order instead, row inverse[s] = x[s / k], sorted_slots unread; same result.
 // jax_moe_act_and_mul      h [M, 2I] bf16/f16/f32, valid_rows [1] i32, scale [1] f32 or [0],
 //                          bias [E, 2I] f32 or [0], offsets [E+1] i32 or [0] (both or neither)
 //                       -> out [M, I] (bf16/f16/f32, or f8e4m3fn), scales [M] f32 or [0].
