@@ -52,10 +52,11 @@ def gemm_operands(m: moe_bench.Model, t: int, kind: str, sets: int = 3):
         a2 = jax.random.normal(jax.random.key(rows), (rows, m.i), jnp.bfloat16)
         if kind == "fp8":
             q2, s2 = fp8.quantize_fp8_per_token(a2)
-            a1 = kernels.permute_rows(x, sort.sorted_slots, m.k, quant="fp8_per_token")
+            a1 = kernels.permute_rows(x, sort.sorted_slots, m.k, quant="fp8_per_token", inverse=sort.inverse)
             out.append((sort.offsets, a1, (q2, s2[:, 0])))
         else:
-            out.append((sort.offsets, (kernels.permute_rows(x, sort.sorted_slots, m.k), None), (a2, None)))
+            a1 = kernels.permute_rows(x, sort.sorted_slots, m.k, inverse=sort.inverse)
+            out.append((sort.offsets, (a1, None), (a2, None)))
     return out
 
 

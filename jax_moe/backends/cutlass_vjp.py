@@ -97,7 +97,7 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None
     tw = topk_weights.astype(jnp.float32)
     sort, valid = ffi.sort_by_expert_valid(topk_ids.astype(jnp.int32), e)  # valid [1]: rows of experts in [0, E)
     xin = x.astype(jnp.float32) * tw if apply_router_weight_on_input else x
-    a1 = kernels.permute_rows(xin.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid)
+    a1 = kernels.permute_rows(xin.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid, inverse=sort.inverse)
     h1 = grouped_gemm(a1, w13, sort.offsets, tile=tile)
     y = grouped_gemm(activation(h1, cfg, valid, sort.offsets, w13_bias), w2, sort.offsets, tile=tile)
     out = kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid, out_dtype=x.dtype,
@@ -130,7 +130,8 @@ def backward(res: dict, g: jax.Array, cfg: MoEConfig, *, apply_router_weight_on_
     row_expert = kernels.expert_of_row(sort.offsets, h1.shape[0])
 
     # out[t] = sum_j w[t, j] * (y[row(t, j)] + b2[e])  (router weight on input: a plain sum)
-    g_rows = kernels.permute_rows(g.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid)
+    g_rows = kernels.permute_rows(g.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid,
+                                  inverse=sort.inverse)
     if apply_router_weight_on_input:
         dy_f32 = g_rows.astype(jnp.float32)
     else:
