@@ -77,7 +77,8 @@ def alone_stages(m: Model, x, w13, w2, w, ids, logits) -> dict[str, float]:
     }
     sorted_slots, inverse, _, offsets = jax.jit(steps["sort"][0])(ids)
     valid = offsets[e:]
-    steps["permute"] = (lambda xx, s, v: kernels.permute_rows(xx, s, k, valid_rows=v), (x, sorted_slots, valid))
+    steps["permute"] = (lambda xx, s, v, inv: kernels.permute_rows(xx, s, k, valid_rows=v, inverse=inv),
+                        (x, sorted_slots, valid, inverse))
     a1 = jax.jit(steps["permute"][0])(*steps["permute"][1])
     steps["gemm1"] = (lambda a, b, o: grouped_gemm(a, b, o), (a1, w13, offsets))
     h1 = jax.jit(steps["gemm1"][0])(*steps["gemm1"][1])

@@ -3,7 +3,7 @@
 One forward, every stage a custom call on the expert-sorted rows (:mod:`jax_moe.kernels`)::
 
     sort = sort_by_expert(topk_ids, E)                              # jax_moe.ffi
-    a1 = permute_rows(x, sort.sorted_slots, k, valid_rows=valid)    # [T*k, H] bf16
+    a1 = permute_rows(x, sort.sorted_slots, k, valid_rows=valid, inverse=sort.inverse)  # [T*k, H] bf16
     h = grouped_gemm(a1, w13, sort.offsets)                         # [T*k, 2I] (I for relu2)
     a2 = act_and_mul(h, activation, valid_rows=valid, layout=..., bias=w13_bias, offsets=sort.offsets)
     y = grouped_gemm(a2, w2, sort.offsets)                          # [T*k, H]
@@ -175,8 +175,9 @@ def _fp8_gemm1_input(xin, sort, k, valid, quant):
     """GEMM1's FP8 rows and scales: quantization fused into the gather (the scale of a dynamic
     per-tensor act is taken over all of xin first, as the xla backend does)."""
     if quant.act == "fp8_per_token":
-        return kernels.permute_rows(xin, sort.sorted_slots, k, valid_rows=valid, quant="fp8_per_token")
-    return kernels.permute_rows(xin, sort.sorted_slots, k, valid_rows=valid, quant="fp8_static",
+        return kernels.permute_rows(xin, sort.sorted_slots, k, valid_rows=valid, quant="fp8_per_token",
+                                    inverse=sort.inverse)
+    return kernels.permute_rows(xin, sort.sorted_slots, k, valid_rows=valid, quant="fp8_static", inverse=sort.inverse,
                                 scale=_per_tensor_scale(quant.a13_scale, xin))
 
 

@@ -3,11 +3,15 @@
 Forward (:func:`forward`), rows in expert-sorted order (:mod:`jax_moe.kernels`)::
 
     sort = sort_by_expert(topk_ids, E)                         # jax_moe.ffi
-    a1 = permute_rows(x, sort.sorted_slots, k)                 # [R, H]   R = T*k
+    a1 = permute_rows(x, sort.sorted_slots, k, inverse)        # [R, H]   R = T*k, written in slot order
     h1 = grouped_gemm(a1, w13, sort.offsets)                   # [R, 2I]  (I for relu2)
     a2 = act_and_mul(h1, bias=b13, offsets)                    # [R, I]   act(h1 + b13[e(row)])
     y = grouped_gemm(a2, w2, sort.offsets)                     # [R, H]
     out = unpermute_reduce(y, sort.inverse, topk_weights, bias=b2, offsets)   # [T, H]
+
+Where nothing is saved for a backward (``residuals="recompute"``) and the gate/up rows are
+interleaved, GEMM1 and the activation are one kernel (:mod:`jax_moe.backends.cutlass_act_gemm`),
+``a2 = grouped_gemm_act(a1, w13, sort.offsets, activation, bias=b13)``, and h1 is never written.
 
 The activation follows ``cfg`` (silu, gelu, swigluoai with its alpha and limit; gate/up
 concatenated or interleaved; relu2 in jnp); the expert biases b13 [E, 2I] and b2 [E, H] are
@@ -44,6 +48,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_moe import ffi, kernels
 from jax_moe.activations import activate
+from jax_moe.backends.cutlass_act_gemm import fuses_activation, grouped_gemm_act
 from jax_moe.backends.cutlass_gemm import grouped_gemm
 from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
 from jax_moe.config import MoEConfig
@@ -98,8 +103,13 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None
     sort, valid = ffi.sort_by_expert_valid(topk_ids.astype(jnp.int32), e)  # valid [1]: rows of experts in [0, E)
     xin = x.astype(jnp.float32) * tw if apply_router_weight_on_input else x
     a1 = kernels.permute_rows(xin.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid, inverse=sort.inverse)
-    h1 = grouped_gemm(a1, w13, sort.offsets, tile=tile)
-    y = grouped_gemm(activation(h1, cfg, valid, sort.offsets, w13_bias), w2, sort.offsets, tile=tile)
+    if residuals == "recompute" and fuses_activation(cfg):  # no h1 to keep: the activation in GEMM1's epilogue
+        a2 = grouped_gemm_act(a1, w13, sort.offsets, cfg.activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+                              bias=None if w13_bias is None else w13_bias.astype(jnp.float32), tile=tile)
+    else:
+        h1 = grouped_gemm(a1, w13, sort.offsets, tile=tile)
+        a2 = activation(h1, cfg, valid, sort.offsets, w13_bias)
+    y = grouped_gemm(a2, w2, sort.offsets, tile=tile)
     out = kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid, out_dtype=x.dtype,
                                    apply_router_weight_on_input=apply_router_weight_on_input,
                                    **bias_options(w2_bias, sort.offsets))
