@@ -125,6 +125,30 @@ def forward_model(m: moe_bench.Model, tokens) -> None:
         print(f"| {m.name} | {t} | " + " | ".join(cells) + " |", flush=True)
 
 
+def act_model(m: moe_bench.Model, tokens) -> None:
+    """bf16 GEMM1 per tile: alone, followed by the activation kernel, and with the activation in its
+    epilogue (:func:`jax_moe.backends.cutlass_act_gemm.grouped_gemm_act`), on w13 interleaved."""
+    from jax_moe.backends.cutlass_act_gemm import grouped_gemm_act
+    from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
+
+    w13 = reorder_rows_for_gated_act_gemm(moe_bench.random_experts(m)[0])
+    fns = {}
+    for tile in cutlass_gemm.TILES:
+        fns[tile] = (
+            jax.jit(lambda a, b, o, tile=tile: cutlass_gemm.grouped_gemm(a, b, o, tile=tile)),
+            jax.jit(lambda a, b, o, tile=tile: kernels.act_and_mul(
+                cutlass_gemm.grouped_gemm(a, b, o, tile=tile), "silu", layout="interleaved")),
+            jax.jit(lambda a, b, o, tile=tile: grouped_gemm_act(a, b, o, "silu", tile=tile)))
+    print("| model | T | tile | gemm1 ms | gemm1 + act ms | act in epilogue ms | gain |\n|---|---|---|---|---|---|---|")
+    for t in tokens:
+        inputs = [(op[1][0], w13, op[0]) for op in gemm_operands(m, t, "bf16")]
+        for tile, (plain, two, fused) in fns.items():
+            ms = [moe_bench.timeit(fn, inputs) for fn in (plain, two, fused)]
+            print(f"| {m.name} | {t} | {tile} | " + " | ".join(moe_bench.fmt(v) for v in ms) +
+                  f" | {ms[1] / ms[2]:.2f}x |", flush=True)
+        del inputs
+
+
 def table_from_figures(results: dict) -> dict:
     """The measured table (:data:`jax_moe.backends.cutlass_tiles.MEASURED`) from sweep figures:
     per GEMM shape, at each rows per expert, the fastest tile where it beats the heuristic's by
@@ -174,6 +198,8 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", default=["bf16"], choices=sorted(cutlass_gemm.KINDS))
     p.add_argument("--forward", action="store_true", help="also time the whole forward per tile, and tokamax")
     p.add_argument("--forward-only", action="store_true", help="only the forward per tile (no GEMM sweep)")
+    p.add_argument("--act", action="store_true",
+                   help="only GEMM1 per tile: alone, + the activation kernel, and with the activation in its epilogue")
     p.add_argument("--json", help="write the raw figures here")
     p.add_argument("--from-json", nargs="+", help="figures of earlier runs (no timing: with --update-table)")
     p.add_argument("--update-table", action="store_true",
@@ -196,6 +222,10 @@ def main() -> None:
         sys.exit(f"tile_sweep needs the CUTLASS module on an SM90 GPU: {why}")
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}")
     results: dict = {"device": jax.devices()[0].device_kind}
+    if args.act:
+        for name in args.models:
+            act_model(moe_bench.MODELS[name], args.tokens)
+        return
     for kind in [] if args.forward_only else args.kinds:
         table: list = []
         cols = ["model", "GEMM", "T"] + [f"{tl} ms" for tl in cutlass_gemm.TILES] + ["best", "picked", "picked / best"]

@@ -15,6 +15,7 @@ from jax_moe.backends import xla
 from jax_moe.backends.cutlass_act_gemm import (
     FUSED_ACT_ENV,
     fuses_activation,
+    gemm1_tile,
     grouped_gemm_act,
     grouped_gemm_act_reference,
     grouped_gemm_act_shape,
@@ -145,7 +146,7 @@ def test_value_errors_name_the_argument(rng, case):
         fn()
 
 
-def test_the_forward_fuses_gated_interleaved_bf16_and_static_fp8_only(monkeypatch):
+def test_the_forward_fuses_gated_interleaved_bf16_and_static_fp8_on_the_pingpong_tile(monkeypatch):
     inter = small_cfg(gate_up_layout="interleaved")
     static = QuantConfig("fp8", w13_scale=1.0, w2_scale=1.0, act="fp8_per_tensor", a13_scale=1.0, a2_scale=1.0)
     assert fuses_activation(inter)
@@ -156,8 +157,22 @@ def test_the_forward_fuses_gated_interleaved_bf16_and_static_fp8_only(monkeypatc
     assert not fuses_activation(inter, dataclasses.replace(static, a2_scale=None))  # dynamic: needs the whole row
     assert not fuses_activation(inter, dataclasses.replace(static, act="fp8_per_token"))
     assert not fuses_activation(small_cfg(i=36, gate_up_layout="interleaved"))  # 2I = 72: d rows of 72 bytes
+    assert fuses_activation(inter, None, "pingpong_64x128")
+    assert not fuses_activation(inter, None, "coop_128x256")  # its epilogue is not hidden under a mainloop
+    monkeypatch.setenv(FUSED_ACT_ENV, "all")
+    assert fuses_activation(inter, None, "coop_128x256")
     monkeypatch.setenv(FUSED_ACT_ENV, "0")
     assert not fuses_activation(inter)
+    assert not fuses_activation(inter, None, "pingpong_64x128")
+
+
+def test_gemm1_tile_is_the_grouped_gemms_pick_or_the_forced_one():
+    from jax_moe.backends.cutlass_gemm import pick_tile
+
+    w13 = jax.ShapeDtypeStruct((128, 1536, 2048), jnp.bfloat16)
+    for rows in (8, 8 * 1024, 8 * 16384):
+        assert gemm1_tile("auto", rows, w13, "bf16") == pick_tile(rows, 128, n=1536, k=2048, kind="bf16")
+    assert gemm1_tile("coop_128x128", 8, w13, "bf16") == "coop_128x128"
 
 
 # ----------------------------------------------------------------------------- the kernel (GPU)
@@ -205,8 +220,10 @@ def _interleaved(cfg, w13):
 @pytest.mark.parametrize("t", [40, 1000])
 def test_fused_forward_equals_the_unfused_one_and_xla(rng, t, monkeypatch):
     """Qwen3-style silu weights interleaved at load time: the forward with the activation in
-    GEMM1's epilogue matches the unfused forward and the xla backend on the concat weights."""
+    GEMM1's epilogue (forced on every tile) matches the unfused forward and the xla backend on the
+    concat weights."""
     skip_unless_available(cb)
+    monkeypatch.setenv(FUSED_ACT_ENV, "all")
     from cutlass_cases import moe_problem
 
     e, k, h, i = 32, 4, 256, 128
@@ -224,8 +241,9 @@ def test_fused_forward_equals_the_unfused_one_and_xla(rng, t, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fused_gptoss_layer_with_biases_and_absent_experts_matches_xla(rng):
+def test_fused_gptoss_layer_with_biases_and_absent_experts_matches_xla(rng, monkeypatch):
     skip_unless_available(cb)
+    monkeypatch.setenv(FUSED_ACT_ENV, "all")
     cfg, x, w13, w2, tw, ids, b = gptoss_problem(rng, 300, 16, 4, 256, 128, minus_one=0.1)
     assert fuses_activation(cfg)
     out = jax.jit(lambda x, w13, w2, b: cb.apply(x, w13, w2, tw, ids, cfg, **b))(x, w13, w2, b)
@@ -233,8 +251,9 @@ def test_fused_gptoss_layer_with_biases_and_absent_experts_matches_xla(rng):
 
 
 @pytest.mark.gpu
-def test_fused_fp8_static_forward_matches_xla(rng):
+def test_fused_fp8_static_forward_matches_xla(rng, monkeypatch):
     skip_unless_available(cb)
+    monkeypatch.setenv(FUSED_ACT_ENV, "all")
     from cutlass_cases import moe_problem
     from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
 

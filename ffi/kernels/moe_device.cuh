@@ -78,6 +78,22 @@ __device__ __forceinline__ float GatedAct(int activation, float g, float u, floa
   return (activation == kActGelu ? Gelu(g) : Silu(g)) * u;
 }
 
+// GatedAct for a compile-time activation with the hardware's fast exp and divide (__expf, __fdividef;
+// a few ulp from the above): what GEMM1's epilogue runs per accumulator pair, where the code of
+// every element is unrolled and must stay small (ffi/cutlass/gated_epilogue.cuh).
+template <int kAct>
+__device__ __forceinline__ float FastGatedAct(float g, float u, float alpha, float limit) {
+  if constexpr (kAct == kActSwigluOai) {
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+    return __fdividef((u + 1.0f) * g, 1.0f + __expf(-alpha * g));
+  } else if constexpr (kAct == kActGelu) {
+    return Gelu(g) * u;
+  } else {
+    return __fdividef(g, 1.0f + __expf(-g)) * u;
+  }
+}
+
 // Max over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ __forceinline__ float BlockMax(float v) {
   __shared__ float warp_max[32];

@@ -18,7 +18,8 @@ Interleaved gate/up rows (``gate_up_layout="interleaved"``: GPT-OSS as stored, o
 whose w13 was interleaved at load with :func:`jax_moe.layouts.gated.reorder_rows_for_gated_act_gemm`)
 let GEMM1 take the activation into its epilogue (:mod:`jax_moe.backends.cutlass_act_gemm`): GEMM1
 then writes ``a2 [T*k, I]`` directly and ``act_and_mul`` is not launched, in bf16 and in FP8 with a
-static GEMM2 input scale (:func:`~jax_moe.backends.cutlass_act_gemm.fuses_activation`).
+static GEMM2 input scale, where GEMM1 runs the pingpong tile (few rows per expert; the cooperative
+tiles are as fast with the separate kernel: :func:`~jax_moe.backends.cutlass_act_gemm.fuses_activation`).
 
 ``valid = sort.offsets[E]``: slots whose expert id is outside ``[0, E)`` (expert-parallel ids of
 -1) sort last and are skipped. The weights are used as vLLM stores them (``w13 [E, 2I, H]`` gate
@@ -69,7 +70,7 @@ import jax.numpy as jnp
 
 from jax_moe import decode, ffi, kernels
 from jax_moe.backends import cutlass_vjp
-from jax_moe.backends.cutlass_act_gemm import fuses_activation, grouped_gemm_act
+from jax_moe.backends.cutlass_act_gemm import fuses_activation, gemm1_tile, grouped_gemm_act
 from jax_moe.backends.cutlass_vjp import activation as _activation
 from jax_moe.backends.cutlass_vjp import act_options, bias_options
 from jax_moe.backends.cutlass_gemm import (  # noqa: F401  (the GEMM layer's names, re-exported)
@@ -284,7 +285,8 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     xin = (x.astype(jnp.float32) * tw).astype(x.dtype) if apply_router_weight_on_input else x
     a1, s1 = _fp8_gemm1_input(xin, sort, k, valid, quant)
     s13 = jnp.asarray(quant.w13_scale, jnp.float32)
-    if fuses_activation(cfg, quant):  # GEMM1's epilogue: scales, bias, activation, GEMM2's static quantization
+    # where it pays, GEMM1's epilogue takes the scales, the bias, the activation and GEMM2's static quantization
+    if fuses_activation(cfg, quant, gemm1_tile(tile, a1.shape[0], w13, "fp8")):
         s2 = _per_tensor_scale(quant.a2_scale, None)
         a2 = grouped_gemm_act(a1, w13, sort.offsets, cfg.activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
                               bias=None if w13_bias is None else w13_bias.astype(jnp.float32), a_scale=s1,

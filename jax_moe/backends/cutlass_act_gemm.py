@@ -34,6 +34,7 @@ from jax_moe.backends.cutlass_gemm import (
     _check_gemm,
     _check_scale,
     _reference,
+    _resolve_tile,
     _register,
     _row_col_scales,
     owned_rows,
@@ -44,15 +45,26 @@ from jax_moe.quant import fp8
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2}  # ffi/kernels/moe_prepare_finalize.h: Activation
 ALIGN_N = {"bf16_act": 16, "fp8_act": 32}  # N = 2I: 16-byte rows of d [M, I] (bf16 / e4m3)
-FUSED_ACT_ENV = "JAX_MOE_CUTLASS_FUSED_ACT"  # "0": keep the separate activation kernel (to compare)
+# JAX_MOE_CUTLASS_FUSED_ACT (read at trace time): "0" never fuses, "all" fuses on every tile, else
+# (the default) only on FUSED_TILES.
+FUSED_ACT_ENV = "JAX_MOE_CUTLASS_FUSED_ACT"
+# Where the epilogue pays (H100, GEMM1 + the activation kernel over the fused GEMM, bf16): on the
+# pingpong tile one consumer warpgroup's epilogue runs under the other's mainloop, 1.05-1.25x; the
+# cooperative tiles wait for their epilogue's stores and math, 0.89-1.10x, so they keep the separate
+# activation kernel.
+FUSED_TILES = ("pingpong_64x128",)
 
 
-def fuses_activation(cfg: MoEConfig, quant=None) -> bool:
+def fuses_activation(cfg: MoEConfig, quant=None, tile: str | None = None) -> bool:
     """Whether the cutlass forward takes ``cfg``'s activation into GEMM1's epilogue: a gated
     activation on interleaved gate/up rows, bf16 weights or FP8 with a static GEMM2 input scale
-    (``fp8_per_tensor`` with ``a2_scale``), 2I a multiple of :data:`ALIGN_N`, and
-    ``JAX_MOE_CUTLASS_FUSED_ACT`` not ``"0"`` (read at trace time)."""
-    if os.environ.get(FUSED_ACT_ENV, "1") == "0":
+    (``fp8_per_tensor`` with ``a2_scale``), 2I a multiple of :data:`ALIGN_N`, and GEMM1's
+    ``tile`` (the resolved one, :func:`gemm1_tile`; None: any) one of :data:`FUSED_TILES`, per
+    ``JAX_MOE_CUTLASS_FUSED_ACT``."""
+    mode = os.environ.get(FUSED_ACT_ENV, "")
+    if mode == "0":
+        return False
+    if tile is not None and mode != "all" and tile not in FUSED_TILES:
         return False
     if cfg.activation not in ACTIVATIONS or cfg.gate_up_layout != "interleaved":
         return False
@@ -61,6 +73,13 @@ def fuses_activation(cfg: MoEConfig, quant=None) -> bool:
         return n % ALIGN_N["bf16_act"] == 0
     return (quant.scheme == "fp8" and quant.act == "fp8_per_tensor" and quant.a2_scale is not None
             and n % ALIGN_N["fp8_act"] == 0)
+
+
+def gemm1_tile(tile: str | None, rows: int, w13, kind: str) -> str:
+    """GEMM1's tile as :func:`grouped_gemm` resolves it: ``tile`` if forced, else the pick for
+    ``rows`` expert-sorted rows against w13 [E, 2I, H] of ``kind`` (``"bf16"`` or ``"fp8"``)."""
+    e, n, k = w13.shape
+    return _resolve_tile(tile, rows, e, n=n, k=k, kind=kind)
 
 
 def _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile) -> tuple[str, str]:

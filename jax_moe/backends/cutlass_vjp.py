@@ -9,8 +9,8 @@ Forward (:func:`forward`), rows in expert-sorted order (:mod:`jax_moe.kernels`):
     y = grouped_gemm(a2, w2, sort.offsets)                     # [R, H]
     out = unpermute_reduce(y, sort.inverse, topk_weights, bias=b2, offsets)   # [T, H]
 
-Where nothing is saved for a backward (``residuals="recompute"``) and the gate/up rows are
-interleaved, GEMM1 and the activation are one kernel (:mod:`jax_moe.backends.cutlass_act_gemm`),
+Where nothing is saved for a backward (``residuals="recompute"``), the gate/up rows are
+interleaved and GEMM1 runs the pingpong tile, GEMM1 and the activation are one kernel (:mod:`jax_moe.backends.cutlass_act_gemm`),
 ``a2 = grouped_gemm_act(a1, w13, sort.offsets, activation, bias=b13)``, and h1 is never written.
 
 The activation follows ``cfg`` (silu, gelu, swigluoai with its alpha and limit; gate/up
@@ -48,7 +48,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_moe import ffi, kernels
 from jax_moe.activations import activate
-from jax_moe.backends.cutlass_act_gemm import fuses_activation, grouped_gemm_act
+from jax_moe.backends.cutlass_act_gemm import fuses_activation, gemm1_tile, grouped_gemm_act
 from jax_moe.backends.cutlass_gemm import grouped_gemm
 from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
 from jax_moe.config import MoEConfig
@@ -103,7 +103,8 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None
     sort, valid = ffi.sort_by_expert_valid(topk_ids.astype(jnp.int32), e)  # valid [1]: rows of experts in [0, E)
     xin = x.astype(jnp.float32) * tw if apply_router_weight_on_input else x
     a1 = kernels.permute_rows(xin.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid, inverse=sort.inverse)
-    if residuals == "recompute" and fuses_activation(cfg):  # no h1 to keep: the activation in GEMM1's epilogue
+    if residuals == "recompute" and fuses_activation(cfg, None, gemm1_tile(tile, a1.shape[0], w13, "bf16")):
+        # no h1 to keep: the activation in GEMM1's epilogue
         a2 = grouped_gemm_act(a1, w13, sort.offsets, cfg.activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
                               bias=None if w13_bias is None else w13_bias.astype(jnp.float32), tile=tile)
     else:
