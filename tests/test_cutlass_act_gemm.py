@@ -159,8 +159,10 @@ def test_the_forward_fuses_gated_interleaved_bf16_and_static_fp8_on_the_pingpong
     assert not fuses_activation(small_cfg(i=36, gate_up_layout="interleaved"))  # 2I = 72: d rows of 72 bytes
     assert fuses_activation(inter, None, "pingpong_64x128")
     assert not fuses_activation(inter, None, "coop_128x256")  # its epilogue is not hidden under a mainloop
+    assert not fuses_activation(inter, static, "pingpong_64x128")  # FP8: not faster fused on the H100
     monkeypatch.setenv(FUSED_ACT_ENV, "all")
     assert fuses_activation(inter, None, "coop_128x256")
+    assert fuses_activation(inter, static, "pingpong_64x128")
     monkeypatch.setenv(FUSED_ACT_ENV, "0")
     assert not fuses_activation(inter)
     assert not fuses_activation(inter, None, "pingpong_64x128")

@@ -45,26 +45,27 @@ from jax_moe.quant import fp8
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2}  # ffi/kernels/moe_prepare_finalize.h: Activation
 ALIGN_N = {"bf16_act": 16, "fp8_act": 32}  # N = 2I: 16-byte rows of d [M, I] (bf16 / e4m3)
-# JAX_MOE_CUTLASS_FUSED_ACT (read at trace time): "0" never fuses, "all" fuses on every tile, else
-# (the default) only on FUSED_TILES.
+# JAX_MOE_CUTLASS_FUSED_ACT (read at trace time): "0" never fuses, "all" fuses on every tile of both
+# kinds, else (the default) only on FUSED_TILES of the kind.
 FUSED_ACT_ENV = "JAX_MOE_CUTLASS_FUSED_ACT"
-# Where the epilogue pays (H100, GEMM1 + the activation kernel over the fused GEMM, bf16): on the
+# Where the epilogue pays (H100). bf16, GEMM1 + the activation kernel over the fused GEMM: on the
 # pingpong tile one consumer warpgroup's epilogue runs under the other's mainloop, 1.05-1.25x; the
 # cooperative tiles wait for their epilogue's stores and math, 0.89-1.10x, so they keep the separate
-# activation kernel.
-FUSED_TILES = ("pingpong_64x128",)
+# activation kernel. FP8 (whole forward): 0.83-1.05x on the pingpong tile (its epilogue also reads a
+# column scale per pair, against a mainloop twice as fast), so none by default.
+FUSED_TILES = {"bf16": ("pingpong_64x128",), "fp8": ()}
 
 
 def fuses_activation(cfg: MoEConfig, quant=None, tile: str | None = None) -> bool:
     """Whether the cutlass forward takes ``cfg``'s activation into GEMM1's epilogue: a gated
     activation on interleaved gate/up rows, bf16 weights or FP8 with a static GEMM2 input scale
     (``fp8_per_tensor`` with ``a2_scale``), 2I a multiple of :data:`ALIGN_N`, and GEMM1's
-    ``tile`` (the resolved one, :func:`gemm1_tile`; None: any) one of :data:`FUSED_TILES`, per
-    ``JAX_MOE_CUTLASS_FUSED_ACT``."""
+    ``tile`` (the resolved one, :func:`gemm1_tile`; None: any) one of the kind's
+    :data:`FUSED_TILES`, per ``JAX_MOE_CUTLASS_FUSED_ACT``."""
     mode = os.environ.get(FUSED_ACT_ENV, "")
     if mode == "0":
         return False
-    if tile is not None and mode != "all" and tile not in FUSED_TILES:
+    if tile is not None and mode != "all" and tile not in FUSED_TILES["bf16" if quant is None else "fp8"]:
         return False
     if cfg.activation not in ACTIVATIONS or cfg.gate_up_layout != "interleaved":
         return False
