@@ -32,11 +32,11 @@ STAGES = ("route", "sort", "permute", "gemm1", "act", "gemm2", "finalize", "setu
 # name pattern -> stage, first match wins; "gemm" becomes gemm1 or gemm2 by position
 STAGE_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"ChunkRanks|ScanBuckets|ScanChunks|ScanExperts|\bPlace\b|5Place", "sort"),
-    (r"GatherRow", "permute"),
+    (r"GatherRow|SlotRow", "permute"),  # gather order, or slot order (permute_rows(inverse=))
     (r"GatedActRow", "act"),
     (r"UnpermuteReduce", "finalize"),
     (r"FillGroupArrays|ZeroUnownedRows|ZeroUnusedBatchedRows|ZeroEmptyGroups", "setup"),
-    (r"cutlass|GemmUniversal|ragged_dot|device_kernel", "gemm"),
+    (r"cutlass|GemmUniversal|ragged_dot|device_kernel|ExpertGemv", "gemm"),  # ExpertGemv*: the decode path
     (r"^(Memset|Memcpy|memset|memcpy)", "copy"),
 )
 

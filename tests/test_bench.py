@@ -88,12 +88,20 @@ def test_kernels_are_attributed_to_stages_by_name_and_position(monkeypatch):
              "FillGroupArrays", "void cutlass::device_kernel<GemmUniversal>", "RowKernel<GatedActRow>",
              "FillGroupArrays", "void cutlass::device_kernel<GemmUniversal>", "UnpermuteReduce<bf16>"]
     ks = [Kernel(n, 10.0 * j, 1.0 + j) for j, n in enumerate(names)]
-    got = attribute(ks, routed=True)
+    got = got_ours = attribute(ks, routed=True)
     assert got == {"route": 1, "sort": 2 + 3, "permute": 4, "setup": 5 + 8, "gemm1": 6, "act": 7, "gemm2": 9,
                    "finalize": 10, "glue": 0}
     peer = ["sort_fusion", "gather_fusion", "ragged_dot_sm90", "loop_silu_fusion", "ragged_dot_sm90", "reduce"]
     got = attribute([Kernel(n, 10.0 * j, 1.0) for j, n in enumerate(peer)])
     assert (got["sort"], got["gemm1"], got["act"], got["gemm2"], got["finalize"]) == (2, 1, 1, 1, 1)
+    slot_order = [n.replace("GatherRow", "SlotRow") for n in names]  # permute_rows(inverse=)
+    assert attribute([Kernel(n, 10.0 * j, 1.0 + j) for j, n in enumerate(slot_order)], routed=True) == got_ours
+    fused = [n for n in names if "GatedActRow" not in n]  # the activation in GEMM1's epilogue
+    got = attribute([Kernel(n, 10.0 * j, 1.0) for j, n in enumerate(fused)], routed=True)
+    assert (got["gemm1"], got["act"], got["gemm2"]) == (1, 0, 1)
+    decode = ["ExpertGemvAct(bf16)", "void jax_moe::ExpertGemvReduce<bf16>"]
+    got = attribute([Kernel(n, 10.0 * j, 1.0) for j, n in enumerate(decode)])
+    assert (got["gemm1"], got["gemm2"]) == (1, 1)
     calls = split_calls([Kernel("a", 0, 5), Kernel("b", 6, 1), Kernel("c", 100, 1)], min_gap_ns=20)
     assert [[k.name for k in g] for g in calls] == [["a", "b"], ["c"]]
 
