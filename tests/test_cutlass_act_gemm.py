@@ -23,7 +23,7 @@ from jax_moe.backends.cutlass_act_gemm import (
 from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
 from jax_moe.quant.scheme import QuantConfig
 
-from cutlass_cases import F8, FP8_REL_TOL, REL_TOL, gemm_problem, gptoss_problem, group_offsets, small_cfg
+from cutlass_cases import F8, FP8_REL_TOL, REL_TOL, fp8_gemm_problem, gemm_problem, gptoss_problem, small_cfg
 from helpers import rel_err, skip_unless_available
 
 ALPHA, LIMIT = 1.5, 4.0  # swigluoai's constants, not the defaults
@@ -66,12 +66,13 @@ def bf16_case(rng, counts, n=128, k=64, bias=True):
 
 
 def fp8_case(rng, counts, n=128, k=128):
-    m, e = int(np.sum(counts)), len(counts)
-    a = jnp.asarray(rng.standard_normal((m, k)), jnp.float32).astype(F8)
-    b = jnp.asarray(rng.standard_normal((e, n, k)), jnp.float32).astype(F8)
-    row = jnp.asarray(rng.uniform(0.5, 2.0, m) / 16, jnp.float32)
-    col = jnp.asarray(rng.uniform(0.5, 2.0, (e, n)) / np.sqrt(k), jnp.float32)
-    return a, b, group_offsets(counts), row, col
+    """FP8 rows and weights with per-row and per-channel scales (the FP8 GEMM tests' problem)."""
+    return fp8_gemm_problem(rng, counts, n, k)
+
+
+def calibrated(values) -> jax.Array:
+    """A static FP8 scale for ``values``: amax / 448, as a calibration would set it."""
+    return jnp.float32(np.abs(values).max() / 448)
 
 
 def fp8_value(q, scale):
@@ -96,10 +97,10 @@ def test_reference_is_the_gated_activation_of_the_grouped_gemm_with_bias(rng, ac
 
 def test_fp8_reference_applies_the_scales_then_quantizes_with_the_static_scale(rng):
     a, b, off, row, col = fp8_case(rng, [7, 2, 0, 11])
-    out_scale = jnp.float32(0.05)
+    want = definition(a, b, off, "silu", row=row, col=col)
+    out_scale = calibrated(want)
     got = grouped_gemm_act_reference(a, b, off, "silu", a_scale=row, b_scale=col, out_scale=out_scale)
     assert got.dtype == F8
-    want = definition(a, b, off, "silu", row=row, col=col)
     assert rel_err(fp8_value(got, out_scale), want) < FP8_REL_TOL
 
 
@@ -206,12 +207,13 @@ def test_fp8_kernel_matches_the_definition(rng, tile):
     skip_unless_available(cb)
     counts = rng.integers(0, 200, 24)
     a, b, off, row, col = fp8_case(rng, counts, n=256, k=256)
-    out_scale = jnp.float32(0.02)
+    want = definition(a, b, off, "silu", row=row, col=col)
+    out_scale = calibrated(want)
     fn = jax.jit(lambda a, b, o, r, c, s: grouped_gemm_act(a, b, o, "silu", a_scale=r, b_scale=c, out_scale=s,
                                                            tile=tile))
     got = fn(a, b, off, row, col, out_scale)
     assert got.dtype == F8
-    assert rel_err(fp8_value(got, out_scale), definition(a, b, off, "silu", row=row, col=col)) < FP8_REL_TOL
+    assert rel_err(fp8_value(got, out_scale), want) < FP8_REL_TOL
 
 
 def _interleaved(cfg, w13):
