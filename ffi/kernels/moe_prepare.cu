@@ -111,16 +111,8 @@ struct GatedActRow {
   __device__ void Load(int64_t c, float (&v)[V]) const {
     float gate[V], up[V];
     LoadGateUp(c, gate, up);
-    if (activation == kActSwigluOai) {
 #pragma unroll
-      for (int i = 0; i < V; ++i) v[i] = SwigluOai(gate[i], up[i], alpha, limit);
-    } else if (activation == kActGelu) {
-#pragma unroll
-      for (int i = 0; i < V; ++i) v[i] = Gelu(gate[i]) * up[i];
-    } else {
-#pragma unroll
-      for (int i = 0; i < V; ++i) v[i] = Silu(gate[i]) * up[i];
-    }
+    for (int i = 0; i < V; ++i) v[i] = GatedAct(activation, gate[i], up[i], alpha, limit);
   }
 };
 
