@@ -27,6 +27,9 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
 - ``tokamax`` (bf16 only, where tokamax is importable on an NVIDIA GPU; :mod:`bench.peers`): the
   same routing and data through tokamax's Mosaic-GPU ``ragged_dot``, the peer to beat. Its column
   is followed by "vs tokamax", tokamax's time over the best jax_moe time (above 1: jax_moe is faster).
+- ``cutlass_il`` (only when named in ``--impls``): ``cutlass`` on w13 interleaved at load time
+  (``gate_up_layout="interleaved"``), so that GEMM1 takes the activation into its epilogue where
+  that pays (:mod:`jax_moe.backends.cutlass_act_gemm`); it holds a second copy of w13.
 
 ``gptoss-native`` is GPT-OSS-120B's layer as the model defines it (``gptoss`` is its shapes with
 silu): ``swigluoai`` on interleaved gate/up rows with random float32 expert biases, run by the
@@ -198,7 +201,9 @@ def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16, only: list[s
         else:
             impls[name] = (True, same, lambda x, ws, w, ids, mod=mod: mod.apply(x, *ws[:2], w, ids, cfg, quant=quant,
                                                                                 **bias_kw(ws)))
-    if "cutlass" in impls and cfg.gated and cfg.gate_up_layout == "concat" and want("cutlass_il"):
+    # opt-in (--impls ... cutlass_il): a second copy of w13 (15 GB for DeepSeek-V3)
+    named_il = only is not None and "cutlass_il" in only
+    if named_il and "cutlass" in impls and cfg.gated and cfg.gate_up_layout == "concat":
         il = interleaved_cutlass(cfg, quant, b13, b2)
         if il is not None:
             impls["cutlass_il"] = il
@@ -462,7 +467,9 @@ def main(argv=None):
     p.add_argument("--dense-limit-gb", type=float, default=16.0, help="skip the dense reference above this many GB")
     p.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md and save a PNG plot")
     p.add_argument("--impls", nargs="+", default=None,
-                   help="only these implementations (e.g. xla cutlass tokamax); default: every one that runs here")
+                   help="only these implementations (e.g. xla cutlass tokamax); default: every one that runs here "
+                        "but cutlass_il (cutlass on w13 interleaved at load time, its activation in GEMM1's "
+                        "epilogue where that pays), which must be named")
     p.add_argument("--in-loop", nargs="*", type=int, default=[], metavar="T",
                    help="also time these T per layer inside one jitted loop (device time, no dispatch)")
     p.add_argument("--layers", type=int, default=32, help="layers of the --in-loop loop")
