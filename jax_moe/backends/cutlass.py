@@ -72,7 +72,7 @@ import jax.numpy as jnp
 
 from jax_moe import decode, ffi, kernels
 from jax_moe.backends import cutlass_vjp
-from jax_moe.backends.cutlass_act_gemm import fuses_activation, gemm1_tile, grouped_gemm_act
+from jax_moe.backends.cutlass_act_gemm import forward_fuses, gemm1_with_activation
 from jax_moe.backends.cutlass_vjp import activation as _activation
 from jax_moe.backends.cutlass_vjp import act_options, bias_options
 from jax_moe.backends.cutlass_gemm import (  # noqa: F401  (the GEMM layer's names, re-exported)
@@ -288,11 +288,10 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     a1, s1 = _fp8_gemm1_input(xin, sort, k, valid, quant)
     s13 = jnp.asarray(quant.w13_scale, jnp.float32)
     # where it pays, GEMM1's epilogue takes the scales, the bias, the activation and GEMM2's static quantization
-    if fuses_activation(cfg, quant, gemm1_tile(tile, a1.shape[0], w13, "fp8")):
+    if forward_fuses(cfg, quant, tile, a1, w13):
         s2 = _per_tensor_scale(quant.a2_scale, None)
-        a2 = grouped_gemm_act(a1, w13, sort.offsets, cfg.activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
-                              bias=None if w13_bias is None else w13_bias.astype(jnp.float32), a_scale=s1,
-                              b_scale=s13, out_scale=s2, tile=tile)
+        a2 = gemm1_with_activation(a1, w13, sort.offsets, cfg, w13_bias=w13_bias, tile=tile, a_scale=s1, b_scale=s13,
+                                   out_scale=s2)
     else:
         h1 = grouped_gemm(a1, w13, sort.offsets, a_scale=s1, b_scale=s13, tile=tile)
         a2, s2 = _fp8_gemm2_input(h1, cfg, valid, quant, sort.offsets, w13_bias)

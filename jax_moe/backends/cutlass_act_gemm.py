@@ -41,9 +41,9 @@ from jax_moe.backends.cutlass_gemm import (
     workspace_size,
 )
 from jax_moe.config import MoEConfig
+from jax_moe.kernels import ACTIVATIONS  # the gated activations' kAct codes, shared with act_and_mul
 from jax_moe.quant import fp8
 
-ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2}  # ffi/kernels/moe_prepare_finalize.h: Activation
 ALIGN_N = {"bf16_act": 16, "fp8_act": 32}  # N = 2I: 16-byte rows of d [M, I] (bf16 / e4m3)
 # JAX_MOE_CUTLASS_FUSED_ACT (read at trace time): "0" never fuses, "all" fuses on every tile of both
 # kinds, else (the default) only on FUSED_TILES of the kind.
@@ -81,6 +81,21 @@ def gemm1_tile(tile: str | None, rows: int, w13, kind: str) -> str:
     ``rows`` expert-sorted rows against w13 [E, 2I, H] of ``kind`` (``"bf16"`` or ``"fp8"``)."""
     e, n, k = w13.shape
     return _resolve_tile(tile, rows, e, n=n, k=k, kind=kind)
+
+
+def forward_fuses(cfg: MoEConfig, quant, tile: str | None, a1, w13) -> bool:
+    """:func:`fuses_activation` for a forward's GEMM1 on rows a1 [M, H] against w13, its tile resolved."""
+    return fuses_activation(cfg, quant, gemm1_tile(tile, a1.shape[0], w13, "bf16" if quant is None else "fp8"))
+
+
+def gemm1_with_activation(a1, w13, offsets, cfg: MoEConfig, *, w13_bias=None, tile: str | None = "auto",
+                          **scales) -> jax.Array:
+    """A forward's GEMM1 with ``cfg``'s activation in its epilogue: :func:`grouped_gemm_act` with
+    cfg's activation constants and w13_bias [E, 2I] (any float dtype, or None) in float32;
+    ``scales``: FP8's ``a_scale``, ``b_scale`` and ``out_scale``."""
+    bias = None if w13_bias is None else w13_bias.astype(jnp.float32)
+    return grouped_gemm_act(a1, w13, offsets, cfg.activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+                            bias=bias, tile=tile, **scales)
 
 
 def _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile) -> tuple[str, str]:

@@ -48,7 +48,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_moe import ffi, kernels
 from jax_moe.activations import activate
-from jax_moe.backends.cutlass_act_gemm import fuses_activation, gemm1_tile, grouped_gemm_act
+from jax_moe.backends.cutlass_act_gemm import forward_fuses, gemm1_with_activation
 from jax_moe.backends.cutlass_gemm import grouped_gemm
 from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
 from jax_moe.config import MoEConfig
@@ -103,10 +103,8 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None
     sort, valid = ffi.sort_by_expert_valid(topk_ids.astype(jnp.int32), e)  # valid [1]: rows of experts in [0, E)
     xin = x.astype(jnp.float32) * tw if apply_router_weight_on_input else x
     a1 = kernels.permute_rows(xin.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid, inverse=sort.inverse)
-    if residuals == "recompute" and fuses_activation(cfg, None, gemm1_tile(tile, a1.shape[0], w13, "bf16")):
-        # no h1 to keep: the activation in GEMM1's epilogue
-        a2 = grouped_gemm_act(a1, w13, sort.offsets, cfg.activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
-                              bias=None if w13_bias is None else w13_bias.astype(jnp.float32), tile=tile)
+    if residuals == "recompute" and forward_fuses(cfg, None, tile, a1, w13):  # no h1 to keep
+        a2 = gemm1_with_activation(a1, w13, sort.offsets, cfg, w13_bias=w13_bias, tile=tile)
     else:
         h1 = grouped_gemm(a1, w13, sort.offsets, tile=tile)
         a2 = activation(h1, cfg, valid, sort.offsets, w13_bias)
