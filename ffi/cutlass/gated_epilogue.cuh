@@ -54,7 +54,7 @@ class GatedActEpilogue {
 
   struct Arguments {
     ElementD** ptr_D = nullptr;               // per group: its rows of d [M, N/2]
-    StrideD dD = nullptr;                     // per group: d's leading dimension (N/2)
+    StrideD dD = nullptr;                     // per group: d's leading dimension (d_cols = N/2)
     const float** ptr_row_scale = nullptr;    // FP8 per group: its rows' scales
     const float** ptr_col_scale = nullptr;    // FP8 per group: its expert's [N] column scales
     const float* bias = nullptr;              // [E, N] float32 (w13's rows), or nullptr
@@ -124,7 +124,7 @@ class GatedActEpilogue {
     Tensor tc = tiled_mma.get_thread_slice(thread_idx).partition_C(cd);  // (m, n) of each accumulator
 
     Out* d = reinterpret_cast<Out*>(params_.ptr_D[l]);
-    const int64_t ld = n_size / 2;
+    const int64_t ld = cute::get<0>(params_.dD[l]);  // d's row length (N / 2, as the setup kernel wrote it)
     const float* row_scale = nullptr;
     const float* col_scale = nullptr;
     if constexpr (kScaled) {

@@ -24,7 +24,9 @@ namespace {
 using RunFn = ffi::Error (*)(const GroupedGemmCall&);
 using BytesFn = size_t (*)(int64_t, int);
 #define JAX_MOE_CUTLASS_TILES(FN, KIND) \
-  {cutlass_gg::FN<KIND, kTileCoop128x128>, cutlass_gg::FN<KIND, kTilePingpong64x128>, cutlass_gg::FN<KIND, kTileCoop128x256>}
+  {cutlass_gg::FN<KIND, kTileCoop128x128>, cutlass_gg::FN<KIND, kTilePingpong64x128>,     \
+   cutlass_gg::FN<KIND, kTileCoop128x256>, cutlass_gg::FN<KIND, kTilePingpong64x256>,     \
+   cutlass_gg::FN<KIND, kTilePingpong64x128K2>}
 constexpr RunFn kRun[kNumCutlassGemmKinds][kNumCutlassTiles] = {
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16),      JAX_MOE_CUTLASS_TILES(Run, kGemmFp8),
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Wgrad),
@@ -34,7 +36,7 @@ constexpr BytesFn kBytes[kNumCutlassGemmKinds][kNumCutlassTiles] = {
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Wgrad),
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Act),   JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8Act)};
 #undef JAX_MOE_CUTLASS_TILES
-static_assert(kNumCutlassGemmKinds == 6 && kNumCutlassTiles == 3, "one row per kind, one column per tile above");
+static_assert(kNumCutlassGemmKinds == 6 && kNumCutlassTiles == 5, "one row per kind, one column per tile above");
 
 std::string Name(int kind) {
   return IsActKind(kind) ? "cutlass_grouped_gemm_act: "
@@ -102,6 +104,23 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
   return std::nullopt;
 }
 
+// Checks the FP8 kinds' dequantization scales against a checked call (CheckOperands) and sets them:
+// row_scale [M] float32 ([E, C] batched), one per row of a; col_scale [E, N] float32, one per output
+// channel of each expert.
+std::optional<ffi::Error> CheckScales(int kind, ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::F32> col_scale,
+                                      GroupedGemmCall& call) {
+  const auto rd = row_scale.dimensions(), cd = col_scale.dimensions();
+  if (!call.batched && (rd.size() != 1 || rd[0] != call.m))
+    return InvalidArgument(Name(kind) + "row_scale must be [M] float32 (one scale per row of a)");
+  if (call.batched && (rd.size() != 2 || rd[0] != call.groups || rd[1] != call.capacity))
+    return InvalidArgument(Name(kind) + "row_scale must be [E, C] float32 (one scale per row of batched a)");
+  if (cd.size() != 2 || cd[0] != call.groups || cd[1] != call.n)
+    return InvalidArgument(Name(kind) + "col_scale must be [E, N] float32 (one scale per output channel)");
+  call.row_scale = row_scale.typed_data();
+  call.col_scale = col_scale.typed_data();
+  return std::nullopt;
+}
+
 // Runs the (kind, tile) instantiation on a checked call, its setup launch zeroing the unowned rows.
 template <int Kind>
 ffi::Error Launch(GroupedGemmCall& call, int64_t tile) {
@@ -124,15 +143,7 @@ ffi::Error GroupedGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
   GroupedGemmCall call{};
   call.stream = stream;
   if (auto err = CheckOperands(kGemmFp8, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
-  const auto rd = row_scale.dimensions(), cd = col_scale.dimensions();
-  if (!call.batched && (rd.size() != 1 || rd[0] != call.m))
-    return InvalidArgument(Name(kGemmFp8) + "row_scale must be [M] float32 (one scale per row of a)");
-  if (call.batched && (rd.size() != 2 || rd[0] != call.groups || rd[1] != call.capacity))
-    return InvalidArgument(Name(kGemmFp8) + "row_scale must be [E, C] float32 (one scale per row of batched a)");
-  if (cd.size() != 2 || cd[0] != call.groups || cd[1] != call.n)
-    return InvalidArgument(Name(kGemmFp8) + "col_scale must be [E, N] float32 (one scale per output channel)");
-  call.row_scale = row_scale.typed_data();
-  call.col_scale = col_scale.typed_data();
+  if (auto err = CheckScales(kGemmFp8, row_scale, col_scale, call)) return std::move(*err);
   return Launch<kGemmFp8>(call, tile);
 }
 
@@ -150,17 +161,11 @@ ffi::Error GroupedGemmActCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
   if (auto err = CheckOperands(kind, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
   if (activation != kActSilu && activation != kActGelu && activation != kActSwigluOai)
     return InvalidArgument(n_ + "activation must be 0 (silu), 1 (gelu) or 2 (swigluoai)");
-  const auto rd = row_scale.dimensions(), cd = col_scale.dimensions(), bd = bias.dimensions();
+  const auto bd = bias.dimensions();
   if (kind == kGemmFp8Act) {
-    const bool row_ok = call.batched ? rd.size() == 2 && rd[0] == call.groups && rd[1] == call.capacity
-                                     : rd.size() == 1 && rd[0] == call.m;
-    if (!row_ok) return InvalidArgument(n_ + "row_scale must be [M] ([E, C] batched) float32 with FP8 a");
-    if (cd.size() != 2 || cd[0] != call.groups || cd[1] != call.n)
-      return InvalidArgument(n_ + "col_scale must be [E, N] float32 with FP8 a");
+    if (auto err = CheckScales(kind, row_scale, col_scale, call)) return std::move(*err);
     if (out_scale.element_count() != 1)
       return InvalidArgument(n_ + "out_scale must have 1 element (d's static FP8 scale) with FP8 a");
-    call.row_scale = row_scale.typed_data();
-    call.col_scale = col_scale.typed_data();
     call.out_scale = out_scale.typed_data();
   } else if (row_scale.element_count() != 0 || col_scale.element_count() != 0 || out_scale.element_count() != 0) {
     return InvalidArgument(n_ + "row_scale, col_scale and out_scale must be [0] with bf16 a (no scales)");

@@ -70,12 +70,14 @@
 namespace jax_moe {
 
 // Tile configurations (one CUTLASS instantiation per kind and tile; keep this list short: compile time).
-// bf16 uses a K tile of 64, fp8 a K tile of 128 (the same 128 bytes per smem row).
+// bf16 uses a K tile of 64, fp8 a K tile of 128 (the same 128 bytes per smem row), except where noted.
 enum CutlassTile : int {
   kTileCoop128x128 = 0,     // 128x128 (x64 bf16, x128 fp8), cooperative (2 consumer warpgroups): prefill
   kTilePingpong64x128 = 1,  // 64x128 (x64 bf16, x128 fp8), pingpong: decode (few rows per expert)
   kTileCoop128x256 = 2,     // 128x256, cooperative, 2x1 cluster: large prefill and training batches
-  kNumCutlassTiles = 3,
+  kTilePingpong64x256 = 3,  // 64x256, pingpong: weight streaming with half the tiles of 64x128
+  kTilePingpong64x128K2 = 4,  // 64x128, pingpong, a K tile of 256 bytes (128 bf16, 256 fp8): longer row reads
+  kNumCutlassTiles = 5,
 };
 
 // Operand types: one FFI target each.

@@ -138,7 +138,9 @@ ffi::Error Run(const GroupedGemmCall& call);
 #define JAX_MOE_DECLARE_CUTLASS_TILES(KIND)                 \
   JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTileCoop128x128)      \
   JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTilePingpong64x128)   \
-  JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTileCoop128x256)
+  JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTileCoop128x256)      \
+  JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTilePingpong64x256)   \
+  JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTilePingpong64x128K2)
 JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16)
 JAX_MOE_DECLARE_CUTLASS_TILES(kGemmFp8)
 JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16Dgrad)
@@ -359,11 +361,15 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   return ffi::Error::Success();
 }
 
+// The K tile of a (kind, tile) in elements.
+template <int Kind, int Tile>
+inline constexpr int kKTile = TileSchedule<Tile>::kKBytes / static_cast<int>(sizeof(ElementAB<Kind>));
+
 // The (kind, tile) pair's grouped GEMM type.
 template <int Kind, int Tile>
 struct TileConfig {
   using S = TileSchedule<Tile>;
-  using type = GroupedGemm<Kind, Shape<typename S::Rows, typename S::Cols, Int<128 / sizeof(ElementAB<Kind>)>>,
+  using type = GroupedGemm<Kind, Shape<typename S::Rows, typename S::Cols, Int<kKTile<Kind, Tile>>>,
                            typename S::Cluster, MainloopKernel<Kind, S>, typename S::Epilogue>;
 };
 

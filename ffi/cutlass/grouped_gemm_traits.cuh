@@ -103,14 +103,15 @@ __device__ __forceinline__ Stride LeadingStride(int64_t ld) {
 }
 
 // The tile configurations of grouped_gemm.h: the CTA's rows and columns, the cluster, and the
-// schedule (cooperative: two consumer warpgroups on one tile; pingpong: on alternating tiles), each
-// with a K tile of 128 bytes per row (64 bf16, 128 fp8 elements).
-template <class RowsT, class ColsT, class ClusterT, bool kPingpong>
+// schedule (cooperative: two consumer warpgroups on one tile; pingpong: on alternating tiles), and
+// the K tile in bytes per row (128: 64 bf16, 128 fp8 elements).
+template <class RowsT, class ColsT, class ClusterT, bool kPingpong, int kKTileBytes = 128>
 struct Schedule {
   using Rows = RowsT;
   using Cols = ColsT;
   using Cluster = ClusterT;
   static constexpr bool kIsPingpong = kPingpong;
+  static constexpr int kKBytes = kKTileBytes;
   using Kernel = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                                     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
   using Epilogue = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
@@ -135,5 +136,9 @@ template <>
 struct TileSchedule<kTilePingpong64x128> : Schedule<_64, _128, Shape<_1, _1, _1>, true> {};
 template <>  // 2x1 cluster: the two CTAs of a cluster share B's tile (TMA multicast)
 struct TileSchedule<kTileCoop128x256> : Schedule<_128, _256, Shape<_2, _1, _1>, false> {};
+template <>
+struct TileSchedule<kTilePingpong64x256> : Schedule<_64, _256, Shape<_1, _1, _1>, true> {};
+template <>  // 256 bytes of each row per stage: two 128-byte swizzle atoms side by side
+struct TileSchedule<kTilePingpong64x128K2> : Schedule<_64, _128, Shape<_1, _1, _1>, true, 256> {};
 
 }  // namespace jax_moe::cutlass_gg

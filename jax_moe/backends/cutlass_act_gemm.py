@@ -38,6 +38,7 @@ from jax_moe.backends.cutlass_gemm import (
     _register,
     _row_col_scales,
     owned_rows,
+    row_experts,
     workspace_size,
 )
 from jax_moe.config import MoEConfig
@@ -132,8 +133,7 @@ def _act_reference(a, b, offsets, row, col, bias, out_scale, cfg: MoEConfig):
     h = _reference(a, b, offsets, row, col, dtype=jnp.float32)
     off, owned = owned_rows(offsets, a.shape[0])
     if bias is not None:
-        rows = jnp.arange(a.shape[0], dtype=jnp.int32)
-        h = h + bias[jnp.clip(jnp.searchsorted(off, rows, side="right") - 1, 0, b.shape[0] - 1)]
+        h = h + bias[row_experts(off, a.shape[0])]
     d = jnp.where(owned[:, None], activate(h, cfg), 0.0)
     if out_scale is None:
         return d.astype(jnp.bfloat16)

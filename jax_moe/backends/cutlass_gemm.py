@@ -269,13 +269,19 @@ def owned_rows(offsets, m: int):
     return off, (rows >= off[0]) & (rows < off[-1])
 
 
+def row_experts(off, m: int):
+    """The expert of each of ``m`` rows under clamped offsets ``off`` [E+1] (:func:`owned_rows`) ->
+    [m] int32 in [0, E); an unowned row gets its nearest expert (its values are zeroed anyway)."""
+    rows = jnp.arange(m, dtype=jnp.int32)
+    return jnp.clip(jnp.searchsorted(off, rows, side="right") - 1, 0, off.shape[0] - 2)
+
+
 def _reference(a, b, offsets, row, col, dtype=jnp.bfloat16):
     """The standard format's reference; ``dtype``: d's (float32 keeps the epilogue's values unrounded)."""
     m = a.shape[0]
     e = b.shape[0]
     off, owned = owned_rows(offsets, m)
     lo, hi = off[0], off[e]
-    rows = jnp.arange(m, dtype=jnp.int32)
     counts = jnp.diff(off)
     sizes = counts.at[0].add(lo).at[e - 1].add(m - hi)  # unowned rows ride along, zeroed
     a0 = jnp.where(owned[:, None], a, jnp.zeros((), a.dtype))
@@ -290,8 +296,7 @@ def _reference(a, b, offsets, row, col, dtype=jnp.bfloat16):
     d = jax.lax.ragged_dot(a0.astype(jnp.float32), jnp.swapaxes(b, 1, 2).astype(jnp.float32),
                            sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)
-    expert = jnp.clip(jnp.searchsorted(off, rows, side="right") - 1, 0, e - 1)
-    d = d * col[expert] * row[:, None]
+    d = d * col[row_experts(off, m)] * row[:, None]
     return jnp.where(owned[:, None], d, 0.0).astype(dtype)
 
 
