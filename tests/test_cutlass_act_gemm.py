@@ -147,7 +147,7 @@ def test_value_errors_name_the_argument(rng, case):
         fn()
 
 
-def test_the_forward_fuses_gated_interleaved_bf16_and_static_fp8_on_the_pingpong_tile(monkeypatch):
+def test_the_forward_fuses_gated_interleaved_bf16_and_static_fp8_on_the_pingpong_tiles(monkeypatch):
     inter = small_cfg(gate_up_layout="interleaved")
     static = QuantConfig("fp8", w13_scale=1.0, w2_scale=1.0, act="fp8_per_tensor", a13_scale=1.0, a2_scale=1.0)
     assert fuses_activation(inter)
@@ -158,8 +158,10 @@ def test_the_forward_fuses_gated_interleaved_bf16_and_static_fp8_on_the_pingpong
     assert not fuses_activation(inter, dataclasses.replace(static, a2_scale=None))  # dynamic: needs the whole row
     assert not fuses_activation(inter, dataclasses.replace(static, act="fp8_per_token"))
     assert not fuses_activation(small_cfg(i=36, gate_up_layout="interleaved"))  # 2I = 72: d rows of 72 bytes
-    assert fuses_activation(inter, None, "pingpong_64x128")
-    assert not fuses_activation(inter, None, "coop_128x256")  # its epilogue is not hidden under a mainloop
+    for pingpong in ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256"):
+        assert fuses_activation(inter, None, pingpong)  # one warpgroup's epilogue under the other's mainloop
+    for coop in ("coop_128x128", "coop_128x256"):
+        assert not fuses_activation(inter, None, coop)  # its epilogue is not hidden under a mainloop
     assert not fuses_activation(inter, static, "pingpong_64x128")  # FP8: not faster fused on the H100
     monkeypatch.setenv(FUSED_ACT_ENV, "all")
     assert fuses_activation(inter, None, "coop_128x256")

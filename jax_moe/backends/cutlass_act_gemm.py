@@ -50,11 +50,12 @@ ALIGN_N = {"bf16_act": 16, "fp8_act": 32}  # N = 2I: 16-byte rows of d [M, I] (b
 # kinds, else (the default) only on FUSED_TILES of the kind.
 FUSED_ACT_ENV = "JAX_MOE_CUTLASS_FUSED_ACT"
 # Where the epilogue pays (H100). bf16, GEMM1 + the activation kernel over the fused GEMM: on the
-# pingpong tile one consumer warpgroup's epilogue runs under the other's mainloop, 1.05-1.25x; the
-# cooperative tiles wait for their epilogue's stores and math, 0.89-1.10x, so they keep the separate
-# activation kernel. FP8 (whole forward): 0.83-1.05x on the pingpong tile (its epilogue also reads a
-# column scale per pair, against a mainloop twice as fast), so none by default.
-FUSED_TILES = {"bf16": ("pingpong_64x128",), "fp8": ()}
+# pingpong tiles one consumer warpgroup's epilogue runs under the other's mainloop (pingpong_64x128
+# 1.05-1.25x at large T; pingpong_64x128_k256 0.99-1.16x and pingpong_64x256 0.98-1.05x at 64 to 1024
+# tokens); the cooperative tiles wait for their epilogue's stores and math, 0.89-1.10x, so they keep
+# the separate activation kernel. FP8 (whole forward): 0.83-1.05x on the pingpong tile (its epilogue
+# also reads a column scale per pair, against a mainloop twice as fast), so none by default.
+FUSED_TILES = {"bf16": ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256"), "fp8": ()}
 
 
 def fuses_activation(cfg: MoEConfig, quant=None, tile: str | None = None) -> bool:
