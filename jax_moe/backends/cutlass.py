@@ -15,7 +15,8 @@ gated activation, the tile left to the pick): :func:`jax_moe.decode.decode_moe` 
 function in two launches with no sort.
 
 Interleaved gate/up rows (``gate_up_layout="interleaved"``: GPT-OSS as stored, or any gated layer
-whose w13 was interleaved at load with :func:`jax_moe.layouts.gated.reorder_rows_for_gated_act_gemm`)
+whose w13 was interleaved at load: :func:`prepare`, as ``MoEBlock.prepare()`` calls it,
+:mod:`jax_moe.backends.cutlass_prepared`)
 let GEMM1 take the activation into its epilogue (:mod:`jax_moe.backends.cutlass_act_gemm`): GEMM1
 then writes ``a2 [T*k, I]`` directly and ``act_and_mul`` is not launched, in bf16 and in FP8 with a
 static GEMM2 input scale, where it pays: bf16 where GEMM1 runs a pingpong tile (few rows per expert; the
@@ -73,6 +74,7 @@ import jax.numpy as jnp
 from jax_moe import decode, ffi, kernels
 from jax_moe.backends import cutlass_vjp
 from jax_moe.backends.cutlass_act_gemm import forward_fuses, gemm1_with_activation
+from jax_moe.backends.cutlass_prepared import Prepared, apply_prepared, prepare  # noqa: F401  (MoEBlock.prepare())
 from jax_moe.backends.cutlass_vjp import activation as _activation
 from jax_moe.backends.cutlass_vjp import act_options, bias_options
 from jax_moe.backends.cutlass_gemm import (  # noqa: F401  (the GEMM layer's names, re-exported)
@@ -226,6 +228,17 @@ def _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bi
         raise ValueError(f"{NAME}: topk_weights {topk_weights.shape} / topk_ids {topk_ids.shape} must be [T, k]")
     if apply_router_weight_on_input and k != 1:
         raise ValueError(f"{NAME}: apply_router_weight_on_input needs top_k == 1, got top_k={k}")
+
+
+def check_weights(w13, w2, cfg, quant=None, w13_bias=None, w2_bias=None) -> None:
+    """ValueError for expert weights this build does not take, as :func:`apply` checks them (x
+    aside), and for weights of another shape than ``cfg`` (E, H, I) names."""
+    check_rank("w13", w13, 3, "[E, 2I, H] ([E, I, H] for relu2)")
+    check_rank("w2", w2, 3, "[E, H, I]")
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    check_shape("w2", w2, (e, h, i), "[E, H, I] of the layer's config")
+    _check_experts(jax.ShapeDtypeStruct((1, h), jnp.bfloat16), w13, w2, cfg, quant, None)
+    _check_biases(w13_bias, w2_bias, w13, w2)
 
 
 def _check_experts(x, w13, w2, cfg, quant, tile) -> None:

@@ -1,0 +1,79 @@
+"""The cutlass backend's load-time layout: ``MoEBlock.prepare()`` (the oracle's ``prepared=True``).
+
+:func:`prepare` puts a gated bf16 layer's ``w13`` and its bias in the interleaved gate/up row
+order (:func:`jax_moe.layouts.gated.reorder_rows_for_gated_act_gemm`: row ``2i`` is gate ``i``,
+row ``2i + 1`` up ``i``). On that order GEMM1 takes the activation into its epilogue where that
+pays (:func:`jax_moe.backends.cutlass_act_gemm.fuses_activation`: bf16 on the pingpong tiles, a
+few rows per expert) and writes ``act(gate) * up`` without the ``[T*k, 2I]`` pre-activation;
+elsewhere the activation kernel reads the interleaved rows as fast as the concatenated ones.
+Layers already interleaved (GPT-OSS), ``relu2`` (not gated) and FP8 weights (not faster fused on
+the H100) keep their order. :func:`apply_prepared` is :func:`jax_moe.backends.cutlass.apply` on
+the prepared weights; the numbers differ from the concatenated order's only where GEMM1 fuses
+(its output then reaches the activation in float32 instead of bf16).
+
+Prepared weights are for inference (:func:`jax_moe.autodiff.inference_only`); expert
+parallelism runs the float weights (``parallel_fused_experts(..., backend="cutlass")``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jax_moe.config import ACTIVATIONS, MoEConfig
+from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Expert weights in the cutlass backend's load-time layout (a pytree; jit-able).
+
+    w13 [E, 2I, H] (``cfg.gate_up_layout``'s row order; [E, I, H] for relu2) and w2 [E, H, I]:
+    bfloat16, or float8_e4m3fn with ``quant`` its ``QuantConfig("fp8", ...)``; ``w13_bias``
+    [E, 2I] in w13's row order and ``w2_bias`` [E, H], float, or None. ``cfg`` (static) is the
+    layer's :class:`~jax_moe.config.MoEConfig` with the layout the weights are in.
+    """
+
+    w13: jax.Array
+    w2: jax.Array
+    w13_bias: jax.Array | None = None
+    w2_bias: jax.Array | None = None
+    quant: object = None
+    cfg: MoEConfig = dataclasses.field(default=None, metadata=dict(static=True))
+
+
+def interleaves(cfg: MoEConfig, quant=None) -> bool:
+    """Whether :func:`prepare` moves ``cfg``'s w13 to the interleaved order: a gated activation
+    stored concatenated (``[gate; up]``), bf16 weights."""
+    return quant is None and ACTIVATIONS[cfg.activation] and cfg.gate_up_layout == "concat"
+
+
+def prepare(w13, w2, cfg: MoEConfig, quant=None, *, w13_bias=None, w2_bias=None) -> Prepared:
+    """vLLM-layout weights (w13 [E, 2I, H] in ``cfg.gate_up_layout``'s order, w2 [E, H, I]; FP8
+    with ``quant``; biases [E, 2I] and [E, H] or None) -> :class:`Prepared`, interleaved where
+    :func:`interleaves` says. Checks what :func:`jax_moe.backends.cutlass.apply` would, first."""
+    from jax_moe.backends import cutlass
+
+    cutlass.check_weights(w13, w2, cfg, quant, w13_bias, w2_bias)
+    if interleaves(cfg, quant):
+        w13 = reorder_rows_for_gated_act_gemm(w13)
+        w13_bias = None if w13_bias is None else reorder_rows_for_gated_act_gemm(w13_bias, axis=-1)
+        cfg = dataclasses.replace(cfg, gate_up_layout="interleaved")
+    return Prepared(w13, w2, w13_bias, w2_bias, quant, cfg)
+
+
+def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, apply_router_weight_on_input: bool = False,
+                   tile: str | None = "auto") -> jax.Array:
+    """``y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` on the prepared
+    weights: x [T, H] float, topk_weights [T, k] float, topk_ids [T, k] int32 (outside [0, E):
+    skipped). Returns [T, H] in x's dtype. As :func:`jax_moe.backends.cutlass.apply`, whose
+    errors it raises."""
+    from jax_moe.backends import cutlass
+
+    if not isinstance(prepared, Prepared):
+        raise TypeError(f"cutlass.apply_prepared: prepared must come from cutlass.prepare, got {type(prepared).__name__}")
+    return cutlass.apply(x, prepared.w13, prepared.w2, topk_weights, topk_ids, prepared.cfg, quant=prepared.quant,
+                         w13_bias=prepared.w13_bias, w2_bias=prepared.w2_bias,
+                         apply_router_weight_on_input=apply_router_weight_on_input, tile=tile)

@@ -1,0 +1,133 @@
+"""The cutlass backend's load-time layout: ``cutlass.prepare`` / ``cutlass.apply_prepared`` and
+``MoEBlock.prepare()`` on Hopper.
+
+A gated bf16 layer stored ``[gate; up]`` is prepared with its gate and up rows interleaved, so
+that GEMM1 can take the activation into its epilogue; everything else keeps its order. The
+prepared layer computes the same function as the stored one: checked against the float64
+definition on the stored weights (the kernels' jnp references on CPU, the kernels on the GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_moe import MoEBlock
+from jax_moe.backends import cutlass as cb
+from jax_moe.quant.scheme import QuantConfig
+
+from cutlass_cases import H100, REL_TOL, moe_problem, simulate_module, small_cfg
+from helpers import np_moe, poison_memory, random_biases, rel_err, skip_unless_available
+
+
+def _layer(rng, t, e=8, k=2, h=64, i=32):
+    """(cfg, x, w13, w2, topk_weights, topk_ids, biases): a random bf16 silu layer, [gate; up]."""
+    cfg = small_cfg(e, k, h, i)
+    x, w13, w2, tw, ids = moe_problem(rng, t, e, k, h, i)
+    return cfg, x, w13, w2, tw, ids, random_biases(rng, cfg, scale=0.5)
+
+
+def test_prepare_interleaves_a_concatenated_gated_bf16_layer_and_its_bias(rng):
+    cfg, _, w13, w2, _, _, b = _layer(rng, 1)
+    p = cb.prepare(w13, w2, cfg, **b)
+    assert isinstance(p, cb.Prepared)
+    assert p.cfg == dataclasses.replace(cfg, gate_up_layout="interleaved")
+    i = cfg.intermediate_size
+    np.testing.assert_array_equal(np.asarray(p.w13[:, 0::2]), np.asarray(w13[:, :i]))  # row 2i: gate i
+    np.testing.assert_array_equal(np.asarray(p.w13[:, 1::2]), np.asarray(w13[:, i:]))  # row 2i + 1: up i
+    np.testing.assert_array_equal(np.asarray(p.w13_bias[:, 0::2]), np.asarray(b["w13_bias"][:, :i]))
+    np.testing.assert_array_equal(np.asarray(p.w13_bias[:, 1::2]), np.asarray(b["w13_bias"][:, i:]))
+    assert p.w2 is w2 and p.w2_bias is b["w2_bias"] and p.quant is None
+
+
+@pytest.mark.parametrize("case", ["already interleaved", "relu2", "fp8"])
+def test_prepare_keeps_the_order_where_the_epilogue_does_not_take_the_activation(rng, case):
+    cfg, _, w13, w2, _, _, _ = _layer(rng, 1)
+    quant = None
+    if case == "already interleaved":
+        cfg = dataclasses.replace(cfg, gate_up_layout="interleaved")
+    elif case == "relu2":
+        cfg = small_cfg(activation="relu2")
+        w13 = w13[:, : cfg.intermediate_size]
+    else:
+        quant = QuantConfig("fp8", w13_scale=0.5, w2_scale=0.25, act="fp8_per_tensor", a13_scale=1.0, a2_scale=1.0)
+        w13, w2 = w13.astype(jnp.float8_e4m3fn), w2.astype(jnp.float8_e4m3fn)
+    p = cb.prepare(w13, w2, cfg, quant)
+    assert p.w13 is w13 and p.w2 is w2 and p.cfg == cfg and p.quant is quant
+
+
+def test_prepared_weights_are_a_pytree_that_jit_takes(rng):
+    cfg, x, w13, w2, tw, ids, b = _layer(rng, 3)
+    p = cb.prepare(w13, w2, cfg, **b)
+    leaves, tree = jax.tree.flatten(p)
+    assert len(leaves) == 4  # w13, w2 and the two biases; the config is static
+    assert jax.tree.unflatten(tree, leaves).cfg == p.cfg
+    jax.jit(cb.apply_prepared)(x, p, tw, ids).block_until_ready()
+
+
+@pytest.mark.parametrize("t", [1, 37])
+def test_apply_prepared_is_the_stored_layers_function_on_cpu(rng, t):
+    """``sum_j w_j (W2[e] silu-and-mul(W13[e] x + b13[e]) + b2[e])`` in float64 on the stored
+    ``[gate; up]`` weights; the kernels' jnp references run here."""
+    cfg, x, w13, w2, tw, ids, b = _layer(rng, t)
+    out = jax.jit(cb.apply_prepared)(x, cb.prepare(w13, w2, cfg, **b), tw, ids)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    want = np_moe(x, w13, w2, tw, ids, "silu", "concat", b["w13_bias"], b["w2_bias"])
+    assert rel_err(out, want) < REL_TOL
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(w13=lambda w: w.astype(jnp.float32)), "w13 must be bfloat16"),
+    (dict(w13=lambda w: w[0]), "w13 must have rank 3"),
+    (dict(w2=lambda w: w[:, :, :16]), r"w2 must have shape \[8, 64, 32\]"),
+    (dict(w13_bias=lambda b: b[:, :10]), "w13_bias must have shape"),
+])
+def test_prepare_names_the_argument_it_cannot_take(rng, change, match):
+    cfg, _, w13, w2, _, _, b = _layer(rng, 1)
+    args = dict(w13=w13, w2=w2, **b)
+    for name, f in change.items():
+        args[name] = f(args[name])
+    with pytest.raises(ValueError, match=match):
+        cb.prepare(args.pop("w13"), args.pop("w2"), cfg, **args)
+
+
+def test_apply_prepared_takes_only_its_own_prepared_weights(rng):
+    _, x, w13, w2, tw, ids, _ = _layer(rng, 2)
+    with pytest.raises(TypeError, match="prepared must come from cutlass.prepare"):
+        cb.apply_prepared(x, {"w13": w13, "w2": w2}, tw, ids)
+
+
+def test_moe_block_prepare_picks_cutlass_on_hopper_and_keeps_the_blocks_function(rng, monkeypatch):
+    """On an H100 with the CUTLASS module (simulated here; the kernels' references run on CPU)
+    ``MoEBlock.prepare()`` repacks for ``cutlass`` once, and the block computes what it did."""
+    simulate_module(monkeypatch)
+    block = MoEBlock(64, 32, 8, 2, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((2, 5, 64)), jnp.bfloat16)
+    before = nnx.jit(lambda m, v: m(v))(block, x)
+    assert block.prepare(device=H100) == "cutlass"
+    assert block.w13 is None and block.prepared.get_value().cfg.gate_up_layout == "interleaved"
+    after = nnx.jit(lambda m, v: m(v))(block, x)
+    assert rel_err(after, before) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, e, k", [(16, 128, 8), (64, 128, 8), (1000, 16, 4)])
+def test_apply_prepared_on_the_gpu_is_the_stored_layers_function(rng, t, e, k):
+    """On the kernels: a few rows per expert (GEMM1 on a pingpong tile, the activation in its
+    epilogue) and many (the activation kernel on interleaved rows), outputs poisoned first."""
+    skip_unless_available(cb)
+    cfg, x, w13, w2, tw, ids, b = _layer(rng, t, e, k, 256, 128)
+    p = cb.prepare(w13, w2, cfg, **b)
+    f = jax.jit(cb.apply_prepared)
+    poison_memory(jax.eval_shape(f, x, p, tw, ids))
+    out = f(x, p, tw, ids)
+    want = np_moe(x, w13, w2, tw, ids, "silu", "concat", b["w13_bias"], b["w2_bias"])
+    assert rel_err(out, want) < REL_TOL
+    stored = jax.jit(lambda *a: cb.apply(*a, cfg, **b))(x, w13, w2, tw, ids)
+    assert rel_err(out, stored) < REL_TOL
