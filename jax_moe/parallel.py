@@ -441,6 +441,16 @@ def _pad_intermediate(w13, w2, w13_bias, inter_padded: int, gated: bool, gate_up
             None if w13_bias is None else pad_intermediate_rows(w13_bias, inter_padded, gated, -1, gate_up_layout))
 
 
+def _sharded_prepared_module(fn: str, backend: str):
+    """``backend``'s module if its prepared weights split over a mesh (``partition_specs``), else
+    a ValueError from ``fn`` that points at its float weights."""
+    mod = oracle.module(backend)
+    if not hasattr(mod, "partition_specs"):
+        raise ValueError(f"{fn}: {backend}'s prepared weights are not laid out for a mesh; run its float "
+                         f"weights with parallel_fused_experts(..., backend={backend!r})")
+    return mod
+
+
 def shard_prepared(w13, w2, pcfg: ParallelConfig, *, backend: str = "flashinfer_cutlass", activation: str = "silu",
                    gate_up_layout: str = "concat", w13_bias=None, w2_bias=None, quant=None, **cfg_opts):
     """Load time, for a backend with its own weight layout (``flashinfer_cutlass``): place the
@@ -457,7 +467,7 @@ def shard_prepared(w13, w2, pcfg: ParallelConfig, *, backend: str = "flashinfer_
     from jax_moe.config import ACTIVATIONS
     from jax_moe.layouts.common import round_up
 
-    mod = oracle.module(backend)
+    mod = _sharded_prepared_module("shard_prepared", backend)
     if quant is not None and quant.packed():
         raise ValueError(f"shard_prepared: packed 4-bit weights (scheme {quant.scheme!r}) are not wired up for "
                          "parallel prepared weights yet (their block scales have no tp split, and K is packed)")
@@ -504,7 +514,7 @@ def parallel_apply_prepared(x, prepared, topk_weights, topk_ids, pcfg: ParallelC
     over ``tp`` (a w2 bias counted once). With FP8 prepared weights the tokens are quantized
     before the dispatch (one byte per value on the wire; the per-tensor scale is shared by all
     devices). Returns [T, H] in x's dtype, split like x."""
-    mod = oracle.module(backend)
+    mod = _sharded_prepared_module("parallel_apply_prepared", backend)
     if pcfg.expert_format != "standard":
         raise ValueError(f"parallel_apply_prepared runs the standard expert format only, got expert_format="
                          f"{pcfg.expert_format!r} (no backend with prepared weights has a batched stage yet)")

@@ -305,6 +305,9 @@ def test_prepared_weights_refuse_what_cannot_be_split(rng):
     m13, m2, mquant = quantize_weights("mxfp4", w13, w2)
     with pytest.raises(ValueError, match="packed 4-bit weights .scheme 'mxfp4'. are not wired up"):
         shard_prepared(m13, m2, pcfg, quant=mquant)
+    with pytest.raises(ValueError, match=r"cutlass's prepared weights are not laid out for a mesh; run its float "
+                                         r"weights with parallel_fused_experts\(..., backend='cutlass'\)"):
+        shard_prepared(w13, w2, pcfg, backend="cutlass")
 
 
 @pytest.mark.parametrize("shape,names,axes",
