@@ -22,14 +22,17 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
   cannot fit).
 - every compiled backend the oracle finds on this machine for the scheme (e.g.
   ``flashinfer_cutlass`` and ``cutlass``, for bf16 and for ``--scheme fp8``), on weights prepared
-  once before timing (its ``prepare``, as ``MoEBlock.prepare()`` does; ``cutlass`` needs none and
-  runs on the stored weights).
+  once before timing (its ``prepare``, as ``MoEBlock.prepare()`` does: for ``cutlass``, a gated
+  bf16 layer's gate and up rows interleaved, so that GEMM1 takes the activation into its epilogue
+  where that pays).
 - ``tokamax`` (bf16 only, where tokamax is importable on an NVIDIA GPU; :mod:`bench.peers`): the
   same routing and data through tokamax's Mosaic-GPU ``ragged_dot``, the peer to beat. Its column
   is followed by "vs tokamax", tokamax's time over the best jax_moe time (above 1: jax_moe is faster).
 - ``cutlass_il`` (only when named in ``--impls``): ``cutlass`` on w13 interleaved at load time
   (``gate_up_layout="interleaved"``), so that GEMM1 takes the activation into its epilogue where
-  that pays (:mod:`jax_moe.backends.cutlass_act_gemm`); it holds a second copy of w13.
+  that pays (:mod:`jax_moe.backends.cutlass_act_gemm`); it holds a second copy of w13. In bf16 it
+  is what ``cutlass.prepare`` does; it also interleaves FP8 weights (per-tensor or per-expert
+  scales), which ``prepare`` leaves in their order.
 
 ``gptoss-native`` is GPT-OSS-120B's layer as the model defines it (``gptoss`` is its shapes with
 silu): ``swigluoai`` on interleaved gate/up rows with random float32 expert biases, run by the
