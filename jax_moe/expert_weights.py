@@ -98,8 +98,9 @@ class ExpertsModule(nnx.Module):
         ``device``, and use them from now on; returns the backend's name.
 
         Backends with a weight layout of their own (``flashinfer_cutlass``; ``cutlass``, which
-        interleaves gate and up rows for its fused GEMM1 epilogue) are chosen here without being forced (the oracle's ``prepared=True``); the pure-JAX backend needs no
-        repack, and then nothing changes. The original ``w13``/``w2`` are dropped when a repack
+        interleaves gate and up rows for its fused GEMM1 epilogue) are chosen here without being
+        forced (the oracle's ``prepared=True``); the pure-JAX backend needs no repack, and then
+        nothing changes. The original ``w13``/``w2`` are dropped when a repack
         happens (the experts are then for inference). Expert biases keep them on backends that
         take them."""
         from jax_moe import oracle

@@ -232,7 +232,7 @@ def _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bi
 
 def check_weights(w13, w2, cfg, quant=None, w13_bias=None, w2_bias=None) -> None:
     """ValueError for expert weights this build does not take, as :func:`apply` checks them (x
-    aside), and for weights of another shape than ``cfg`` (E, H, I) names."""
+    aside), and for weights whose shapes are not ``cfg``'s (E, H, I)."""
     check_rank("w13", w13, 3, "[E, 2I, H] ([E, I, H] for relu2)")
     check_rank("w2", w2, 3, "[E, H, I]")
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size

@@ -18,11 +18,15 @@ parallelism runs the float weights (``parallel_fused_experts(..., backend="cutla
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 
 from jax_moe.config import ACTIVATIONS, MoEConfig
 from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
+
+if TYPE_CHECKING:
+    from jax_moe.quant.scheme import QuantConfig
 
 
 @jax.tree_util.register_dataclass
@@ -40,7 +44,7 @@ class Prepared:
     w2: jax.Array
     w13_bias: jax.Array | None = None
     w2_bias: jax.Array | None = None
-    quant: object = None
+    quant: QuantConfig | None = None
     cfg: MoEConfig = dataclasses.field(default=None, metadata=dict(static=True))
 
 
