@@ -222,21 +222,17 @@ def interleaved_cutlass(cfg: MoEConfig, quant, b13, b2):
     (per-channel w13 scales would need the same reorder)."""
     from jax_moe.backends import cutlass
     from jax_moe.backends.cutlass_act_gemm import fuses_activation
-    from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
+    from jax_moe.backends.cutlass_prepared import interleave_gate_up
 
     cfg_il = dataclasses.replace(cfg, gate_up_layout="interleaved")
     if not fuses_activation(cfg_il, quant) or (quant is not None and jnp.ndim(quant.w13_scale) > 1):
         return None
 
     def prepare(w13, w2):
-        ws = (reorder_rows_for_gated_act_gemm(w13), w2)
-        return ws if b13 is None else ws + (reorder_rows_for_gated_act_gemm(b13, axis=-1), b2)
+        w13, w13_bias, layer = interleave_gate_up(w13, b13, cfg)
+        return cutlass.Prepared(w13, w2, w13_bias, b2, quant, layer)
 
-    def fn(x, ws, w, ids):
-        bias = {} if len(ws) == 2 else dict(w13_bias=ws[2], w2_bias=ws[3])
-        return cutlass.apply(x, ws[0], ws[1], w, ids, cfg_il, quant=quant, **bias)
-
-    return True, prepare, fn
+    return True, prepare, lambda x, p, w, ids: cutlass.apply_prepared(x, p, w, ids)
 
 
 def random_biases(m: Model) -> tuple[jax.Array, jax.Array] | None:

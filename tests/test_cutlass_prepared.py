@@ -86,6 +86,7 @@ def test_apply_prepared_is_the_stored_layers_function_on_cpu(rng, t):
     (dict(w13=lambda w: w.astype(jnp.float32)), "w13 must be bfloat16"),
     (dict(w13=lambda w: w[0]), "w13 must have rank 3"),
     (dict(w2=lambda w: w[:, :, :16]), r"w2 must have shape \[8, 64, 32\]"),
+    (dict(w13=lambda w: w[:, :48]), r"w13 must have shape \[8, 64, 64\]"),
     (dict(w13_bias=lambda b: b[:, :10]), "w13_bias must have shape"),
 ])
 def test_prepare_names_the_argument_it_cannot_take(rng, change, match):

@@ -237,6 +237,7 @@ def check_weights(w13, w2, cfg, quant=None, w13_bias=None, w2_bias=None) -> None
     check_rank("w2", w2, 3, "[E, H, I]")
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     check_shape("w2", w2, (e, h, i), "[E, H, I] of the layer's config")
+    check_shape("w13", w13, (e, cfg.w13_rows, h), "[E, 2I, H] ([E, I, H] for relu2) of the layer's config")
     _check_experts(jax.ShapeDtypeStruct((1, h), jnp.bfloat16), w13, w2, cfg, quant, None)
     _check_biases(w13_bias, w2_bias, w13, w2)
 

@@ -54,6 +54,14 @@ def interleaves(cfg: MoEConfig, quant=None) -> bool:
     return quant is None and ACTIVATIONS[cfg.activation] and cfg.gate_up_layout == "concat"
 
 
+def interleave_gate_up(w13, w13_bias, cfg: MoEConfig):
+    """w13 [E, 2I, H] and its bias [E, 2I] (or None) from ``[gate; up]`` to the interleaved order
+    -> (w13, w13_bias, cfg with ``gate_up_layout="interleaved"``). Any dtype: a row permutation."""
+    return (reorder_rows_for_gated_act_gemm(w13),
+            None if w13_bias is None else reorder_rows_for_gated_act_gemm(w13_bias, axis=-1),
+            dataclasses.replace(cfg, gate_up_layout="interleaved"))
+
+
 def prepare(w13, w2, cfg: MoEConfig, quant=None, *, w13_bias=None, w2_bias=None) -> Prepared:
     """vLLM-layout weights (w13 [E, 2I, H] in ``cfg.gate_up_layout``'s order, w2 [E, H, I]; FP8
     with ``quant``; biases [E, 2I] and [E, H] or None) -> :class:`Prepared`, interleaved where
@@ -62,9 +70,7 @@ def prepare(w13, w2, cfg: MoEConfig, quant=None, *, w13_bias=None, w2_bias=None)
 
     cutlass.check_weights(w13, w2, cfg, quant, w13_bias, w2_bias)
     if interleaves(cfg, quant):
-        w13 = reorder_rows_for_gated_act_gemm(w13)
-        w13_bias = None if w13_bias is None else reorder_rows_for_gated_act_gemm(w13_bias, axis=-1)
-        cfg = dataclasses.replace(cfg, gate_up_layout="interleaved")
+        w13, w13_bias, cfg = interleave_gate_up(w13, w13_bias, cfg)
     return Prepared(w13, w2, w13_bias, w2_bias, quant, cfg)
 
 
