@@ -11,9 +11,13 @@ expert's weights through warps that each produce one output element::
 
 with s = t*k + j and e_s = topk_ids[t, j]; slots whose id is outside ``[0, E)`` contribute zero.
 The roundings are the grouped path's (bf16 GEMM outputs, float32 activation and reduce), so both
-paths compute one function. A slot re-reads its expert's weights, so the path pays where slots
-rarely share an expert (:func:`serves`: at most :data:`MAX_SLOTS` slots, at most one per two
-experts). Where no CUDA module runs, :func:`decode_moe_reference` (jnp) computes the same.
+paths compute one function. The weights are read in either layout, with no copy: as stored (K
+contiguous: w13 [E, 2I, H], w2 [E, H, I]) or transposed at load time (N contiguous,
+``transposed=True``: w13 [E, H, 2I], w2 [E, I, H]), where a CUDA block owns a chunk of output
+columns and its warps split the rows; both give the same function. A slot re-reads its expert's
+weights, so the path pays where slots rarely share an expert (:func:`serves`: at most
+:data:`MAX_SLOTS` slots, at most one per two experts). Where no CUDA module runs,
+:func:`decode_moe_reference` (jnp) computes the same.
 """
 
 from __future__ import annotations
@@ -37,28 +41,38 @@ def serves(t: int, k: int, num_experts: int, cfg: MoEConfig) -> bool:
     return cfg.gated and 0 < slots <= MAX_SLOTS and 2 * slots <= num_experts
 
 
-def _check(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig) -> None:
+def _check(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, transposed: bool = False) -> None:
     check_rank("x", x, 2, "[T, H]")
     check_rank("topk_ids", topk_ids, 2, "[T, k]")
     check_dtype("topk_ids", topk_ids, ("int32",))
     check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
+    check_rank("w13", w13, 3, "[E, H, 2I]" if transposed else "[E, 2I, H]")
+    check_rank("w2", w2, 3, "[E, I, H]" if transposed else "[E, H, I]")
     t, h = x.shape
-    e, n1, h2 = w13.shape
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != t:
         raise ValueError(f"topk_weights {list(topk_weights.shape)} and topk_ids {list(topk_ids.shape)} must be [T, k] "
                          f"with x's T = {t}")
-    if w2.shape != (e, h, n1 // 2) or h2 != h or n1 % 2:
-        raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I] with x's H = {h}, got w13 {list(w13.shape)}, "
-                         f"w2 {list(w2.shape)}")
+    e, n1 = w13.shape[0], w13.shape[2 if transposed else 1]
+    if w13.shape[1 if transposed else 2] != h or n1 % 2:
+        want = f"[E, H, 2I] = [{e}, {h}, 2I]" if transposed else f"[E, 2I, H] = [{e}, 2I, {h}]"
+        raise ValueError(f"w13 must be {want} (x's H = {h}{', transposed' if transposed else ''}), "
+                         f"got {list(w13.shape)}")
+    want2 = (e, n1 // 2, h) if transposed else (e, h, n1 // 2)
+    if w2.shape != want2:
+        raise ValueError(f"w2 must be {'[E, I, H]' if transposed else '[E, H, I]'} = {list(want2)} (w13 "
+                         f"{list(w13.shape)}{', transposed' if transposed else ''}), got {list(w2.shape)}")
     if not cfg.gated or cfg.activation not in ACTIVATIONS:
         raise ValueError(f"decode_moe takes gated activations {list(ACTIVATIONS)}, got {cfg.activation!r}")
 
 
 def decode_moe_reference(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None, w2_bias=None,
-                         out_dtype=None) -> jax.Array:
-    """jnp reference of :func:`decode_moe` (same arguments and result), written from the definition
-    in the module note: each slot's expert weights gathered, bf16 products with float32 sums."""
-    _check(x, w13, w2, topk_weights, topk_ids, cfg)
+                         out_dtype=None, transposed: bool = False) -> jax.Array:
+    """jnp reference of :func:`decode_moe` (same arguments, both weight layouts, same result), written
+    from the definition in the module note: each slot's expert weights gathered, bf16 products with
+    float32 sums. Transposed weights are swapped back to the stored layout first."""
+    _check(x, w13, w2, topk_weights, topk_ids, cfg, transposed)
+    if transposed:
+        w13, w2 = jnp.swapaxes(w13, 1, 2), jnp.swapaxes(w2, 1, 2)
     return _reference(x.astype(jnp.bfloat16), w13, w2, topk_weights.astype(jnp.float32), topk_ids, cfg,
                       w13_bias, w2_bias, jnp.dtype(out_dtype or x.dtype))
 
@@ -83,26 +97,30 @@ def _reference(x, w13, w2, w, ids, cfg, b13, b2, out_dt):
 
 
 def decode_moe(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array,
-               cfg: MoEConfig, *, w13_bias=None, w2_bias=None, out_dtype=None) -> jax.Array:
+               cfg: MoEConfig, *, w13_bias=None, w2_bias=None, out_dtype=None, transposed: bool = False) -> jax.Array:
     """``out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` for a gated MoE, in two
     kernels and no sort (see the module note).
 
     x [T, H] float (computed in bf16); w13 [E, 2I, H] bf16 (``cfg.gate_up_layout``: gate rows then
     up, or interleaved); w2 [E, H, I] bf16; topk_weights [T, k] float; topk_ids [T, k] int32 (ids
     outside [0, E) contribute zero); w13_bias [E, 2I] / w2_bias [E, H] float or None;
-    ``cfg.activation`` silu, gelu or swigluoai (``cfg.swiglu_alpha``/``swiglu_limit``). Returns
-    [T, H] in ``out_dtype`` (default x's dtype). Any T works; :func:`serves` says where it is the
-    faster path.
+    ``cfg.activation`` silu, gelu or swigluoai (``cfg.swiglu_alpha``/``swiglu_limit``). With
+    ``transposed`` the weights are in the N-contiguous load-time layout instead, read as they are:
+    w13 [E, H, 2I] = swapaxes(w13, 1, 2) (the same gate/up order along its columns) and w2
+    [E, I, H] = swapaxes(w2, 1, 2), both bf16; biases as above. Returns [T, H] in ``out_dtype``
+    (default x's dtype). Any T works; :func:`serves` says where it is the faster path.
     """
-    _check(x, w13, w2, topk_weights, topk_ids, cfg)
+    _check(x, w13, w2, topk_weights, topk_ids, cfg, transposed)
     t, h = x.shape
-    k, i = topk_ids.shape[1], w2.shape[2]
+    k, i = topk_ids.shape[1], w2.shape[1 if transposed else 2]
     out_dt = jnp.dtype(out_dtype or x.dtype)
     xb, w = x.astype(jnp.bfloat16), topk_weights.astype(jnp.float32)
     b13 = None if w13_bias is None else jnp.asarray(w13_bias, jnp.float32)
     b2 = None if w2_bias is None else jnp.asarray(w2_bias, jnp.float32)
 
     def reference(xb, w, ids, w13, w2, b13, b2):
+        if transposed:
+            w13, w2 = jnp.swapaxes(w13, 1, 2), jnp.swapaxes(w2, 1, 2)
         return _reference(xb, w13, w2, w, ids, cfg, b13, b2, out_dt)
 
     def cuda(xb, w, ids, w13, w2, b13, b2):
@@ -111,7 +129,7 @@ def decode_moe(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Ar
         out, _ = jax.ffi.ffi_call("jax_moe_decode_moe", outs, vmap_method="sequential")(
             xb, ids, w, w13, w2, none if b13 is None else b13, none if b2 is None else b2,
             activation=ACTIVATIONS[cfg.activation], layout=LAYOUTS[cfg.gate_up_layout],
-            alpha=np.float32(cfg.swiglu_alpha), limit=np.float32(cfg.swiglu_limit))
+            alpha=np.float32(cfg.swiglu_alpha), limit=np.float32(cfg.swiglu_limit), transposed=np.int64(transposed))
         return out
 
     if t == 0:

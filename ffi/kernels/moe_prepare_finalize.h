@@ -29,9 +29,12 @@
 // jax_moe_decode_moe      x [T, H] bf16, topk_ids [T, k] i32, topk_weights [T, k] f32, w13 [E, 2I, H] bf16,
 //                          w2 [E, H, I] bf16, w13_bias [E, 2I] f32 or [0], w2_bias [E, H] f32 or [0]
 //                       -> out [T, H] bf16/f16/f32, act [T*k, I] bf16 (scratch). attrs: activation, layout,
-//                          alpha, limit. The gated MoE of a few slots with no sort (moe_decode.cu): per slot,
-//                          GEMM1 + activation from the slot's expert id, then GEMM2 + the weighted reduce per
-//                          token; slots with ids outside [0, E) contribute zero.
+//                          alpha, limit, transposed (i64 0/1: with 1, w13 is [E, H, 2I] and w2 [E, I, H],
+//                          the same weights with their last two axes swapped, N contiguous; layout then
+//                          orders w13's columns). The gated MoE of a few slots with no sort (moe_decode.cu):
+//                          per slot, GEMM1 + activation from the slot's expert id, then GEMM2 + the weighted
+//                          reduce per token; slots with ids outside [0, E) contribute zero. H and I are
+//                          multiples of 8; both layouts give the same function (same roundings).
 #pragma once
 
 #include <cfloat>
