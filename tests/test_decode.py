@@ -1,6 +1,7 @@
 """The decode path (jax_moe/decode.py): a gated MoE for few token slots in two kernels with no sort.
 It computes the MoE's definition (float64 here) for every gated activation, both gate/up layouts,
-biases and ids of -1; the cutlass backend takes it for few slots and only then."""
+biases and ids of -1, on the weights as stored and on the same weights transposed (N contiguous:
+w13 [E, H, 2I], w2 [E, I, H]); the cutlass backend takes it for few slots and only then."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from jax_moe import decode
 from jax_moe.backends import cutlass as cb
 from jax_moe.config import MoEConfig
 
-from helpers import SCHEME_TOL, need_native, np_moe, random_biases, random_routing, random_weights, rel_err
+from helpers import (SCHEME_TOL, need_native, np_moe, poison_memory, random_biases, random_routing, random_weights,
+                     rel_err)
 
 LAYERS = {  # name -> (E, k, H, I, activation, layout, biases)
     "qwen3-like silu": (128, 8, 256, 128, "silu", "concat", False),
@@ -31,6 +33,11 @@ def _layer(rng, name, t, *, minus_one=0.0, dtype=jnp.bfloat16):
     x = jnp.asarray(rng.standard_normal((t, h)), dtype)
     b = random_biases(rng, cfg, scale=0.5) if biases else {}
     return cfg, x, w13, w2, w, ids, b
+
+
+def _transposed(w13, w2):
+    """The load-time layout of the same weights: w13 [E, H, 2I] and w2 [E, I, H], N contiguous."""
+    return jnp.swapaxes(w13, 1, 2), jnp.swapaxes(w2, 1, 2)
 
 
 def _definition(cfg, x, w13, w2, w, ids, b):
@@ -55,6 +62,19 @@ def test_slots_of_other_ranks_contribute_nothing(rng):
     cfg, x, w13, w2, w, ids, b = _layer(rng, "qwen3-like silu", 1)
     none = jnp.full_like(ids, -1)
     assert np.all(np.asarray(decode.decode_moe_reference(x, w13, w2, w, none, cfg)) == 0)
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+@pytest.mark.parametrize("t", [1, 2])
+def test_reference_on_transposed_weights_is_the_moe_definition(rng, name, t):
+    cfg, x, w13, w2, w, ids, b = _layer(rng, name, t, minus_one=0.2)
+    w13t, w2t = _transposed(w13, w2)
+    got = decode.decode_moe_reference(x, w13t, w2t, w, ids, cfg, **b, transposed=True)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    assert rel_err(got, _definition(cfg, x, w13, w2, w, ids, b)) < SCHEME_TOL["bf16"]
+    # one function in both layouts: the same roundings on the same products
+    stored = decode.decode_moe_reference(x, w13, w2, w, ids, cfg, **b)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(stored))
 
 
 @pytest.mark.parametrize("t, k, e, gated, serves", [
@@ -87,6 +107,21 @@ def test_bad_arguments_are_named(rng):
         decode.decode_moe(x, w13[:, :, :-8], w2, w, ids, cfg)
     with pytest.raises(ValueError, match="gated"):
         decode.decode_moe(x, w13, w2, w, ids, MoEConfig(16, 2, 128, 64, "relu2"))
+
+
+def test_bad_transposed_weights_are_named_with_the_shape_they_need(rng):
+    cfg, x, w13, w2, w, ids, _ = _layer(rng, "gelu", 1)  # E = 16, H = 128, I = 64
+    w13t, w2t = _transposed(w13, w2)
+    with pytest.raises(ValueError, match=r"w2 must be \[E, I, H\] = \[16, 64, 128\]"):
+        decode.decode_moe(x, w13t, w2, w, ids, cfg, transposed=True)  # w2 as stored
+    with pytest.raises(ValueError, match=r"w13 must be \[E, H, 2I\] = \[16, 128, 2I\]"):
+        decode.decode_moe(x, w13t[:, :-8], w2t, w, ids, cfg, transposed=True)  # H of 120
+    with pytest.raises(ValueError, match=r"w13 must be \[E, H, 2I\] = \[16, 128, 2I\]"):
+        decode.decode_moe(x, w13t[:, :, :-1], w2t, w, ids, cfg, transposed=True)  # 127 columns: no 2I
+    with pytest.raises(ValueError, match=r"w2 must have rank 3 \[E, I, H\]"):
+        decode.decode_moe_reference(x, w13t, w2t[0], w, ids, cfg, transposed=True)
+    with pytest.raises(ValueError, match=r"w2 must be \[E, H, I\] = \[16, 128, 64\]"):
+        decode.decode_moe(x, w13, w2t, w, ids, cfg)  # transposed weights without transposed=True
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -144,3 +179,65 @@ def test_under_command_buffers(command_buffer_check):
         cases = [(1, 8, *(jnp.asarray(rng.standard_normal(s) * 0.05, jnp.bfloat16)
                           for s in ((128, 256, 256), (128, 256, 128))), None)]
     """, 2e-2) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(LAYERS))
+@pytest.mark.parametrize("t", [1, 2])
+def test_cuda_kernels_on_transposed_weights_are_the_definition(rng, name, t):
+    need_native("cuda")
+    cfg, x, w13, w2, w, ids, b = _layer(rng, name, t, minus_one=0.15)
+    w13t, w2t = _transposed(w13, w2)
+    f = jax.jit(lambda *a: decode.decode_moe(*a, cfg, **b, transposed=True))
+    poison_memory(jax.eval_shape(f, x, w13t, w2t, w, ids))
+    got = f(x, w13t, w2t, w, ids)
+    assert rel_err(got, _definition(cfg, x, w13, w2, w, ids, b)) < SCHEME_TOL["bf16"]
+    # the same function as the kernels on the stored layout: only the order of float32 sums differs
+    stored = jax.jit(lambda *a: decode.decode_moe(*a, cfg, **b))(x, w13, w2, w, ids)
+    assert rel_err(got, stored) < 3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act, layout", [("silu", "concat"), ("swigluoai", "interleaved")])
+@pytest.mark.parametrize("h, i, t", [
+    (2048, 768, 1), (2048, 768, 2), (2048, 768, 3),  # GEMM2 in chunks of 16, 32 and 64 columns
+    (2056, 776, 1),                                   # the last chunk of both cut short by the end of H and I
+    (200, 40, 2)])                                    # the narrowest chunks: 8 outputs, 8 columns
+def test_cuda_kernels_on_transposed_weights_at_qwen3_size(rng, act, layout, h, i, t):
+    """Qwen3-30B's H and I: GEMM1 in 24 chunks of 32 outputs per slot, each chunk's 2048 rows split over
+    64 row groups of 32 rows; float32 output; ids of -1 among the slots."""
+    need_native("cuda")
+    e, k = 16, 8
+    cfg = MoEConfig(e, k, h, i, act, layout)
+    k13, k2 = jax.random.split(jax.random.key(int(rng.integers(2**31))))
+    w13t = jax.random.normal(k13, (e, h, 2 * i), jnp.bfloat16) / jnp.bfloat16(np.sqrt(h))
+    w2t = jax.random.normal(k2, (e, i, h), jnp.bfloat16) / jnp.bfloat16(np.sqrt(i))
+    w, ids = random_routing(rng, t, e, k, minus_one=0.15)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    b = random_biases(rng, cfg, scale=0.5) if act == "swigluoai" else {}
+    f = jax.jit(lambda *a: decode.decode_moe(*a, cfg, **b, transposed=True))
+    poison_memory(jax.eval_shape(f, x, w13t, w2t, w, ids))
+    got = f(x, w13t, w2t, w, ids)
+    assert got.dtype == jnp.float32
+    w13, w2 = jnp.swapaxes(w13t, 1, 2), jnp.swapaxes(w2t, 1, 2)
+    assert rel_err(got, _definition(cfg, x.astype(jnp.bfloat16), w13, w2, w, ids, b)) < SCHEME_TOL["bf16"]
+    stored = jax.jit(lambda *a: decode.decode_moe(*a, cfg, **b))(x, w13, w2, w, ids)
+    assert rel_err(got, stored) < 3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 5, 24])
+def test_cuda_kernels_on_transposed_weights_for_any_top_k(rng, k):
+    """GEMM2 sums up to 16 slots at a time, one team of warps each: k = 5 leaves a warp idle, k = 24
+    takes two passes."""
+    need_native("cuda")
+    e, h, i, t = 64, 256, 128, 2
+    cfg = MoEConfig(e, k, h, i, "silu", "concat")
+    w13, w2 = random_weights(rng, e, h, i, dtype=jnp.bfloat16)
+    w, ids = random_routing(rng, t, e, k, minus_one=0.15)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    w13t, w2t = _transposed(w13, w2)
+    f = jax.jit(lambda *a: decode.decode_moe(*a, cfg, transposed=True))
+    poison_memory(jax.eval_shape(f, x, w13t, w2t, w, ids))
+    got = f(x, w13t, w2t, w, ids)
+    assert rel_err(got, _definition(cfg, x, w13, w2, w, ids, {})) < SCHEME_TOL["bf16"]
