@@ -116,6 +116,16 @@ def test_the_reference_equals_the_unfused_pipeline_on_interleaved_weights(rng):
     assert rel_err(fused, np.asarray(unfused, np.float32)) < REL_TOL
 
 
+def test_transposed_weights_give_the_same_rows(rng):
+    """``transposed=True`` takes b [E, K, 2I] (N contiguous, the prepared layout): the same d."""
+    a, b, off, bias = bf16_case(rng, [5, 0, 9, 3])
+    got = grouped_gemm_act_reference(a, jnp.swapaxes(b, 1, 2), off, "swigluoai", alpha=ALPHA, limit=LIMIT,
+                                      bias=bias, transposed=True)
+    assert rel_err(got, definition(a, b, off, "swigluoai", bias)) < REL_TOL
+    assert grouped_gemm_act_shape(a, jnp.swapaxes(b, 1, 2), off, transposed=True) == \
+        jax.ShapeDtypeStruct((a.shape[0], b.shape[1] // 2), jnp.bfloat16)
+
+
 def test_shape_rule(rng):
     a, b, off, _ = bf16_case(rng, [3, 3])
     assert grouped_gemm_act_shape(a, b, off) == jax.ShapeDtypeStruct((6, 64), jnp.bfloat16)
@@ -137,10 +147,13 @@ def _errors(rng):
         (lambda: grouped_gemm_act(a, b, off, out_scale=one), "out_scale is only taken"),
         (lambda: grouped_gemm_act(a8, b8, off8, a_scale=row, b_scale=col), "out_scale .* is required"),
         (lambda: grouped_gemm_act(a, b, off, tile="huge"), "tile must be"),
+        (lambda: grouped_gemm_act(a, b, off, transposed=True), r"transposed b must be \[E, K, 2I\] with a's K"),
+        (lambda: grouped_gemm_act(a8, jnp.swapaxes(b8, 1, 2), off8, a_scale=row, b_scale=col, out_scale=one,
+                                  transposed=True), "transposed b .* is bf16 only"),
     ]
 
 
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(9))
 def test_value_errors_name_the_argument(rng, case):
     fn, match = _errors(rng)[case]
     with pytest.raises(ValueError, match=match):
@@ -201,6 +214,23 @@ def test_kernel_matches_the_definition(rng, tile, activation):
     m = a.shape[0]
     assert rel_err(got[13: 13 + m], definition(a, b, off, activation, bias)) < REL_TOL
     assert (got[:13] == 0).all() and (got[13 + m:] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
+def test_kernel_on_transposed_weights_matches_the_definition(rng, tile):
+    """The act kind on b [E, K, 2I]: bf16 with a bias, empty experts, unowned rows zero."""
+    skip_unless_available(cb)
+    counts = rng.integers(0, 300, 16)
+    counts[5] = 0
+    a, b, off, bias = bf16_case(rng, counts, n=512, k=256)
+    a_all = jnp.concatenate([a, jnp.asarray(rng.standard_normal((7, 256)), jnp.bfloat16)])
+    fn = jax.jit(lambda a, bt, o, bias: grouped_gemm_act(a, bt, o, "swigluoai", alpha=ALPHA, limit=LIMIT, bias=bias,
+                                                         tile=tile, transposed=True))
+    got = np.asarray(fn(a_all, jnp.swapaxes(b, 1, 2), off, bias), np.float32)
+    m = a.shape[0]
+    assert rel_err(got[:m], definition(a, b, off, "swigluoai", bias)) < REL_TOL
+    assert (got[m:] == 0).all()
 
 
 @pytest.mark.gpu

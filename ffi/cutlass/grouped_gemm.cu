@@ -30,13 +30,15 @@ using BytesFn = size_t (*)(int64_t, int);
 constexpr RunFn kRun[kNumCutlassGemmKinds][kNumCutlassTiles] = {
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16),      JAX_MOE_CUTLASS_TILES(Run, kGemmFp8),
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Wgrad),
-    JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Act),   JAX_MOE_CUTLASS_TILES(Run, kGemmFp8Act)};
+    JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Act),   JAX_MOE_CUTLASS_TILES(Run, kGemmFp8Act),
+    JAX_MOE_CUTLASS_TILES(Run, kGemmBf16ActKN)};
 constexpr BytesFn kBytes[kNumCutlassGemmKinds][kNumCutlassTiles] = {
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16),      JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8),
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Wgrad),
-    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Act),   JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8Act)};
+    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Act),   JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8Act),
+    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16ActKN)};
 #undef JAX_MOE_CUTLASS_TILES
-static_assert(kNumCutlassGemmKinds == 6 && kNumCutlassTiles == 5, "one row per kind, one column per tile above");
+static_assert(kNumCutlassGemmKinds == 7 && kNumCutlassTiles == 5, "one row per kind, one column per tile above");
 
 std::string Name(int kind) {
   return IsActKind(kind) ? "cutlass_grouped_gemm_act: "
@@ -63,13 +65,15 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
   const auto ad = a.dimensions(), bd = b.dimensions(), dd = d->dimensions();
   if (ad.size() != 2 && ad.size() != 3)
     return InvalidArgument(n_ + "a must have rank 2 [M, K] (standard) or 3 [E, C, K] (batched)");
-  if (bd.size() != 3) return InvalidArgument(n_ + "b must have rank 3 [E, N, K]");
+  const bool kn = IsNContiguousB(kind);  // b [E, K, N]
+  const char* b_shape = kn ? "[E, K, N]" : "[E, N, K]";
+  if (bd.size() != 3) return InvalidArgument(n_ + "b must have rank 3 " + b_shape);
   const bool batched = ad.size() == 3;
-  const int64_t groups = bd[0], n = bd[1], k = ad[ad.size() - 1];
+  const int64_t groups = bd[0], n = bd[kn ? 2 : 1], k = ad[ad.size() - 1];
   const int64_t d_cols = IsActKind(kind) ? n / 2 : n;  // the act kinds write act(gate) * up: N / 2 columns
   const int64_t capacity = batched ? ad[1] : 0;
   const int64_t m = batched ? ad[0] * capacity : ad[0];
-  if (bd[2] != k) return InvalidArgument(n_ + "b must be [E, N, K] with a's K");
+  if (bd[kn ? 1 : 2] != k) return InvalidArgument(n_ + "b must be " + b_shape + " with a's K");
   if (groups < 1) return InvalidArgument(n_ + "b must have at least one expert");
   if (batched) {
     if (ad[0] != groups) return InvalidArgument(n_ + "batched a must be [E, C, K] with b's E");
@@ -147,15 +151,18 @@ ffi::Error GroupedGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
   return Launch<kGemmFp8>(call, tile);
 }
 
-// The act kinds (kGemmBf16Act for bf16 a and b, kGemmFp8Act for FP8): scales only with FP8, an
-// optional bias, FP8's static output scale.
+// The act kinds (kGemmBf16Act for bf16 a and b, kGemmBf16ActKN for bf16 with transposed b, kGemmFp8Act for
+// FP8): scales only with FP8, an optional bias, FP8's static output scale.
 ffi::Error GroupedGemmActCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> offsets,
                               ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::F32> col_scale,
                               ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> out_scale,
                               ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace, int64_t tile,
-                              int64_t activation, float alpha, float limit) {
-  const int kind = a.element_type() == ffi::DataType::F8E4M3FN ? kGemmFp8Act : kGemmBf16Act;
+                              int64_t activation, float alpha, float limit, int64_t transposed) {
+  const bool fp8 = a.element_type() == ffi::DataType::F8E4M3FN;
+  const int kind = fp8 ? kGemmFp8Act : transposed ? kGemmBf16ActKN : kGemmBf16Act;
   const std::string n_ = Name(kind);
+  if (transposed != 0 && transposed != 1) return InvalidArgument(n_ + "transposed must be 0 or 1");
+  if (fp8 && transposed) return InvalidArgument(n_ + "transposed b [E, K, N] is bf16 only (FP8 MMAs read K-major b)");
   GroupedGemmCall call{};
   call.stream = stream;
   if (auto err = CheckOperands(kind, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
@@ -218,6 +225,7 @@ int CutlassCurrentSmCount() {
 
 JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemm, jax_moe::GroupedGemmCuda, "tile");
 JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmFp8, jax_moe::GroupedGemmFp8Cuda, "tile");
-// a, b, offsets, row_scale, col_scale, bias, out_scale -> d, workspace; attrs tile, activation, alpha, limit.
+// a, b, offsets, row_scale, col_scale, bias, out_scale -> d, workspace; attrs tile, activation, alpha, limit,
+// transposed.
 JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmAct, jax_moe::GroupedGemmActCuda, "tile", "activation", "alpha",
-                            "limit");
+                            "limit", "transposed");

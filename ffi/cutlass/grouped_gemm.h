@@ -53,7 +53,9 @@
 //                        for bf16 a and b, float8_e4m3fn = clip(v / out_scale) for FP8; rows outside
 //                        [offsets[0], offsets[E]) zero. N a multiple of 16 (32 for FP8: 16-byte rows of d).
 //    workspace [W] uint8 as above
-//   attrs tile, activation (kAct* of ffi/kernels/moe_prepare_finalize.h), alpha, limit (swigluoai's).
+//   attrs tile, activation (kAct* of ffi/kernels/moe_prepare_finalize.h), alpha, limit (swigluoai's),
+//   transposed (0: b [E, N, K] as above; 1: bf16 only, b [E, K, N], N contiguous, the same columns:
+//   the transposed load-time layout, whose weight stream is faster on the H100).
 //   The batched format as above (a [E, C, K], counts [E], row_scale [E, C], d [E, C, I]).
 //
 // attr tile: a CutlassTile below. E >= 1. K must be a multiple of CutlassAlignK(kind) (16-byte TMA rows of
@@ -88,11 +90,14 @@ enum CutlassGemmKind : int {
   kGemmBf16Wgrad = 3,  // bf16: d[e] = a[rows]^T @ b[rows], ragged K
   kGemmBf16Act = 4,    // bf16 x bf16 -> bf16 act(gate) * up of interleaved gate/up columns (gated_epilogue.cuh)
   kGemmFp8Act = 5,     // e4m3 x e4m3 -> e4m3 act(gate) * up, scales and a static output scale in the epilogue
-  kNumCutlassGemmKinds = 6,
+  kGemmBf16ActKN = 6,  // kGemmBf16Act on b [E, K, N] (N contiguous: the transposed load-time layout)
+  kNumCutlassGemmKinds = 7,
 };
 
 constexpr bool IsFp8Kind(int kind) { return kind == kGemmFp8 || kind == kGemmFp8Act; }
-constexpr bool IsActKind(int kind) { return kind == kGemmBf16Act || kind == kGemmFp8Act; }
+constexpr bool IsActKind(int kind) { return kind == kGemmBf16Act || kind == kGemmFp8Act || kind == kGemmBf16ActKN; }
+// b [E, K, N] (N contiguous) rather than [E, N, K]: the dgrad kind, and the act kind on transposed weights.
+constexpr bool IsNContiguousB(int kind) { return kind == kGemmBf16Dgrad || kind == kGemmBf16ActKN; }
 
 constexpr int kCutlassAlignN = 8;      // bf16 elements per 16 bytes: N (d's rows) must be a multiple of it
 constexpr int kCutlassAlignKBf16 = 8;  // K of bf16 a and b: 16-byte rows

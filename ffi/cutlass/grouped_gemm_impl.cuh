@@ -30,7 +30,7 @@ namespace jax_moe {
 
 // One call's operands, decoded and checked by the handler. The rows of a, d and row_scale are m
 // rows either way; the format says which of them group g owns (GroupRows).
-// Per kind: forward a [m, k], b [groups, n, k], d [m, n]; dgrad b [groups, k, n]; wgrad (u, v) a [m, k],
+// Per kind: forward a [m, k], b [groups, n, k], d [m, n]; dgrad and kGemmBf16ActKN b [groups, k, n]; wgrad (u, v) a [m, k],
 // b [m, n], d [groups, k, n].
 struct GroupedGemmCall {
   cudaStream_t stream;
@@ -147,6 +147,7 @@ JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16Dgrad)
 JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16Wgrad)
 JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16Act)
 JAX_MOE_DECLARE_CUTLASS_TILES(kGemmFp8Act)
+JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16ActKN)
 #undef JAX_MOE_DECLARE_CUTLASS_TILES
 #undef JAX_MOE_DECLARE_CUTLASS_GEMM
 
@@ -283,7 +284,7 @@ struct GroupedGemm {
 // zero d's unowned rows (ZeroUnownedRows), so each GEMM is two launches (this, then CUTLASS's).
 // Group g's entries per kind:
 //   forward, dgrad: rows [lo, hi) of a and d (and row_scale), expert g's weights (and col_scale row);
-//                   problem (hi - lo, n, k); b is [E, N, K] (forward) or [E, K, N] (dgrad)
+//                   problem (hi - lo, n, k); b is [E, N, K] (forward) or [E, K, N] (IsNContiguousB)
 //   wgrad:          rows [lo, hi) of u (a, [M, k]) and v (b, [M, n]), expert g's d [k, n]; problem
 //                   (k, n, hi - lo), or no tiles at all (M = 0) for an expert without rows (the handler
 //                   zeroes its d: a K of 0 is not a GEMM CUTLASS's mainloop runs)
@@ -318,7 +319,7 @@ __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, 
     arr.pb[g] = b + g * n64 * k64;
     arr.pd[g] = d + lo * d_cols;
     arr.sa[g] = LeadingStride<typename G::StrideA>(k64);
-    arr.sb[g] = LeadingStride<typename G::StrideB>(Kind == kGemmBf16Dgrad ? n64 : k64);
+    arr.sb[g] = LeadingStride<typename G::StrideB>(IsNContiguousB(Kind) ? n64 : k64);
   }
   if constexpr (G::kScaled) {
     arr.prow[g] = row_scale + lo;

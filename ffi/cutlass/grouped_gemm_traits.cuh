@@ -84,6 +84,8 @@ struct OperandLayouts<kGemmBf16Dgrad> {  // A = rows [M_e, K], B = weights [K, N
   using B = cutlass::layout::RowMajor;
 };
 template <>
+struct OperandLayouts<kGemmBf16ActKN> : OperandLayouts<kGemmBf16Dgrad> {};  // the act kind on [E, K, N] weights
+template <>
 struct OperandLayouts<kGemmBf16Wgrad> {  // A = u[rows]^T (P x rows, P contiguous), B = v[rows] (rows x Q)
   using A = cutlass::layout::ColumnMajor;
   using B = cutlass::layout::RowMajor;

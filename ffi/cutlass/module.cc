@@ -32,7 +32,7 @@ NB_MODULE(_jax_moe_cutlass, m) {
       },
       nb::arg("num_groups"), nb::arg("tile"), nb::arg("sm_count") = 0, nb::arg("kind") = 0,
       "Bytes of the uint8 workspace result for num_groups experts, this tile and kind (0 bf16, 1 fp8, "
-      "2 bf16 dgrad, 3 bf16 wgrad, 4 bf16 act, 5 fp8 act); "
+      "2 bf16 dgrad, 3 bf16 wgrad, 4 bf16 act, 5 fp8 act, 6 bf16 act on transposed b); "
       "sm_count 0: the current device's.");
   m.def("current_sm_count", &jax_moe::CutlassCurrentSmCount, "SMs of the current CUDA device (0: none).");
   m.attr("num_tiles") = static_cast<int>(jax_moe::kNumCutlassTiles);

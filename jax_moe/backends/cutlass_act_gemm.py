@@ -17,6 +17,12 @@ amax) GEMM2 scale needs the whole row first, so those keep the separate activati
 
 Weights stored ``concat`` (``[gate; up]``) interleave once at load time with
 :func:`jax_moe.layouts.gated.reorder_rows_for_gated_act_gemm` (``out[2i] = gate_i``, ``out[2i+1] = up_i``) and run with ``gate_up_layout="interleaved"``.
+
+``transposed=True`` (bf16 only) takes the same weights N contiguous, ``b [E, K, 2I]`` (column 2i
+gate i, 2i+1 up i): the layout :mod:`jax_moe.backends.cutlass_prepared` transposes to at load time,
+whose weight stream is faster on the H100. Its tiles come from the ``"bf16_kn"`` rows of the tile
+table, as the other GEMMs on transposed weights
+(:func:`jax_moe.backends.cutlass_grad_gemm.grouped_gemm_dgrad`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from jax_moe.backends.cutlass_gemm import (
     ACT_KINDS,
     TILES,
     _check_gemm,
+    dtype_name,
     _check_scale,
     _reference,
     _resolve_tile,
@@ -41,11 +48,11 @@ from jax_moe.backends.cutlass_gemm import (
     row_experts,
     workspace_size,
 )
-from jax_moe.config import MoEConfig
+from jax_moe.config import MoEConfig, check_rank
 from jax_moe.kernels import ACTIVATIONS  # the gated activations' kAct codes, shared with act_and_mul
 from jax_moe.quant import fp8
 
-ALIGN_N = {"bf16_act": 16, "fp8_act": 32}  # N = 2I: 16-byte rows of d [M, I] (bf16 / e4m3)
+ALIGN_N = {"bf16_act": 16, "fp8_act": 32, "bf16_act_kn": 16}  # N = 2I: 16-byte rows of d [M, I] (bf16 / e4m3)
 # JAX_MOE_CUTLASS_FUSED_ACT (read at trace time): "0" never fuses, "all" fuses on every tile of both
 # kinds, else (the default) only on FUSED_TILES of the kind.
 FUSED_ACT_ENV = "JAX_MOE_CUTLASS_FUSED_ACT"
@@ -55,19 +62,21 @@ FUSED_ACT_ENV = "JAX_MOE_CUTLASS_FUSED_ACT"
 # tokens); the cooperative tiles wait for their epilogue's stores and math, 0.89-1.10x, so they keep
 # the separate activation kernel. FP8 (whole forward): 0.83-1.05x on the pingpong tile (its epilogue
 # also reads a column scale per pair, against a mainloop twice as fast), so none by default.
-FUSED_TILES = {"bf16": ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256"), "fp8": ()}
+FUSED_TILES = {"bf16": ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256"), "fp8": (),
+               "bf16_kn": ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256")}
 
 
-def fuses_activation(cfg: MoEConfig, quant=None, tile: str | None = None) -> bool:
+def fuses_activation(cfg: MoEConfig, quant=None, tile: str | None = None, transposed: bool = False) -> bool:
     """Whether the cutlass forward takes ``cfg``'s activation into GEMM1's epilogue: a gated
-    activation on interleaved gate/up rows, bf16 weights or FP8 with a static GEMM2 input scale
-    (``fp8_per_tensor`` with ``a2_scale``), 2I a multiple of :data:`ALIGN_N`, and GEMM1's
-    ``tile`` (the resolved one, :func:`gemm1_tile`; None: any) one of the kind's
-    :data:`FUSED_TILES`, per ``JAX_MOE_CUTLASS_FUSED_ACT``."""
+    activation on interleaved gate/up rows, bf16 weights (stored or ``transposed``) or FP8 with a
+    static GEMM2 input scale (``fp8_per_tensor`` with ``a2_scale``), 2I a multiple of
+    :data:`ALIGN_N`, and GEMM1's ``tile`` (the resolved one, :func:`gemm1_tile`; None: any) one of
+    the kind's :data:`FUSED_TILES`, per ``JAX_MOE_CUTLASS_FUSED_ACT``."""
     mode = os.environ.get(FUSED_ACT_ENV, "")
     if mode == "0":
         return False
-    if tile is not None and mode != "all" and tile not in FUSED_TILES["bf16" if quant is None else "fp8"]:
+    table = "fp8" if quant is not None else "bf16_kn" if transposed else "bf16"
+    if tile is not None and mode != "all" and tile not in FUSED_TILES[table]:
         return False
     if cfg.activation not in ACTIVATIONS or cfg.gate_up_layout != "interleaved":
         return False
@@ -80,31 +89,56 @@ def fuses_activation(cfg: MoEConfig, quant=None, tile: str | None = None) -> boo
 
 def gemm1_tile(tile: str | None, rows: int, w13, kind: str) -> str:
     """GEMM1's tile as :func:`grouped_gemm` resolves it: ``tile`` if forced, else the pick for
-    ``rows`` expert-sorted rows against w13 [E, 2I, H] of ``kind`` (``"bf16"`` or ``"fp8"``)."""
+    ``rows`` expert-sorted rows against w13 of ``kind``: ``"bf16"`` or ``"fp8"`` (w13 [E, 2I, H]),
+    ``"bf16_kn"`` (w13 [E, H, 2I], transposed)."""
     e, n, k = w13.shape
+    if kind == "bf16_kn":
+        n, k = k, n
     return _resolve_tile(tile, rows, e, n=n, k=k, kind=kind)
 
 
-def forward_fuses(cfg: MoEConfig, quant, tile: str | None, a1, w13) -> bool:
-    """:func:`fuses_activation` for a forward's GEMM1 on rows a1 [M, H] against w13, its tile resolved."""
-    return fuses_activation(cfg, quant, gemm1_tile(tile, a1.shape[0], w13, "bf16" if quant is None else "fp8"))
+def forward_fuses(cfg: MoEConfig, quant, tile: str | None, a1, w13, transposed: bool = False) -> bool:
+    """:func:`fuses_activation` for a forward's GEMM1 on rows a1 [M, H] against w13 ([E, H, 2I]
+    when ``transposed``), its tile resolved."""
+    kind = "fp8" if quant is not None else "bf16_kn" if transposed else "bf16"
+    return fuses_activation(cfg, quant, gemm1_tile(tile, a1.shape[0], w13, kind), transposed)
 
 
 def gemm1_with_activation(a1, w13, offsets, cfg: MoEConfig, *, w13_bias=None, tile: str | None = "auto",
-                          **scales) -> jax.Array:
+                          transposed: bool = False, **scales) -> jax.Array:
     """A forward's GEMM1 with ``cfg``'s activation in its epilogue: :func:`grouped_gemm_act` with
     cfg's activation constants and w13_bias [E, 2I] (any float dtype, or None) in float32;
     ``scales``: FP8's ``a_scale``, ``b_scale`` and ``out_scale``."""
     bias = None if w13_bias is None else w13_bias.astype(jnp.float32)
     return grouped_gemm_act(a1, w13, offsets, cfg.activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
-                            bias=bias, tile=tile, **scales)
+                            bias=bias, tile=tile, transposed=transposed, **scales)
 
 
-def _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile) -> tuple[str, str]:
+def _stored_view(a, b, transposed: bool):
+    """b as the [E, N, K] the checks read: b itself, or for ``transposed`` b [E, K, N] (checked
+    here: bf16, a's K) seen swapped, shapes and dtype only."""
+    if not transposed:
+        return b
+    check_rank("b", b, 3, "[E, K, 2I] (transposed)")
+    if dtype_name(a) != "bfloat16" or dtype_name(b) != "bfloat16":
+        raise ValueError(f"transposed b [E, K, 2I] is bf16 only (the FP8 tensor cores read K-major b), "
+                         f"got a {dtype_name(a)}, b {dtype_name(b)}")
+    if a.ndim == 2 and b.shape[1] != a.shape[1]:
+        raise ValueError(f"transposed b must be [E, K, 2I] with a's K = {a.shape[1]}, got shape {list(b.shape)}")
+    return jax.ShapeDtypeStruct((b.shape[0], b.shape[2], b.shape[1]), b.dtype)
+
+
+def _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile,
+                    transposed: bool = False) -> tuple[str, str]:
     """Checks :func:`grouped_gemm_act`'s arguments (ValueError) -> (act kind, tile)."""
-    kind, tile = _check_gemm(a, b, offsets, a_scale, b_scale, tile)
+    b = _stored_view(a, b, transposed)
+    kind, resolved = _check_gemm(a, b, offsets, a_scale, b_scale, tile)
     act_kind = f"{kind}_act"
-    e, n, _ = b.shape
+    e, n, k = b.shape
+    if transposed:
+        act_kind = "bf16_act_kn"
+        resolved = _resolve_tile(tile, a.shape[0], e, n=n, k=k, kind="bf16_kn")
+    tile = resolved
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)} (gated), got {activation!r}")
     if n % ALIGN_N[act_kind]:
@@ -122,10 +156,11 @@ def _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale
 
 
 def grouped_gemm_act_shape(a, b, offsets, activation: str = "silu", *, bias=None, a_scale=None, b_scale=None,
-                           out_scale=None) -> jax.ShapeDtypeStruct:
-    """The shape rule: a [M, K], b [E, 2I, K] -> d [M, I] bfloat16 (float8_e4m3fn for FP8 a, b)."""
-    kind, _ = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, "auto")
-    return jax.ShapeDtypeStruct((a.shape[0], b.shape[1] // 2),
+                           out_scale=None, transposed: bool = False) -> jax.ShapeDtypeStruct:
+    """The shape rule: a [M, K], b [E, 2I, K] (``transposed``: [E, K, 2I]) -> d [M, I] bfloat16
+    (float8_e4m3fn for FP8 a, b)."""
+    kind, _ = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, "auto", transposed)
+    return jax.ShapeDtypeStruct((a.shape[0], _stored_view(a, b, transposed).shape[1] // 2),
                                 jnp.float8_e4m3fn if kind == "fp8_act" else jnp.bfloat16)
 
 
@@ -148,19 +183,22 @@ def _cfg(b, activation: str, alpha: float, limit: float) -> MoEConfig:
 
 
 def grouped_gemm_act_reference(a, b, offsets, activation: str = "silu", *, alpha: float = 1.702, limit: float = 7.0,
-                               bias=None, a_scale=None, b_scale=None, out_scale=None, tile=None) -> jax.Array:
+                               bias=None, a_scale=None, b_scale=None, out_scale=None, tile=None,
+                               transposed: bool = False) -> jax.Array:
     """jnp reference of :func:`grouped_gemm_act` (same arguments and result; ``tile`` is checked
     and ignored): the grouped GEMM in float32, the bias, the activation of
     :func:`jax_moe.activations.activate` on interleaved gate/up, then d's dtype."""
-    kind, _ = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile)
-    scales = (None, None) if kind == "bf16_act" else _row_col_scales(a_scale, b_scale, (a.shape[0],), b.shape[0],
+    kind, _ = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile, transposed)
+    if transposed:
+        b = jnp.swapaxes(b, 1, 2)
+    scales = (None, None) if kind != "fp8_act" else _row_col_scales(a_scale, b_scale, (a.shape[0],), b.shape[0],
                                                                      b.shape[1])
     return _act_reference(a, b, offsets, *scales, bias, out_scale, _cfg(b, activation, alpha, limit))
 
 
 def grouped_gemm_act(a: jax.Array, b: jax.Array, offsets: jax.Array, activation: str = "silu", *,
                      alpha: float = 1.702, limit: float = 7.0, bias=None, a_scale=None, b_scale=None,
-                     out_scale=None, tile: str | None = "auto") -> jax.Array:
+                     out_scale=None, tile: str | None = "auto", transposed: bool = False) -> jax.Array:
     """Per expert e, ``d[r] = act(a[r] @ b[e].T)`` over interleaved gate/up columns, for the rows
     ``offsets[e] <= r < offsets[e+1]``.
 
@@ -173,16 +211,19 @@ def grouped_gemm_act(a: jax.Array, b: jax.Array, offsets: jax.Array, activation:
     - float8_e4m3fn a and b with ``a_scale``/``b_scale`` as :func:`grouped_gemm` takes them, and
       ``out_scale`` ([] float32) -> d [M, I] float8_e4m3fn = fp8(act / out_scale); 2I a multiple of 32.
 
+    - ``transposed=True``: b [E, K, 2I] bfloat16, N contiguous (column 2i gate i, 2i+1 up i): the
+      same d from the transposed load-time layout.
+
     Rows outside ``[offsets[0], offsets[E])`` are zeros. ``tile``: ``"auto"`` (the grouped GEMM's
     pick for this shape) or a name in :data:`jax_moe.backends.cutlass_gemm.TILES`. CPU or no
     module: :func:`grouped_gemm_act_reference`.
     """
-    kind, tile = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile)
-    m, (e, n, _) = a.shape[0], b.shape
+    kind, tile = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile, transposed)
+    m, (e, n, _) = a.shape[0], _stored_view(a, b, transposed).shape
     out_dt = jnp.float8_e4m3fn if kind == "fp8_act" else jnp.bfloat16
     if m == 0:
         return jnp.zeros((0, n // 2), out_dt)
-    cfg = _cfg(b, activation, alpha, limit)
+    cfg = _cfg(_stored_view(a, b, transposed), activation, alpha, limit)
     if kind == "fp8_act":
         row, col = _row_col_scales(a_scale, b_scale, (m,), e, n)
         out = jnp.reshape(jnp.asarray(out_scale, jnp.float32), (1,))
@@ -192,6 +233,8 @@ def grouped_gemm_act(a: jax.Array, b: jax.Array, offsets: jax.Array, activation:
 
     def default(a, b, offsets, row, col, bias_in, out):
         scaled = kind == "fp8_act"
+        if transposed:
+            b = jnp.swapaxes(b, 1, 2)
         return _act_reference(a, b, offsets, row if scaled else None, col if scaled else None,
                               None if bias is None else bias_in, out[0] if scaled else None, cfg)
 
@@ -203,7 +246,7 @@ def grouped_gemm_act(a: jax.Array, b: jax.Array, offsets: jax.Array, activation:
                 jax.ShapeDtypeStruct((workspace_size(e, tile, kind),), jnp.uint8))
         d, _ = jax.ffi.ffi_call(ACT_KINDS[kind][1], outs, vmap_method="sequential")(
             *args, tile=np.int64(TILES[tile]), activation=np.int64(ACTIVATIONS[activation]),
-            alpha=np.float32(alpha), limit=np.float32(limit))
+            alpha=np.float32(alpha), limit=np.float32(limit), transposed=np.int64(transposed))
         return d
 
     return jax.lax.platform_dependent(a, b, offsets, row, col, bias_in, out, cuda=cuda, default=default)

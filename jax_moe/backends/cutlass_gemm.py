@@ -55,10 +55,12 @@ GRAD_KINDS: dict[str, tuple[int, str]] = {
     "wgrad": (3, "jax_moe_cutlass_grouped_gemm_wgrad"),  # d[e] = u[rows of e]^T @ v[rows of e]
 }
 # GEMM1 with the gated activation in its epilogue (jax_moe.backends.cutlass_act_gemm), one FFI target
-# for both: kind -> (CutlassGemmKind, FFI target, dtype of a and b)
+# for all three: kind -> (CutlassGemmKind, FFI target, dtype of a and b); "bf16_act_kn" reads b [E, K, N]
+# (the transposed layout of jax_moe.backends.cutlass_prepared)
 ACT_KINDS: dict[str, tuple[int, str, str]] = {
     "bf16_act": (4, "jax_moe_cutlass_grouped_gemm_act", "bfloat16"),
     "fp8_act": (5, "jax_moe_cutlass_grouped_gemm_act", "float8_e4m3fn"),
+    "bf16_act_kn": (6, "jax_moe_cutlass_grouped_gemm_act", "bfloat16"),
 }
 ALIGN_N = 8  # N: 16-byte bf16 rows of d; ffi: kCutlassAlignN
 ALIGN_K = {"bf16": 8, "fp8": 16}  # K: 16-byte rows of a and b; ffi: kCutlassAlignKBf16, kCutlassAlignKFp8

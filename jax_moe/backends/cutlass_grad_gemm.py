@@ -66,7 +66,7 @@ def _check_dgrad(a, b, offsets, tile) -> str:
     _check_bf16("a", a, "[M, K]", k)
     _check_bf16("b", b, "[E, K, N]", k, n)
     check_offsets(offsets, e, m)
-    return _resolve_tile(tile, m, e)
+    return _resolve_tile(tile, m, e, n=n, k=k, kind="bf16_kn")
 
 
 def grouped_gemm_dgrad_shape(a, b, offsets) -> jax.ShapeDtypeStruct:
@@ -98,7 +98,9 @@ def grouped_gemm_dgrad(a: jax.Array, b: jax.Array, offsets: jax.Array, *, tile: 
     b [E, K, N] bfloat16 (the forward's weights [E, N_fwd, K_fwd] as stored: K here is the
     forward's N); offsets [E+1] int32. K and N multiples of 8. Returns d [M, N] bfloat16 (float32
     accumulation), zero outside ``[offsets[0], offsets[E])``. ``tile`` as for the forward
-    (``"auto"``: from the rows per expert). CPU or no module: the jnp reference.
+    (``"auto"``: the ``"bf16_kn"`` rows of the tile table, else the rows per expert). Also the
+    forward's GEMMs on transposed weights (w13 [E, H, 2I], w2 [E, I, H]:
+    :mod:`jax_moe.backends.cutlass_prepared`). CPU or no module: the jnp reference.
     """
     tile = _check_dgrad(a, b, offsets, tile)
     m, n = a.shape[0], b.shape[2]

@@ -22,7 +22,10 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
    nearest rows per expert (on a log scale). The table is written by ``bench/tile_sweep.py
    --update-table`` from an H100 run (every tile timed on each GEMM of the bench's models, with
    the rows of a random softmax top-k routing); a tile is recorded only where it beat the
-   heuristic's by more than :data:`MIN_GAIN`.
+   heuristic's by more than :data:`MIN_GAIN`. Kinds: ``"bf16"`` and ``"fp8"`` (weights ``[E, N, K]``
+   as stored) and ``"bf16_kn"`` (the same product on transposed weights ``[E, K, N]``, the
+   prepared layout: the same tiles stream the weights differently, so they are measured apart);
+   N and K are the product's (``d [M, N] = a [M, K] @ w[e]``) whatever the layout.
 3. Otherwise the heuristic :func:`heuristic_tile`, the same for both kinds: pingpong below
    :data:`DECODE_ROWS_PER_EXPERT`, 128x256 from :data:`WIDE_ROWS_PER_EXPERT`, 128x128 between.
 
@@ -219,7 +222,7 @@ def measured_tile(kind: str, groups: int, n: int, k: int, rows_per_expert: float
 def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None = None,
               kind: str = "bf16") -> str:
     """The tile for a grouped GEMM of ``rows`` expert-sorted rows over ``num_groups`` experts,
-    ``d [rows, n] = a [rows, k] @ b [E, n, k]^T`` of ``kind`` (``"bf16"`` or ``"fp8"``): the
+    ``d [rows, n] = a [rows, k] @ b[e]`` of ``kind`` (``"bf16"``, ``"fp8"`` or ``"bf16_kn"``): the
     override, else the measured table (when ``n`` and ``k`` are given), else the heuristic (see
     the module note)."""
     forced = os.environ.get(TILE_ENV)
