@@ -24,10 +24,13 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
   ``flashinfer_cutlass`` and ``cutlass``, for bf16 and for ``--scheme fp8``), on weights prepared
   once before timing (its ``prepare``, as ``MoEBlock.prepare()`` does: for ``cutlass``, a gated
   bf16 layer's gate and up rows interleaved, so that GEMM1 takes the activation into its epilogue
-  where that pays).
+  where that pays, and bf16 weights transposed, N contiguous).
 - ``tokamax`` (bf16 only, where tokamax is importable on an NVIDIA GPU; :mod:`bench.peers`): the
   same routing and data through tokamax's Mosaic-GPU ``ragged_dot``, the peer to beat. Its column
   is followed by "vs tokamax", tokamax's time over the best jax_moe time (above 1: jax_moe is faster).
+- ``cutlass_nk`` (only when named in ``--impls``; bf16): ``cutlass`` prepared without the
+  transpose, its weights K contiguous as stored (``cutlass.prepare(..., transpose=False)``), to
+  set the two layouts side by side; it holds a second copy of the weights.
 - ``cutlass_il`` (only when named in ``--impls``): ``cutlass`` on w13 interleaved at load time
   (``gate_up_layout="interleaved"``), so that GEMM1 takes the activation into its epilogue where
   that pays (:mod:`jax_moe.backends.cutlass_act_gemm`); it holds a second copy of w13. In bf16 it
@@ -210,6 +213,12 @@ def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16, only: list[s
         il = interleaved_cutlass(cfg, quant, b13, b2)
         if il is not None:
             impls["cutlass_il"] = il
+    if only is not None and "cutlass_nk" in only and "cutlass" in impls and quant is None:
+        from jax_moe.backends import cutlass
+
+        impls["cutlass_nk"] = (True, lambda w13, w2: cutlass.prepare(w13, w2, cfg, w13_bias=b13, w2_bias=b2,
+                                                                      transpose=False),
+                               lambda x, p, w, ids: cutlass.apply_prepared(x, p, w, ids))
     if quant is None and jnp.dtype(dtype) == jnp.bfloat16 and plain and want("tokamax"):
         impls.update(peers.implementations())
     return impls
@@ -301,8 +310,7 @@ def run_model(m: Model, tokens: list[int], bw: float, peak: float, dense_limit: 
     print(header(list(impls)), flush=True)
     weights = {name: prep(*((q13, q2) if scheme_w else (w13, w2)))
                for name, (scheme_w, prep, _) in impls.items()}  # load time, untimed
-    if quant is not None:
-        del q13, q2
+    del w13, w2, q13, q2  # what no implementation holds is freed (DeepSeek-V3's copies are 22.5 GB each)
     jitted = {name: jax.jit(fn) for name, (_, _, fn) in impls.items()}
 
     def inputs_of(name, routed):
@@ -356,7 +364,7 @@ def run_model(m: Model, tokens: list[int], bw: float, peak: float, dense_limit: 
         if loop_rows is not None:
             loop_rows.append(row)
         print(format_loop_row(row, loop_names), flush=True)
-    del w13, w2, weights
+    del weights
 
 
 def fmt(v):
@@ -468,7 +476,8 @@ def main(argv=None):
     p.add_argument("--impls", nargs="+", default=None,
                    help="only these implementations (e.g. xla cutlass tokamax); default: every one that runs here "
                         "but cutlass_il (cutlass on w13 interleaved at load time, its activation in GEMM1's "
-                        "epilogue where that pays), which must be named")
+                        "epilogue where that pays) and cutlass_nk (cutlass prepared with K-contiguous weights), "
+                        "which must be named")
     p.add_argument("--in-loop", nargs="*", type=int, default=[], metavar="T",
                    help="also time these T per layer inside one jitted loop (device time, no dispatch)")
     p.add_argument("--layers", type=int, default=32, help="layers of the --in-loop loop")

@@ -1,7 +1,9 @@
 """Which CUTLASS tile serves each grouped GEMM of the cutlass backend best, per model shape and T.
 
 Times :func:`jax_moe.backends.cutlass_gemm.grouped_gemm` alone, each tile of ``TILES`` forced, on
-the two GEMMs of a layer (GEMM1: ``a [T*k, H] @ w13 [E, 2I, H]``; GEMM2: ``a [T*k, I] @ w2 [E, H, I]``)
+the two GEMMs of a layer (GEMM1: ``a [T*k, H] @ w13 [E, 2I, H]``; GEMM2: ``a [T*k, I] @ w2 [E, H, I]``;
+kind ``bf16_kn``: the same products on the transposed weights, ``w13 [E, H, 2I]`` and ``w2 [E, I, H]``,
+through :func:`jax_moe.backends.cutlass_grad_gemm.grouped_gemm_dgrad`'s kernel)
 with the rows of a random softmax top-k routing, in one process, the tiles interleaved per cell
 (medians after warm-up, inputs rotated). Optionally the whole forward per tile next to tokamax
 (``--forward``), to see what a tile choice is worth end to end.
@@ -9,6 +11,7 @@ with the rows of a random softmax top-k routing, in one process, the tiles inter
     python bench/tile_sweep.py                                   # the four models, bf16
     python bench/tile_sweep.py --kinds bf16 fp8 --json sweep.json
     python bench/tile_sweep.py --models qwen3 --tokens 64 1024 --forward-only
+    python bench/tile_sweep.py --act --kinds bf16 bf16_kn --tokens 64 1024   # GEMM1 with the activation fused
 
 Prints one markdown table per kind: per (model, GEMM, T) each tile's ms, the best tile, and the
 tile the trace-time pick chooses (with its loss against the best). ``--json`` writes the raw
@@ -35,10 +38,13 @@ import jax.numpy as jnp  # noqa: E402
 from bench import moe_bench, peers  # noqa: E402
 from jax_moe import ffi, kernels  # noqa: E402
 from jax_moe.backends import cutlass, cutlass_gemm, cutlass_tiles  # noqa: E402
+from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad  # noqa: E402
+from jax_moe.backends.cutlass_prepared import transpose_experts  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.quant import fp8  # noqa: E402
 
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+KINDS = (*cutlass_gemm.KINDS, "bf16_kn")  # bf16_kn: the bf16 forward on transposed weights
 
 
 def gemm_operands(m: moe_bench.Model, t: int, kind: str, sets: int = 3):
@@ -76,13 +82,20 @@ def sweep_model(m: moe_bench.Model, tokens, kind: str, results: dict, table: lis
         (w13, s13), (w2, s2) = fp8_weights(w13, w2)
     else:
         s13 = s2 = None
+    if kind == "bf16_kn":
+        w13, w2 = transpose_experts(w13), transpose_experts(w2)
+        fns = {tile: jax.jit(lambda a, sa, b, sb, off, tile=tile: grouped_gemm_dgrad(a, b, off, tile=tile))
+               for tile in cutlass_gemm.TILES}
+    else:
+        fns = {tile: jax.jit(lambda a, sa, b, sb, off, tile=tile: cutlass_gemm.grouped_gemm(
+            a, b, off, a_scale=sa, b_scale=sb, tile=tile)) for tile in cutlass_gemm.TILES}
     gemms = (("gemm1", w13, s13, 1), ("gemm2", w2, s2, 2))
-    fns = {tile: jax.jit(lambda a, sa, b, sb, off, tile=tile: cutlass_gemm.grouped_gemm(
-        a, b, off, a_scale=sa, b_scale=sb, tile=tile)) for tile in cutlass_gemm.TILES}
     for t in tokens:
-        ops = gemm_operands(m, t, kind)
+        ops = gemm_operands(m, t, "fp8" if kind == "fp8" else "bf16")
         for name, w, ws, which in gemms:
             e, n, k = w.shape
+            if kind == "bf16_kn":  # the table's (N, K) are the product's, whatever the layout
+                n, k = k, n
             key = f"{kind}/{e}/{n}/{k}"
             cell = {}
             for tile, fn in fns.items():
@@ -125,21 +138,27 @@ def forward_model(m: moe_bench.Model, tokens) -> None:
         print(f"| {m.name} | {t} | " + " | ".join(cells) + " |", flush=True)
 
 
-def act_model(m: moe_bench.Model, tokens) -> None:
+def act_model(m: moe_bench.Model, tokens, kind: str = "bf16") -> None:
     """bf16 GEMM1 per tile: alone, followed by the activation kernel, and with the activation in its
-    epilogue (:func:`jax_moe.backends.cutlass_act_gemm.grouped_gemm_act`), on w13 interleaved."""
+    epilogue (:func:`jax_moe.backends.cutlass_act_gemm.grouped_gemm_act`), on w13 interleaved
+    (``kind="bf16_kn"``: and transposed)."""
     from jax_moe.backends.cutlass_act_gemm import grouped_gemm_act
     from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
 
     w13 = reorder_rows_for_gated_act_gemm(moe_bench.random_experts(m)[0])
+    kn = kind == "bf16_kn"
+    if kn:
+        w13 = transpose_experts(w13)
+    gemm = grouped_gemm_dgrad if kn else cutlass_gemm.grouped_gemm
     fns = {}
     for tile in cutlass_gemm.TILES:
         fns[tile] = (
-            jax.jit(lambda a, b, o, tile=tile: cutlass_gemm.grouped_gemm(a, b, o, tile=tile)),
-            jax.jit(lambda a, b, o, tile=tile: kernels.act_and_mul(
-                cutlass_gemm.grouped_gemm(a, b, o, tile=tile), "silu", layout="interleaved")),
-            jax.jit(lambda a, b, o, tile=tile: grouped_gemm_act(a, b, o, "silu", tile=tile)))
-    print("| model | T | tile | gemm1 ms | gemm1 + act ms | act in epilogue ms | gain |\n|---|---|---|---|---|---|---|")
+            jax.jit(lambda a, b, o, tile=tile: gemm(a, b, o, tile=tile)),
+            jax.jit(lambda a, b, o, tile=tile: kernels.act_and_mul(gemm(a, b, o, tile=tile), "silu",
+                                                                   layout="interleaved")),
+            jax.jit(lambda a, b, o, tile=tile: grouped_gemm_act(a, b, o, "silu", tile=tile, transposed=kn)))
+    print(f"\n{kind}\n\n| model | T | tile | gemm1 ms | gemm1 + act ms | act in epilogue ms | gain |\n"
+          "|---|---|---|---|---|---|---|")
     for t in tokens:
         inputs = [(op[1][0], w13, op[0]) for op in gemm_operands(m, t, "bf16")]
         for tile, (plain, two, fused) in fns.items():
@@ -195,7 +214,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["qwen3", "gptoss", "deepseek", "mixtral"],
                    choices=sorted(moe_bench.MODELS))
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
-    p.add_argument("--kinds", nargs="+", default=["bf16"], choices=sorted(cutlass_gemm.KINDS))
+    p.add_argument("--kinds", nargs="+", default=["bf16"], choices=sorted(KINDS))
     p.add_argument("--forward", action="store_true", help="also time the whole forward per tile, and tokamax")
     p.add_argument("--forward-only", action="store_true", help="only the forward per tile (no GEMM sweep)")
     p.add_argument("--act", action="store_true",
@@ -223,8 +242,11 @@ def main() -> None:
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}")
     results: dict = {"device": jax.devices()[0].device_kind}
     if args.act:
-        for name in args.models:
-            act_model(moe_bench.MODELS[name], args.tokens)
+        for kind in args.kinds:
+            if kind == "fp8":
+                sys.exit("--act times the bf16 kinds (bf16, bf16_kn)")
+            for name in args.models:
+                act_model(moe_bench.MODELS[name], args.tokens, kind)
         return
     for kind in [] if args.forward_only else args.kinds:
         table: list = []

@@ -2,8 +2,9 @@
 ``MoEBlock.prepare()`` on Hopper.
 
 A gated bf16 layer stored ``[gate; up]`` is prepared with its gate and up rows interleaved, so
-that GEMM1 can take the activation into its epilogue; everything else keeps its order. The
-prepared layer computes the same function as the stored one: checked against the float64
+that GEMM1 can take the activation into its epilogue; everything else keeps its order. bf16
+weights are then transposed, N contiguous (the faster weight stream); FP8 weights stay as stored.
+The prepared layer computes the same function as the stored one: checked against the float64
 definition on the stored weights (the kernels' jnp references on CPU, the kernels on the GPU).
 """
 
@@ -35,8 +36,8 @@ def _layer(rng, t, e=8, k=2, h=64, i=32):
 
 def test_prepare_interleaves_a_concatenated_gated_bf16_layer_and_its_bias(rng):
     cfg, _, w13, w2, _, _, b = _layer(rng, 1)
-    p = cb.prepare(w13, w2, cfg, **b)
-    assert isinstance(p, cb.Prepared)
+    p = cb.prepare(w13, w2, cfg, **b, transpose=False)
+    assert isinstance(p, cb.Prepared) and not p.transposed
     assert p.cfg == dataclasses.replace(cfg, gate_up_layout="interleaved")
     i = cfg.intermediate_size
     np.testing.assert_array_equal(np.asarray(p.w13[:, 0::2]), np.asarray(w13[:, :i]))  # row 2i: gate i
@@ -44,6 +45,28 @@ def test_prepare_interleaves_a_concatenated_gated_bf16_layer_and_its_bias(rng):
     np.testing.assert_array_equal(np.asarray(p.w13_bias[:, 0::2]), np.asarray(b["w13_bias"][:, :i]))
     np.testing.assert_array_equal(np.asarray(p.w13_bias[:, 1::2]), np.asarray(b["w13_bias"][:, i:]))
     assert p.w2 is w2 and p.w2_bias is b["w2_bias"] and p.quant is None
+
+
+def test_prepare_transposes_bf16_weights_after_the_interleave(rng):
+    """By default bf16 weights end N contiguous: w13 [E, H, 2I] with gate and up columns
+    alternating, w2 [E, I, H]; the biases keep their shapes."""
+    cfg, _, w13, w2, _, _, b = _layer(rng, 1)
+    p = cb.prepare(w13, w2, cfg, **b)
+    il = cb.prepare(w13, w2, cfg, **b, transpose=False)
+    assert p.transposed and p.cfg == il.cfg
+    np.testing.assert_array_equal(np.asarray(p.w13), np.asarray(jnp.swapaxes(il.w13, 1, 2)))
+    np.testing.assert_array_equal(np.asarray(p.w2), np.asarray(jnp.swapaxes(w2, 1, 2)))
+    np.testing.assert_array_equal(np.asarray(p.w13_bias), np.asarray(il.w13_bias))
+    assert p.w2_bias is b["w2_bias"]
+
+
+def test_fp8_weights_stay_k_contiguous(rng):
+    cfg, _, w13, w2, _, _, _ = _layer(rng, 1)
+    quant = QuantConfig("fp8", w13_scale=0.5, w2_scale=0.25, act="fp8_per_tensor", a13_scale=1.0, a2_scale=1.0)
+    w13, w2 = w13.astype(jnp.float8_e4m3fn), w2.astype(jnp.float8_e4m3fn)
+    assert not cb.prepare(w13, w2, cfg, quant).transposed
+    with pytest.raises(ValueError, match="transpose=True is bf16 only"):
+        cb.prepare(w13, w2, cfg, quant, transpose=True)
 
 
 @pytest.mark.parametrize("case", ["already interleaved", "relu2", "fp8"])
@@ -58,7 +81,7 @@ def test_prepare_keeps_the_order_where_the_epilogue_does_not_take_the_activation
     else:
         quant = QuantConfig("fp8", w13_scale=0.5, w2_scale=0.25, act="fp8_per_tensor", a13_scale=1.0, a2_scale=1.0)
         w13, w2 = w13.astype(jnp.float8_e4m3fn), w2.astype(jnp.float8_e4m3fn)
-    p = cb.prepare(w13, w2, cfg, quant)
+    p = cb.prepare(w13, w2, cfg, quant, transpose=False)
     assert p.w13 is w13 and p.w2 is w2 and p.cfg == cfg and p.quant is quant
 
 
@@ -66,17 +89,18 @@ def test_prepared_weights_are_a_pytree_that_jit_takes(rng):
     cfg, x, w13, w2, tw, ids, b = _layer(rng, 3)
     p = cb.prepare(w13, w2, cfg, **b)
     leaves, tree = jax.tree.flatten(p)
-    assert len(leaves) == 4  # w13, w2 and the two biases; the config is static
-    assert jax.tree.unflatten(tree, leaves).cfg == p.cfg
+    assert len(leaves) == 4  # w13, w2 and the two biases; the config and the layout are static
+    assert jax.tree.unflatten(tree, leaves).cfg == p.cfg and jax.tree.unflatten(tree, leaves).transposed
     jax.jit(cb.apply_prepared)(x, p, tw, ids).block_until_ready()
 
 
+@pytest.mark.parametrize("transpose", [True, False])
 @pytest.mark.parametrize("t", [1, 37])
-def test_apply_prepared_is_the_stored_layers_function_on_cpu(rng, t):
+def test_apply_prepared_is_the_stored_layers_function_on_cpu(rng, t, transpose):
     """``sum_j w_j (W2[e] silu-and-mul(W13[e] x + b13[e]) + b2[e])`` in float64 on the stored
     ``[gate; up]`` weights; the kernels' jnp references run here."""
     cfg, x, w13, w2, tw, ids, b = _layer(rng, t)
-    out = jax.jit(cb.apply_prepared)(x, cb.prepare(w13, w2, cfg, **b), tw, ids)
+    out = jax.jit(cb.apply_prepared)(x, cb.prepare(w13, w2, cfg, **b, transpose=transpose), tw, ids)
     assert out.dtype == x.dtype and out.shape == x.shape
     want = np_moe(x, w13, w2, tw, ids, "silu", "concat", b["w13_bias"], b["w2_bias"])
     assert rel_err(out, want) < REL_TOL
@@ -98,6 +122,19 @@ def test_prepare_names_the_argument_it_cannot_take(rng, change, match):
         cb.prepare(args.pop("w13"), args.pop("w2"), cfg, **args)
 
 
+def test_apply_names_transposed_weights_it_cannot_take(rng):
+    cfg, x, w13, w2, tw, ids, _ = _layer(rng, 2)
+    w13t, w2t = jnp.swapaxes(w13, 1, 2), jnp.swapaxes(w2, 1, 2)
+    with pytest.raises(ValueError, match=r"transposed w13 must be \[E, H, 2I\] and w2 \[E, I, H\]"):
+        cb.apply(x, w13t, w2, tw, ids, cfg, transposed=True)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        cb.apply(x[:, :32], w13t, w2t, tw, ids, cfg, transposed=True)
+    quant = QuantConfig("fp8", w13_scale=0.5, w2_scale=0.25, act="fp8_per_tensor", a13_scale=1.0, a2_scale=1.0)
+    with pytest.raises(ValueError, match="transposed weights are bf16 only"):
+        cb.apply(x, w13t.astype(jnp.float8_e4m3fn), w2t.astype(jnp.float8_e4m3fn), tw, ids, cfg, quant=quant,
+                 transposed=True)
+
+
 def test_apply_prepared_takes_only_its_own_prepared_weights(rng):
     _, x, w13, w2, tw, ids, _ = _layer(rng, 2)
     with pytest.raises(TypeError, match="prepared must come from cutlass.prepare"):
@@ -112,19 +149,22 @@ def test_moe_block_prepare_picks_cutlass_on_hopper_and_keeps_the_blocks_function
     x = jnp.asarray(rng.standard_normal((2, 5, 64)), jnp.bfloat16)
     before = nnx.jit(lambda m, v: m(v))(block, x)
     assert block.prepare(device=H100) == "cutlass"
-    assert block.w13 is None and block.prepared.get_value().cfg.gate_up_layout == "interleaved"
+    prepared = block.prepared.get_value()
+    assert block.w13 is None and prepared.cfg.gate_up_layout == "interleaved" and prepared.transposed
     after = nnx.jit(lambda m, v: m(v))(block, x)
     assert rel_err(after, before) < REL_TOL
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t, e, k", [(16, 128, 8), (64, 128, 8), (1000, 16, 4)])
-def test_apply_prepared_on_the_gpu_is_the_stored_layers_function(rng, t, e, k):
-    """On the kernels: a few rows per expert (GEMM1 on a pingpong tile, the activation in its
-    epilogue) and many (the activation kernel on interleaved rows), outputs poisoned first."""
+@pytest.mark.parametrize("transpose", [True, False])
+@pytest.mark.parametrize("t, e, k", [(1, 128, 8), (16, 128, 8), (64, 128, 8), (1000, 16, 4)])
+def test_apply_prepared_on_the_gpu_is_the_stored_layers_function(rng, t, e, k, transpose):
+    """On the kernels: one token (the decode path), a few rows per expert (GEMM1 on a pingpong
+    tile, the activation in its epilogue) and many (the activation kernel on interleaved rows),
+    on both layouts, outputs poisoned first."""
     skip_unless_available(cb)
     cfg, x, w13, w2, tw, ids, b = _layer(rng, t, e, k, 256, 128)
-    p = cb.prepare(w13, w2, cfg, **b)
+    p = cb.prepare(w13, w2, cfg, **b, transpose=transpose)
     f = jax.jit(cb.apply_prepared)
     poison_memory(jax.eval_shape(f, x, p, tw, ids))
     out = f(x, p, tw, ids)

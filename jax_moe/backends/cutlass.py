@@ -27,7 +27,9 @@ fuse everywhere).
 ``valid = sort.offsets[E]``: slots whose expert id is outside ``[0, E)`` (expert-parallel ids of
 -1) sort last and are skipped. The weights are used as vLLM stores them (``w13 [E, 2I, H]`` gate
 rows then up rows, or alternating with ``gate_up_layout="interleaved"``; ``w2 [E, H, I]``, K
-contiguous): no repack, no per-call weight pass. GPT-OSS layers (``swigluoai``, interleaved
+contiguous): no repack, no per-call weight pass. ``MoEBlock.prepare()`` (:func:`prepare`)
+transposes bf16 weights once at load time (``transposed=True``: w13 [E, H, 2I], w2 [E, I, H], N
+contiguous, the faster weight stream on the H100), the same pipeline on the transposed GEMM kinds. GPT-OSS layers (``swigluoai``, interleaved
 gate/up, expert biases) run as they are stored: the activation kernel splits gate and up per the
 layout and adds each row's GEMM1 bias (its expert found from the offsets) before the activation,
 and the un-permute adds each row's GEMM2 bias before the routing weight.
@@ -230,6 +232,22 @@ def _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bi
         raise ValueError(f"{NAME}: apply_router_weight_on_input needs top_k == 1, got top_k={k}")
 
 
+def _stored_views(w13, w2, transposed: bool, quant):
+    """(w13, w2) as the checks read them, ``[E, 2I, H]`` and ``[E, H, I]``: the weights themselves,
+    or for ``transposed`` ones (w13 [E, H, 2I], w2 [E, I, H]: checked here, bf16 only) their
+    swapped shapes and dtypes."""
+    if not transposed:
+        return w13, w2
+    if quant is not None:
+        raise ValueError(f"{NAME}: transposed weights are bf16 only (the FP8 tensor cores read K-major weights)")
+    check_rank("w13", w13, 3, "[E, H, 2I] (transposed)")
+    check_rank("w2", w2, 3, "[E, I, H] (transposed)")
+    if w2.shape[2] != w13.shape[1] or w2.shape[0] != w13.shape[0]:
+        raise ValueError(f"{NAME}: transposed w13 must be [E, H, 2I] and w2 [E, I, H] with one E and H, "
+                         f"got w13 {list(w13.shape)}, w2 {list(w2.shape)}")
+    return tuple(jax.ShapeDtypeStruct((w.shape[0], w.shape[2], w.shape[1]), w.dtype) for w in (w13, w2))
+
+
 def check_weights(w13, w2, cfg, quant=None, w13_bias=None, w2_bias=None) -> None:
     """ValueError for expert weights this build does not take, as :func:`apply` checks them (x
     aside), and for weights whose shapes are not ``cfg``'s (E, H, I)."""
@@ -265,7 +283,7 @@ def _check_experts(x, w13, w2, cfg, quant, tile) -> None:
 
 
 def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None, w2_bias=None,
-          apply_router_weight_on_input: bool = False, tile: str | None = "auto") -> jax.Array:
+          apply_router_weight_on_input: bool = False, tile: str | None = "auto", transposed: bool = False) -> jax.Array:
     """``y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` on jax_moe's CUTLASS
     grouped GEMMs (the oracle's entry point; ``fused_experts`` checks the shapes first).
 
@@ -278,11 +296,14 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     ``W2[e] act(W13[e] x + b13[e]) + b2[e]``, biases added in float32. With
     ``apply_router_weight_on_input`` (top-1) the weight scales x and the experts' outputs are
     summed. ``tile``: both GEMMs' tile (``"auto"``: each GEMM picks its own from its shape and rows per
-    expert, :mod:`jax_moe.backends.cutlass_tiles`). Returns [T, H] in x's dtype.
+    expert, :mod:`jax_moe.backends.cutlass_tiles`). ``transposed``: bf16 w13 [E, H, 2I] and w2
+    [E, I, H] (N contiguous; :func:`prepare`'s layout, the faster weight stream), the same
+    function. Returns [T, H] in x's dtype.
     Raises ValueError for what this build does not take: other schemes or activation formats,
     other activations, other weight dtypes, biases of other shapes.
     """
-    _check_apply(x, w13, w2, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bias,
+    w13s, w2s = _stored_views(w13, w2, transposed, quant)
+    _check_apply(x, w13s, w2s, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bias,
                  apply_router_weight_on_input, tile)
     t, h = x.shape
     e, k = w13.shape[0], topk_ids.shape[1]
@@ -290,10 +311,10 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
         return jnp.zeros((0, h), x.dtype)
     if quant is None and tile in (None, "auto") and not apply_router_weight_on_input and decode.serves(t, k, e, cfg):
         return decode.decode_moe(x, w13, w2, topk_weights, topk_ids.astype(jnp.int32), cfg, w13_bias=w13_bias,
-                                 w2_bias=w2_bias, out_dtype=x.dtype)
+                                 w2_bias=w2_bias, out_dtype=x.dtype, transposed=transposed)
     if quant is None:
         return cutlass_vjp.forward(x, w13, w2, topk_weights, topk_ids, cfg, tile=tile, residuals="recompute",
-                                   w13_bias=w13_bias, w2_bias=w2_bias,
+                                   w13_bias=w13_bias, w2_bias=w2_bias, transposed=transposed,
                                    apply_router_weight_on_input=apply_router_weight_on_input)[0]
     tw = topk_weights.astype(jnp.float32)
     sort, valid = ffi.sort_by_expert_valid(topk_ids.astype(jnp.int32), e)  # valid [1]: rows of experts in [0, E)

@@ -1,15 +1,27 @@
 """The cutlass backend's load-time layout: ``MoEBlock.prepare()`` (the oracle's ``prepared=True``).
 
-:func:`prepare` puts a gated bf16 layer's ``w13`` and its bias in the interleaved gate/up row
-order (:func:`jax_moe.layouts.gated.reorder_rows_for_gated_act_gemm`: row ``2i`` is gate ``i``,
-row ``2i + 1`` up ``i``). On that order GEMM1 takes the activation into its epilogue where that
-pays (:func:`jax_moe.backends.cutlass_act_gemm.fuses_activation`: bf16 on the pingpong tiles, a
-few rows per expert) and writes ``act(gate) * up`` without the ``[T*k, 2I]`` pre-activation;
-elsewhere the activation kernel reads the interleaved rows as fast as the concatenated ones.
-Layers already interleaved (GPT-OSS), ``relu2`` (not gated) and FP8 weights (not faster fused on
-the H100) keep their order. :func:`apply_prepared` is :func:`jax_moe.backends.cutlass.apply` on
-the prepared weights; the numbers differ from the concatenated order's only where GEMM1 fuses
-(its output then reaches the activation in float32 instead of bf16).
+Two repacks, both exact (a permutation of the weights, nothing rounded):
+
+- **Transposed** (bf16, :func:`transposes`): w13 [E, 2I, H] -> [E, H, 2I] and w2 [E, H, I] ->
+  [E, I, H], N contiguous (:func:`transpose_experts`). The grouped GEMMs read the same products
+  from it (``b [E, K, N]``: :func:`~jax_moe.backends.cutlass_grad_gemm.grouped_gemm_dgrad`'s kernel,
+  the act kind's ``transposed`` form, the decode path's column GEMVs), and on the H100 that weight
+  stream is the faster one where the layer is weight-bound: neighbouring CTAs read neighbouring
+  bytes of one row instead of short runs of many rows. FP8 keeps K contiguous (its tensor cores
+  read only K-major operands).
+- **Interleaved gate/up** (gated bf16 layers stored ``[gate; up]``, :func:`interleaves`): w13
+  and its bias in the order of :func:`jax_moe.layouts.gated.reorder_rows_for_gated_act_gemm` (row
+  ``2i`` gate ``i``, row ``2i + 1`` up ``i``). On it GEMM1 takes the activation into its epilogue
+  where that pays (:func:`jax_moe.backends.cutlass_act_gemm.fuses_activation`: bf16 on the
+  pingpong tiles, a few rows per expert) and writes ``act(gate) * up`` without the ``[T*k, 2I]``
+  pre-activation; elsewhere the activation kernel reads the interleaved rows as fast as the
+  concatenated ones. Layers already interleaved (GPT-OSS), ``relu2`` (not gated) and FP8 weights
+  (not faster fused on the H100) keep their order. The interleave comes first, so a transposed
+  gated layer's columns alternate gate and up.
+
+:func:`apply_prepared` is :func:`jax_moe.backends.cutlass.apply` on the prepared weights; the
+numbers differ from the stored layout's only where GEMM1 fuses (its output then reaches the
+activation in float32 instead of bf16).
 
 Prepared weights are for inference (:func:`jax_moe.autodiff.inference_only`); expert
 parallelism runs the float weights (``parallel_fused_experts(..., backend="cutlass")``).
@@ -21,6 +33,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 
 from jax_moe.config import ACTIVATIONS, MoEConfig
 from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
@@ -35,9 +48,10 @@ class Prepared:
     """Expert weights in the cutlass backend's load-time layout (a pytree; jit-able).
 
     w13 [E, 2I, H] (``cfg.gate_up_layout``'s row order; [E, I, H] for relu2) and w2 [E, H, I]:
-    bfloat16, or float8_e4m3fn with ``quant`` its ``QuantConfig("fp8", ...)``; ``w13_bias``
-    [E, 2I] in w13's row order and ``w2_bias`` [E, H], float, or None. ``cfg`` (static) is the
-    layer's :class:`~jax_moe.config.MoEConfig` with the layout the weights are in.
+    bfloat16, or float8_e4m3fn with ``quant`` its ``QuantConfig("fp8", ...)``; with ``transposed``
+    (static; bf16) w13 [E, H, 2I] and w2 [E, I, H] instead, the same order along 2I. ``w13_bias``
+    [E, 2I] in w13's order and ``w2_bias`` [E, H], float, or None. ``cfg`` (static) is the
+    layer's :class:`~jax_moe.config.MoEConfig` with the gate/up layout the weights are in.
     """
 
     w13: jax.Array
@@ -46,6 +60,17 @@ class Prepared:
     w2_bias: jax.Array | None = None
     quant: QuantConfig | None = None
     cfg: MoEConfig = dataclasses.field(default=None, metadata=dict(static=True))
+    transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+
+def transposes(cfg: MoEConfig, quant=None) -> bool:
+    """Whether :func:`prepare` transposes ``cfg``'s weights by default: bf16 weights (FP8 stays K-major)."""
+    return quant is None
+
+
+def transpose_experts(w):
+    """[E, N, K] -> [E, K, N] (and back): each expert's matrix transposed, any dtype."""
+    return jnp.swapaxes(w, 1, 2)
 
 
 def interleaves(cfg: MoEConfig, quant=None) -> bool:
@@ -62,16 +87,24 @@ def interleave_gate_up(w13, w13_bias, cfg: MoEConfig):
             dataclasses.replace(cfg, gate_up_layout="interleaved"))
 
 
-def prepare(w13, w2, cfg: MoEConfig, quant=None, *, w13_bias=None, w2_bias=None) -> Prepared:
+def prepare(w13, w2, cfg: MoEConfig, quant=None, *, w13_bias=None, w2_bias=None,
+            transpose: bool | None = None) -> Prepared:
     """vLLM-layout weights (w13 [E, 2I, H] in ``cfg.gate_up_layout``'s order, w2 [E, H, I]; FP8
     with ``quant``; biases [E, 2I] and [E, H] or None) -> :class:`Prepared`, interleaved where
-    :func:`interleaves` says. Checks what :func:`jax_moe.backends.cutlass.apply` would, first."""
+    :func:`interleaves` says, then transposed where ``transpose`` says (None: :func:`transposes`;
+    True with FP8 weights is a ValueError). Checks what :func:`jax_moe.backends.cutlass.apply`
+    would, first."""
     from jax_moe.backends import cutlass
 
     cutlass.check_weights(w13, w2, cfg, quant, w13_bias, w2_bias)
+    transpose = transposes(cfg, quant) if transpose is None else bool(transpose)
+    if transpose and quant is not None:
+        raise ValueError("cutlass.prepare: transpose=True is bf16 only (the FP8 tensor cores read K-major weights)")
     if interleaves(cfg, quant):
         w13, w13_bias, cfg = interleave_gate_up(w13, w13_bias, cfg)
-    return Prepared(w13, w2, w13_bias, w2_bias, quant, cfg)
+    if transpose:
+        w13, w2 = transpose_experts(w13), transpose_experts(w2)
+    return Prepared(w13, w2, w13_bias, w2_bias, quant, cfg, transpose)
 
 
 def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, apply_router_weight_on_input: bool = False,
@@ -86,4 +119,5 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, apply_route
         raise TypeError(f"cutlass.apply_prepared: prepared must come from cutlass.prepare, got {type(prepared).__name__}")
     return cutlass.apply(x, prepared.w13, prepared.w2, topk_weights, topk_ids, prepared.cfg, quant=prepared.quant,
                          w13_bias=prepared.w13_bias, w2_bias=prepared.w2_bias,
-                         apply_router_weight_on_input=apply_router_weight_on_input, tile=tile)
+                         apply_router_weight_on_input=apply_router_weight_on_input, tile=tile,
+                         transposed=prepared.transposed)

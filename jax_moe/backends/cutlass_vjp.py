@@ -12,6 +12,10 @@ Forward (:func:`forward`), rows in expert-sorted order (:mod:`jax_moe.kernels`):
 Where nothing is saved for a backward (``residuals="recompute"``), the gate/up rows are
 interleaved and GEMM1 runs the pingpong tile, GEMM1 and the activation are one kernel (:mod:`jax_moe.backends.cutlass_act_gemm`),
 ``a2 = grouped_gemm_act(a1, w13, sort.offsets, activation, bias=b13)``, and h1 is never written.
+On transposed weights (``transposed=True``: w13 [E, H, 2I], w2 [E, I, H], N contiguous, the
+inference layout of :mod:`jax_moe.backends.cutlass_prepared`) both GEMMs read ``b [E, K, N]``
+(:func:`~jax_moe.backends.cutlass_grad_gemm.grouped_gemm_dgrad`'s kernel, and the act kind's
+``transposed`` form); nothing else changes.
 
 The activation follows ``cfg`` (silu, gelu, swigluoai with its alpha and limit; gate/up
 concatenated or interleaved; relu2 in jnp); the expert biases b13 [E, 2I] and b2 [E, H] are
@@ -87,7 +91,8 @@ def activation(h1, cfg: MoEConfig, valid, offsets, b13, dtype=jnp.bfloat16):
 
 
 def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None, w2_bias=None,
-            apply_router_weight_on_input: bool = False, tile: str = "auto", residuals: str = "save"):
+            apply_router_weight_on_input: bool = False, tile: str = "auto", residuals: str = "save",
+            transposed: bool = False):
     """The bf16 forward on checked arguments -> (out [T, H] in x's dtype, residuals).
 
     x [T, H] float (computed in bf16); w13 [E, 2I, H] bf16; w2 [E, H, I] bf16; topk_weights
@@ -95,20 +100,24 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None
     float32) or None. ``tile``: both GEMMs' (``"auto"``: each GEMM picks its own,
     :mod:`jax_moe.backends.cutlass_tiles`).
     ``residuals``: what the backward gets (see the module note); :func:`backward` takes them.
+    ``transposed``: w13 [E, H, 2I] and w2 [E, I, H] (N contiguous), ``residuals="recompute"`` only.
     """
     if residuals not in RESIDUALS:
         raise ValueError(f"residuals must be one of {RESIDUALS}, got {residuals!r}")
+    if transposed and residuals != "recompute":
+        raise ValueError("transposed weights are an inference layout: forward(..., residuals='recompute') only")
+    gemm = grouped_gemm_dgrad if transposed else grouped_gemm
     e, k = w13.shape[0], topk_ids.shape[1]
     tw = topk_weights.astype(jnp.float32)
     sort, valid = ffi.sort_by_expert_valid(topk_ids.astype(jnp.int32), e)  # valid [1]: rows of experts in [0, E)
     xin = x.astype(jnp.float32) * tw if apply_router_weight_on_input else x
     a1 = kernels.permute_rows(xin.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid, inverse=sort.inverse)
-    if residuals == "recompute" and forward_fuses(cfg, None, tile, a1, w13):  # no h1 to keep
-        a2 = gemm1_with_activation(a1, w13, sort.offsets, cfg, w13_bias=w13_bias, tile=tile)
+    if residuals == "recompute" and forward_fuses(cfg, None, tile, a1, w13, transposed):  # no h1 to keep
+        a2 = gemm1_with_activation(a1, w13, sort.offsets, cfg, w13_bias=w13_bias, tile=tile, transposed=transposed)
     else:
-        h1 = grouped_gemm(a1, w13, sort.offsets, tile=tile)
+        h1 = gemm(a1, w13, sort.offsets, tile=tile)
         a2 = activation(h1, cfg, valid, sort.offsets, w13_bias)
-    y = grouped_gemm(a2, w2, sort.offsets, tile=tile)
+    y = gemm(a2, w2, sort.offsets, tile=tile)
     out = kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid, out_dtype=x.dtype,
                                    apply_router_weight_on_input=apply_router_weight_on_input,
                                    **bias_options(w2_bias, sort.offsets))
