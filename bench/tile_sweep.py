@@ -138,11 +138,13 @@ def forward_model(m: moe_bench.Model, tokens) -> None:
         print(f"| {m.name} | {t} | " + " | ".join(cells) + " |", flush=True)
 
 
-def act_model(m: moe_bench.Model, tokens, kind: str = "bf16") -> None:
+def act_model(m: moe_bench.Model, tokens, kind: str = "bf16", results: dict | None = None) -> None:
     """bf16 GEMM1 per tile: alone, followed by the activation kernel, and with the activation in its
     epilogue (:func:`jax_moe.backends.cutlass_act_gemm.grouped_gemm_act`), on w13 interleaved
-    (``kind="bf16_kn"``: and transposed)."""
-    from jax_moe.backends.cutlass_act_gemm import grouped_gemm_act
+    (``kind="bf16_kn"``: and transposed). ``results``: each tile's time for GEMM1 and the activation
+    as the forward runs them (fused on the tiles that fuse, else the two kernels) under
+    ``"{kind}_act/E/N/K"``, the tile table's GEMM1-with-activation rows."""
+    from jax_moe.backends.cutlass_act_gemm import FUSED_TILES, grouped_gemm_act
     from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
 
     w13 = reorder_rows_for_gated_act_gemm(moe_bench.random_experts(m)[0])
@@ -159,12 +161,18 @@ def act_model(m: moe_bench.Model, tokens, kind: str = "bf16") -> None:
             jax.jit(lambda a, b, o, tile=tile: grouped_gemm_act(a, b, o, "silu", tile=tile, transposed=kn)))
     print(f"\n{kind}\n\n| model | T | tile | gemm1 ms | gemm1 + act ms | act in epilogue ms | gain |\n"
           "|---|---|---|---|---|---|---|")
+    e, n, k = m.e, 2 * m.i, m.h
     for t in tokens:
         inputs = [(op[1][0], w13, op[0]) for op in gemm_operands(m, t, "bf16")]
+        unit = {}
         for tile, (plain, two, fused) in fns.items():
             ms = [moe_bench.timeit(fn, inputs) for fn in (plain, two, fused)]
+            unit[tile] = ms[2] if tile in FUSED_TILES[kind] else ms[1]
             print(f"| {m.name} | {t} | {tile} | " + " | ".join(moe_bench.fmt(v) for v in ms) +
                   f" | {ms[1] / ms[2]:.2f}x |", flush=True)
+        if results is not None:
+            results.setdefault(f"{kind}_act/{e}/{n}/{k}", {})[str(t * m.k / e)] = unit
+        print(f"# {m.name} T={t}: GEMM1 + activation as the forward runs them, fastest on {min(unit, key=unit.get)}")
         del inputs
 
 
@@ -178,7 +186,7 @@ def table_from_figures(results: dict) -> dict:
         if key == "device":
             continue
         kind, e, n, k = key.split("/")
-        chosen, differs = [], False
+        chosen, differs = [], kind.endswith("_act")  # GEMM1-with-activation rows: all kept
         for r, cell in sorted(points.items(), key=lambda p: float(p[0])):
             if not cell:
                 continue
@@ -241,14 +249,12 @@ def main() -> None:
         sys.exit(f"tile_sweep needs the CUTLASS module on an SM90 GPU: {why}")
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}")
     results: dict = {"device": jax.devices()[0].device_kind}
-    if args.act:
-        for kind in args.kinds:
-            if kind == "fp8":
-                sys.exit("--act times the bf16 kinds (bf16, bf16_kn)")
-            for name in args.models:
-                act_model(moe_bench.MODELS[name], args.tokens, kind)
-        return
-    for kind in [] if args.forward_only else args.kinds:
+    for kind in args.kinds if args.act else []:
+        if kind == "fp8":
+            sys.exit("--act times the bf16 kinds (bf16, bf16_kn)")
+        for name in args.models:
+            act_model(moe_bench.MODELS[name], args.tokens, kind, results)
+    for kind in [] if args.forward_only or args.act else args.kinds:
         table: list = []
         cols = ["model", "GEMM", "T"] + [f"{tl} ms" for tl in cutlass_gemm.TILES] + ["best", "picked", "picked / best"]
         print(f"\n## {kind}\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)

@@ -184,6 +184,24 @@ def test_the_forward_fuses_gated_interleaved_bf16_and_static_fp8_on_the_pingpong
     assert not fuses_activation(inter, None, "pingpong_64x128")
 
 
+def test_the_forward_picks_gemm1s_tile_together_with_its_activation(monkeypatch):
+    """Where the layer may fuse, GEMM1's tile comes from the table's GEMM1-with-activation rows;
+    a layer that cannot fuse (concatenated gate/up) takes the GEMM's own pick."""
+    from jax_moe.backends import cutlass_tiles as ct
+    from jax_moe.backends.cutlass_act_gemm import forward_gemm1
+
+    e, h, i, rows = 16, 512, 128, 16 * 4
+    monkeypatch.setitem(ct.MEASURED, ("bf16_kn", e, 2 * i, h), ((4.0, "coop_128x128"),))
+    monkeypatch.setitem(ct.MEASURED, ("bf16_kn_act", e, 2 * i, h), ((4.0, "pingpong_64x256"),))
+    a1 = jax.ShapeDtypeStruct((rows, h), jnp.bfloat16)
+    w13t = jax.ShapeDtypeStruct((e, h, 2 * i), jnp.bfloat16)
+    cfg = dataclasses.replace(small_cfg(e, 2, h, i), gate_up_layout="interleaved")
+    assert forward_gemm1(cfg, None, "auto", a1, w13t, transposed=True) == ("pingpong_64x256", True)
+    concat = dataclasses.replace(cfg, gate_up_layout="concat")
+    assert forward_gemm1(concat, None, "auto", a1, w13t, transposed=True) == ("coop_128x128", False)
+    assert forward_gemm1(cfg, None, "coop_128x256", a1, w13t, transposed=True) == ("coop_128x256", False)
+
+
 def test_gemm1_tile_is_the_grouped_gemms_pick_or_the_forced_one():
     from jax_moe.backends.cutlass_gemm import pick_tile
 

@@ -40,7 +40,7 @@ def test_both_kinds_share_the_heuristic(r):
 def test_measured_table_is_sorted_and_positive():
     for key, points in ct.MEASURED.items():
         kind, e, n, k = key
-        assert kind in ("bf16", "fp8", "bf16_kn") and min(e, n, k) > 0, key
+        assert kind in ("bf16", "fp8", "bf16_kn", "bf16_act", "bf16_kn_act") and min(e, n, k) > 0, key
         rates = [r for r, _ in points]
         assert rates == sorted(rates) and rates[0] > 0, key
 
@@ -53,6 +53,18 @@ def test_a_measured_shape_takes_the_nearest_point_on_a_log_scale(monkeypatch):
     assert ct.pick_tile(16 * 4096, 16, n=256, k=512) == "pingpong_64x128"  # past the last point: the last
     assert ct.pick_tile(16 * 4096, 16) == "coop_128x256"  # no N, K: the heuristic
     assert ct.pick_tile(16 * 100, 16, n=256, k=512, kind="fp8") == "coop_128x128"  # another kind: heuristic
+
+
+def test_gemm1_with_its_activation_takes_its_own_rows_else_the_plain_kinds(monkeypatch):
+    """``kind + "_act"``: GEMM1 and the activation timed as one unit (a fused pingpong tile can beat
+    a cooperative tile that is faster for the GEMM alone); where the table has no such row, the
+    plain kind's, then the heuristic."""
+    monkeypatch.setitem(ct.MEASURED, ("bf16_kn", 16, 256, 512), ((4.0, "coop_128x128"),))
+    assert ct.pick_tile(16 * 4, 16, n=256, k=512, kind="bf16_kn_act") == "coop_128x128"
+    monkeypatch.setitem(ct.MEASURED, ("bf16_kn_act", 16, 256, 512), ((4.0, "pingpong_64x256"),))
+    assert ct.pick_tile(16 * 4, 16, n=256, k=512, kind="bf16_kn_act") == "pingpong_64x256"
+    assert ct.pick_tile(16 * 4, 16, n=256, k=512, kind="bf16_kn") == "coop_128x128"
+    assert ct.pick_tile(16 * 4, 16, n=64, k=512, kind="bf16_kn_act") == ct.heuristic_tile(4)
 
 
 def test_the_override_wins_and_is_checked(monkeypatch):

@@ -75,7 +75,7 @@ import jax.numpy as jnp
 
 from jax_moe import decode, ffi, kernels
 from jax_moe.backends import cutlass_vjp
-from jax_moe.backends.cutlass_act_gemm import forward_fuses, gemm1_with_activation
+from jax_moe.backends.cutlass_act_gemm import forward_gemm1, gemm1_with_activation
 from jax_moe.backends.cutlass_prepared import Prepared, apply_prepared, prepare  # noqa: F401  (MoEBlock.prepare())
 from jax_moe.backends.cutlass_vjp import activation as _activation
 from jax_moe.backends.cutlass_vjp import act_options, bias_options
@@ -323,12 +323,13 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     a1, s1 = _fp8_gemm1_input(xin, sort, k, valid, quant)
     s13 = jnp.asarray(quant.w13_scale, jnp.float32)
     # where it pays, GEMM1's epilogue takes the scales, the bias, the activation and GEMM2's static quantization
-    if forward_fuses(cfg, quant, tile, a1, w13):
+    tile1, fused = forward_gemm1(cfg, quant, tile, a1, w13)
+    if fused:
         s2 = _per_tensor_scale(quant.a2_scale, None)
-        a2 = gemm1_with_activation(a1, w13, sort.offsets, cfg, w13_bias=w13_bias, tile=tile, a_scale=s1, b_scale=s13,
+        a2 = gemm1_with_activation(a1, w13, sort.offsets, cfg, w13_bias=w13_bias, tile=tile1, a_scale=s1, b_scale=s13,
                                    out_scale=s2)
     else:
-        h1 = grouped_gemm(a1, w13, sort.offsets, a_scale=s1, b_scale=s13, tile=tile)
+        h1 = grouped_gemm(a1, w13, sort.offsets, a_scale=s1, b_scale=s13, tile=tile1)
         a2, s2 = _fp8_gemm2_input(h1, cfg, valid, quant, sort.offsets, w13_bias)
     y = grouped_gemm(a2, w2, sort.offsets, a_scale=s2, b_scale=jnp.asarray(quant.w2_scale, jnp.float32),
                      tile=tile)

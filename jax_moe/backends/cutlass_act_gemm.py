@@ -87,21 +87,26 @@ def fuses_activation(cfg: MoEConfig, quant=None, tile: str | None = None, transp
             and n % ALIGN_N["fp8_act"] == 0)
 
 
-def gemm1_tile(tile: str | None, rows: int, w13, kind: str) -> str:
-    """GEMM1's tile as :func:`grouped_gemm` resolves it: ``tile`` if forced, else the pick for
-    ``rows`` expert-sorted rows against w13 of ``kind``: ``"bf16"`` or ``"fp8"`` (w13 [E, 2I, H]),
-    ``"bf16_kn"`` (w13 [E, H, 2I], transposed)."""
+def gemm1_tile(tile: str | None, rows: int, w13, kind: str, with_activation: bool = False) -> str:
+    """GEMM1's tile: ``tile`` if forced, else the pick for ``rows`` expert-sorted rows against w13
+    of ``kind``: ``"bf16"`` or ``"fp8"`` (w13 [E, 2I, H]), ``"bf16_kn"`` (w13 [E, H, 2I],
+    transposed); ``with_activation``: from the tile table's GEMM1-with-activation rows (GEMM1 and
+    the activation timed as one unit), else as :func:`grouped_gemm` picks."""
     e, n, k = w13.shape
     if kind == "bf16_kn":
         n, k = k, n
-    return _resolve_tile(tile, rows, e, n=n, k=k, kind=kind)
+    return _resolve_tile(tile, rows, e, n=n, k=k, kind=f"{kind}_act" if with_activation else kind)
 
 
-def forward_fuses(cfg: MoEConfig, quant, tile: str | None, a1, w13, transposed: bool = False) -> bool:
-    """:func:`fuses_activation` for a forward's GEMM1 on rows a1 [M, H] against w13 ([E, H, 2I]
-    when ``transposed``), its tile resolved."""
+def forward_gemm1(cfg: MoEConfig, quant, tile: str | None, a1, w13, transposed: bool = False) -> tuple[str, bool]:
+    """A forward's GEMM1 (nothing kept for a backward) on rows a1 [M, H] against w13 ([E, H, 2I]
+    when ``transposed``) -> (its tile, whether the activation goes into its epilogue). Where the
+    layer may fuse (:func:`fuses_activation` on some tile) the tile is picked for GEMM1 and the
+    activation together (:func:`gemm1_tile` ``with_activation``): a pingpong tile with the
+    activation fused can beat a cooperative tile that is faster for the GEMM alone."""
     kind = "fp8" if quant is not None else "bf16_kn" if transposed else "bf16"
-    return fuses_activation(cfg, quant, gemm1_tile(tile, a1.shape[0], w13, kind), transposed)
+    tile = gemm1_tile(tile, a1.shape[0], w13, kind, with_activation=fuses_activation(cfg, quant, None, transposed))
+    return tile, fuses_activation(cfg, quant, tile, transposed)
 
 
 def gemm1_with_activation(a1, w13, offsets, cfg: MoEConfig, *, w13_bias=None, tile: str | None = "auto",

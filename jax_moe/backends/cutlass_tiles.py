@@ -25,7 +25,11 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
    heuristic's by more than :data:`MIN_GAIN`. Kinds: ``"bf16"`` and ``"fp8"`` (weights ``[E, N, K]``
    as stored) and ``"bf16_kn"`` (the same product on transposed weights ``[E, K, N]``, the
    prepared layout: the same tiles stream the weights differently, so they are measured apart);
-   N and K are the product's (``d [M, N] = a [M, K] @ w[e]``) whatever the layout.
+   N and K are the product's (``d [M, N] = a [M, K] @ w[e]``) whatever the layout. A kind with
+   ``"_act"`` appended (``"bf16_kn_act"``) is a gated layer's GEMM1 and its activation timed as
+   one unit (the activation in the epilogue on the tiles that fuse it, the activation kernel
+   after the others): the forward's GEMM1 pick where it may fuse, falling back to the plain
+   kind's rows.
 3. Otherwise the heuristic :func:`heuristic_tile`, the same for both kinds: pingpong below
    :data:`DECODE_ROWS_PER_EXPERT`, 128x256 from :data:`WIDE_ROWS_PER_EXPERT`, 128x128 between.
 
@@ -294,7 +298,8 @@ def measured_tile(kind: str, groups: int, n: int, k: int, rows_per_expert: float
 def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None = None,
               kind: str = "bf16") -> str:
     """The tile for a grouped GEMM of ``rows`` expert-sorted rows over ``num_groups`` experts,
-    ``d [rows, n] = a [rows, k] @ b[e]`` of ``kind`` (``"bf16"``, ``"fp8"`` or ``"bf16_kn"``): the
+    ``d [rows, n] = a [rows, k] @ b[e]`` of ``kind`` (``"bf16"``, ``"fp8"`` or ``"bf16_kn"``, or one
+    of them with ``"_act"``: GEMM1 with its activation, else the plain kind's rows): the
     override, else the measured table (when ``n`` and ``k`` are given), else the heuristic (see
     the module note)."""
     forced = os.environ.get(TILE_ENV)
@@ -304,7 +309,8 @@ def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None
         return forced
     r = rows / max(num_groups, 1)
     if n is not None and k is not None:
-        tile = measured_tile(kind, num_groups, n, k, r)
-        if tile is not None:
-            return tile
+        for table_kind in (kind, kind.removesuffix("_act")):
+            tile = measured_tile(table_kind, num_groups, n, k, r)
+            if tile is not None:
+                return tile
     return heuristic_tile(r)

@@ -52,7 +52,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_moe import ffi, kernels
 from jax_moe.activations import activate
-from jax_moe.backends.cutlass_act_gemm import forward_fuses, gemm1_with_activation
+from jax_moe.backends.cutlass_act_gemm import forward_gemm1, gemm1_with_activation
 from jax_moe.backends.cutlass_gemm import grouped_gemm
 from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
 from jax_moe.config import MoEConfig
@@ -112,10 +112,11 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None
     sort, valid = ffi.sort_by_expert_valid(topk_ids.astype(jnp.int32), e)  # valid [1]: rows of experts in [0, E)
     xin = x.astype(jnp.float32) * tw if apply_router_weight_on_input else x
     a1 = kernels.permute_rows(xin.astype(jnp.bfloat16), sort.sorted_slots, k, valid_rows=valid, inverse=sort.inverse)
-    if residuals == "recompute" and forward_fuses(cfg, None, tile, a1, w13, transposed):  # no h1 to keep
-        a2 = gemm1_with_activation(a1, w13, sort.offsets, cfg, w13_bias=w13_bias, tile=tile, transposed=transposed)
+    tile1, fused = forward_gemm1(cfg, None, tile, a1, w13, transposed) if residuals == "recompute" else (tile, False)
+    if fused:  # no h1 to keep
+        a2 = gemm1_with_activation(a1, w13, sort.offsets, cfg, w13_bias=w13_bias, tile=tile1, transposed=transposed)
     else:
-        h1 = gemm(a1, w13, sort.offsets, tile=tile)
+        h1 = gemm(a1, w13, sort.offsets, tile=tile1)
         a2 = activation(h1, cfg, valid, sort.offsets, w13_bias)
     y = gemm(a2, w2, sort.offsets, tile=tile)
     out = kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid, out_dtype=x.dtype,
