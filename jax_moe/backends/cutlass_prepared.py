@@ -30,6 +30,7 @@ parallelism runs the float weights (``parallel_fused_experts(..., backend="cutla
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 import jax
@@ -82,9 +83,12 @@ def interleaves(cfg: MoEConfig, quant=None) -> bool:
 def interleave_gate_up(w13, w13_bias, cfg: MoEConfig):
     """w13 [E, 2I, H] and its bias [E, 2I] (or None) from ``[gate; up]`` to the interleaved order
     -> (w13, w13_bias, cfg with ``gate_up_layout="interleaved"``). Any dtype: a row permutation."""
+    return (*_interleave_rows(w13, w13_bias), dataclasses.replace(cfg, gate_up_layout="interleaved"))
+
+
+def _interleave_rows(w13, w13_bias):
     return (reorder_rows_for_gated_act_gemm(w13),
-            None if w13_bias is None else reorder_rows_for_gated_act_gemm(w13_bias, axis=-1),
-            dataclasses.replace(cfg, gate_up_layout="interleaved"))
+            None if w13_bias is None else reorder_rows_for_gated_act_gemm(w13_bias, axis=-1))
 
 
 def prepare(w13, w2, cfg: MoEConfig, quant=None, *, w13_bias=None, w2_bias=None,
@@ -100,11 +104,23 @@ def prepare(w13, w2, cfg: MoEConfig, quant=None, *, w13_bias=None, w2_bias=None,
     transpose = transposes(cfg, quant) if transpose is None else bool(transpose)
     if transpose and quant is not None:
         raise ValueError("cutlass.prepare: transpose=True is bf16 only (the FP8 tensor cores read K-major weights)")
-    if interleaves(cfg, quant):
-        w13, w13_bias, cfg = interleave_gate_up(w13, w13_bias, cfg)
+    interleave = interleaves(cfg, quant)
+    if interleave:
+        cfg = dataclasses.replace(cfg, gate_up_layout="interleaved")
+    if interleave or transpose:
+        w13, w13_bias = _repack_w13(w13, w13_bias, interleave, transpose)
     if transpose:
-        w13, w2 = transpose_experts(w13), transpose_experts(w2)
+        w2 = transpose_experts(w2)
     return Prepared(w13, w2, w13_bias, w2_bias, quant, cfg, transpose)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _repack_w13(w13, w13_bias, interleave: bool, transpose: bool):
+    """w13 (and its bias) interleaved and/or transposed in one program: one copy of w13 at a time
+    besides the stored one, where two eager steps would hold three."""
+    if interleave:
+        w13, w13_bias = _interleave_rows(w13, w13_bias)
+    return (transpose_experts(w13) if transpose else w13), w13_bias
 
 
 def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, apply_router_weight_on_input: bool = False,
