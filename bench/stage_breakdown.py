@@ -12,7 +12,8 @@ launches) and ``glue`` (XLA fusions between the custom calls).
 
 Methods:
 
-- ``trace`` (GPU): the routing call and the forwards run under one ``jax.profiler`` trace; each
+- ``trace`` (GPU): the routing call and the forwards (``cutlass`` on the weights of
+  ``cutlass.prepare``, as ``MoEBlock.prepare()`` leaves them) run under one ``jax.profiler`` trace; each
   kernel's device time is attributed to a stage by its name and position
   (:mod:`bench.kernel_trace`). Also reported: kernels per forward, their summed busy time, the span
   from the first kernel's start to the last one's end (span - busy = launch gaps) and the per-call
@@ -62,8 +63,14 @@ def gemm_floors(m: Model, t: int, bw: float, peak: float) -> tuple[float, float]
 
 
 def cutlass_fn(cfg: MoEConfig):
-    """The forward as the bench times it: ``fn(x, (w13, w2), topk_weights, topk_ids)``."""
+    """The forward on stored weights: ``fn(x, (w13, w2), topk_weights, topk_ids)``."""
     return lambda x, ws, w, ids: cutlass.apply(x, *ws, w, ids, cfg)
+
+
+def prepared_fn():
+    """The forward as the bench times it, on the weights of ``cutlass.prepare`` (what
+    ``MoEBlock.prepare()`` leaves): ``fn(x, prepared, topk_weights, topk_ids)``."""
+    return lambda x, p, w, ids: cutlass.apply_prepared(x, p, w, ids)
 
 
 def alone_stages(m: Model, x, w13, w2, w, ids, logits) -> dict[str, float]:
@@ -154,14 +161,16 @@ def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: fl
     """Rows of the breakdown for model ``m`` at each T (printed as they come)."""
     cfg = MoEConfig(m.e, m.k, m.h, m.i)
     w13, w2 = random_experts(m)
-    fwd = cutlass_fn(cfg)
+    traced_on_prepared = method == "trace"  # the stages of the forward MoEBlock.prepare() runs
+    weights = cutlass.prepare(w13, w2, cfg) if traced_on_prepared else (w13, w2)
+    fwd = prepared_fn() if traced_on_prepared else cutlass_fn(cfg)
     tk = peers.tokamax_prepare(w13, w2) if peer else None
     rows = []
     for t in tokens:
         x, w, ids = routed_inputs(m, t, sets=1)[0]
         logits = jax.random.normal(jax.random.key(7), (t, m.e), jnp.float32)
         floors = gemm_floors(m, t, bw, peak)
-        impls = {"cutlass": (jax.jit(fwd), (x, (w13, w2), w, ids))}
+        impls = {"cutlass": (jax.jit(fwd), (x, weights, w, ids))}
         if tk is not None:
             impls["tokamax"] = (jax.jit(peers.tokamax_moe), (x, tk, w, ids))
         traced = traced_stages(impls, logits, m.k, calls) if method == "trace" else None
@@ -185,7 +194,7 @@ def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: fl
                 continue
             rows.append(row)
             print(format_row(row), flush=True)
-    del w13, w2, tk
+    del w13, w2, tk, weights
     return rows
 
 
