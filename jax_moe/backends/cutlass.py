@@ -29,10 +29,11 @@ fuse everywhere).
 rows then up rows, or alternating with ``gate_up_layout="interleaved"``; ``w2 [E, H, I]``, K
 contiguous): no repack, no per-call weight pass. ``MoEBlock.prepare()`` (:func:`prepare`)
 transposes bf16 weights once at load time (``transposed=True``: w13 [E, H, 2I], w2 [E, I, H], N
-contiguous, the faster weight stream on the H100), the same pipeline on the transposed GEMM kinds. GPT-OSS layers (``swigluoai``, interleaved
-gate/up, expert biases) run as they are stored: the activation kernel splits gate and up per the
-layout and adds each row's GEMM1 bias (its expert found from the offsets) before the activation,
-and the un-permute adds each row's GEMM2 bias before the routing weight.
+contiguous, the faster weight stream on the H100), the same pipeline on the transposed GEMM
+kinds. GPT-OSS layers (``swigluoai``, interleaved gate/up, expert biases) run as they are stored:
+the activation kernel splits gate and up per the layout and adds each row's GEMM1 bias (its
+expert found from the offsets) before the activation, and the un-permute adds each row's GEMM2
+bias before the routing weight.
 
 FP8 (``quant=QuantConfig("fp8", ...)``: float8_e4m3fn weights with per-tensor ``[]``, per-expert
 ``[E]`` or per-channel ``[E, N, 1]`` scales) runs the same pipeline on FP8 rows, each GEMM's
