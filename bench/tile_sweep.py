@@ -39,7 +39,7 @@ from bench import moe_bench, peers  # noqa: E402
 from jax_moe import ffi, kernels  # noqa: E402
 from jax_moe.backends import cutlass, cutlass_gemm, cutlass_tiles  # noqa: E402
 from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad  # noqa: E402
-from jax_moe.backends.cutlass_prepared import transpose_experts  # noqa: E402
+from jax_moe.layouts.transposed import transpose_experts  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.quant import fp8  # noqa: E402
 

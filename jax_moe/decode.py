@@ -29,6 +29,7 @@ import numpy as np
 from jax_moe.activations import activate
 from jax_moe.config import FLOAT_DTYPES, MoEConfig, check_dtype, check_rank
 from jax_moe.kernels import ACTIVATIONS, LAYOUTS, _native
+from jax_moe.layouts.transposed import transpose_experts
 
 MAX_SLOTS = 16  # T*k at most this: the decode path (more slots: the grouped pipeline)
 
@@ -72,7 +73,7 @@ def decode_moe_reference(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, 
     float32 sums. Transposed weights are swapped back to the stored layout first."""
     _check(x, w13, w2, topk_weights, topk_ids, cfg, transposed)
     if transposed:
-        w13, w2 = jnp.swapaxes(w13, 1, 2), jnp.swapaxes(w2, 1, 2)
+        w13, w2 = transpose_experts(w13), transpose_experts(w2)
     return _reference(x.astype(jnp.bfloat16), w13, w2, topk_weights.astype(jnp.float32), topk_ids, cfg,
                       w13_bias, w2_bias, jnp.dtype(out_dtype or x.dtype))
 
@@ -120,7 +121,7 @@ def decode_moe(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Ar
 
     def reference(xb, w, ids, w13, w2, b13, b2):
         if transposed:
-            w13, w2 = jnp.swapaxes(w13, 1, 2), jnp.swapaxes(w2, 1, 2)
+            w13, w2 = transpose_experts(w13), transpose_experts(w2)
         return _reference(xb, w13, w2, w, ids, cfg, b13, b2, out_dt)
 
     def cuda(xb, w, ids, w13, w2, b13, b2):

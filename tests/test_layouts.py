@@ -170,6 +170,15 @@ def test_gated_shape_errors(rng, fn):
 
 
 # ------------------------------------------------------------------ shuffle_matrix_a
+def test_transposed_layout_swaps_each_experts_axes_and_is_its_own_inverse(rng):
+    w = jnp.asarray(rng.standard_normal((3, 8, 5)), jnp.bfloat16)  # [E, N, K]
+    t = L.transpose_experts(w)
+    assert t.shape == (3, 5, 8) and L.transposed_shape(w) == jax.ShapeDtypeStruct((3, 5, 8), jnp.bfloat16)
+    for e in range(3):
+        np.testing.assert_array_equal(np.asarray(t[e]), np.asarray(w[e]).T)
+    np.testing.assert_array_equal(np.asarray(L.transpose_experts(t)), np.asarray(w))
+
+
 def test_shuffle_block_table():
     # FlashInfer srcToDstBlk32RowMap / srcToDstBlk16RowMap: destination of each source offset
     blk32 = [0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,

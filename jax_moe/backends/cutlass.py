@@ -104,6 +104,7 @@ from jax_moe.backends.cutlass_gemm import (  # noqa: F401  (the GEMM layer's nam
 )
 from jax_moe.config import FLOAT_DTYPES, check_dtype, check_rank, check_shape
 from jax_moe.device import sm90_refusal
+from jax_moe.layouts.transposed import transposed_shape
 from jax_moe.permute import batched_rows_used
 from jax_moe.quant import fp8
 
@@ -246,7 +247,7 @@ def _stored_views(w13, w2, transposed: bool, quant):
     if w2.shape[2] != w13.shape[1] or w2.shape[0] != w13.shape[0]:
         raise ValueError(f"{NAME}: transposed w13 must be [E, H, 2I] and w2 [E, I, H] with one E and H, "
                          f"got w13 {list(w13.shape)}, w2 {list(w2.shape)}")
-    return tuple(jax.ShapeDtypeStruct((w.shape[0], w.shape[2], w.shape[1]), w.dtype) for w in (w13, w2))
+    return transposed_shape(w13), transposed_shape(w2)
 
 
 def check_weights(w13, w2, cfg, quant=None, w13_bias=None, w2_bias=None) -> None:

@@ -50,6 +50,7 @@ from jax_moe.backends.cutlass_gemm import (
 )
 from jax_moe.config import MoEConfig, check_rank
 from jax_moe.kernels import ACTIVATIONS  # the gated activations' kAct codes, shared with act_and_mul
+from jax_moe.layouts.transposed import transpose_experts, transposed_shape
 from jax_moe.quant import fp8
 
 ALIGN_N = {"bf16_act": 16, "fp8_act": 32, "bf16_act_kn": 16}  # N = 2I: 16-byte rows of d [M, I] (bf16 / e4m3)
@@ -130,7 +131,7 @@ def _stored_view(a, b, transposed: bool):
                          f"got a {dtype_name(a)}, b {dtype_name(b)}")
     if a.ndim == 2 and b.shape[1] != a.shape[1]:
         raise ValueError(f"transposed b must be [E, K, 2I] with a's K = {a.shape[1]}, got shape {list(b.shape)}")
-    return jax.ShapeDtypeStruct((b.shape[0], b.shape[2], b.shape[1]), b.dtype)
+    return transposed_shape(b)
 
 
 def _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile,
@@ -195,7 +196,7 @@ def grouped_gemm_act_reference(a, b, offsets, activation: str = "silu", *, alpha
     :func:`jax_moe.activations.activate` on interleaved gate/up, then d's dtype."""
     kind, _ = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile, transposed)
     if transposed:
-        b = jnp.swapaxes(b, 1, 2)
+        b = transpose_experts(b)
     scales = (None, None) if kind != "fp8_act" else _row_col_scales(a_scale, b_scale, (a.shape[0],), b.shape[0],
                                                                      b.shape[1])
     return _act_reference(a, b, offsets, *scales, bias, out_scale, _cfg(b, activation, alpha, limit))
@@ -224,11 +225,12 @@ def grouped_gemm_act(a: jax.Array, b: jax.Array, offsets: jax.Array, activation:
     module: :func:`grouped_gemm_act_reference`.
     """
     kind, tile = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile, transposed)
-    m, (e, n, _) = a.shape[0], _stored_view(a, b, transposed).shape
+    stored = _stored_view(a, b, transposed)
+    m, (e, n, _) = a.shape[0], stored.shape
     out_dt = jnp.float8_e4m3fn if kind == "fp8_act" else jnp.bfloat16
     if m == 0:
         return jnp.zeros((0, n // 2), out_dt)
-    cfg = _cfg(_stored_view(a, b, transposed), activation, alpha, limit)
+    cfg = _cfg(stored, activation, alpha, limit)
     if kind == "fp8_act":
         row, col = _row_col_scales(a_scale, b_scale, (m,), e, n)
         out = jnp.reshape(jnp.asarray(out_scale, jnp.float32), (1,))
@@ -239,7 +241,7 @@ def grouped_gemm_act(a: jax.Array, b: jax.Array, offsets: jax.Array, activation:
     def default(a, b, offsets, row, col, bias_in, out):
         scaled = kind == "fp8_act"
         if transposed:
-            b = jnp.swapaxes(b, 1, 2)
+            b = transpose_experts(b)
         return _act_reference(a, b, offsets, row if scaled else None, col if scaled else None,
                               None if bias is None else bias_in, out[0] if scaled else None, cfg)
 

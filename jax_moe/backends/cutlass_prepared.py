@@ -3,7 +3,7 @@
 Two repacks, both exact (a permutation of the weights, nothing rounded):
 
 - **Transposed** (bf16, :func:`transposes`): w13 [E, 2I, H] -> [E, H, 2I] and w2 [E, H, I] ->
-  [E, I, H], N contiguous (:func:`transpose_experts`). The grouped GEMMs read the same products
+  [E, I, H], N contiguous (:mod:`jax_moe.layouts.transposed`). The grouped GEMMs read the same products
   from it (``b [E, K, N]``: :func:`~jax_moe.backends.cutlass_grad_gemm.grouped_gemm_dgrad`'s kernel,
   the act kind's ``transposed`` form, the decode path's column GEMVs), and on the H100 that weight
   stream is the faster one where the layer is weight-bound: neighbouring CTAs read neighbouring
@@ -34,10 +34,10 @@ import functools
 from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 
 from jax_moe.config import ACTIVATIONS, MoEConfig
 from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
+from jax_moe.layouts.transposed import transpose_experts
 
 if TYPE_CHECKING:
     from jax_moe.quant.scheme import QuantConfig
@@ -67,11 +67,6 @@ class Prepared:
 def transposes(cfg: MoEConfig, quant=None) -> bool:
     """Whether :func:`prepare` transposes ``cfg``'s weights by default: bf16 weights (FP8 stays K-major)."""
     return quant is None
-
-
-def transpose_experts(w):
-    """[E, N, K] -> [E, K, N] (and back): each expert's matrix transposed, any dtype."""
-    return jnp.swapaxes(w, 1, 2)
 
 
 def interleaves(cfg: MoEConfig, quant=None) -> bool:

@@ -12,6 +12,8 @@ the 128x4 scale tile, pad sizes) live in :mod:`jax_moe.layouts.common` only.
   vLLM ``swizzle_mxfp4_scales``) and the FP8 / NVFP4 alpha scales
 * :mod:`~jax_moe.layouts.mixed_gemm` — the SM90 mixed-input GEMM's 4-bit weight interleave and
   folded scales (FlashInfer CUTLASS W4A16 MXFP4)
+* :mod:`~jax_moe.layouts.transposed` — the N-contiguous expert layout (``[E, N, K]`` <-> ``[E, K, N]``)
+  that the cutlass backend prepares bf16 weights in
 * :mod:`~jax_moe.layouts.blockscale` — the FP8 128x128 block-scale operands (FlashInfer CUTLASS
   ``fp8_block``, DeepSeek-V3): stored layout, gated halves swapped for weights and scales alike
 
@@ -113,6 +115,7 @@ from jax_moe.layouts.shuffle import (
     unshuffle_matrix_a,
     unshuffle_matrix_sf_a,
 )
+from jax_moe.layouts.transposed import transpose_experts, transposed_shape
 
 __all__ = [
     "BLOCK_MAJOR_K",
@@ -174,6 +177,8 @@ __all__ = [
     "swap_w31_to_w13_block_scales",
     "swizzle_mxfp4_scales",
     "to_trtllm_gated_rows",
+    "transpose_experts",
+    "transposed_shape",
     "trtllm_fp8_output_scales",
     "trtllm_nvfp4_output_scales",
     "undo_reorder_rows_for_gated_act_gemm",
