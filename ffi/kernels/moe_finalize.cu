@@ -1,8 +1,11 @@
 // CUDA handler of unpermute_reduce (contract in moe_prepare_finalize.h, reference in jax_moe/kernels.py):
-// one CUDA block per token; its k slots' rows, weights and (with a bias) experts are staged in shared
-// memory, then each thread sums V columns over the slots in float32, the row's expert bias added to
-// each row before its weight. Slots whose row is at or past valid_rows (expert
-// ids outside [0, E), sorted last) are skipped, so whatever those rows hold never reaches the output.
+// block (x: token, y: chunk of the row's columns). The token's k slots' rows, weights and (with a bias)
+// experts are staged in shared memory, then each thread sums V columns over the slots in float32, slot
+// order, the row's expert bias added to each row before its weight; the slots' loads go kSlotBatch at a
+// time, all in flight before their sums. A row splits into chunks where there are few tokens, so that
+// the grid still fills the GPU (one block per token at T=64 is 64 blocks for 132 SMs). Slots whose row
+// is at or past valid_rows (expert ids outside [0, E), sorted last) are skipped, so whatever those rows
+// hold never reaches the output.
 #include <cstdint>
 #include <limits>
 
@@ -13,10 +16,14 @@ namespace {
 
 constexpr int64_t kMaxTopK = 1024;  // shared memory: 12 bytes per slot
 
+constexpr int kSlotBatch = 4;         // slots whose loads are in flight together
+constexpr int64_t kFillBlocks = 1024;  // a row splits into chunks until the grid has this many blocks,
+constexpr int64_t kMinChunk = 64;      // but a chunk keeps at least this many vectors (two warps)
+
 template <typename In, typename Out, int V>
 __global__ void UnpermuteReduce(const In* y, const int32_t* inverse, const float* weights,
                                 const int32_t* valid_rows, const float* bias, const int32_t* offsets, int experts,
-                                int64_t m, int64_t h, int k, bool weighted, Out* out) {
+                                int64_t m, int64_t h, int k, int64_t chunk, bool weighted, Out* out) {
   extern __shared__ int32_t slot_row[];  // [k] rows, then [k] weights, then [k] experts
   float* slot_w = reinterpret_cast<float*>(slot_row + k);
   int32_t* slot_e = slot_row + 2 * k;
@@ -30,22 +37,30 @@ __global__ void UnpermuteReduce(const In* y, const int32_t* inverse, const float
     slot_e[j] = ok && bias != nullptr ? ExpertOfRow(offsets, experts, row) : 0;
   }
   __syncthreads();
-  for (int64_t c = threadIdx.x; c < h / V; c += blockDim.x) {
+  const int64_t first = int64_t(blockIdx.y) * chunk, end = first + chunk < h / V ? first + chunk : h / V;
+  for (int64_t c = first + threadIdx.x; c < end; c += blockDim.x) {
     float acc[V] = {};
-    for (int j = 0; j < k; ++j) {
-      const int32_t row = slot_row[j];
-      if (row < 0) continue;
-      float v[V];
-      LoadF32<In, V>(y + int64_t(row) * h + c * V, v);
-      if (bias != nullptr) {
-        float b[V];
-        LoadF32<float, V>(bias + int64_t(slot_e[j]) * h + c * V, b);
+    for (int j0 = 0; j0 < k; j0 += kSlotBatch) {
+      float v[kSlotBatch][V];
 #pragma unroll
-        for (int i = 0; i < V; ++i) v[i] += b[i];
+      for (int u = 0; u < kSlotBatch; ++u) {
+        const int32_t row = j0 + u < k ? slot_row[j0 + u] : -1;
+        if (row < 0) continue;
+        LoadF32<In, V>(y + int64_t(row) * h + c * V, v[u]);
+        if (bias != nullptr) {
+          float b[V];
+          LoadF32<float, V>(bias + int64_t(slot_e[j0 + u]) * h + c * V, b);
+#pragma unroll
+          for (int i = 0; i < V; ++i) v[u][i] += b[i];
+        }
       }
-      const float w = slot_w[j];
 #pragma unroll
-      for (int i = 0; i < V; ++i) acc[i] += w * v[i];
+      for (int u = 0; u < kSlotBatch; ++u) {
+        if (j0 + u >= k || slot_row[j0 + u] < 0) continue;
+        const float w = slot_w[j0 + u];
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] += w * v[u][i];
+      }
     }
     StoreF32<Out, V>(out + t * h + c * V, acc);
   }
@@ -56,9 +71,13 @@ ffi::Error Launch(cudaStream_t stream, const In* y, const int32_t* inverse, cons
                   const int32_t* valid_rows, const float* bias, const int32_t* offsets, int64_t experts, int64_t m,
                   int64_t t, int64_t h, int64_t k, bool weighted, Out* out) {
   const size_t smem = static_cast<size_t>(k) * (2 * sizeof(int32_t) + sizeof(float));
-  UnpermuteReduce<In, Out, V><<<static_cast<unsigned>(t), RowThreads(h / V), smem, stream>>>(
-      y, inverse, weights, valid_rows, bias, offsets, static_cast<int>(experts), m, h, static_cast<int>(k), weighted,
-      out);
+  const int64_t vectors = h / V, most = (vectors + kMinChunk - 1) / kMinChunk;
+  const int64_t want = (kFillBlocks + t - 1) / t, chunks = want < most ? want : most;
+  const int64_t chunk = (vectors + chunks - 1) / chunks;
+  UnpermuteReduce<In, Out, V><<<dim3(static_cast<unsigned>(t), static_cast<unsigned>(chunks)), RowThreads(chunk),
+                                smem, stream>>>(y, inverse, weights, valid_rows, bias, offsets,
+                                                static_cast<int>(experts), m, h, static_cast<int>(k), chunk,
+                                                weighted, out);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
 }
