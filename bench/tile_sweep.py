@@ -4,8 +4,11 @@ Times :func:`jax_moe.backends.cutlass_gemm.grouped_gemm` alone, each tile of ``T
 the two GEMMs of a layer (GEMM1: ``a [T*k, H] @ w13 [E, 2I, H]``; GEMM2: ``a [T*k, I] @ w2 [E, H, I]``;
 kind ``bf16_kn``: the same products on the transposed weights, ``w13 [E, H, 2I]`` and ``w2 [E, I, H]``,
 through :func:`jax_moe.backends.cutlass_grad_gemm.grouped_gemm_dgrad`'s kernel)
-with the rows of a random softmax top-k routing, in one process, the tiles interleaved per cell
-(medians after warm-up, inputs rotated). Optionally the whole forward per tile next to tokamax
+with the rows of a random softmax top-k routing, in one process, the tiles interleaved per cell.
+Each figure is device time per call: the median over a jitted loop of calls, each on the next
+routing's expert offsets (:func:`bench.in_loop.repeated_ms`, about ``LOOP_MS`` per loop), so
+the host's dispatch, which is most of a per-call figure below a millisecond, does not pick the
+tile (``--timer call``: the per-call medians instead). Optionally the whole forward per tile next to tokamax
 (``--forward``), to see what a tile choice is worth end to end.
 
     python bench/tile_sweep.py                                   # the four models, bf16
@@ -35,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench import moe_bench, peers  # noqa: E402
+from bench import in_loop, moe_bench, peers  # noqa: E402
 from jax_moe import ffi, kernels  # noqa: E402
 from jax_moe.backends import cutlass, cutlass_gemm, cutlass_tiles  # noqa: E402
 from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad  # noqa: E402
@@ -44,6 +47,7 @@ from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.quant import fp8  # noqa: E402
 
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+LOOP_MS = 4.0  # device time of one timed loop of --timer loop
 KINDS = (*cutlass_gemm.KINDS, "bf16_kn")  # bf16_kn: the bf16 forward on transposed weights
 
 
@@ -76,7 +80,23 @@ def fp8_weights(w13, w2):
     return q(w13), q(w2)
 
 
-def sweep_model(m: moe_bench.Model, tokens, kind: str, results: dict, table: list) -> None:
+def loop_timer(fn, inputs: list[tuple], vary: int) -> float:
+    """Device ms per call of ``fn``: about ``LOOP_MS`` of calls in one jitted loop, argument
+    ``vary`` (the expert offsets) cycled over the routing sets of ``inputs``."""
+    probe = moe_bench.timeit(fn, inputs, min_iters=3, max_iters=3)  # with dispatch: an upper bound
+    reps = max(2, min(64, round(LOOP_MS / probe)))
+    return in_loop.repeated_ms(fn, inputs, vary, reps, moe_bench.timeit)
+
+
+def call_timer(fn, inputs: list[tuple], vary: int) -> float:
+    """Median ms of blocked calls, the host's dispatch included."""
+    return moe_bench.timeit(fn, inputs)
+
+
+TIMERS = {"loop": loop_timer, "call": call_timer}
+
+
+def sweep_model(m: moe_bench.Model, tokens, kind: str, results: dict, table: list, timer=loop_timer) -> None:
     w13, w2 = moe_bench.random_experts(m)
     if kind == "fp8":
         (w13, s13), (w2, s2) = fp8_weights(w13, w2)
@@ -101,7 +121,7 @@ def sweep_model(m: moe_bench.Model, tokens, kind: str, results: dict, table: lis
             for tile, fn in fns.items():
                 inputs = [(op[which][0], op[which][1], w, ws, op[0]) for op in ops]
                 try:
-                    cell[tile] = moe_bench.timeit(fn, inputs)
+                    cell[tile] = timer(fn, inputs, 4)
                 except Exception as err:  # recorded, not fatal
                     print(f"# {m.name} {name} T={t} {tile}: failed ({str(err).splitlines()[0][:80]})")
             rows = t * m.k
@@ -138,7 +158,8 @@ def forward_model(m: moe_bench.Model, tokens) -> None:
         print(f"| {m.name} | {t} | " + " | ".join(cells) + " |", flush=True)
 
 
-def act_model(m: moe_bench.Model, tokens, kind: str = "bf16", results: dict | None = None) -> None:
+def act_model(m: moe_bench.Model, tokens, kind: str = "bf16", results: dict | None = None,
+              timer=loop_timer) -> None:
     """bf16 GEMM1 per tile: alone, followed by the activation kernel, and with the activation in its
     epilogue (:func:`jax_moe.backends.cutlass_act_gemm.grouped_gemm_act`), on w13 interleaved
     (``kind="bf16_kn"``: and transposed). ``results``: each tile's time for GEMM1 and the activation
@@ -166,7 +187,7 @@ def act_model(m: moe_bench.Model, tokens, kind: str = "bf16", results: dict | No
         inputs = [(op[1][0], w13, op[0]) for op in gemm_operands(m, t, "bf16")]
         unit = {}
         for tile, (plain, two, fused) in fns.items():
-            ms = [moe_bench.timeit(fn, inputs) for fn in (plain, two, fused)]
+            ms = [timer(fn, inputs, 2) for fn in (plain, two, fused)]
             unit[tile] = ms[2] if tile in FUSED_TILES[kind] else ms[1]
             print(f"| {m.name} | {t} | {tile} | " + " | ".join(moe_bench.fmt(v) for v in ms) +
                   f" | {ms[1] / ms[2]:.2f}x |", flush=True)
@@ -227,6 +248,8 @@ def main() -> None:
     p.add_argument("--forward-only", action="store_true", help="only the forward per tile (no GEMM sweep)")
     p.add_argument("--act", action="store_true",
                    help="only GEMM1 per tile: alone, + the activation kernel, and with the activation in its epilogue")
+    p.add_argument("--timer", choices=sorted(TIMERS), default="loop",
+                   help="loop: device time per call in a jitted loop (default); call: per-call medians")
     p.add_argument("--json", help="write the raw figures here")
     p.add_argument("--from-json", nargs="+", help="figures of earlier runs (no timing: with --update-table)")
     p.add_argument("--update-table", action="store_true",
@@ -253,13 +276,13 @@ def main() -> None:
         if kind == "fp8":
             sys.exit("--act times the bf16 kinds (bf16, bf16_kn)")
         for name in args.models:
-            act_model(moe_bench.MODELS[name], args.tokens, kind, results)
+            act_model(moe_bench.MODELS[name], args.tokens, kind, results, TIMERS[args.timer])
     for kind in [] if args.forward_only or args.act else args.kinds:
         table: list = []
         cols = ["model", "GEMM", "T"] + [f"{tl} ms" for tl in cutlass_gemm.TILES] + ["best", "picked", "picked / best"]
         print(f"\n## {kind}\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)
         for name in args.models:
-            sweep_model(moe_bench.MODELS[name], args.tokens, kind, results, table)
+            sweep_model(moe_bench.MODELS[name], args.tokens, kind, results, table, TIMERS[args.timer])
     if args.forward or args.forward_only:
         for name in args.models:
             forward_model(moe_bench.MODELS[name], args.tokens)

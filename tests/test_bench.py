@@ -65,6 +65,29 @@ def test_in_loop_table_and_no_tokamax_column_on_cpu(moe_bench, capsys):
     assert call > 0 and layer > 0
 
 
+def test_repeated_calls_in_one_loop_each_read_the_next_set_of_the_varying_argument(moe_bench):
+    """bench.in_loop.repeated_ms: call n of the loop takes argument ``vary`` from set n % sets and
+    the others from the first set; the figure is per call."""
+    import jax.numpy as jnp
+
+    from bench import in_loop
+
+    seen = []
+
+    def fn(a, offsets):
+        jax.debug.callback(lambda a, o: seen.append((float(a[0]), int(o[0]))), a, offsets)
+        return a * offsets[0]
+
+    def timer(loop, sets):  # one run of the loop, said to take 2 ms
+        jax.block_until_ready(loop(*sets[0]))
+        return 2.0
+
+    inputs = [(jnp.full((4,), 1.0 + s), jnp.full((3,), 10 * s, jnp.int32)) for s in range(3)]
+    ms = in_loop.repeated_ms(fn, inputs, 1, 5, timer)
+    assert ms == pytest.approx(2.0 / 5)
+    assert seen == [(1.0, 0), (1.0, 10), (1.0, 20), (1.0, 0), (1.0, 10)]
+
+
 def test_rows_name_the_best_jax_moe_and_its_speedup_over_tokamax(moe_bench):
     """Peers and baselines are never "best"; the tokamax column is tokamax's time over the best."""
     names = ["xla", "ragged_dot", "cutlass", "tokamax"]
