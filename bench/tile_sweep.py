@@ -8,8 +8,8 @@ with the rows of a random softmax top-k routing, in one process, the tiles inter
 Each figure is device time per call: the median over a jitted loop of calls, each on the next
 routing's expert offsets (:func:`bench.in_loop.repeated_ms`, about ``LOOP_MS`` per loop), so
 the host's dispatch, which is most of a per-call figure below a millisecond, does not pick the
-tile (``--timer call``: the per-call medians instead). Optionally the whole forward per tile next to tokamax
-(``--forward``), to see what a tile choice is worth end to end.
+tile (``--timer call``: the per-call medians instead). Optionally the whole forward per tile
+next to tokamax (``--forward``), to see what a tile choice is worth end to end.
 
     python bench/tile_sweep.py                                   # the four models, bf16
     python bench/tile_sweep.py --kinds bf16 fp8 --json sweep.json
