@@ -8,8 +8,9 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
   stage reads twice as long a run of every weight row, half as many stages. Measured 1-6% faster
   than ``pingpong_64x128`` on the long-K weight-streaming GEMMs (DeepSeek-V3, GPT-OSS), slower on
   short K.
-- ``pingpong_64x256``: 64x256 pingpong, half the tiles of 64x128 (fewer expert switches per
-  CTA); fastest on some mid-size cells (Mixtral GEMM1 at 256 rows per expert: 1.19x ``coop_128x256``).
+- ``pingpong_64x256``: 64x256 pingpong, half the tiles of 64x128; fastest on some mid-size cells
+  (Mixtral GEMM1 at 256 rows per expert: 1.19x ``coop_128x256``; Qwen3's GEMM1 with its
+  activation fused at 256 rows per expert: 1.26x).
 - ``coop_128x128``: 128x128 tiles, both warpgroups on one tile.
 - ``coop_128x256``: 128x256 tiles on a 2x1 cluster (two CTAs share the weight tile by TMA
   multicast). Many rows per expert (prefill, training), bf16 and FP8 (the FP8 kernels accumulate
@@ -21,8 +22,10 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
 2. A GEMM whose ``(kind, E, N, K)`` is in :data:`MEASURED` takes the tile measured fastest at the
    nearest rows per expert (on a log scale). The table is written by ``bench/tile_sweep.py
    --update-table`` from an H100 run (every tile timed on each GEMM of the bench's models, with
-   the rows of a random softmax top-k routing); a tile is recorded only where it beat the
-   heuristic's by more than :data:`MIN_GAIN`. Kinds: ``"bf16"`` and ``"fp8"`` (weights ``[E, N, K]``
+   the rows of a random softmax top-k routing; the ``bf16_kn``, ``bf16_kn_act`` and ``fp8`` rows
+   in device time per call, calls in a jitted loop, so that the host's dispatch does not decide
+   between tiles; the ``bf16`` rows from per-call medians); a tile is recorded only where it
+   beat the heuristic's by more than :data:`MIN_GAIN`. Kinds: ``"bf16"`` and ``"fp8"`` (weights ``[E, N, K]``
    as stored) and ``"bf16_kn"`` (the same product on transposed weights ``[E, K, N]``, the
    prepared layout: the same tiles stream the weights differently, so they are measured apart);
    N and K are the product's (``d [M, N] = a [M, K] @ w[e]``) whatever the layout. A kind with
