@@ -36,7 +36,8 @@ STAGE_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"GatedActRow", "act"),
     (r"UnpermuteReduce", "finalize"),
     (r"FillGroupArrays|ZeroUnownedRows|ZeroUnusedBatchedRows|ZeroEmptyGroups", "setup"),
-    (r"cutlass|GemmUniversal|ragged_dot|device_kernel|ExpertGemv", "gemm"),  # ExpertGemv*: the decode path
+    # ExpertGemv*, ExpertColumns*: the decode path's GEMVs on stored and on transposed weights
+    (r"cutlass|GemmUniversal|ragged_dot|device_kernel|ExpertGemv|ExpertColumns", "gemm"),
     (r"^(Memset|Memcpy|memset|memcpy)", "copy"),
 )
 

@@ -122,9 +122,10 @@ def test_kernels_are_attributed_to_stages_by_name_and_position(monkeypatch):
     fused = [n for n in names if "GatedActRow" not in n]  # the activation in GEMM1's epilogue
     got = attribute([Kernel(n, 10.0 * j, 1.0) for j, n in enumerate(fused)], routed=True)
     assert (got["gemm1"], got["act"], got["gemm2"]) == (1, 0, 1)
-    decode = ["ExpertGemvAct(bf16)", "void jax_moe::ExpertGemvReduce<bf16>"]
-    got = attribute([Kernel(n, 10.0 * j, 1.0) for j, n in enumerate(decode)])
-    assert (got["gemm1"], got["gemm2"]) == (1, 1)
+    for decode in (["ExpertGemvAct(bf16)", "void jax_moe::ExpertGemvReduce<bf16>"],  # stored weights
+                   ["void jax_moe::ExpertColumnsAct<8>", "void jax_moe::ExpertColumnsReduce<8, bf16>"]):  # transposed
+        got = attribute([Kernel(n, 10.0 * j, 1.0) for j, n in enumerate(decode)])
+        assert (got["gemm1"], got["gemm2"], got["sort"]) == (1, 1, 0)
     calls = split_calls([Kernel("a", 0, 5), Kernel("b", 6, 1), Kernel("c", 100, 1)], min_gap_ns=20)
     assert [[k.name for k in g] for g in calls] == [["a", "b"], ["c"]]
 
