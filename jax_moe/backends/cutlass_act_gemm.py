@@ -135,16 +135,13 @@ def _stored_view(a, b, transposed: bool):
 
 
 def _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile,
-                    transposed: bool = False) -> tuple[str, str]:
-    """Checks :func:`grouped_gemm_act`'s arguments (ValueError) -> (act kind, tile)."""
+                    transposed: bool = False):
+    """Checks :func:`grouped_gemm_act`'s arguments (ValueError) -> (act kind, tile, b's stored
+    view: :func:`_stored_view`)."""
     b = _stored_view(a, b, transposed)
-    kind, resolved = _check_gemm(a, b, offsets, a_scale, b_scale, tile)
-    act_kind = f"{kind}_act"
-    e, n, k = b.shape
-    if transposed:
-        act_kind = "bf16_act_kn"
-        resolved = _resolve_tile(tile, a.shape[0], e, n=n, k=k, kind="bf16_kn")
-    tile = resolved
+    kind, tile = _check_gemm(a, b, offsets, a_scale, b_scale, tile, table="bf16_kn" if transposed else None)
+    act_kind = "bf16_act_kn" if transposed else f"{kind}_act"
+    e, n, _ = b.shape
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)} (gated), got {activation!r}")
     if n % ALIGN_N[act_kind]:
@@ -158,15 +155,16 @@ def _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale
         _check_scale("out_scale", out_scale, {(): "per tensor", (1,): "per tensor"})
     elif out_scale is not None:
         raise ValueError("out_scale is only taken with float8_e4m3fn a and b (the bf16 kind writes bf16)")
-    return act_kind, tile
+    return act_kind, tile, b
 
 
 def grouped_gemm_act_shape(a, b, offsets, activation: str = "silu", *, bias=None, a_scale=None, b_scale=None,
                            out_scale=None, transposed: bool = False) -> jax.ShapeDtypeStruct:
     """The shape rule: a [M, K], b [E, 2I, K] (``transposed``: [E, K, 2I]) -> d [M, I] bfloat16
     (float8_e4m3fn for FP8 a, b)."""
-    kind, _ = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, "auto", transposed)
-    return jax.ShapeDtypeStruct((a.shape[0], _stored_view(a, b, transposed).shape[1] // 2),
+    kind, _, stored = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, "auto",
+                                      transposed)
+    return jax.ShapeDtypeStruct((a.shape[0], stored.shape[1] // 2),
                                 jnp.float8_e4m3fn if kind == "fp8_act" else jnp.bfloat16)
 
 
@@ -194,7 +192,7 @@ def grouped_gemm_act_reference(a, b, offsets, activation: str = "silu", *, alpha
     """jnp reference of :func:`grouped_gemm_act` (same arguments and result; ``tile`` is checked
     and ignored): the grouped GEMM in float32, the bias, the activation of
     :func:`jax_moe.activations.activate` on interleaved gate/up, then d's dtype."""
-    kind, _ = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile, transposed)
+    kind, _, _ = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile, transposed)
     if transposed:
         b = transpose_experts(b)
     scales = (None, None) if kind != "fp8_act" else _row_col_scales(a_scale, b_scale, (a.shape[0],), b.shape[0],
@@ -224,8 +222,8 @@ def grouped_gemm_act(a: jax.Array, b: jax.Array, offsets: jax.Array, activation:
     pick for this shape) or a name in :data:`jax_moe.backends.cutlass_gemm.TILES`. CPU or no
     module: :func:`grouped_gemm_act_reference`.
     """
-    kind, tile = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile, transposed)
-    stored = _stored_view(a, b, transposed)
+    kind, tile, stored = _check_act_gemm(a, b, offsets, activation, bias, a_scale, b_scale, out_scale, tile,
+                                         transposed)
     m, (e, n, _) = a.shape[0], stored.shape
     out_dt = jnp.float8_e4m3fn if kind == "fp8_act" else jnp.bfloat16
     if m == 0:

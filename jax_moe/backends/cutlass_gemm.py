@@ -154,15 +154,16 @@ def _check_scale(name: str, s, shapes: dict[tuple, str]) -> None:
         raise ValueError(f"{name} must have shape {want}; got {list(s.shape)}")
 
 
-def _check_gemm(a, b, offsets, a_scale, b_scale, tile) -> tuple[str, str]:
-    """Checks :func:`grouped_gemm`'s arguments (ValueError) and resolves (kind, tile)."""
+def _check_gemm(a, b, offsets, a_scale, b_scale, tile, table: str | None = None) -> tuple[str, str]:
+    """Checks :func:`grouped_gemm`'s arguments (ValueError) and resolves (kind, tile); ``table``:
+    the tile table's kind to pick from (None: the operands' kind)."""
     for name, x, rank, what in (("a", a, 2, "[M, K]"), ("b", b, 3, "[E, N, K]"), ("offsets", offsets, 1, "[E+1]")):
         check_rank(name, x, rank, what)
     m, k = a.shape
     e = b.shape[0]
     kind = _check_operands(a, b, k, a_scale, b_scale, {(m,): "per row [M]"})
     check_offsets(offsets, e, m)
-    return kind, _resolve_tile(tile, m, e, n=b.shape[1], k=k, kind=kind)
+    return kind, _resolve_tile(tile, m, e, n=b.shape[1], k=k, kind=table or kind)
 
 
 def check_offsets(offsets, e: int, m: int) -> None:
