@@ -104,7 +104,7 @@ from jax_moe.backends.cutlass_gemm import (  # noqa: F401  (the GEMM layer's nam
 )
 from jax_moe.config import FLOAT_DTYPES, check_dtype, check_rank, check_shape
 from jax_moe.device import sm90_refusal
-from jax_moe.layouts.transposed import transposed_shape
+from jax_moe.layouts.transposed import BF16_ONLY, transposed_shape
 from jax_moe.permute import batched_rows_used
 from jax_moe.quant import fp8
 
@@ -241,7 +241,7 @@ def _stored_views(w13, w2, transposed: bool, quant):
     if not transposed:
         return w13, w2
     if quant is not None:
-        raise ValueError(f"{NAME}: transposed weights are bf16 only (the FP8 tensor cores read K-major weights)")
+        raise ValueError(f"{NAME}: transposed weights are {BF16_ONLY}")
     check_rank("w13", w13, 3, "[E, H, 2I] (transposed)")
     check_rank("w2", w2, 3, "[E, I, H] (transposed)")
     if w2.shape[2] != w13.shape[1] or w2.shape[0] != w13.shape[0]:

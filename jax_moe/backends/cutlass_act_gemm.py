@@ -50,7 +50,7 @@ from jax_moe.backends.cutlass_gemm import (
 )
 from jax_moe.config import MoEConfig, check_rank
 from jax_moe.kernels import ACTIVATIONS  # the gated activations' kAct codes, shared with act_and_mul
-from jax_moe.layouts.transposed import transpose_experts, transposed_shape
+from jax_moe.layouts.transposed import BF16_ONLY, transpose_experts, transposed_shape
 from jax_moe.quant import fp8
 
 ALIGN_N = {"bf16_act": 16, "fp8_act": 32, "bf16_act_kn": 16}  # N = 2I: 16-byte rows of d [M, I] (bf16 / e4m3)
@@ -127,7 +127,7 @@ def _stored_view(a, b, transposed: bool):
         return b
     check_rank("b", b, 3, "[E, K, 2I] (transposed)")
     if dtype_name(a) != "bfloat16" or dtype_name(b) != "bfloat16":
-        raise ValueError(f"transposed b [E, K, 2I] is bf16 only (the FP8 tensor cores read K-major b), "
+        raise ValueError(f"transposed b [E, K, 2I] is {BF16_ONLY}, "
                          f"got a {dtype_name(a)}, b {dtype_name(b)}")
     if a.ndim == 2 and b.shape[1] != a.shape[1]:
         raise ValueError(f"transposed b must be [E, K, 2I] with a's K = {a.shape[1]}, got shape {list(b.shape)}")

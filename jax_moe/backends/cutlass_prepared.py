@@ -37,7 +37,7 @@ import jax
 
 from jax_moe.config import ACTIVATIONS, MoEConfig
 from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
-from jax_moe.layouts.transposed import transpose_experts
+from jax_moe.layouts.transposed import BF16_ONLY, transpose_experts
 
 if TYPE_CHECKING:
     from jax_moe.quant.scheme import QuantConfig
@@ -98,7 +98,7 @@ def prepare(w13, w2, cfg: MoEConfig, quant=None, *, w13_bias=None, w2_bias=None,
     cutlass.check_weights(w13, w2, cfg, quant, w13_bias, w2_bias)
     transpose = transposes(cfg, quant) if transpose is None else bool(transpose)
     if transpose and quant is not None:
-        raise ValueError("cutlass.prepare: transpose=True is bf16 only (the FP8 tensor cores read K-major weights)")
+        raise ValueError(f"cutlass.prepare: transpose=True is {BF16_ONLY}")
     interleave = interleaves(cfg, quant)
     if interleave:
         cfg = dataclasses.replace(cfg, gate_up_layout="interleaved")

@@ -14,6 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# Why only bf16 weights take this layout, as every check that refuses FP8 on it says.
+BF16_ONLY = "bf16 only (the FP8 tensor cores read K-major weights)"
+
 
 def transpose_experts(w: jax.Array) -> jax.Array:
     """[E, N, K] -> [E, K, N], and back: each expert's matrix transposed. Any dtype."""
