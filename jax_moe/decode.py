@@ -120,9 +120,8 @@ def decode_moe(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Ar
     b2 = None if w2_bias is None else jnp.asarray(w2_bias, jnp.float32)
 
     def reference(xb, w, ids, w13, w2, b13, b2):
-        if transposed:
-            w13, w2 = transpose_experts(w13), transpose_experts(w2)
-        return _reference(xb, w13, w2, w, ids, cfg, b13, b2, out_dt)
+        return decode_moe_reference(xb, w13, w2, w, ids, cfg, w13_bias=b13, w2_bias=b2, out_dtype=out_dt,
+                                    transposed=transposed)
 
     def cuda(xb, w, ids, w13, w2, b13, b2):
         none = jnp.zeros((0,), jnp.float32)
