@@ -136,6 +136,9 @@ class GatedActEpilogue {
     float inv_out = 1.0f;
     if constexpr (sizeof(Out) == 1) inv_out = 1.0f / *params_.out_scale;
     const int lane = static_cast<int>(threadIdx.x & 31), q = lane & 3;
+    // QuadTransposeBf16's last byte permutes, fixed per lane.
+    const uint32_t sel_lo = q == 0 ? 0x5410u : q == 1 ? 0x1054u : q == 2 ? 0x7632u : 0x3276u;
+    const uint32_t sel_hi = q == 0 ? 0x7632u : q == 1 ? 0x3276u : q == 2 ? 0x5410u : 0x1054u;
 
     CUTLASS_PRAGMA_UNROLL
     for (int mi = 0; mi < size<1>(acc); ++mi) {
@@ -165,23 +168,56 @@ class GatedActEpilogue {
               if (bias != nullptr && ok) gate += bias[n], up += bias[n + 1];
               v[j] = FastGatedAct<kAct>(gate, up, alpha, limit) * inv_out;
             }
-            // A 4x4 transpose over the quad: lane q ends with group g0 + q's outputs of lanes 0..3,
-            // the group's four consecutive output columns. Round r: lane q sends v[(q + r) % 4] and
-            // receives lane (q - r) % 4's value for group g0 + q.
-            float w[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < 4; ++r) {
-              const int send_j = (q + r) & 3, src = (q - r) & 3;
-              const float send = send_j == 0 ? v[0] : send_j == 1 ? v[1] : send_j == 2 ? v[2] : v[3];
-              const float got = __shfl_sync(0xffffffffu, send, (lane & ~3) | src);
-              CUTLASS_PRAGMA_UNROLL
-              for (int i = 0; i < 4; ++i) w[i] = i == src ? got : w[i];
-            }
             const int n = get<1>(tc(make_coord(make_coord(0, half, g0 + q), mi, ni))) - 2 * q;  // group's first
-            if (row_ok && n < n_size) StoreF32<Out, 4>(d + int64_t(m) * ld + n / 2, w);
+            if constexpr (sizeof(Out) == 2) {
+              // bf16: the quad's 4x4 transpose on packed pairs, two exchanges of one word each.
+              const uint2 out = QuadTransposeBf16(v, q, sel_lo, sel_hi);
+              if (row_ok && n < n_size) *reinterpret_cast<uint2*>(d + int64_t(m) * ld + n / 2) = out;
+            } else {
+              float w[4];
+              QuadTransposeF32(v, q, lane, w);
+              if (row_ok && n < n_size) StoreF32<Out, 4>(d + int64_t(m) * ld + n / 2, w);
+            }
           }
         }
       }
+    }
+  }
+
+  // The quad's 4x4 transpose (M[r][j]: lane r's output of group g0 + j; lane q ends with M[0..3][q], the
+  // four consecutive outputs of group g0 + q) on bf16 pairs, as one 8-byte store: lane q packs
+  // (M[q][0], M[q][1]) and (M[q][2], M[q][3]); with lane q ^ 2 it swaps the 2x2 block of columns it does
+  // not end in; with lane q ^ 1 the column it does not end in; a byte permute orders rows 0..3.
+  // The values are rounded to bf16 once, to nearest, as StoreF32 rounds them.
+  static CUTLASS_DEVICE uint2 QuadTransposeBf16(const float (&v)[4], int q, uint32_t sel_lo, uint32_t sel_hi) {
+    const uint32_t p0 = Pack(v[0], v[1]), p1 = Pack(v[2], v[3]);
+    const bool right = (q & 2) != 0;  // lane q ends in columns 2..3
+    const uint32_t keep = right ? p1 : p0;  // (M[q][c], M[q][c + 1]), c = q & 2
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, right ? p0 : p1, 2);  // (M[q ^ 2][c], M[q ^ 2][c + 1])
+    const bool odd = (q & 1) != 0;  // lane q ends in column c + 1
+    const uint32_t own = __byte_perm(keep, got, odd ? 0x7632u : 0x5410u);    // (M[q][q], M[q ^ 2][q])
+    const uint32_t send = __byte_perm(keep, got, odd ? 0x5410u : 0x7632u);
+    const uint32_t recv = __shfl_xor_sync(0xffffffffu, send, 1);             // (M[q ^ 1][q], M[q ^ 3][q])
+    return make_uint2(__byte_perm(own, recv, sel_lo), __byte_perm(own, recv, sel_hi));
+  }
+
+  static CUTLASS_DEVICE uint32_t Pack(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+
+  // The same transpose on float32 values (FP8 outputs, rounded by StoreF32): round r, lane q sends
+  // v[(q + r) % 4] and receives lane (q - r) % 4's value for group g0 + q.
+  static CUTLASS_DEVICE void QuadTransposeF32(const float (&v)[4], int q, int lane, float (&w)[4]) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 4; ++i) w[i] = 0.0f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int send_j = (q + r) & 3, src = (q - r) & 3;
+      const float send = send_j == 0 ? v[0] : send_j == 1 ? v[1] : send_j == 2 ? v[2] : v[3];
+      const float got = __shfl_sync(0xffffffffu, send, (lane & ~3) | src);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 4; ++i) w[i] = i == src ? got : w[i];
     }
   }
 
