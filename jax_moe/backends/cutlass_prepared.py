@@ -13,7 +13,7 @@ Two repacks, both exact (a permutation of the weights, nothing rounded):
   and its bias in the order of :func:`jax_moe.layouts.gated.reorder_rows_for_gated_act_gemm` (row
   ``2i`` gate ``i``, row ``2i + 1`` up ``i``). On it GEMM1 takes the activation into its epilogue
   where that pays (:func:`jax_moe.backends.cutlass_act_gemm.fuses_activation`: bf16 on the
-  pingpong tiles, a few rows per expert) and writes ``act(gate) * up`` without the ``[T*k, 2I]``
+  pingpong tiles and on ``coop_128x256``) and writes ``act(gate) * up`` without the ``[T*k, 2I]``
   pre-activation; elsewhere the activation kernel reads the interleaved rows as fast as the
   concatenated ones. Layers already interleaved (GPT-OSS), ``relu2`` (not gated) and FP8 weights
   (not faster fused on the H100) keep their order. The interleave comes first, so a transposed
