@@ -139,6 +139,7 @@ class GatedActEpilogue {
     // QuadTransposeBf16's last byte permutes, fixed per lane.
     const uint32_t sel_lo = q == 0 ? 0x5410u : q == 1 ? 0x1054u : q == 2 ? 0x7632u : 0x3276u;
     const uint32_t sel_hi = q == 0 ? 0x7632u : q == 1 ? 0x3276u : q == 2 ? 0x5410u : 0x1054u;
+    const uint32_t sel_fp8 = q == 0 ? 0x6240u : q == 1 ? 0x3715u : q == 2 ? 0x4062u : 0x1537u;  // QuadTransposeFp8's
 
     CUTLASS_PRAGMA_UNROLL
     for (int mi = 0; mi < size<1>(acc); ++mi) {
@@ -174,9 +175,9 @@ class GatedActEpilogue {
               const uint2 out = QuadTransposeBf16(v, q, sel_lo, sel_hi);
               if (row_ok && n < n_size) *reinterpret_cast<uint2*>(d + int64_t(m) * ld + n / 2) = out;
             } else {
-              float w[4];
-              QuadTransposeF32(v, q, lane, w);
-              if (row_ok && n < n_size) StoreF32<Out, 4>(d + int64_t(m) * ld + n / 2, w);
+              // FP8: the same on packed bytes, one word.
+              const uint32_t out = QuadTransposeFp8(v, q, sel_fp8);
+              if (row_ok && n < n_size) *reinterpret_cast<uint32_t*>(d + int64_t(m) * ld + n / 2) = out;
             }
           }
         }
@@ -206,19 +207,20 @@ class GatedActEpilogue {
     return *reinterpret_cast<const uint32_t*>(&h);
   }
 
-  // The same transpose on float32 values (FP8 outputs, rounded by StoreF32): round r, lane q sends
-  // v[(q + r) % 4] and receives lane (q - r) % 4's value for group g0 + q.
-  static CUTLASS_DEVICE void QuadTransposeF32(const float (&v)[4], int q, int lane, float (&w)[4]) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 4; ++i) w[i] = 0.0f;
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < 4; ++r) {
-      const int send_j = (q + r) & 3, src = (q - r) & 3;
-      const float send = send_j == 0 ? v[0] : send_j == 1 ? v[1] : send_j == 2 ? v[2] : v[3];
-      const float got = __shfl_sync(0xffffffffu, send, (lane & ~3) | src);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < 4; ++i) w[i] = i == src ? got : w[i];
-    }
+  // The same transpose on FP8 bytes: lane q packs M[q][0..3] into one word (rounded as StoreF32
+  // rounds: clipped, then to nearest even); the word of lane q ^ 2 gives the 2x2 block of the columns
+  // c, c + 1 (c = q & 2) that lane q ends in; the word so formed of lane q ^ 1 gives the other two rows.
+  static CUTLASS_DEVICE uint32_t QuadTransposeFp8(const float (&v)[4], int q, uint32_t sel) {
+    const uint32_t p = PackFp8(v[0], v[1]) | (PackFp8(v[2], v[3]) << 16);
+    const uint32_t p2 = __shfl_xor_sync(0xffffffffu, p, 2);                             // M[q ^ 2][0..3]
+    const uint32_t w = __byte_perm(p, p2, (q & 2) ? 0x7632u : 0x5410u);  // M[q][c, c+1], M[q ^ 2][c, c+1]
+    const uint32_t w1 = __shfl_xor_sync(0xffffffffu, w, 1);        // M[q ^ 1][c, c+1], M[q ^ 3][c, c+1]
+    return __byte_perm(w, w1, sel);                                                     // M[0..3][q]
+  }
+
+  static CUTLASS_DEVICE uint32_t PackFp8(float lo, float hi) {
+    const float2 f = make_float2(fminf(fmaxf(lo, -kFp8Max), kFp8Max), fminf(fmaxf(hi, -kFp8Max), kFp8Max));
+    return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, __NV_E4M3));
   }
 
   Params params_;
