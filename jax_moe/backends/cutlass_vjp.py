@@ -10,7 +10,8 @@ Forward (:func:`forward`), rows in expert-sorted order (:mod:`jax_moe.kernels`):
     out = unpermute_reduce(y, sort.inverse, topk_weights, bias=b2, offsets)   # [T, H]
 
 Where nothing is saved for a backward (``residuals="recompute"``), the gate/up rows are
-interleaved and GEMM1 runs the pingpong tile, GEMM1 and the activation are one kernel (:mod:`jax_moe.backends.cutlass_act_gemm`),
+interleaved and GEMM1 runs a tile that fuses it (:data:`~jax_moe.backends.cutlass_act_gemm.FUSED_TILES`),
+GEMM1 and the activation are one kernel (:mod:`jax_moe.backends.cutlass_act_gemm`),
 ``a2 = grouped_gemm_act(a1, w13, sort.offsets, activation, bias=b13)``, and h1 is never written.
 On transposed weights (``transposed=True``: w13 [E, H, 2I], w2 [E, I, H], N contiguous, the
 inference layout of :mod:`jax_moe.backends.cutlass_prepared`) both GEMMs read ``b [E, K, N]``
