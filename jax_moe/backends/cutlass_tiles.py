@@ -22,9 +22,9 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
 2. A GEMM whose ``(kind, E, N, K)`` is in :data:`MEASURED` takes the tile measured fastest at the
    nearest rows per expert (on a log scale). The table is written by ``bench/tile_sweep.py
    --update-table`` from an H100 run (every tile timed on each GEMM of the bench's models, with
-   the rows of a random softmax top-k routing; the ``bf16_kn``, ``bf16_kn_act`` and ``fp8`` rows
-   in device time per call, calls in a jitted loop, so that the host's dispatch does not decide
-   between tiles; the ``bf16`` rows from per-call medians); a tile is recorded only where it
+   the rows of a random softmax top-k routing, in device time per call, calls in a jitted loop,
+   so that the host's dispatch does not decide between tiles; the rows of 16384 tokens from
+   per-call medians, where dispatch is noise); a tile is recorded only where it
    beat the heuristic's by more than :data:`MIN_GAIN`. Kinds: ``"bf16"`` and ``"fp8"`` (weights ``[E, N, K]``
    as stored) and ``"bf16_kn"`` (the same product on transposed weights ``[E, K, N]``, the
    prepared layout: the same tiles stream the weights differently, so they are measured apart);
@@ -59,57 +59,57 @@ MIN_GAIN = 0.03  # a measured tile replaces the heuristic's only where it is thi
 # measured table: begin
 MEASURED: dict[tuple[str, int, int, int], tuple[tuple[float, str], ...]] = {
     ('bf16', 8, 4096, 14336): (
-        (0.25, 'pingpong_64x128_k256'),
-        (4, 'coop_128x128'),
-        (16, 'pingpong_64x256'),
-        (64, 'coop_128x128'),
+        (0.25, 'pingpong_64x128'),
+        (4, 'pingpong_64x128'),
+        (16, 'pingpong_64x128_k256'),
+        (64, 'coop_128x256'),
         (256, 'pingpong_64x256'),
         (1024, 'coop_128x256'),
         (4096, 'coop_128x256'),
     ),
     ('bf16', 8, 28672, 4096): (
-        (0.25, 'pingpong_64x256'),
-        (4, 'pingpong_64x128'),
+        (0.25, 'pingpong_64x128'),
+        (4, 'pingpong_64x128_k256'),
         (16, 'pingpong_64x128'),
         (64, 'pingpong_64x128_k256'),
-        (256, 'coop_128x256'),
+        (256, 'pingpong_64x256'),
         (1024, 'coop_128x256'),
         (4096, 'coop_128x256'),
     ),
     ('bf16', 128, 1536, 2048): (
-        (0.0625, 'pingpong_64x128'),
-        (1, 'pingpong_64x128'),
-        (4, 'pingpong_64x128_k256'),
-        (16, 'pingpong_64x256'),
-        (64, 'pingpong_64x128'),
-        (256, 'coop_128x128'),
-        (1024, 'coop_128x256'),
-    ),
-    ('bf16', 128, 2048, 768): (
         (0.0625, 'pingpong_64x128_k256'),
-        (1, 'pingpong_64x256'),
+        (1, 'pingpong_64x128'),
         (4, 'pingpong_64x128_k256'),
         (16, 'pingpong_64x128'),
         (64, 'pingpong_64x128_k256'),
         (256, 'pingpong_64x256'),
         (1024, 'coop_128x256'),
     ),
+    ('bf16', 128, 2048, 768): (
+        (0.0625, 'pingpong_64x128'),
+        (1, 'pingpong_64x128'),
+        (4, 'pingpong_64x128'),
+        (16, 'pingpong_64x128'),
+        (64, 'coop_128x128'),
+        (256, 'pingpong_64x256'),
+        (1024, 'coop_128x256'),
+    ),
     ('bf16', 128, 2880, 2880): (
-        (0.03125, 'pingpong_64x128_k256'),
+        (0.03125, 'pingpong_64x128'),
         (0.5, 'pingpong_64x128'),
-        (2, 'pingpong_64x128'),
-        (8, 'pingpong_64x128'),
-        (32, 'pingpong_64x128'),
-        (128, 'coop_128x256'),
+        (2, 'pingpong_64x128_k256'),
+        (8, 'pingpong_64x128_k256'),
+        (32, 'pingpong_64x128_k256'),
+        (128, 'pingpong_64x256'),
         (512, 'coop_128x256'),
     ),
     ('bf16', 128, 5760, 2880): (
-        (0.03125, 'pingpong_64x256'),
+        (0.03125, 'pingpong_64x128'),
         (0.5, 'pingpong_64x128'),
         (2, 'pingpong_64x128'),
         (8, 'pingpong_64x128'),
         (32, 'pingpong_64x128'),
-        (128, 'coop_128x256'),
+        (128, 'pingpong_64x256'),
         (512, 'coop_128x256'),
     ),
     ('bf16', 256, 4096, 7168): (
@@ -122,11 +122,11 @@ MEASURED: dict[tuple[str, int, int, int], tuple[tuple[float, str], ...]] = {
         (512, 'coop_128x256'),
     ),
     ('bf16', 256, 7168, 2048): (
-        (0.03125, 'pingpong_64x256'),
+        (0.03125, 'pingpong_64x128'),
         (0.5, 'pingpong_64x128_k256'),
         (2, 'pingpong_64x128'),
-        (8, 'pingpong_64x128'),
-        (32, 'pingpong_64x128_k256'),
+        (8, 'pingpong_64x128_k256'),
+        (32, 'pingpong_64x128'),
         (128, 'coop_128x256'),
         (512, 'coop_128x256'),
     ),
