@@ -136,10 +136,10 @@ class GatedActEpilogue {
     float inv_out = 1.0f;
     if constexpr (sizeof(Out) == 1) inv_out = 1.0f / *params_.out_scale;
     const int lane = static_cast<int>(threadIdx.x & 31), q = lane & 3;
-    // QuadTransposeBf16's last byte permutes, fixed per lane.
+    // The transposes' last byte permutes, fixed per lane: QuadTransposeBf16's two, QuadTransposeFp8's one.
     const uint32_t sel_lo = q == 0 ? 0x5410u : q == 1 ? 0x1054u : q == 2 ? 0x7632u : 0x3276u;
     const uint32_t sel_hi = q == 0 ? 0x7632u : q == 1 ? 0x3276u : q == 2 ? 0x5410u : 0x1054u;
-    const uint32_t sel_fp8 = q == 0 ? 0x6240u : q == 1 ? 0x3715u : q == 2 ? 0x4062u : 0x1537u;  // QuadTransposeFp8's
+    const uint32_t sel_fp8 = q == 0 ? 0x6240u : q == 1 ? 0x3715u : q == 2 ? 0x4062u : 0x1537u;
 
     CUTLASS_PRAGMA_UNROLL
     for (int mi = 0; mi < size<1>(acc); ++mi) {

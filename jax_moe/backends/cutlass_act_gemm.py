@@ -62,7 +62,7 @@ FUSED_ACT_ENV = "JAX_MOE_CUTLASS_FUSED_ACT"
 # 1.05-1.25x at large T; pingpong_64x128_k256 0.99-1.16x and pingpong_64x256 0.98-1.05x at 64 to 1024
 # tokens). On coop_128x256 the epilogue stalls both warpgroups, but it is short since the quad's
 # transpose runs on packed bf16 pairs: 1.03-1.09x from 128 rows per expert (T >= 4096 on the
-# 128-expert models, T >= 1024 on Mixtral-8x7B), 0.97-1.00x at 64. coop_128x128 0.83-0.99x keeps
+# 128-expert models, T >= 1024 on Mixtral-8x7B), 0.97-1.00x at 32-64. coop_128x128 0.83-0.99x keeps
 # the activation kernel. FP8 (whole forward): 0.83-1.05x on the pingpong tile (its epilogue
 # also reads a column scale per pair, against a mainloop twice as fast), so none by default.
 FUSED_TILES = {"bf16": ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256", "coop_128x256"), "fp8": (),
