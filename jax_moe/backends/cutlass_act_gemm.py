@@ -65,8 +65,8 @@ FUSED_ACT_ENV = "JAX_MOE_CUTLASS_FUSED_ACT"
 # 128-expert models, T >= 1024 on Mixtral-8x7B), 0.97-1.00x at 32-64. coop_128x128 0.83-0.99x keeps
 # the activation kernel. FP8 (whole forward): 0.83-1.05x on the pingpong tile (its epilogue
 # also reads a column scale per pair, against a mainloop twice as fast), so none by default.
-FUSED_TILES = {"bf16": ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256", "coop_128x256"), "fp8": (),
-               "bf16_kn": ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256", "coop_128x256")}
+_BF16_FUSED = ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256", "coop_128x256")  # either b layout
+FUSED_TILES = {"bf16": _BF16_FUSED, "fp8": (), "bf16_kn": _BF16_FUSED}
 
 
 def fuses_activation(cfg: MoEConfig, quant=None, tile: str | None = None, transposed: bool = False) -> bool:
