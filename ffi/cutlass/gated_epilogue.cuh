@@ -219,8 +219,8 @@ class GatedActEpilogue {
   }
 
   static CUTLASS_DEVICE uint32_t PackFp8(float lo, float hi) {
-    const float2 f = make_float2(fminf(fmaxf(lo, -kFp8Max), kFp8Max), fminf(fmaxf(hi, -kFp8Max), kFp8Max));
-    return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, __NV_E4M3));
+    return static_cast<uint32_t>(
+        __nv_cvt_float2_to_fp8x2(make_float2(ClipFp8(lo), ClipFp8(hi)), __NV_SATFINITE, __NV_E4M3));
   }
 
   Params params_;

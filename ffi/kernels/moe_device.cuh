@@ -34,11 +34,12 @@ template <>
 __device__ __forceinline__ __half FromF32<__half>(float v) { return __float2half_rn(v); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 FromF32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+// The clip before an FP8 cast, as in cast_to_fp8 (float8_e4m3fn has no infinity).
+__device__ __forceinline__ float ClipFp8(float v) { return fminf(fmaxf(v, -kFp8Max), kFp8Max); }
 template <>
 __device__ __forceinline__ Fp8 FromF32<Fp8>(float v) {
-  // The clip comes first, as in cast_to_fp8 (float8_e4m3fn has no infinity); the cast rounds to nearest even.
-  v = fminf(fmaxf(v, -kFp8Max), kFp8Max);
-  return Fp8{static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3))};
+  // Clipped first; the cast rounds to nearest even.
+  return Fp8{static_cast<uint8_t>(__nv_cvt_float_to_fp8(ClipFp8(v), __NV_SATFINITE, __NV_E4M3))};
 }
 
 // V consecutive elements, loaded or stored as one access (the caller checks the alignment).
