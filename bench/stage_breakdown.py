@@ -3,6 +3,7 @@
     python bench/stage_breakdown.py                                 # GPU: four models, T=1 64 4096 16384
     python bench/stage_breakdown.py --models qwen3 deepseek --tokens 64 16384 --kernels $OUT/kernels.txt
     python bench/stage_breakdown.py --method alone                  # each stage jitted alone (any platform)
+    python bench/stage_breakdown.py --scheme fp8 --models qwen3 --tokens 4096   # FP8 per-tensor W8A8
 
 Stages (the ``cutlass`` backend's pipeline, :mod:`jax_moe.backends.cutlass`): ``route``
 (``select_experts``: softmax top-k), ``sort`` (``sort_by_expert``), ``permute`` (``permute_rows``),
@@ -25,6 +26,11 @@ Methods:
 
 The GEMM columns also give each grouped GEMM's share of its own floor: ``max(touched experts'
 weight bytes / bandwidth, FLOPs / peak)`` with the ceilings measured in the same run.
+
+``--scheme fp8`` (``trace`` only): the weights quantized as ``bench/moe_bench.py --scheme fp8`` does
+(per-expert FP8 weights, static per-tensor activation scales), so ``permute`` and ``act`` include
+the activations' quantization and the GEMMs run on FP8 tensor cores (floors: one byte per weight
+and activation element, twice the bf16 peak). The tokamax peer, a bf16 MoE, is left out.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import kernel_trace, peers  # noqa: E402
-from bench.moe_bench import MODELS, Model, measure_ceilings, random_experts, routed_inputs, timeit  # noqa: E402
+from bench.moe_bench import (FP8_MATH, MODELS, Model, measure_ceilings, quantized, random_experts,  # noqa: E402
+                              routed_inputs, timeit)
 from jax_moe import ffi, kernels  # noqa: E402
 from jax_moe.backends import cutlass  # noqa: E402
 from jax_moe.backends.cutlass_gemm import grouped_gemm  # noqa: E402
@@ -52,13 +59,16 @@ COLUMNS = ("route", "sort", "permute", "gemm1", "act", "gemm2", "finalize", "set
 PEER_NA = ("permute", "setup", "glue")  # columns a peer's forward has no kernels of (shown as "-")
 
 
-def gemm_floors(m: Model, t: int, bw: float, peak: float) -> tuple[float, float]:
-    """Floors (us) of GEMM1 and GEMM2 alone: touched experts' weights (bf16) and the rows in and
-    out over the bandwidth, or the FLOPs over the peak, whichever is larger."""
+def gemm_floors(m: Model, t: int, bw: float, peak: float, scheme: str = "bf16") -> tuple[float, float]:
+    """Floors (us) of GEMM1 and GEMM2 alone: touched experts' weights and the rows in (bf16, or
+    one byte each for ``fp8``) and out (bf16) over the bandwidth, or the FLOPs over the peak (twice
+    the bf16 peak for ``fp8``), whichever is larger."""
     touched = m.e * (1 - (1 - m.k / m.e) ** t)
     rows = t * m.k
-    g1 = max((touched * 2 * m.i * m.h * 2 + rows * (m.h + 2 * m.i) * 2) / bw, 2 * rows * m.h * 2 * m.i / peak)
-    g2 = max((touched * m.h * m.i * 2 + rows * (m.i + m.h) * 2) / bw, 2 * rows * m.i * m.h / peak)
+    b = 1 if scheme in FP8_MATH else 2  # bytes per weight and input element
+    peak = peak * (2 if scheme in FP8_MATH else 1)
+    g1 = max((touched * 2 * m.i * m.h * b + rows * (m.h * b + 2 * m.i * 2)) / bw, 2 * rows * m.h * 2 * m.i / peak)
+    g2 = max((touched * m.h * m.i * b + rows * (m.i * b + m.h * 2)) / bw, 2 * rows * m.i * m.h / peak)
     return 1e6 * g1, 1e6 * g2
 
 
@@ -145,7 +155,7 @@ def fmt_us(v) -> str:
 
 
 def format_row(row: dict) -> str:
-    peer = row["impl"] != "cutlass"  # its permute is in its XLA sort, and it has no setup or glue kernels
+    peer = not row["impl"].startswith("cutlass")  # its permute is in its XLA sort, and it has no setup or glue kernels
     cells = [row["model"], str(row["T"]), row["impl"]] + [
         "-" if peer and c in PEER_NA else fmt_us(row["stages"].get(c)) for c in COLUMNS]
     cells += [str(row.get("kernels", "n/a")), fmt_us(row.get("busy")), fmt_us(row.get("span")),
@@ -157,20 +167,27 @@ def format_row(row: dict) -> str:
 
 
 def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: float, peak: float,
-        kernels_file=None) -> list[dict]:
-    """Rows of the breakdown for model ``m`` at each T (printed as they come)."""
+        kernels_file=None, scheme: str = "bf16") -> list[dict]:
+    """Rows of the breakdown for model ``m`` at each T (printed as they come); ``scheme``: ``bf16``
+    or ``fp8`` (``trace`` only)."""
     cfg = MoEConfig(m.e, m.k, m.h, m.i)
     w13, w2 = random_experts(m)
     traced_on_prepared = method == "trace"  # the stages of the forward MoEBlock.prepare() runs
-    weights = cutlass.prepare(w13, w2, cfg) if traced_on_prepared else (w13, w2)
+    if scheme != "bf16":
+        w13q, w2q, quant = quantized(scheme, w13, w2, m)
+        weights = cutlass.prepare(w13q, w2q, cfg, quant)
+        del w13q, w2q
+    else:
+        weights = cutlass.prepare(w13, w2, cfg) if traced_on_prepared else (w13, w2)
     fwd = prepared_fn() if traced_on_prepared else cutlass_fn(cfg)
     tk = peers.tokamax_prepare(w13, w2) if peer else None
     rows = []
     for t in tokens:
         x, w, ids = routed_inputs(m, t, sets=1)[0]
         logits = jax.random.normal(jax.random.key(7), (t, m.e), jnp.float32)
-        floors = gemm_floors(m, t, bw, peak)
-        impls = {"cutlass": (jax.jit(fwd), (x, weights, w, ids))}
+        floors = gemm_floors(m, t, bw, peak, scheme)
+        name = "cutlass" if scheme == "bf16" else f"cutlass {scheme}"
+        impls = {name: (jax.jit(fwd), (x, weights, w, ids))}
         if tk is not None:
             impls["tokamax"] = (jax.jit(peers.tokamax_moe), (x, tk, w, ids))
         traced = traced_stages(impls, logits, m.k, calls) if method == "trace" else None
@@ -188,7 +205,7 @@ def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: fl
                     for kind, kname, launches, us in traced[name]["list"]:
                         kernels_file.write(f"{us:10.1f} us  x{launches:<5g} {kind:9s} {kname[:200]}\n")
                     kernels_file.flush()
-            elif name == "cutlass":
+            elif name.startswith("cutlass"):
                 row["stages"] = alone_stages(m, x, w13, w2, w, ids, logits)
             else:
                 continue
@@ -207,23 +224,29 @@ def main(argv=None) -> int:
     p.add_argument("--method", choices=("trace", "alone"), default="trace" if on_gpu else "alone")
     p.add_argument("--calls", type=int, default=3, help="forwards traced per implementation (median)")
     p.add_argument("--no-peer", action="store_true", help="leave the tokamax peer out")
+    p.add_argument("--scheme", choices=("bf16", "fp8"), default="bf16",
+                   help="expert weight format: fp8 is W8A8 per-tensor (trace method only; no peer)")
     p.add_argument("--kernels", default=None, help="write each forward's kernel list to this file")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
+    if args.scheme != "bf16" and args.method != "trace":
+        p.error(f"--scheme {args.scheme} needs --method trace (the stages alone are bf16's)")
 
-    peer = not args.no_peer and peers.available()[0]
-    if not args.no_peer and not peer:
+    peer = args.scheme == "bf16" and not args.no_peer and peers.available()[0]
+    if args.scheme != "bf16" and not args.no_peer:
+        print(f"# tokamax: not run (a bf16 MoE; this breakdown is {args.scheme})")
+    elif not args.no_peer and not peer:
         print(f"# tokamax: not run ({peers.available()[1]})")
     bw, peak = measure_ceilings()
     dev = jax.devices()[0]
-    print(f"# {dev.device_kind}, jax {jax.__version__}, method {args.method}; measured {bw / 1e12:.2f} TB/s, "
-          f"{peak / 1e12:.0f} TFLOP/s bf16; microseconds per forward")
+    print(f"# {dev.device_kind}, jax {jax.__version__}, {args.scheme}, method {args.method}; "
+          f"measured {bw / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s bf16; microseconds per forward")
     print(header(), flush=True)
     rows = []
     kfile = open(args.kernels, "w") if args.kernels else None  # noqa: SIM115
     try:
         for key in args.models:
-            rows += run(MODELS[key], args.tokens, args.method, args.calls, peer, bw, peak, kfile)
+            rows += run(MODELS[key], args.tokens, args.method, args.calls, peer, bw, peak, kfile, args.scheme)
     finally:
         if kfile:
             kfile.close()

@@ -145,3 +145,29 @@ def test_stage_breakdown_prints_a_row_per_token_count(monkeypatch, method, tmp_p
     stages = [float(v) for v in rows[0].split(" | ")[3:3 + len(stage_breakdown.COLUMNS)]]
     assert sum(stages) > 0 and all(v >= 0 for v in stages)
     assert (kernels.read_text().count("## tiny") == 1) == (method == "trace")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU demo")
+def test_stage_breakdown_of_the_fp8_forward(monkeypatch, capsys):
+    """--scheme fp8: the forward on FP8 weights is traced, its row named for the scheme, and the
+    bf16 peer left out with the reason printed."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import stage_breakdown
+
+    assert stage_breakdown.main(["--tokens", "3", "--method", "trace", "--scheme", "fp8"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| tiny")]
+    assert len(rows) == 1 and rows[0].split(" | ")[2] == "cutlass fp8"
+    stages = [float(v) for v in rows[0].split(" | ")[3:3 + len(stage_breakdown.COLUMNS)]]
+    assert sum(stages) > 0 and all(v >= 0 for v in stages)
+    assert "# tokamax: not run (a bf16 MoE" in out
+
+
+def test_stage_breakdown_of_fp8_needs_the_trace(monkeypatch):
+    """The stages alone are bf16's: --scheme fp8 with --method alone is refused by name."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import stage_breakdown
+
+    with pytest.raises(SystemExit):
+        stage_breakdown.main(["--scheme", "fp8", "--method", "alone"])
