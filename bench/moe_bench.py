@@ -33,9 +33,10 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
   set the two layouts side by side; it holds a second copy of the weights.
 - ``cutlass_il`` (only when named in ``--impls``): ``cutlass`` on w13 interleaved at load time
   (``gate_up_layout="interleaved"``), so that GEMM1 takes the activation into its epilogue where
-  that pays (:mod:`jax_moe.backends.cutlass_act_gemm`); it holds a second copy of w13. In bf16 it
-  is what ``cutlass.prepare`` does; it also interleaves FP8 weights (per-tensor or per-expert
-  scales), which ``prepare`` leaves in their order.
+  that pays (:mod:`jax_moe.backends.cutlass_act_gemm`); it holds a second copy of w13.
+  ``cutlass.prepare`` interleaves too (a gated bf16 layer, then transposed; an FP8 layer with
+  static activation scales), so the two columns differ in bf16 by the transpose and in FP8 not at
+  all; with ``JAX_MOE_CUTLASS_FUSED_ACT=0`` both run GEMM1, then the activation kernel.
 
 ``gptoss-native`` is GPT-OSS-120B's layer as the model defines it (``gptoss`` is its shapes with
 silu): ``swigluoai`` on interleaved gate/up rows with random float32 expert biases, run by the

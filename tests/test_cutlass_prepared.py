@@ -1,9 +1,10 @@
 """The cutlass backend's load-time layout: ``cutlass.prepare`` / ``cutlass.apply_prepared`` and
 ``MoEBlock.prepare()`` on Hopper.
 
-A gated bf16 layer stored ``[gate; up]`` is prepared with its gate and up rows interleaved, so
-that GEMM1 can take the activation into its epilogue; everything else keeps its order. bf16
-weights are then transposed, N contiguous (the faster weight stream); FP8 weights stay as stored.
+A gated layer stored ``[gate; up]`` is prepared with its gate and up rows interleaved where
+GEMM1 can take the activation into its epilogue (bf16, and FP8 with static activation scales,
+per-channel weight scales reordered with their rows); everything else keeps its order. bf16
+weights are then transposed, N contiguous (the faster weight stream); FP8 weights stay K contiguous.
 The prepared layer computes the same function as the stored one: checked against the float64
 definition on the stored weights (the kernels' jnp references on CPU, the kernels on the GPU).
 """
@@ -23,7 +24,7 @@ from jax_moe import MoEBlock
 from jax_moe.backends import cutlass as cb
 from jax_moe.quant.scheme import QuantConfig
 
-from cutlass_cases import H100, REL_TOL, moe_problem, simulate_module, small_cfg
+from cutlass_cases import FP8_REL_TOL, H100, REL_TOL, moe_problem, simulate_module, small_cfg
 from helpers import np_moe, poison_memory, random_biases, rel_err, skip_unless_available
 
 
@@ -69,7 +70,33 @@ def test_fp8_weights_stay_k_contiguous(rng):
         cb.prepare(w13, w2, cfg, quant, transpose=True)
 
 
-@pytest.mark.parametrize("case", ["already interleaved", "relu2", "fp8"])
+def _fp8_layer(rng, t, e=8, k=2, h=64, i=32, per_channel=True):
+    """(cfg, x, q13, q2, topk_weights, topk_ids, quant): a silu layer stored ``[gate; up]`` in FP8,
+    per-channel ([E, N, 1]) or per-expert weight scales, static activation scales."""
+    from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
+
+    cfg = small_cfg(e, k, h, i)
+    x, w13, w2, tw, ids = moe_problem(rng, t, e, k, h, i)
+    a13 = calibrate_activation_scale("fp8_per_tensor", x.astype(jnp.float32))
+    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=a13 / 4,
+                                      weight_scale="per_channel" if per_channel else "per_expert")
+    assert jnp.ndim(quant.w13_scale) == (3 if per_channel else 1)
+    return cfg, x, q13, q2, tw, ids, quant
+
+
+def test_prepare_interleaves_a_static_fp8_layer_and_its_per_channel_scales(rng):
+    cfg, _, q13, q2, _, _, quant = _fp8_layer(rng, 1)
+    p = cb.prepare(q13, q2, cfg, quant)
+    assert not p.transposed and p.cfg == dataclasses.replace(cfg, gate_up_layout="interleaved")
+    i = cfg.intermediate_size
+    for got, stored in ((p.w13, q13), (p.quant.w13_scale, quant.w13_scale)):
+        got, stored = np.asarray(got.astype(jnp.float32)), np.asarray(stored.astype(jnp.float32))
+        np.testing.assert_array_equal(got[:, 0::2], stored[:, :i])  # row 2i: gate i
+        np.testing.assert_array_equal(got[:, 1::2], stored[:, i:])  # row 2i + 1: up i
+    assert p.w2 is q2 and p.quant.w2_scale is quant.w2_scale and p.quant.a2_scale is quant.a2_scale
+
+
+@pytest.mark.parametrize("case", ["already interleaved", "relu2", "fp8 per-token"])
 def test_prepare_keeps_the_order_where_the_epilogue_does_not_take_the_activation(rng, case):
     cfg, _, w13, w2, _, _, _ = _layer(rng, 1)
     quant = None
@@ -78,8 +105,8 @@ def test_prepare_keeps_the_order_where_the_epilogue_does_not_take_the_activation
     elif case == "relu2":
         cfg = small_cfg(activation="relu2")
         w13 = w13[:, : cfg.intermediate_size]
-    else:
-        quant = QuantConfig("fp8", w13_scale=0.5, w2_scale=0.25, act="fp8_per_tensor", a13_scale=1.0, a2_scale=1.0)
+    else:  # dynamic activation scales: GEMM1's output is quantized per row, after the activation
+        quant = QuantConfig("fp8", w13_scale=0.5, w2_scale=0.25, act="fp8_per_token")
         w13, w2 = w13.astype(jnp.float8_e4m3fn), w2.astype(jnp.float8_e4m3fn)
     p = cb.prepare(w13, w2, cfg, quant, transpose=False)
     assert p.w13 is w13 and p.w2 is w2 and p.cfg == cfg and p.quant is quant
@@ -172,3 +199,34 @@ def test_apply_prepared_on_the_gpu_is_the_stored_layers_function(rng, t, e, k, t
     assert rel_err(out, want) < REL_TOL
     stored = jax.jit(lambda *a: cb.apply(*a, cfg, **b))(x, w13, w2, tw, ids)
     assert rel_err(out, stored) < REL_TOL
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_a_prepared_static_fp8_layer_is_the_stored_layers_function_on_cpu(rng, per_channel):
+    """The xla backend's dequantized forward on the stored FP8 weights; the kernels' jnp references run here."""
+    from jax_moe.backends import xla
+
+    cfg, x, q13, q2, tw, ids, quant = _fp8_layer(rng, 37, per_channel=per_channel)
+    out = jax.jit(cb.apply_prepared)(x, cb.prepare(q13, q2, cfg, quant), tw, ids)
+    assert rel_err(out, xla.apply(x, q13, q2, tw, ids, cfg, quant=quant)) < FP8_REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("t, e, k", [(16, 128, 8), (1000, 16, 4)])
+def test_a_prepared_static_fp8_layer_on_the_gpu_is_the_stored_layers_function(rng, t, e, k, per_channel):
+    """GEMM1 with the activation and the output quantization in its epilogue, on every tile the
+    pick reaches here, against the xla backend's dequantized forward on the stored weights;
+    outputs poisoned first."""
+    from jax_moe.backends import xla
+    from jax_moe.backends.cutlass_act_gemm import fuses_activation
+
+    skip_unless_available(cb)
+    cfg, x, q13, q2, tw, ids, quant = _fp8_layer(rng, t, e, k, 256, 128, per_channel=per_channel)
+    p = cb.prepare(q13, q2, cfg, quant)
+    assert fuses_activation(p.cfg, p.quant)
+    f = jax.jit(cb.apply_prepared)
+    poison_memory(jax.eval_shape(f, x, p, tw, ids))
+    out = f(x, p, tw, ids)
+    assert not np.isnan(np.asarray(out.astype(jnp.float32))).any()
+    assert rel_err(out, xla.apply(x, q13, q2, tw, ids, cfg, quant=quant)) < FP8_REL_TOL

@@ -7,10 +7,12 @@
 // (q = lane % 4), as the fragment's first two values: every pair lies in one thread's registers.
 // Each thread computes act(gate) * up for its pairs in float32 (FP8: the row and column
 // dequantization scales first; then the expert's bias, then the activation, then, for an FP8 output,
-// the static quantization scale); the four lanes of a quad (same rows, columns 8g .. 8g+7 of a
-// group) then exchange results so that each lane writes four consecutive outputs of one group as
-// one 8-byte (bf16) or 4-byte (FP8) store. No shared memory: the adapter runs it where the TMA
-// epilogue would (cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter).
+// the static quantization scale). The column scales and biases of eight groups are loaded together,
+// once for both of the thread's rows. The four lanes of a quad (same rows, columns 8g .. 8g+7 of a
+// group) then exchange results, eight groups at a time, so that each lane writes the eight
+// consecutive outputs of two groups as one 16-byte (bf16) or 8-byte (FP8) store: a quad's store
+// covers whole 32-byte sectors. No shared memory: the adapter runs it where the TMA epilogue would
+// (cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter).
 //
 // d [M, N/2] per group: row m of the group, column i = act(acc[m, 2i] ..., acc[m, 2i+1] ...).
 #pragma once
@@ -114,7 +116,7 @@ class GatedActEpilogue {
     static_assert(rank<0>(FrgLayout{}) == 3 && size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2,
                   "the gated epilogue needs the SM90 wgmma accumulator layout");
     constexpr int kGroups = size<0, 2>(FrgLayout{});
-    static_assert(kGroups % 4 == 0, "a quad exchanges four 8-column groups at a time");
+    static_assert(kGroups % 8 == 0, "a quad stores eight 8-column groups at a time");
 
     const int m_size = static_cast<int>(get<0>(problem_shape_mnkl));
     const int n_size = static_cast<int>(get<1>(problem_shape_mnkl));
@@ -145,39 +147,56 @@ class GatedActEpilogue {
     for (int mi = 0; mi < size<1>(acc); ++mi) {
       CUTLASS_PRAGMA_UNROLL
       for (int ni = 0; ni < size<2>(acc); ++ni) {
+        // The thread's two rows (one per half), and their scales, read once.
+        int m[2];
+        float rs[2] = {1.0f, 1.0f};
         CUTLASS_PRAGMA_UNROLL
         for (int half = 0; half < 2; ++half) {
-          // The quad's rows are one row per half: its scale read once.
-          const int m = get<0>(tc(make_coord(make_coord(0, half, 0), mi, ni)));
-          const bool row_ok = m < m_size;
-          float rs = 1.0f;
-          if constexpr (kScaled) rs = row_ok ? row_scale[m] : 0.0f;
+          m[half] = get<0>(tc(make_coord(make_coord(0, half, 0), mi, ni)));
+          if constexpr (kScaled) rs[half] = m[half] < m_size ? __ldg(row_scale + m[half]) : 0.0f;
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int g0 = 0; g0 < kGroups; g0 += 8) {
+          // The column scales and biases of this lane's pair in groups g0 .. g0 + 7, loaded together
+          // (8-byte loads: the pair's first column is even) ahead of the rows that use them.
+          float2 cs[8], bs[8];
           CUTLASS_PRAGMA_UNROLL
-          for (int g0 = 0; g0 < kGroups; g0 += 4) {
-            // v[j]: this lane's output of group g0 + j (columns 2q, 2q+1 of the group's 8).
-            float v[4];
+          for (int j = 0; j < 8; ++j) {
+            const int n = get<1>(tc(make_coord(make_coord(0, 0, g0 + j), mi, ni)));
+            const bool ok = n < n_size;
+            cs[j] = make_float2(1.0f, 1.0f);
+            if constexpr (kScaled) {
+              if (ok) cs[j] = __ldg(reinterpret_cast<const float2*>(col_scale + n));
+            }
+            bs[j] = bias != nullptr && ok ? __ldg(reinterpret_cast<const float2*>(bias + n)) : make_float2(0.0f, 0.0f);
+          }
+          CUTLASS_PRAGMA_UNROLL
+          for (int half = 0; half < 2; ++half) {
+            // v[j]: this lane's output of group g0 + j (columns 2q, 2q+1 of the group's 8), in the
+            // order the two transposes take them: even groups, then odd ones.
+            float v[2][4];
             CUTLASS_PRAGMA_UNROLL
-            for (int j = 0; j < 4; ++j) {
-              const int n = get<1>(tc(make_coord(make_coord(0, half, g0 + j), mi, ni)));
+            for (int j = 0; j < 8; ++j) {
               float gate = acc(make_coord(make_coord(0, half, g0 + j), mi, ni));
               float up = acc(make_coord(make_coord(1, half, g0 + j), mi, ni));
-              const bool ok = row_ok && n < n_size;
-              if constexpr (kScaled) {
-                gate *= ok ? col_scale[n] * rs : 0.0f;
-                up *= ok ? col_scale[n + 1] * rs : 0.0f;
-              }
-              if (bias != nullptr && ok) gate += bias[n], up += bias[n + 1];
-              v[j] = FastGatedAct<kAct>(gate, up, alpha, limit) * inv_out;
+              if constexpr (kScaled) gate *= cs[j].x * rs[half], up *= cs[j].y * rs[half];
+              v[j & 1][j >> 1] = FastGatedAct<kAct>(gate + bs[j].x, up + bs[j].y, alpha, limit) * inv_out;
             }
-            const int n = get<1>(tc(make_coord(make_coord(0, half, g0 + q), mi, ni))) - 2 * q;  // group's first
+            // Lane q ends with the four outputs of group g0 + 2q and of g0 + 2q + 1: eight
+            // consecutive outputs (n_size is a multiple of 16, so both groups are in or both out).
+            // The transposes shuffle across the warp: every lane runs them, then stores if in bounds.
+            const int n = get<1>(tc(make_coord(make_coord(0, half, g0 + 2 * q), mi, ni))) - 2 * q;
+            const bool in = m[half] < m_size && n < n_size;
+            Out* dst = d + int64_t(m[half]) * ld + n / 2;
             if constexpr (sizeof(Out) == 2) {
-              // bf16: the quad's 4x4 transpose on packed pairs, two exchanges of one word each.
-              const uint2 out = QuadTransposeBf16(v, q, sel_lo, sel_hi);
-              if (row_ok && n < n_size) *reinterpret_cast<uint2*>(d + int64_t(m) * ld + n / 2) = out;
+              // bf16: 16 bytes per lane, 64 consecutive bytes per quad.
+              const uint2 lo = QuadTransposeBf16(v[0], q, sel_lo, sel_hi);
+              const uint2 hi = QuadTransposeBf16(v[1], q, sel_lo, sel_hi);
+              if (in) *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
             } else {
-              // FP8: the same on packed bytes, one word.
-              const uint32_t out = QuadTransposeFp8(v, q, sel_fp8);
-              if (row_ok && n < n_size) *reinterpret_cast<uint32_t*>(d + int64_t(m) * ld + n / 2) = out;
+              // FP8: 8 bytes per lane, a whole 32-byte sector per quad.
+              const uint2 out = make_uint2(QuadTransposeFp8(v[0], q, sel_fp8), QuadTransposeFp8(v[1], q, sel_fp8));
+              if (in) *reinterpret_cast<uint2*>(dst) = out;
             }
           }
         }

@@ -20,9 +20,9 @@ whose w13 was interleaved at load: :func:`prepare`, as ``MoEBlock.prepare()`` ca
 let GEMM1 take the activation into its epilogue (:mod:`jax_moe.backends.cutlass_act_gemm`): GEMM1
 then writes ``a2 [T*k, I]`` directly and ``act_and_mul`` is not launched, in bf16 and in FP8 with a
 static GEMM2 input scale, where it pays: bf16 where GEMM1 runs a pingpong tile or ``coop_128x256`` (the
-128x128 cooperative tile is as fast with the separate kernel, and FP8 is not faster fused;
-:func:`~jax_moe.backends.cutlass_act_gemm.fuses_activation`, ``JAX_MOE_CUTLASS_FUSED_ACT=all`` to
-fuse everywhere).
+128x128 cooperative tile is as fast with the separate kernel), FP8 on every tile
+(:func:`~jax_moe.backends.cutlass_act_gemm.fuses_activation`, ``JAX_MOE_CUTLASS_FUSED_ACT=all`` to
+fuse everywhere, ``=0`` nowhere).
 
 ``valid = sort.offsets[E]``: slots whose expert id is outside ``[0, E)`` (expert-parallel ids of
 -1) sort last and are skipped. The weights are used as vLLM stores them (``w13 [E, 2I, H]`` gate

@@ -9,15 +9,17 @@ Two repacks, both exact (a permutation of the weights, nothing rounded):
   stream is the faster one where the layer is weight-bound: neighbouring CTAs read neighbouring
   bytes of one row instead of short runs of many rows. FP8 keeps K contiguous (its tensor cores
   read only K-major operands).
-- **Interleaved gate/up** (gated bf16 layers stored ``[gate; up]``, :func:`interleaves`): w13
-  and its bias in the order of :func:`jax_moe.layouts.gated.reorder_rows_for_gated_act_gemm` (row
-  ``2i`` gate ``i``, row ``2i + 1`` up ``i``). On it GEMM1 takes the activation into its epilogue
-  where that pays (:func:`jax_moe.backends.cutlass_act_gemm.fuses_activation`: bf16 on the
-  pingpong tiles and on ``coop_128x256``) and writes ``act(gate) * up`` without the ``[T*k, 2I]``
-  pre-activation; elsewhere the activation kernel reads the interleaved rows as fast as the
-  concatenated ones. Layers already interleaved (GPT-OSS), ``relu2`` (not gated) and FP8 weights
-  (not faster fused on the H100) keep their order. The interleave comes first, so a transposed
-  gated layer's columns alternate gate and up.
+- **Interleaved gate/up** (gated layers stored ``[gate; up]``, :func:`interleaves`): w13, its
+  bias and its per-channel FP8 scales in the order of
+  :func:`jax_moe.layouts.gated.reorder_rows_for_gated_act_gemm` (row ``2i`` gate ``i``, row
+  ``2i + 1`` up ``i``). On it GEMM1 takes the activation into its epilogue where that pays
+  (:func:`jax_moe.backends.cutlass_act_gemm.fuses_activation`: bf16 on the pingpong tiles and on
+  ``coop_128x256``, FP8 with static activation scales on every tile) and writes ``act(gate) * up``
+  without the ``[T*k, 2I]`` pre-activation; elsewhere the activation kernel reads the interleaved
+  rows as fast as the concatenated ones. Layers already interleaved (GPT-OSS), ``relu2`` (not
+  gated) and FP8 layers whose GEMM1 cannot take the activation (dynamic activation scales) keep
+  their order. The interleave comes first, so a transposed gated layer's columns alternate gate
+  and up.
 
 :func:`apply_prepared` is :func:`jax_moe.backends.cutlass.apply` on the prepared weights; the
 numbers differ from the stored layout's only where GEMM1 fuses (its output then reaches the
@@ -34,6 +36,7 @@ import functools
 from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 
 from jax_moe.config import ACTIVATIONS, MoEConfig
 from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
@@ -71,8 +74,22 @@ def transposes(cfg: MoEConfig, quant=None) -> bool:
 
 def interleaves(cfg: MoEConfig, quant=None) -> bool:
     """Whether :func:`prepare` moves ``cfg``'s w13 to the interleaved order: a gated activation
-    stored concatenated (``[gate; up]``), bf16 weights."""
-    return quant is None and ACTIVATIONS[cfg.activation] and cfg.gate_up_layout == "concat"
+    stored concatenated (``[gate; up]``), bf16 weights, or FP8 weights whose interleaved GEMM1
+    takes the activation (:func:`~jax_moe.backends.cutlass_act_gemm.fuses_activation`)."""
+    if not (ACTIVATIONS[cfg.activation] and cfg.gate_up_layout == "concat"):
+        return False
+    if quant is None:
+        return True
+    from jax_moe.backends.cutlass_act_gemm import fuses_activation
+
+    return fuses_activation(dataclasses.replace(cfg, gate_up_layout="interleaved"), quant)
+
+
+def _interleave_scales(quant: QuantConfig):
+    """An FP8 ``quant`` with per-channel w13 scales ([E, 2I, 1]) in the interleaved order; others as they are."""
+    if jnp.ndim(quant.w13_scale) < 2:
+        return quant
+    return dataclasses.replace(quant, w13_scale=reorder_rows_for_gated_act_gemm(quant.w13_scale, axis=1))
 
 
 def interleave_gate_up(w13, w13_bias, cfg: MoEConfig):
@@ -102,6 +119,8 @@ def prepare(w13, w2, cfg: MoEConfig, quant=None, *, w13_bias=None, w2_bias=None,
     interleave = interleaves(cfg, quant)
     if interleave:
         cfg = dataclasses.replace(cfg, gate_up_layout="interleaved")
+        if quant is not None:
+            quant = _interleave_scales(quant)
     if interleave or transpose:
         w13, w13_bias = _repack_w13(w13, w13_bias, interleave, transpose)
     if transpose:
