@@ -16,9 +16,9 @@ from helpers import need_native, np_activation, np_fp8_per_token, np_moe, poison
 FP8 = jnp.float8_e4m3fn
 TINY = np.float32(np.finfo(np.float32).tiny)
 
-# (T, k, E, H, I): T=1, T not a multiple of anything, E=256/k=8, H and I not multiples of 8
-# (scalar path), DeepSeek-V3-like rows.
-SHAPES = [(1, 1, 4, 128, 64), (1, 8, 256, 256, 128), (37, 2, 8, 203, 77), (300, 8, 256, 512, 256),
+# (T, k, E, H, I): T=1, T not a multiple of anything, an odd number of rows (T*k = 3: permute_rows
+# writes two per block), E=256/k=8, H and I not multiples of 8 (scalar path), DeepSeek-V3-like rows.
+SHAPES = [(3, 1, 4, 128, 64), (1, 8, 256, 256, 128), (37, 2, 8, 203, 77), (300, 8, 256, 512, 256),
           (999, 4, 64, 1024, 384), (256, 8, 256, 7168, 512)]
 MINUS_ONE = 0.2  # with minus_one: the fraction of ids set to -1 (slots of experts on other devices)
 CPU_SHAPES = [pytest.param(1, 1, 4, 16, 8, marks=pytest.mark.slow), (1, 8, 256, 32, 16), (37, 2, 8, 24, 7),
