@@ -65,9 +65,9 @@ FUSED_ACT_ENV = "JAX_MOE_CUTLASS_FUSED_ACT"
 # 128-expert models, T >= 1024 on Mixtral-8x7B), 0.97-1.00x at 32-64. coop_128x128 0.83-0.99x keeps
 # the activation kernel. FP8 (whole forward, in a jitted loop of layers): the epilogue loads each
 # thread's column scales once for both of its rows and stores whole 32-byte sectors, and then it
-# pays on every tile the table picks, coop_128x128 included: 1.04-1.10x at 1024 to 16384 tokens on
-# the four bench models, 0.98-1.04x at 64 and 256. (Reading a scale per pair, with 4-byte
-# stores, it was 0.78-0.95x.)
+# pays on every tile the table picks, coop_128x128 included: 1.02-1.10x at 1024 to 16384 tokens on
+# the four bench models, 0.98-1.05x at 64 and 256. (Reading a scale per pair, with 4-byte
+# stores, it was 0.78-1.04x.)
 _BF16_FUSED = ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256", "coop_128x256")  # either b layout
 _FP8_FUSED = ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256", "coop_128x128", "coop_128x256")
 FUSED_TILES = {"bf16": _BF16_FUSED, "fp8": _FP8_FUSED, "bf16_kn": _BF16_FUSED}
