@@ -14,7 +14,7 @@ next to tokamax (``--forward``), to see what a tile choice is worth end to end.
     python bench/tile_sweep.py                                   # the four models, bf16
     python bench/tile_sweep.py --kinds bf16 fp8 --json sweep.json
     python bench/tile_sweep.py --models qwen3 --tokens 64 1024 --forward-only
-    python bench/tile_sweep.py --act --kinds bf16 bf16_kn --tokens 64 1024   # GEMM1 with the activation fused
+    python bench/tile_sweep.py --act --kinds bf16 bf16_kn fp8 --tokens 64 1024   # GEMM1 with the activation fused
 
 Prints one markdown table per kind: per (model, GEMM, T) each tile's ms, the best tile, and the
 tile the trace-time pick chooses (with its loss against the best). ``--json`` writes the raw
@@ -70,14 +70,18 @@ def gemm_operands(m: moe_bench.Model, t: int, kind: str, sets: int = 3):
     return out
 
 
-def fp8_weights(w13, w2):
-    """Per-channel FP8 weights and scales ([E, N] float32), as the FP8 GEMM takes them; one expert
-    at a time (a float32 copy of DeepSeek-V3's w13 would not fit next to the rest)."""
+def fp8_per_channel(w):
+    """w [E, N, K] -> (FP8 weights, per-channel scales [E, N] float32), as the FP8 GEMM takes them;
+    one expert at a time (a float32 copy of DeepSeek-V3's w13 would not fit next to the rest)."""
     def q_expert(w):
         s = jnp.maximum(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=1), 1e-12) / 448.0
         return (w.astype(jnp.float32) / s[:, None]).astype(jnp.float8_e4m3fn), s
-    q = jax.jit(lambda w: jax.lax.map(q_expert, w))
-    return q(w13), q(w2)
+    return jax.jit(lambda w: jax.lax.map(q_expert, w))(w)
+
+
+def fp8_weights(w13, w2):
+    """:func:`fp8_per_channel` of both weights."""
+    return fp8_per_channel(w13), fp8_per_channel(w2)
 
 
 def loop_timer(fn, inputs: list[tuple], vary: int) -> float:
@@ -160,34 +164,50 @@ def forward_model(m: moe_bench.Model, tokens) -> None:
 
 def act_model(m: moe_bench.Model, tokens, kind: str = "bf16", results: dict | None = None,
               timer=loop_timer) -> None:
-    """bf16 GEMM1 per tile: alone, followed by the activation kernel, and with the activation in its
+    """GEMM1 per tile: alone, followed by the activation kernel, and with the activation in its
     epilogue (:func:`jax_moe.backends.cutlass_act_gemm.grouped_gemm_act`), on w13 interleaved
-    (``kind="bf16_kn"``: and transposed). ``results``: each tile's time for GEMM1 and the activation
-    as the forward runs them (fused on the tiles that fuse, else the two kernels) under
-    ``"{kind}_act/E/N/K"``, the tile table's GEMM1-with-activation rows."""
+    (``kind="bf16_kn"``: and transposed; ``"fp8"``: FP8 rows with per-row scales and per-channel
+    FP8 weights, the activation's output quantized with a static scale, by ``act_and_mul`` or in
+    the epilogue). ``results``: each tile's time for GEMM1 and the activation as the forward runs
+    them (fused on the tiles that fuse, else the two kernels) under ``"{kind}_act/E/N/K"``, the
+    tile table's GEMM1-with-activation rows."""
     from jax_moe.backends.cutlass_act_gemm import FUSED_TILES, grouped_gemm_act
     from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
 
     w13 = reorder_rows_for_gated_act_gemm(moe_bench.random_experts(m)[0])
-    kn = kind == "bf16_kn"
+    kn, scaled = kind == "bf16_kn", kind == "fp8"
+    s13 = None
     if kn:
         w13 = transpose_experts(w13)
+    if scaled:
+        w13, s13 = fp8_per_channel(w13)
     gemm = grouped_gemm_dgrad if kn else cutlass_gemm.grouped_gemm
+    out_scale = jnp.float32(0.05)  # a static FP8 scale for act(gate) * up (the values do not matter here)
+    quant = dict(quant="fp8_static", scale=out_scale) if scaled else {}
+
+    def product(a, sa, b, sb, o, tile):
+        return gemm(a, b, o, a_scale=sa, b_scale=sb, tile=tile) if scaled else gemm(a, b, o, tile=tile)
+
+    def fused(a, sa, b, sb, o, tile):
+        if scaled:
+            return grouped_gemm_act(a, b, o, "silu", a_scale=sa, b_scale=sb, out_scale=out_scale, tile=tile)
+        return grouped_gemm_act(a, b, o, "silu", tile=tile, transposed=kn)
+
     fns = {}
     for tile in cutlass_gemm.TILES:
         fns[tile] = (
-            jax.jit(lambda a, b, o, tile=tile: gemm(a, b, o, tile=tile)),
-            jax.jit(lambda a, b, o, tile=tile: kernels.act_and_mul(gemm(a, b, o, tile=tile), "silu",
-                                                                   layout="interleaved")),
-            jax.jit(lambda a, b, o, tile=tile: grouped_gemm_act(a, b, o, "silu", tile=tile, transposed=kn)))
+            jax.jit(lambda *args, tile=tile: product(*args, tile)),
+            jax.jit(lambda *args, tile=tile: kernels.act_and_mul(product(*args, tile), "silu", layout="interleaved",
+                                                                 **quant)),
+            jax.jit(lambda *args, tile=tile: fused(*args, tile)))
     print(f"\n{kind}\n\n| model | T | tile | gemm1 ms | gemm1 + act ms | act in epilogue ms | gain |\n"
           "|---|---|---|---|---|---|---|")
     e, n, k = m.e, 2 * m.i, m.h
     for t in tokens:
-        inputs = [(op[1][0], w13, op[0]) for op in gemm_operands(m, t, "bf16")]
+        inputs = [(op[1][0], op[1][1], w13, s13, op[0]) for op in gemm_operands(m, t, "fp8" if scaled else "bf16")]
         unit = {}
-        for tile, (plain, two, fused) in fns.items():
-            ms = [timer(fn, inputs, 2) for fn in (plain, two, fused)]
+        for tile, (plain, two, fuse) in fns.items():
+            ms = [timer(fn, inputs, 4) for fn in (plain, two, fuse)]
             unit[tile] = ms[2] if tile in FUSED_TILES[kind] else ms[1]
             print(f"| {m.name} | {t} | {tile} | " + " | ".join(moe_bench.fmt(v) for v in ms) +
                   f" | {ms[1] / ms[2]:.2f}x |", flush=True)
@@ -273,8 +293,6 @@ def main() -> None:
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}")
     results: dict = {"device": jax.devices()[0].device_kind}
     for kind in args.kinds if args.act else []:
-        if kind == "fp8":
-            sys.exit("--act times the bf16 kinds (bf16, bf16_kn)")
         for name in args.models:
             act_model(moe_bench.MODELS[name], args.tokens, kind, results, TIMERS[args.timer])
     for kind in [] if args.forward_only or args.act else args.kinds:

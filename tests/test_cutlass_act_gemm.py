@@ -200,6 +200,15 @@ def test_the_forward_picks_gemm1s_tile_together_with_its_activation(monkeypatch)
     concat = dataclasses.replace(cfg, gate_up_layout="concat")
     assert forward_gemm1(concat, None, "auto", a1, w13t, transposed=True) == ("coop_128x128", False)
     assert forward_gemm1(cfg, None, "coop_128x128", a1, w13t, transposed=True) == ("coop_128x128", False)
+    # FP8 with a static GEMM2 input scale fuses, so it reads the fp8_act rows; per-token scales do not
+    monkeypatch.setitem(ct.MEASURED, ("fp8", e, 2 * i, h), ((4.0, "coop_128x128"),))
+    monkeypatch.setitem(ct.MEASURED, ("fp8_act", e, 2 * i, h), ((4.0, "pingpong_64x128_k256"),))
+    static = QuantConfig("fp8", w13_scale=1.0, w2_scale=1.0, act="fp8_per_tensor", a13_scale=1.0, a2_scale=1.0)
+    a8 = jax.ShapeDtypeStruct((rows, h), jnp.float8_e4m3fn)
+    w8 = jax.ShapeDtypeStruct((e, 2 * i, h), jnp.float8_e4m3fn)
+    assert forward_gemm1(cfg, static, "auto", a8, w8) == ("pingpong_64x128_k256", True)
+    per_token = QuantConfig("fp8", w13_scale=1.0, w2_scale=1.0, act="fp8_per_token")
+    assert forward_gemm1(cfg, per_token, "auto", a8, w8) == ("coop_128x128", False)
 
 
 def test_gemm1_tile_is_the_grouped_gemms_pick_or_the_forced_one():

@@ -40,7 +40,7 @@ def test_both_kinds_share_the_heuristic(r):
 def test_measured_table_is_sorted_and_positive():
     for key, points in ct.MEASURED.items():
         kind, e, n, k = key
-        assert kind in ("bf16", "fp8", "bf16_kn", "bf16_act", "bf16_kn_act") and min(e, n, k) > 0, key
+        assert kind in ("bf16", "fp8", "bf16_kn", "bf16_act", "bf16_kn_act", "fp8_act") and min(e, n, k) > 0, key
         rates = [r for r, _ in points]
         assert rates == sorted(rates) and rates[0] > 0, key
 

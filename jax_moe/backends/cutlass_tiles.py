@@ -29,7 +29,7 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
    as stored) and ``"bf16_kn"`` (the same product on transposed weights ``[E, K, N]``, the
    prepared layout: the same tiles stream the weights differently, so they are measured apart);
    N and K are the product's (``d [M, N] = a [M, K] @ w[e]``) whatever the layout. A kind with
-   ``"_act"`` appended (``"bf16_kn_act"``) is a gated layer's GEMM1 and its activation timed as
+   ``"_act"`` appended (``"bf16_kn_act"``, ``"fp8_act"``) is a gated layer's GEMM1 and its activation timed as
    one unit (the activation in the epilogue on the tiles that fuse it, the activation kernel
    after the others): the forward's GEMM1 pick where it may fuse, falling back to the plain
    kind's rows.
@@ -291,6 +291,34 @@ MEASURED: dict[tuple[str, int, int, int], tuple[tuple[float, str], ...]] = {
     ('fp8', 256, 7168, 2048): (
         (0.03125, 'pingpong_64x128'),
         (0.5, 'pingpong_64x128_k256'),
+        (2, 'pingpong_64x128'),
+        (8, 'pingpong_64x128'),
+        (32, 'pingpong_64x128_k256'),
+        (128, 'pingpong_64x256'),
+        (512, 'coop_128x256'),
+    ),
+    ('fp8_act', 8, 28672, 4096): (
+        (16, 'pingpong_64x256'),
+        (64, 'pingpong_64x256'),
+        (256, 'pingpong_64x256'),
+        (1024, 'coop_128x256'),
+        (4096, 'coop_128x256'),
+    ),
+    ('fp8_act', 128, 1536, 2048): (
+        (4, 'pingpong_64x128_k256'),
+        (16, 'pingpong_64x128_k256'),
+        (64, 'coop_128x128'),
+        (256, 'pingpong_64x256'),
+        (1024, 'coop_128x256'),
+    ),
+    ('fp8_act', 128, 5760, 2880): (
+        (2, 'pingpong_64x128'),
+        (8, 'pingpong_64x128_k256'),
+        (32, 'pingpong_64x128'),
+        (128, 'coop_128x256'),
+        (512, 'coop_128x256'),
+    ),
+    ('fp8_act', 256, 4096, 7168): (
         (2, 'pingpong_64x128'),
         (8, 'pingpong_64x128'),
         (32, 'pingpong_64x128_k256'),
