@@ -1,6 +1,7 @@
 // CUDA handlers of permute_rows and act_and_mul (contracts in moe_prepare_finalize.h, references in
-// jax_moe/kernels.py). Both are one CUDA block per output row (permute_rows with an inverse: per
-// slot, in slot order, written to the slot's sorted row): the row's values are produced in
+// jax_moe/kernels.py). act_and_mul runs one CUDA block per output row; permute_rows one per two
+// (kPermuteRowsPerBlock; one with the per-token scale), with an inverse per slot, in slot order,
+// written to the slot's sorted row. The row's values are produced in
 // float32 (a gathered input row, or act(gate) * up with the row's expert bias added first), optionally quantized to FP8 E4M3 with a
 // per-row scale (amax pass, then a second pass that re-reads the row from cache) or a given
 // static scale. Rows at or past valid_rows are written as zeros. No allocation, no host sync.
@@ -302,14 +303,13 @@ ffi::Error PermuteRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
     float* sc = quant == kQuantPerToken ? scales->typed_data() : nullptr;
     const int32_t* inv = inverse_count != 0 ? inverse.typed_data() : nullptr;
     const In* src = static_cast<const In*>(x.untyped_data());
-    const int per_block = kPermuteRowsPerBlock;
-    auto launch = [&](auto vec) -> ffi::Error {  // a block per slot (or per_block slots) with an inverse, else per row
+    auto launch = [&](auto vec) -> ffi::Error {  // blocks of kPermuteRowsPerBlock slots with an inverse, else of rows
       constexpr int V = decltype(vec)::value;
       if (inv != nullptr)
         return DispatchQuant<V>(stream, SlotRow<In, V>{src, inv, h, top_k, nullptr}, quant, n, h,
-                                valid_rows.typed_data(), s, out, sc, per_block);
+                                valid_rows.typed_data(), s, out, sc, kPermuteRowsPerBlock);
       return DispatchQuant<V>(stream, GatherRow<In, V>{src, slots, h, n, top_k, nullptr}, quant, n, h,
-                              valid_rows.typed_data(), s, out, sc, per_block);
+                              valid_rows.typed_data(), s, out, sc, kPermuteRowsPerBlock);
     };
     if (CanVectorize(h, kVec<In>, {{src, sizeof(In)}, {out->untyped_data(), out_bytes}}))
       return launch(std::integral_constant<int, kVec<In>>{});

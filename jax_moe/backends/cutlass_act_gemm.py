@@ -67,7 +67,9 @@ FUSED_ACT_ENV = "JAX_MOE_CUTLASS_FUSED_ACT"
 # thread's column scales once for both of its rows and stores whole 32-byte sectors, and then it
 # pays on every tile the table picks, coop_128x128 included: 1.02-1.10x at 1024 to 16384 tokens on
 # the four bench models, 0.98-1.05x at 64 and 256. (Reading a scale per pair, with 4-byte
-# stores, it was 0.78-1.04x.)
+# stores, it was 0.78-1.04x.) coop_128x128 fused is 1.06-1.12x its unfused pair at 64 rows per
+# expert, where the heuristic uses it, and 0.64-0.80x on DeepSeek-V3 from 128, where neither the
+# heuristic nor the table's fp8_act rows (GEMM1 and the activation timed as one) pick it.
 _BF16_FUSED = ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256", "coop_128x256")  # either b layout
 _FP8_FUSED = ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256", "coop_128x128", "coop_128x256")
 FUSED_TILES = {"bf16": _BF16_FUSED, "fp8": _FP8_FUSED, "bf16_kn": _BF16_FUSED}
