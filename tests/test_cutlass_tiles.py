@@ -101,3 +101,24 @@ def test_update_table_rewrites_only_the_marked_lines(tmp_path):
     head = before[:before.index("# measured table: begin")]
     tail = before[before.index("# measured table: end"):]
     assert after.startswith(head) and after.endswith(tail)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_the_act_sweep_times_every_tile_and_records_the_kinds_act_rows(kind, capsys):
+    """``tile_sweep --act`` on the tiny model (the kernels' jnp references on CPU): GEMM1 alone, then
+    the activation kernel, then with the activation in its epilogue, per tile; the figures land
+    under ``"{kind}_act/E/2I/H"``, the rows the forward's GEMM1 pick reads."""
+    from bench import moe_bench
+
+    m = moe_bench.MODELS["tiny"]
+    results: dict = {}
+    tile_sweep.act_model(m, [16], kind, results, tile_sweep.TIMERS["call"])
+    key = f"{kind}_act/{m.e}/{2 * m.i}/{m.h}"
+    assert list(results) == [key] and list(results[key]) == [str(16 * m.k / m.e)]
+    assert sorted(results[key][str(16 * m.k / m.e)]) == sorted(ct.TILES)
+    assert all(ms > 0 for ms in results[key][str(16 * m.k / m.e)].values())
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {m.name} | 16 |")]
+    assert len(rows) == len(ct.TILES)
+    table = tile_sweep.table_from_figures(results)
+    assert list(table) == [(f"{kind}_act", m.e, 2 * m.i, m.h)]  # act rows are kept even where the heuristic wins
