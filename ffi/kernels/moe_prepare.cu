@@ -216,22 +216,21 @@ __global__ void RowsKernel(Op op, int64_t rows, int64_t cols, const int32_t* val
   }
 }
 
+// Op's rows, kPermuteRowsPerBlock per block where Op's Begin is per thread and no per-token amax is
+// needed (RowsKernel), else one per block (RowKernel).
 template <typename Out, int V, int Quant, typename Op>
 ffi::Error LaunchRows(cudaStream_t stream, const Op& op, int64_t rows, int64_t cols, const int32_t* valid_rows,
-                      const float* static_scale, Out* out, float* scales, int rows_per_block = 1) {
+                      const float* static_scale, Out* out, float* scales) {
   if (rows == 0 || cols == 0) return ffi::Error::Success();
   const int threads = RowThreads(cols / V);
   if constexpr (Quant != kQuantPerToken && Op::kMultiRow) {
-    if (rows_per_block == kPermuteRowsPerBlock) {
-      const auto blocks = static_cast<unsigned>((rows + kPermuteRowsPerBlock - 1) / kPermuteRowsPerBlock);
-      RowsKernel<Out, V, Quant, kPermuteRowsPerBlock, Op>
-          <<<blocks, threads, 0, stream>>>(op, rows, cols, valid_rows, static_scale, out);
-      JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-      return ffi::Error::Success();
-    }
+    const auto blocks = static_cast<unsigned>((rows + kPermuteRowsPerBlock - 1) / kPermuteRowsPerBlock);
+    RowsKernel<Out, V, Quant, kPermuteRowsPerBlock, Op>
+        <<<blocks, threads, 0, stream>>>(op, rows, cols, valid_rows, static_scale, out);
+  } else {
+    RowKernel<Out, V, Quant, Op><<<static_cast<unsigned>(rows), threads, 0, stream>>>(op, rows, cols, valid_rows,
+                                                                                      static_scale, out, scales);
   }
-  RowKernel<Out, V, Quant, Op><<<static_cast<unsigned>(rows), threads, 0, stream>>>(op, rows, cols, valid_rows,
-                                                                                    static_scale, out, scales);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
 }
@@ -240,7 +239,7 @@ ffi::Error LaunchRows(cudaStream_t stream, const Op& op, int64_t rows, int64_t c
 template <int V, typename Op>
 ffi::Error DispatchQuant(cudaStream_t stream, const Op& op, int64_t quant, int64_t rows, int64_t cols,
                          const int32_t* valid_rows, const float* static_scale, ffi::Result<ffi::AnyBuffer>& out,
-                         float* scales, int rows_per_block = 1) {
+                         float* scales) {
   void* dst = out->untyped_data();
   switch (quant) {
     case kQuantPerToken:
@@ -248,12 +247,12 @@ ffi::Error DispatchQuant(cudaStream_t stream, const Op& op, int64_t quant, int64
                                                  static_cast<Fp8*>(dst), scales);
     case kQuantStatic:
       return LaunchRows<Fp8, V, kQuantStatic>(stream, op, rows, cols, valid_rows, static_scale,
-                                               static_cast<Fp8*>(dst), scales, rows_per_block);
+                                               static_cast<Fp8*>(dst), scales);
     default:
       return WithFloatType(out->element_type(), "out", [&](auto tag) {
         using Out = typename decltype(tag)::type;
         return LaunchRows<Out, V, kQuantNone>(stream, op, rows, cols, valid_rows, static_scale,
-                                              static_cast<Out*>(dst), scales, rows_per_block);
+                                              static_cast<Out*>(dst), scales);
       });
   }
 }
@@ -307,9 +306,9 @@ ffi::Error PermuteRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
       constexpr int V = decltype(vec)::value;
       if (inv != nullptr)
         return DispatchQuant<V>(stream, SlotRow<In, V>{src, inv, h, top_k, nullptr}, quant, n, h,
-                                valid_rows.typed_data(), s, out, sc, kPermuteRowsPerBlock);
+                                valid_rows.typed_data(), s, out, sc);
       return DispatchQuant<V>(stream, GatherRow<In, V>{src, slots, h, n, top_k, nullptr}, quant, n, h,
-                              valid_rows.typed_data(), s, out, sc, kPermuteRowsPerBlock);
+                              valid_rows.typed_data(), s, out, sc);
     };
     if (CanVectorize(h, kVec<In>, {{src, sizeof(In)}, {out->untyped_data(), out_bytes}}))
       return launch(std::integral_constant<int, kVec<In>>{});
