@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from jax_moe.backends.cutlass_act_gemm import fuses_activation
 from jax_moe.config import ACTIVATIONS, MoEConfig
 from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
 from jax_moe.layouts.transposed import BF16_ONLY, transpose_experts
@@ -80,8 +81,6 @@ def interleaves(cfg: MoEConfig, quant=None) -> bool:
         return False
     if quant is None:
         return True
-    from jax_moe.backends.cutlass_act_gemm import fuses_activation
-
     return fuses_activation(dataclasses.replace(cfg, gate_up_layout="interleaved"), quant)
 
 
