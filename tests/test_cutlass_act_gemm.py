@@ -278,6 +278,26 @@ def test_fp8_kernel_matches_the_definition(rng, tile):
     assert rel_err(fp8_value(got, out_scale), want) < FP8_REL_TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
+def test_fp8_kernel_turns_an_overflowed_activation_into_nan(rng, tile):
+    """An activation past float32's range is NaN in the FP8 output, as quantize_fp8_static makes it,
+    never a plausible +-448; the other rows are the reference's. A row scale of 1e25 takes gate * up
+    of row 3 past float32's range while gate and up stay within it, in either order of the scales."""
+    skip_unless_available(cb)
+    a, b, off, row, col = fp8_case(rng, [7, 2, 0, 11], n=480, k=256)
+    row = row.at[3].set(1e25)
+    out_scale = jnp.float32(0.05)
+    fn = jax.jit(lambda a, b, o, r, c, s: grouped_gemm_act(a, b, o, "silu", a_scale=r, b_scale=c, out_scale=s,
+                                                           tile=tile))
+    got = np.asarray(fn(a, b, off, row, col, out_scale), np.float32)
+    want = np.asarray(grouped_gemm_act_reference(a, b, off, "silu", a_scale=row, b_scale=col, out_scale=out_scale),
+                      np.float32)
+    assert np.isnan(want[3]).any() and not np.isnan(np.delete(want, 3, 0)).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert rel_err(np.delete(got, 3, 0), np.delete(want, 3, 0)) < FP8_REL_TOL
+
+
 def _interleaved(cfg, w13):
     return dataclasses.replace(cfg, gate_up_layout="interleaved"), reorder_rows_for_gated_act_gemm(w13)
 

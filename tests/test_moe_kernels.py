@@ -16,8 +16,9 @@ from helpers import need_native, np_activation, np_fp8_per_token, np_moe, poison
 FP8 = jnp.float8_e4m3fn
 TINY = np.float32(np.finfo(np.float32).tiny)
 
-# (T, k, E, H, I): T=1, T not a multiple of anything, an odd number of rows (T*k = 3: permute_rows
-# writes two per block), E=256/k=8, H and I not multiples of 8 (scalar path), DeepSeek-V3-like rows.
+# (T, k, E, H, I): T=1, T not a multiple of anything, an odd number of rows (T*k = 3: the row kernels
+# run four rows per block), E=256/k=8, H and I not multiples of 8 (scalar path), DeepSeek-V3-like rows
+# (7168 columns: several vector batches per lane).
 SHAPES = [(3, 1, 4, 128, 64), (1, 8, 256, 256, 128), (37, 2, 8, 203, 77), (300, 8, 256, 512, 256),
           (999, 4, 64, 1024, 384), (256, 8, 256, 7168, 512)]
 MINUS_ONE = 0.2  # with minus_one: the fraction of ids set to -1 (slots of experts on other devices)
@@ -595,7 +596,7 @@ def test_cuda_permute_rows(rng, t, k, e, h, i, minus_one, dtype):
 @pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_cuda_permute_rows_in_slot_order(rng, t, k, e, h, minus_one, dtype):
-    """With the sort's inverse the kernel runs one block per slot, in slot order: its rows and scales
+    """With the sort's inverse the kernel runs one warp per slot, in slot order: its rows and scales
     are the gather-order kernel's, byte for byte, on freshly poisoned outputs, and the reference's."""
     need_native("cuda")
     sort, _, valid = gpu_case(rng, t, k, e, minus_one)
@@ -616,6 +617,32 @@ def test_cuda_permute_rows_in_slot_order(rng, t, k, e, h, minus_one, dtype):
     same = check_fp8(q, s, *ref_tok, valid)
     assert same > 0.999, f"only {same:.4f} of the FP8 bytes equal the reference's"
     check_fp8(qs, ss, *ref_static, valid)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e30])
+def test_cuda_fp8_rows_quantize_a_nonfinite_value_as_the_reference(rng, bad):
+    """FP8 rows as jax_moe.quant.fp8 defines them: a NaN or an infinity becomes NaN (never a
+    plausible +-448), a finite overflow saturates to +-448, and per token the scale is the amax of
+    the finite values, so the bad value's neighbours keep theirs."""
+    need_native("cuda")
+    t, k, e, h = 16, 2, 8, 256
+    sort, _, _ = gpu_case(rng, t, k, e, False)
+    x = normal(rng, (t, h), "bfloat16", 3.0).at[5, 17].set(bad)
+    h2 = normal(rng, (t * k, 2 * h), "bfloat16", 2.0).at[3, h + 9].set(bad)  # an up value
+    cases = [(kernels.permute_rows, kernels.permute_rows_reference, (x, sort.sorted_slots, k), "jax_moe_permute_rows"),
+             (kernels.act_and_mul, kernels.act_and_mul_reference, (h2, "silu"), "jax_moe_act_and_mul")]
+    for quant, scale in (("fp8_static", jnp.float32(0.01)), ("fp8_per_token", None)):
+        for fn, ref_fn, (a, *rest), target in cases:
+            q, s = run_twice(lambda a: fn(a, *rest, quant=quant, scale=scale), a, target=target)
+            ref_q, ref_s = ref_fn(a, *rest, quant=quant, scale=scale)
+            q32, ref32 = np.asarray(q, np.float32), np.asarray(ref_q, np.float32)
+            np.testing.assert_array_equal(np.isnan(q32), np.isnan(ref32))
+            assert np.isnan(q32).any() == bool(np.isnan(bad) or np.isinf(bad))
+            assert np.mean(q32[~np.isnan(q32)] == ref32[~np.isnan(ref32)]) > 0.99
+            np.testing.assert_allclose(np.asarray(s), np.asarray(ref_s), rtol=1e-6)
+            if quant == "fp8_static" and bad == 1e30:
+                assert np.abs(q32).max() == 448.0
 
 
 @pytest.mark.gpu

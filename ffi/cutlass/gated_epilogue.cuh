@@ -180,7 +180,8 @@ class GatedActEpilogue {
               float gate = acc(make_coord(make_coord(0, half, g0 + j), mi, ni));
               float up = acc(make_coord(make_coord(1, half, g0 + j), mi, ni));
               if constexpr (kScaled) gate *= cs[j].x * rs[half], up *= cs[j].y * rs[half];
-              v[j & 1][j >> 1] = FastGatedAct<kAct>(gate + bs[j].x, up + bs[j].y, alpha, limit) * inv_out;
+              const float a = FastGatedAct<kAct>(gate + bs[j].x, up + bs[j].y, alpha, limit);
+              v[j & 1][j >> 1] = sizeof(Out) == 1 ? InfToNan(a) * inv_out : a;  // FP8: as quantize_fp8_static
             }
             // Lane q ends with the four outputs of group g0 + 2q and of g0 + 2q + 1: eight
             // consecutive outputs (n_size is a multiple of 16, so both groups are in or both out).
@@ -227,19 +228,14 @@ class GatedActEpilogue {
   }
 
   // The same transpose on FP8 bytes: lane q packs M[q][0..3] into one word (rounded as StoreF32
-  // rounds: clipped, then to nearest even); the word of lane q ^ 2 gives the 2x2 block of the columns
+  // rounds: saturating, to nearest even); the word of lane q ^ 2 gives the 2x2 block of the columns
   // c, c + 1 (c = q & 2) that lane q ends in; the word so formed of lane q ^ 1 gives the other two rows.
   static CUTLASS_DEVICE uint32_t QuadTransposeFp8(const float (&v)[4], int q, uint32_t sel) {
-    const uint32_t p = PackFp8(v[0], v[1]) | (PackFp8(v[2], v[3]) << 16);
+    const uint32_t p = PackFp8x2(v[0], v[1]) | (PackFp8x2(v[2], v[3]) << 16);
     const uint32_t p2 = __shfl_xor_sync(0xffffffffu, p, 2);                             // M[q ^ 2][0..3]
     const uint32_t w = __byte_perm(p, p2, (q & 2) ? 0x7632u : 0x5410u);  // M[q][c, c+1], M[q ^ 2][c, c+1]
     const uint32_t w1 = __shfl_xor_sync(0xffffffffu, w, 1);        // M[q ^ 1][c, c+1], M[q ^ 3][c, c+1]
     return __byte_perm(w, w1, sel);                                                     // M[0..3][q]
-  }
-
-  static CUTLASS_DEVICE uint32_t PackFp8(float lo, float hi) {
-    return static_cast<uint32_t>(
-        __nv_cvt_float2_to_fp8x2(make_float2(ClipFp8(lo), ClipFp8(hi)), __NV_SATFINITE, __NV_E4M3));
   }
 
   Params params_;

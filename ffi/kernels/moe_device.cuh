@@ -1,5 +1,5 @@
 // Device helpers shared by the MoE row kernels: element types, float conversions, vector access,
-// the block-wide max and FP8 E4M3 quantization with jax_moe/quant/fp8.py's exact arithmetic.
+// and FP8 E4M3 quantization with jax_moe/quant/fp8.py's exact arithmetic.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "../common/binding.h"
@@ -34,12 +35,23 @@ template <>
 __device__ __forceinline__ __half FromF32<__half>(float v) { return __float2half_rn(v); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 FromF32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-// The clip before an FP8 cast, as in cast_to_fp8 (float8_e4m3fn has no infinity).
-__device__ __forceinline__ float ClipFp8(float v) { return fminf(fmaxf(v, -kFp8Max), kFp8Max); }
+// FP8 E4M3 from float32, rounded to nearest even and saturating, as cast_to_fp8: finite values and
+// infinities beyond +-448 become +-448 (float8_e4m3fn has no infinity); NaN stays NaN.
 template <>
 __device__ __forceinline__ Fp8 FromF32<Fp8>(float v) {
-  // Clipped first; the cast rounds to nearest even.
-  return Fp8{static_cast<uint8_t>(__nv_cvt_float_to_fp8(ClipFp8(v), __NV_SATFINITE, __NV_E4M3))};
+  return Fp8{static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3))};
+}
+// What FP8 quantization does before it scales (nonfinite_to_nan, finite_absmax): +-inf become NaN,
+// since no FP8 format holds an infinity and saturating one would pass an overflow off as a plausible
+// finite value; an amax counts only finite values, so a NaN or an infinity never moves its row's scale.
+__device__ __forceinline__ float InfToNan(float v) { return fabsf(v) == INFINITY ? __int_as_float(0x7fc00000) : v; }
+__device__ __forceinline__ float FiniteAbs(float v) {
+  const float a = fabsf(v);
+  return a < INFINITY ? a : 0.0f;  // false for NaN too
+}
+// Two at a time, one instruction: lo in bits [0, 8), hi in [8, 16).
+__device__ __forceinline__ uint32_t PackFp8x2(float lo, float hi) {
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
 }
 
 // V consecutive elements, loaded or stored as one access (the caller checks the alignment).
@@ -58,8 +70,17 @@ __device__ __forceinline__ void LoadF32(const T* p, float (&out)[V]) {
 template <typename T, int V>
 __device__ __forceinline__ void StoreF32(T* p, const float (&vals)[V]) {
   Vec<T, V> o;
+  if constexpr (std::is_same_v<T, Fp8> && V % 2 == 0) {  // pairs converted together
 #pragma unroll
-  for (int i = 0; i < V; ++i) o.v[i] = FromF32<T>(vals[i]);
+    for (int i = 0; i < V; i += 2) {
+      const uint32_t pair = PackFp8x2(vals[i], vals[i + 1]);
+      o.v[i].bits = static_cast<uint8_t>(pair);
+      o.v[i + 1].bits = static_cast<uint8_t>(pair >> 8);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) o.v[i] = FromF32<T>(vals[i]);
+  }
   *reinterpret_cast<Vec<T, V>*>(p) = o;
 }
 
@@ -101,20 +122,6 @@ __device__ __forceinline__ float FastGatedAct(float g, float u, float alpha, flo
   } else {
     return __fdividef(g, 1.0f + ExpFtz(-g)) * u;
   }
-}
-
-// Max over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
-__device__ __forceinline__ float BlockMax(float v) {
-  __shared__ float warp_max[32];
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  if (lane == 0) warp_max[warp] = v;
-  __syncthreads();
-  v = lane < warps ? warp_max[lane] : 0.0f;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
 }
 
 // amax -> dequantization scale, as amax_to_scale: amax * (float32(1) / float32(448)), at least FLT_MIN.

@@ -1,10 +1,9 @@
 // CUDA handlers of permute_rows and act_and_mul (contracts in moe_prepare_finalize.h, references in
-// jax_moe/kernels.py). act_and_mul runs one CUDA block per output row; permute_rows one per two
-// (kPermuteRowsPerBlock; one with the per-token scale), with an inverse per slot, in slot order,
-// written to the slot's sorted row. The row's values are produced in
-// float32 (a gathered input row, or act(gate) * up with the row's expert bias added first), optionally quantized to FP8 E4M3 with a
-// per-row scale (amax pass, then a second pass that re-reads the row from cache) or a given
-// static scale. Rows at or past valid_rows are written as zeros. No allocation, no host sync.
+// jax_moe/kernels.py). Both run a warp per output row (permute_rows with an inverse: a warp per slot,
+// in slot order, written to the slot's sorted row). The row's values are produced in float32 (a
+// gathered input row, or act(gate) * up with the row's expert bias added first), optionally quantized
+// to FP8 E4M3 as jax_moe/quant/fp8.py does (infinities to NaN, an amax over the finite values) with a
+// per-row scale (amax pass, then a second pass that re-reads the row from cache) or a given static scale. Rows at or past valid_rows are written as zeros. No allocation, no host sync.
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -17,7 +16,6 @@ namespace {
 // Row r = x[sorted_slots[r] / top_k]; a slot outside [0, T*k) makes the row invalid (zeros).
 template <typename In, int V>
 struct GatherRow {
-  static constexpr bool kMultiRow = true;  // Begin is per thread: RowsKernel may run it
   const In* x;
   const int32_t* slots;
   int64_t cols, num_slots, top_k;
@@ -37,7 +35,6 @@ struct GatherRow {
 // of a token read its row together (from L2 after the first) instead of k times from DRAM.
 template <typename In, int V>
 struct SlotRow {
-  static constexpr bool kMultiRow = true;
   const In* x;
   const int32_t* inverse;
   int64_t cols, top_k;
@@ -55,7 +52,6 @@ struct SlotRow {
 // columns [0, I) and [I, 2I) (concat) or 2i and 2i+1 (interleaved); the bias row has h's column order.
 template <typename In, int V>
 struct GatedActRow {
-  static constexpr bool kMultiRow = false;  // Begin synchronizes the block
   const In* h;
   const float* bias;       // [E, 2I], or nullptr: no bias
   const int32_t* offsets;  // [E+1] with a bias
@@ -66,17 +62,11 @@ struct GatedActRow {
   const float* bias_row;
 
   __device__ int64_t Dest(int64_t r) const { return r; }
-  // Called by every thread of the block (the row is uniform over it): the row's expert is looked up
-  // once, by thread 0, and shared.
+  // Called by every lane of the row's warp (the row is uniform over it): each looks the row's expert
+  // up (the same reads of offsets for all).
   __device__ bool Begin(int64_t r) {
     src = h + r * 2 * cols;
-    bias_row = nullptr;
-    if (bias != nullptr) {
-      __shared__ int expert;
-      if (threadIdx.x == 0) expert = ExpertOfRow(offsets, experts, r);
-      __syncthreads();
-      bias_row = bias + int64_t(expert) * 2 * cols;
-    }
+    bias_row = bias != nullptr ? bias + int64_t(ExpertOfRow(offsets, experts, r)) * 2 * cols : nullptr;
     return true;
   }
 
@@ -120,117 +110,85 @@ struct GatedActRow {
   }
 };
 
-// One block per row b of Op, written to row r = Op::Dest(b) of out [rows, cols] (skipped where r is
-// outside [0, rows)); Op produces the row's float32 values V at a time.
+// Vectors each lane loads before it stores any: a row's loads in flight per lane.
+constexpr int kLaneVectors = 8;
+
+// A warp per row b of Op (kWarpsPerBlock to a block), written to row r = Op::Dest(b) of out
+// [rows, cols] (skipped where r is outside [0, rows)); Op produces the row's float32 values V at a
+// time, and lane l takes the row's vectors l, l + 32, ... . The row's setup (its slot, destination and
+// source; its expert) is paid once per lane for the whole row, and each lane has kLaneVectors loads in
+// flight. Per-token FP8 takes the row's amax in a first pass (a warp reduction), then re-reads the row
+// (from cache) to store it.
 template <typename Out, int V, int Quant, typename Op>
-__global__ void RowKernel(Op op, int64_t rows, int64_t cols, const int32_t* valid_rows, const float* static_scale,
-                          Out* out, float* scales) {
-  const int64_t b = blockIdx.x;
+__global__ void RowWarpKernel(Op op, int64_t rows, int64_t cols, const int32_t* valid_rows,
+                              const float* static_scale, Out* out, float* scales) {
+  const int lane = threadIdx.x & 31;
+  const int64_t b = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (b >= rows) return;
   Op o = op;
-  const int64_t r = o.Dest(b);  // uniform over the block
+  const int64_t r = o.Dest(b);  // uniform over the warp
   if (r < 0 || r >= rows) return;
   Out* dst = out + r * cols;
   const int64_t vectors = cols / V;
-  const bool valid = r < ValidRows(valid_rows, rows) && o.Begin(b);  // uniform over the block
+  const bool valid = r < ValidRows(valid_rows, rows) && o.Begin(b);  // uniform over the warp
   if (!valid) {
     float zero[V] = {};
-    for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) StoreF32<Out, V>(dst + c * V, zero);
-    if (Quant == kQuantPerToken && threadIdx.x == 0) scales[r] = kFp8MinScale;
+    for (int64_t c = lane; c < vectors; c += 32) StoreF32<Out, V>(dst + c * V, zero);
+    if (Quant == kQuantPerToken && lane == 0) scales[r] = kFp8MinScale;
     return;
   }
   float inv = 1.0f, scale = 0.0f;
   if constexpr (Quant == kQuantPerToken) {
     float amax = 0.0f;
-    for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
-      float v[V];
-      o.Load(c * V, v);
+    for (int64_t c0 = lane; c0 < vectors; c0 += 32 * kLaneVectors) {
+      float v[kLaneVectors][V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) amax = fmaxf(amax, fabsf(v[i]));
+      for (int u = 0; u < kLaneVectors; ++u)
+        if (c0 + 32 * u < vectors) o.Load((c0 + 32 * u) * V, v[u]);
+#pragma unroll
+      for (int u = 0; u < kLaneVectors; ++u)
+        if (c0 + 32 * u < vectors) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) amax = fmaxf(amax, FiniteAbs(v[u][i]));
+        }
     }
-    scale = AmaxToScale(BlockMax(amax));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    scale = AmaxToScale(amax);
     inv = 1.0f / scale;
   } else if constexpr (Quant == kQuantStatic) {
     inv = 1.0f / *static_scale;
   }
-  for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
-    float v[V];
-    o.Load(c * V, v);
-    if constexpr (Quant != kQuantNone) {
+  for (int64_t c0 = lane; c0 < vectors; c0 += 32 * kLaneVectors) {
+    float v[kLaneVectors][V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) v[i] *= inv;
-    }
-    StoreF32<Out, V>(dst + c * V, v);
-  }
-  if (Quant == kQuantPerToken && threadIdx.x == 0) scales[r] = scale;
-}
-
-// Slots (or rows) per block of permute_rows: RowsKernel's kRows, except per-token FP8 (RowKernel). On an
-// H100, two per block took the permute from 62 to 58 us (FP8 static) and from 64 to 58 us (bf16) at
-// Qwen3-30B's T=4096, and 250 -> 228 / 263 -> 236 us at T=16384; four were no faster than two.
-constexpr int kPermuteRowsPerBlock = 2;
-
-// RowKernel for kRows rows of Op per block (Ops whose Begin is per thread: the gathers), without the
-// per-token amax: each thread loads its vector of every row first, then stores them, so that a block
-// has kRows independent loads in flight where RowKernel has one. A block of RowKernel does little
-// (Qwen3-30B's 2048-column rows: one 16-byte load and one 8-byte FP8 store per thread) behind a chain of
-// dependent loads (slot, destination row, source row).
-template <typename Out, int V, int Quant, int kRows, typename Op>
-__global__ void RowsKernel(Op op, int64_t rows, int64_t cols, const int32_t* valid_rows, const float* static_scale,
-                           Out* out) {
-  static_assert(Quant != kQuantPerToken, "the per-token scale needs a block-wide amax per row (RowKernel)");
-  const int64_t b0 = int64_t(blockIdx.x) * kRows, valid_n = ValidRows(valid_rows, rows);
-  Op o[kRows];
-  Out* dst[kRows];
-  bool live[kRows], ok[kRows];  // uniform over the block: row written, row read
+    for (int u = 0; u < kLaneVectors; ++u)
+      if (c0 + 32 * u < vectors) o.Load((c0 + 32 * u) * V, v[u]);
 #pragma unroll
-  for (int j = 0; j < kRows; ++j) {
-    o[j] = op;
-    const int64_t r = b0 + j < rows ? o[j].Dest(b0 + j) : -1;
-    live[j] = r >= 0 && r < rows;
-    dst[j] = out + (live[j] ? r : 0) * cols;
-    ok[j] = live[j] && r < valid_n && o[j].Begin(b0 + j);
-  }
-  float inv = 1.0f;
-  if constexpr (Quant == kQuantStatic) inv = 1.0f / *static_scale;
-  const int64_t vectors = cols / V;
-  for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
-    float v[kRows][V];
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      if (ok[j]) {
-        o[j].Load(c * V, v[j]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < V; ++i) v[j][i] = 0.0f;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      if (!live[j]) continue;
+    for (int u = 0; u < kLaneVectors; ++u) {
+      if (c0 + 32 * u >= vectors) continue;
       if constexpr (Quant != kQuantNone) {
 #pragma unroll
-        for (int i = 0; i < V; ++i) v[j][i] *= inv;
+        for (int i = 0; i < V; ++i) v[u][i] = InfToNan(v[u][i]) * inv;
       }
-      StoreF32<Out, V>(dst[j] + c * V, v[j]);
+      StoreF32<Out, V>(dst + (c0 + 32 * u) * V, v[u]);
     }
   }
+  if (Quant == kQuantPerToken && lane == 0) scales[r] = scale;
 }
 
-// Op's rows, kPermuteRowsPerBlock per block where Op's Begin is per thread and no per-token amax is
-// needed (RowsKernel), else one per block (RowKernel).
+// Warps (rows) per block of RowWarpKernel. On an H100, a warp per row took the FP8 permute of
+// Qwen3-30B's T=4096 from 39 to 34 us in a standalone harness (a block per two rows, a thread per
+// vector), and GPT-OSS's bf16 one from 55 to 48 us; the bf16 permute of 2048-column rows was level.
+constexpr int kWarpsPerBlock = 4;
+
 template <typename Out, int V, int Quant, typename Op>
 ffi::Error LaunchRows(cudaStream_t stream, const Op& op, int64_t rows, int64_t cols, const int32_t* valid_rows,
                       const float* static_scale, Out* out, float* scales) {
   if (rows == 0 || cols == 0) return ffi::Error::Success();
-  const int threads = RowThreads(cols / V);
-  if constexpr (Quant != kQuantPerToken && Op::kMultiRow) {
-    const auto blocks = static_cast<unsigned>((rows + kPermuteRowsPerBlock - 1) / kPermuteRowsPerBlock);
-    RowsKernel<Out, V, Quant, kPermuteRowsPerBlock, Op>
-        <<<blocks, threads, 0, stream>>>(op, rows, cols, valid_rows, static_scale, out);
-  } else {
-    RowKernel<Out, V, Quant, Op><<<static_cast<unsigned>(rows), threads, 0, stream>>>(op, rows, cols, valid_rows,
-                                                                                      static_scale, out, scales);
-  }
+  const auto blocks = static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  RowWarpKernel<Out, V, Quant, Op>
+      <<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(op, rows, cols, valid_rows, static_scale, out, scales);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
 }
@@ -302,7 +260,7 @@ ffi::Error PermuteRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
     float* sc = quant == kQuantPerToken ? scales->typed_data() : nullptr;
     const int32_t* inv = inverse_count != 0 ? inverse.typed_data() : nullptr;
     const In* src = static_cast<const In*>(x.untyped_data());
-    auto launch = [&](auto vec) -> ffi::Error {  // blocks of kPermuteRowsPerBlock slots with an inverse, else of rows
+    auto launch = [&](auto vec) -> ffi::Error {  // a warp per slot with an inverse, else per row
       constexpr int V = decltype(vec)::value;
       if (inv != nullptr)
         return DispatchQuant<V>(stream, SlotRow<In, V>{src, inv, h, top_k, nullptr}, quant, n, h,
