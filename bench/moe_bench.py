@@ -29,14 +29,11 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
   same routing and data through tokamax's Mosaic-GPU ``ragged_dot``, the peer to beat. Its column
   is followed by "vs tokamax", tokamax's time over the best jax_moe time (above 1: jax_moe is faster).
 - ``cutlass_nk`` (only when named in ``--impls``; bf16): ``cutlass`` prepared without the
-  transpose, its weights K contiguous as stored (``cutlass.prepare(..., transpose=False)``), to
-  set the two layouts side by side; it holds a second copy of the weights.
-- ``cutlass_il`` (only when named in ``--impls``): ``cutlass`` on w13 interleaved at load time
-  (``gate_up_layout="interleaved"``), so that GEMM1 takes the activation into its epilogue where
-  that pays (:mod:`jax_moe.backends.cutlass_act_gemm`); it holds a second copy of w13.
-  ``cutlass.prepare`` interleaves too (a gated bf16 layer, then transposed; an FP8 layer with
-  static activation scales), so the two columns differ in bf16 by the transpose and in FP8 not at
-  all; with ``JAX_MOE_CUTLASS_FUSED_ACT=0`` both run GEMM1, then the activation kernel.
+  transpose, its weights K contiguous as stored (``cutlass.prepare(..., transpose=False)``; a gated
+  layer's w13 still interleaved), to set the two layouts side by side; it holds a second copy of
+  the weights. FP8 weights are K contiguous in ``cutlass`` itself. With
+  ``JAX_MOE_CUTLASS_FUSED_ACT=0`` the interleaved GEMM1 leaves its activation to the activation
+  kernel, to time the fusion against that pair.
 
 ``gptoss-native`` is GPT-OSS-120B's layer as the model defines it (``gptoss`` is its shapes with
 silu): ``swigluoai`` on interleaved gate/up rows with random float32 expert biases, run by the
@@ -208,12 +205,6 @@ def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16, only: list[s
         else:
             impls[name] = (True, same, lambda x, ws, w, ids, mod=mod: mod.apply(x, *ws[:2], w, ids, cfg, quant=quant,
                                                                                 **bias_kw(ws)))
-    # opt-in (--impls ... cutlass_il): a second copy of w13 (15 GB for DeepSeek-V3)
-    named_il = only is not None and "cutlass_il" in only
-    if named_il and "cutlass" in impls and cfg.gated and cfg.gate_up_layout == "concat":
-        il = interleaved_cutlass(cfg, quant, b13, b2)
-        if il is not None:
-            impls["cutlass_il"] = il
     if only is not None and "cutlass_nk" in only and "cutlass" in impls and quant is None:
         from jax_moe.backends import cutlass
 
@@ -223,26 +214,6 @@ def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16, only: list[s
     if quant is None and jnp.dtype(dtype) == jnp.bfloat16 and plain and want("tokamax"):
         impls.update(peers.implementations())
     return impls
-
-
-def interleaved_cutlass(cfg: MoEConfig, quant, b13, b2):
-    """``cutlass_il``: the cutlass backend on w13 (and its bias) interleaved at load time
-    (``gate_up_layout="interleaved"``), so that GEMM1 takes the activation into its epilogue
-    (:func:`jax_moe.backends.cutlass_act_gemm.fuses_activation`); None where that does not apply
-    (per-channel w13 scales would need the same reorder)."""
-    from jax_moe.backends import cutlass
-    from jax_moe.backends.cutlass_act_gemm import fuses_activation
-    from jax_moe.backends.cutlass_prepared import interleave_gate_up
-
-    cfg_il = dataclasses.replace(cfg, gate_up_layout="interleaved")
-    if not fuses_activation(cfg_il, quant) or (quant is not None and jnp.ndim(quant.w13_scale) > 1):
-        return None
-
-    def prepare(w13, w2):
-        w13, w13_bias, layer = interleave_gate_up(w13, b13, cfg)
-        return cutlass.Prepared(w13, w2, w13_bias, b2, quant, layer)
-
-    return True, prepare, lambda x, p, w, ids: cutlass.apply_prepared(x, p, w, ids)
 
 
 def random_biases(m: Model) -> tuple[jax.Array, jax.Array] | None:
@@ -476,9 +447,7 @@ def main(argv=None):
     p.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md and save a PNG plot")
     p.add_argument("--impls", nargs="+", default=None,
                    help="only these implementations (e.g. xla cutlass tokamax); default: every one that runs here "
-                        "but cutlass_il (cutlass on w13 interleaved at load time, its activation in GEMM1's "
-                        "epilogue where that pays) and cutlass_nk (cutlass prepared with K-contiguous weights), "
-                        "which must be named")
+                        "but cutlass_nk (cutlass prepared with K-contiguous weights), which must be named")
     p.add_argument("--in-loop", nargs="*", type=int, default=[], metavar="T",
                    help="also time these T per layer inside one jitted loop (device time, no dispatch)")
     p.add_argument("--layers", type=int, default=32, help="layers of the --in-loop loop")

@@ -45,6 +45,7 @@ from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad  # noqa: E402
 from jax_moe.layouts.transposed import transpose_experts  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.quant import fp8  # noqa: E402
+from jax_moe.quant.scheme import quantize_weights  # noqa: E402
 
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 LOOP_MS = 4.0  # device time of one timed loop of --timer loop
@@ -70,18 +71,10 @@ def gemm_operands(m: moe_bench.Model, t: int, kind: str, sets: int = 3):
     return out
 
 
-def fp8_per_channel(w):
-    """w [E, N, K] -> (FP8 weights, per-channel scales [E, N] float32), as the FP8 GEMM takes them;
-    one expert at a time (a float32 copy of DeepSeek-V3's w13 would not fit next to the rest)."""
-    def q_expert(w):
-        s = jnp.maximum(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=1), 1e-12) / 448.0
-        return (w.astype(jnp.float32) / s[:, None]).astype(jnp.float8_e4m3fn), s
-    return jax.jit(lambda w: jax.lax.map(q_expert, w))(w)
-
-
 def fp8_weights(w13, w2):
-    """:func:`fp8_per_channel` of both weights."""
-    return fp8_per_channel(w13), fp8_per_channel(w2)
+    """Both weights in FP8 with per-channel scales ([E, N] float32), as the FP8 GEMM takes them."""
+    q13, q2, quant = quantize_weights("fp8", w13, w2, weight_scale="per_channel")
+    return (q13, quant.w13_scale[..., 0]), (q2, quant.w2_scale[..., 0])
 
 
 def loop_timer(fn, inputs: list[tuple], vary: int) -> float:
@@ -174,13 +167,15 @@ def act_model(m: moe_bench.Model, tokens, kind: str = "bf16", results: dict | No
     from jax_moe.backends.cutlass_act_gemm import FUSED_TILES, grouped_gemm_act
     from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
 
-    w13 = reorder_rows_for_gated_act_gemm(moe_bench.random_experts(m)[0])
+    w13, w2 = moe_bench.random_experts(m)
+    w13 = reorder_rows_for_gated_act_gemm(w13)
     kn, scaled = kind == "bf16_kn", kind == "fp8"
     s13 = None
     if kn:
         w13 = transpose_experts(w13)
     if scaled:
-        w13, s13 = fp8_per_channel(w13)
+        (w13, s13), _ = fp8_weights(w13, w2)
+    del w2
     gemm = grouped_gemm_dgrad if kn else cutlass_gemm.grouped_gemm
     out_scale = jnp.float32(0.05)  # a static FP8 scale for act(gate) * up (the values do not matter here)
     quant = dict(quant="fp8_static", scale=out_scale) if scaled else {}
