@@ -294,7 +294,12 @@ def test_fp8_kernel_turns_an_overflowed_activation_into_nan(rng, tile):
     want = np.asarray(grouped_gemm_act_reference(a, b, off, "silu", a_scale=row, b_scale=col, out_scale=out_scale),
                       np.float32)
     assert np.isnan(want[3]).any() and not np.isnan(np.delete(want, 3, 0)).any()
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    # Row 3: silu(gate) * up overflows where gate > 0, and is 0 where gate < 0 (silu of a hugely
+    # negative value). A gate that cancels to near 0 may take either sign in FP8's accumulation, so
+    # the kernel may overflow where the reference did not, never the other way round.
+    assert np.isnan(got[3][np.isnan(want[3])]).all()
+    assert (np.isnan(got[3]) | (got[3] == 0)).all()
+    assert not np.isnan(np.delete(got, 3, 0)).any()
     assert rel_err(np.delete(got, 3, 0), np.delete(want, 3, 0)) < FP8_REL_TOL
 
 
