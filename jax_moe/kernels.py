@@ -31,12 +31,10 @@ FP8 is E4M3 (``float8_e4m3fn``) with :mod:`jax_moe.quant.fp8`'s arithmetic: per 
 ``scale = max(amax * (1/448), FLT_MIN)``; ``q = e4m3(clip(v * (1 / scale), -448, 448))``;
 ``"fp8_static"`` takes a given per-tensor scale instead.
 
-Non-finite values: the references follow :mod:`jax_moe.quant`'s rule (the amax over finite
-values; a NaN or an infinity becomes a NaN element) and keep a bad row to itself: every row is
-gathered, activated and reduced on its own, and rows past ``valid_rows`` are selected away with
-``where``. The CUDA kernels are tested against the references on finite inputs only: their
-``fmaxf`` leaves a NaN out of the amax but not an infinity, and their clip turns a NaN into -448
-(``ffi/kernels/moe_device.cuh``).
+Non-finite values: the references and the CUDA kernels follow :mod:`jax_moe.quant`'s rule (the
+amax over finite values; a NaN or an infinity becomes a NaN element, a finite overflow +-448) and
+keep a bad row to itself: every row is gathered, activated and reduced on its own, and rows past
+``valid_rows`` are selected away with ``where``.
 
 Transformations: every custom call declares ``vmap_method="sequential"`` (a batch runs one
 element at a time); the references batch natively. Arguments may be numpy arrays.
