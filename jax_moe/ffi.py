@@ -24,6 +24,7 @@ _loaded: dict[str, object] = {}
 _errors: dict[str, str] = {}
 _registered: set[str] = set()
 SORT_CHUNK = 256  # slots per CUDA block of sort_by_expert (ffi/kernels/sort_by_expert.h: kSortChunk)
+TOP_K_MAX_N = 1024  # values per row of the CUDA top_k (ffi/kernels/top_k.h: kTopKMaxN)
 
 
 def gpu_backend() -> bool:
@@ -58,6 +59,9 @@ def _register(kind: str) -> bool:
         return False
     if kind == "cuda" and getattr(mod, "sort_chunk", SORT_CHUNK) != SORT_CHUNK:
         _errors[kind] = "the compiled module's sort chunk does not match jax_moe/ffi.py"
+        return False
+    if kind == "cuda" and getattr(mod, "top_k_max_n", TOP_K_MAX_N) != TOP_K_MAX_N:
+        _errors[kind] = "the compiled module's top_k row limit does not match jax_moe/ffi.py"
         return False
     if kind == "cuda" and (getattr(mod, "fp8_max", FP8_MAX), getattr(mod, "fp8_min_scale", MIN_SCALE)) != (
             FP8_MAX, MIN_SCALE):

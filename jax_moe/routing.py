@@ -10,7 +10,8 @@ Modes (vLLM names):
 - Llama4 top-1: ``top_k=1, scoring="sigmoid", renormalize=False`` (sigmoid of the best logit);
 - ``routed_scaling_factor`` multiplies the final weights.
 
-Ties go to the lowest expert id (``jax.lax.top_k`` keeps the lower index first).
+Ties go to the lowest expert id (``jax.lax.top_k`` keeps the lower index first). On a GPU the
+top-k's run as one CUDA kernel each (:mod:`jax_moe.top_k`, the same result as ``lax.top_k``).
 
 Numerics (float32 throughout): without a correction bias the choice is made on the logits,
 which order the experts exactly as their softmax or sigmoid scores do, but never tie where
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe.config import FLOAT_DTYPES, check_dtype, check_int, check_positive_finite, check_shape
+from jax_moe import top_k as topk
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -81,10 +83,10 @@ def _group_mask(choice: jax.Array, num_expert_group: int, topk_group: int, biase
     t, e = choice.shape
     grouped = choice.reshape(t, num_expert_group, e // num_expert_group)
     if biased:
-        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        group_score = topk.top_k(grouped, 2)[0].sum(-1)
     else:
         group_score = grouped.max(-1)
-    _, best = jax.lax.top_k(group_score, topk_group)
+    _, best = topk.top_k(group_score, topk_group)
     keep = jnp.zeros((t, num_expert_group), bool).at[jnp.arange(t)[:, None], best].set(True)
     return jnp.repeat(keep, e // num_expert_group, axis=1)
 
@@ -118,7 +120,7 @@ def select_experts(
     if num_expert_group is not None:
         mask = _group_mask(choice, num_expert_group, topk_group, biased)
         choice = jnp.where(mask, choice, -jnp.inf)
-    _, ids = jax.lax.top_k(choice, top_k)
+    _, ids = topk.top_k(choice, top_k)
     chosen = jnp.take_along_axis(logits, ids, axis=-1)
     if scoring == "softmax":
         # renormalized: softmax over the chosen logits (= p_sel / sum p_sel, without underflow)

@@ -147,6 +147,17 @@ def test_stage_breakdown_prints_a_row_per_token_count(monkeypatch, method, tmp_p
     assert (kernels.read_text().count("## tiny") == 1) == (method == "trace")
 
 
+def test_route_bench_prints_a_row_per_router_and_token_count(monkeypatch, capsys):
+    """bench/route_bench.py: select_experts with its top-k kernel against lax.top_k (on CPU both
+    are lax.top_k), device time from one trace, for the routers asked."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import route_bench
+
+    assert route_bench.main(["--models", "mixtral", "deepseek", "--tokens", "4", "16", "--calls", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| mixtral", "| deepseek"))]
+    assert len(rows) == 4 and all(line.endswith("x |") for line in rows)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU demo")
 def test_stage_breakdown_of_the_fp8_forward(monkeypatch, capsys):
