@@ -181,7 +181,7 @@ class GatedActEpilogue {
               float up = acc(make_coord(make_coord(1, half, g0 + j), mi, ni));
               if constexpr (kScaled) gate *= cs[j].x * rs[half], up *= cs[j].y * rs[half];
               const float a = FastGatedAct<kAct>(gate + bs[j].x, up + bs[j].y, alpha, limit);
-              v[j & 1][j >> 1] = sizeof(Out) == 1 ? InfToNan(a) * inv_out : a;  // FP8: as quantize_fp8_static
+              v[j & 1][j >> 1] = sizeof(Out) == 1 ? ScaleForFp8(a, inv_out) : a;  // FP8: as quantize_fp8_static
             }
             // Lane q ends with the four outputs of group g0 + 2q and of g0 + 2q + 1: eight
             // consecutive outputs (n_size is a multiple of 16, so both groups are in or both out).

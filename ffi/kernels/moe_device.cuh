@@ -41,10 +41,12 @@ template <>
 __device__ __forceinline__ Fp8 FromF32<Fp8>(float v) {
   return Fp8{static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3))};
 }
-// What FP8 quantization does before it scales (nonfinite_to_nan, finite_absmax): +-inf become NaN,
+// What FP8 quantization does around its scale (nonfinite_to_nan, finite_absmax): +-inf become NaN,
 // since no FP8 format holds an infinity and saturating one would pass an overflow off as a plausible
 // finite value; an amax counts only finite values, so a NaN or an infinity never moves its row's scale.
-__device__ __forceinline__ float InfToNan(float v) { return fabsf(v) == INFINITY ? __int_as_float(0x7fc00000) : v; }
+// ScaleForFp8 is v * inv with +-inf made NaN, in two instructions: v * 0 is NaN for an infinity or a
+// NaN, and a zero of v's sign otherwise, which the fused add leaves v * inv exactly (inv > 0).
+__device__ __forceinline__ float ScaleForFp8(float v, float inv) { return fmaf(v, inv, v * 0.0f); }
 __device__ __forceinline__ float FiniteAbs(float v) {
   const float a = fabsf(v);
   return a < INFINITY ? a : 0.0f;  // false for NaN too

@@ -169,7 +169,7 @@ __global__ void RowWarpKernel(Op op, int64_t rows, int64_t cols, const int32_t* 
       if (c0 + 32 * u >= vectors) continue;
       if constexpr (Quant != kQuantNone) {
 #pragma unroll
-        for (int i = 0; i < V; ++i) v[u][i] = InfToNan(v[u][i]) * inv;
+        for (int i = 0; i < V; ++i) v[u][i] = ScaleForFp8(v[u][i], inv);
       }
       StoreF32<Out, V>(dst + (c0 + 32 * u) * V, v[u]);
     }
