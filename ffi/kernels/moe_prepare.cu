@@ -177,9 +177,10 @@ __global__ void RowWarpKernel(Op op, int64_t rows, int64_t cols, const int32_t* 
   if (Quant == kQuantPerToken && lane == 0) scales[r] = scale;
 }
 
-// Warps (rows) per block of RowWarpKernel. On an H100, a warp per row took the FP8 permute of
-// Qwen3-30B's T=4096 from 39 to 34 us in a standalone harness (a block per two rows, a thread per
-// vector), and GPT-OSS's bf16 one from 55 to 48 us; the bf16 permute of 2048-column rows was level.
+// Warps (rows) per block of RowWarpKernel. On an H100, a warp per row with its 8 loads in flight (and
+// FP8 converted in pairs) took the FP8 permute of Qwen3-30B's T=4096 from 57 to 43 us in the forward,
+// and GPT-OSS's bf16 one at T=16384 from 192 to 173 us; 2048-column bf16 rows were already at the
+// write ceiling.
 constexpr int kWarpsPerBlock = 4;
 
 template <typename Out, int V, int Quant, typename Op>
