@@ -3,7 +3,8 @@
 // in slot order, written to the slot's sorted row). The row's values are produced in float32 (a
 // gathered input row, or act(gate) * up with the row's expert bias added first), optionally quantized
 // to FP8 E4M3 as jax_moe/quant/fp8.py does (infinities to NaN, an amax over the finite values) with a
-// per-row scale (amax pass, then a second pass that re-reads the row from cache) or a given static scale. Rows at or past valid_rows are written as zeros. No allocation, no host sync.
+// per-row scale (amax pass, then a second pass that re-reads the row from cache) or a given static
+// scale. Rows at or past valid_rows are written as zeros. No allocation, no host sync.
 #include <cstdint>
 #include <limits>
 #include <type_traits>
