@@ -32,16 +32,17 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     x = jnp.asarray(x)
     k = int(k)
     if not uses_kernel(x, k) or not ffi.has_native("cuda"):
-        return _lax_top_k(x, k)
+        return lax_top_k(x, k)
 
     def cuda(x):
         out = jax.ShapeDtypeStruct(x.shape[:-1] + (k,), jnp.int32)
         idx = jax.ffi.ffi_call("jax_moe_top_k", out, vmap_method="broadcast_all")(jax.lax.stop_gradient(x), k=k)
         return jnp.take_along_axis(x, idx, axis=-1), idx
 
-    return jax.lax.platform_dependent(x, cuda=cuda, default=lambda x: _lax_top_k(x, k))
+    return jax.lax.platform_dependent(x, cuda=cuda, default=lambda x: lax_top_k(x, k))
 
 
-def _lax_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def lax_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(x, k)`` as a tuple: :func:`top_k` off the kernel."""
     values, indices = jax.lax.top_k(x, k)
     return values, indices
