@@ -1,6 +1,7 @@
 // CUDA handler of top_k (contract in top_k.h, reference: jax.lax.top_k's indices, jax_moe/top_k.py).
 // A warp per row of x [..., N] float32: lane l holds the row's values l, l + 32, ... as order-preserving
-// uint32 keys, and each of k rounds takes the warp's largest (key, then lowest index) and drops it.
+// uint32 keys, and each of k rounds takes the warp's largest (key, then lowest index: two warp
+// reductions) and drops it.
 // The keys order float32 totally, as jax.lax.top_k does: a negative NaN < -inf < ... < -0 < +0 < ...
 // < +inf < NaN; equal values go to the lower index first.
 #include <cuda_runtime.h>
@@ -11,6 +12,7 @@
 #include "../common/binding.h"
 #include "../common/errors.h"
 #include "top_k.h"
+#include "warp_order.cuh"
 
 namespace jax_moe {
 namespace {
@@ -19,14 +21,7 @@ namespace ffi = ::xla::ffi;
 
 constexpr int kTopKWarpsPerBlock = 4;
 
-__device__ __forceinline__ uint32_t OrderKey(float v) {
-  const uint32_t b = __float_as_uint(v);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-// P values per lane (N <= 32 * P). A candidate packs (key, ~index) into 64 bits, so that the larger
-// pack is the larger key, then the lower index; 0 is "none" (below every candidate, whose low word
-// is at least 2^32 - kTopKMaxN).
+// P values per lane (N <= 32 * P), as keys of warp_order.cuh.
 template <int P>
 __global__ void TopKRows(const float* x, int64_t rows, int n, int k, int32_t* out) {
   const int lane = threadIdx.x & 31;
@@ -42,18 +37,7 @@ __global__ void TopKRows(const float* x, int64_t rows, int n, int k, int32_t* ou
     left |= c < n ? (1u << i) : 0u;
   }
   for (int r = 0; r < k; ++r) {
-    uint64_t best = 0;
-#pragma unroll
-    for (int i = 0; i < P; ++i) {  // ascending i: the lane's lowest index wins a tie
-      const uint64_t cand = (uint64_t(key[i]) << 32) | uint32_t(~uint32_t(lane + 32 * i));
-      if (((left >> i) & 1u) && cand > best) best = cand;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const uint64_t other = __shfl_xor_sync(0xffffffffu, best, off);
-      best = other > best ? other : best;
-    }
-    const int index = static_cast<int>(~uint32_t(best));
+    const int index = WarpTopIndex(key, left, lane);
     if ((index & 31) == lane) left &= ~(1u << (index >> 5));
     if (lane == 0) out[row * k + r] = index;
   }
