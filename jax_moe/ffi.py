@@ -24,7 +24,9 @@ _loaded: dict[str, object] = {}
 _errors: dict[str, str] = {}
 _registered: set[str] = set()
 SORT_CHUNK = 256  # slots per CUDA block of sort_by_expert (ffi/kernels/sort_by_expert.h: kSortChunk)
-TOP_K_MAX_N = 1024  # values per row of the CUDA top_k (ffi/kernels/top_k.h: kTopKMaxN)
+TOP_K_MAX_N = 1024  # values per row of the CUDA top_k and route (ffi/kernels/top_k.h: kTopKMaxN)
+ROUTE_MAX_K = 32  # experts per token of the CUDA route (ffi/kernels/route.h: kRouteMaxK)
+ROUTE_MAX_GROUPS = 32  # expert groups of the CUDA route (ffi/kernels/route.h: kRouteMaxGroups)
 
 
 def gpu_backend() -> bool:
@@ -60,8 +62,10 @@ def _register(kind: str) -> bool:
     if kind == "cuda" and getattr(mod, "sort_chunk", SORT_CHUNK) != SORT_CHUNK:
         _errors[kind] = "the compiled module's sort chunk does not match jax_moe/ffi.py"
         return False
-    if kind == "cuda" and getattr(mod, "top_k_max_n", TOP_K_MAX_N) != TOP_K_MAX_N:
-        _errors[kind] = "the compiled module's top_k row limit does not match jax_moe/ffi.py"
+    if kind == "cuda" and (getattr(mod, "top_k_max_n", TOP_K_MAX_N), getattr(mod, "route_max_k", ROUTE_MAX_K),
+                           getattr(mod, "route_max_groups", ROUTE_MAX_GROUPS)) != (
+            TOP_K_MAX_N, ROUTE_MAX_K, ROUTE_MAX_GROUPS):
+        _errors[kind] = "the compiled module's top_k and route limits do not match jax_moe/ffi.py"
         return False
     if kind == "cuda" and (getattr(mod, "fp8_max", FP8_MAX), getattr(mod, "fp8_min_scale", MIN_SCALE)) != (
             FP8_MAX, MIN_SCALE):

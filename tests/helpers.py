@@ -5,7 +5,8 @@
 * fresh random layers (never zeros): :func:`random_weights`, :func:`random_routing`,
   :func:`random_moe`, :func:`random_biases`; a scheme without weights: :func:`scheme_only`;
 * float64 numpy definitions, written from the documented formulas and never from jax_moe's code:
-  :func:`np_sigmoid`, :func:`np_silu`, :func:`np_softmax`, :func:`np_top_k`, :func:`np_activation`,
+  :func:`np_sigmoid`, :func:`np_silu`, :func:`np_softmax`, :func:`np_top_k`, :func:`np_select_experts`,
+  :func:`np_activation`,
   :func:`np_moe`, :func:`np_e2m1_round`, :func:`np_e4m3_round`, :func:`np_fp8_per_token`;
 * non-finite values: :data:`BAD_VALUES`, :func:`poison_experts`, :func:`poison_memory`;
 * skips: :func:`skip_unless_available`, :func:`skip_unless_fi_scheme`, :func:`need_native`,
@@ -162,6 +163,35 @@ def np_softmax(v, axis: int = -1) -> np.ndarray:
 def np_top_k(scores, k: int) -> np.ndarray:
     """Indices of the k largest scores along the last axis, largest first (ties: the lower index)."""
     return np.argsort(-np.asarray(scores, np.float64), axis=-1, kind="stable")[..., :k]
+
+
+def np_select_experts(logits, k: int, scoring: str = "softmax", renormalize: bool = True, groups=None,
+                      topk_group=None, bias=None, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A router's choice per token, in float64: (weights [T, k] float32, ids [T, k] int32, the
+    choice scores [T, E] float64 that ranked them, -inf outside the kept groups)."""
+    t, e = logits.shape
+    weights, ids = np.zeros((t, k), np.float32), np.zeros((t, k), np.int32)
+    ranked = np.zeros((t, e), np.float64)
+    for row in range(t):
+        scores = (np_softmax if scoring == "softmax" else np_sigmoid)(np.asarray(logits[row], np.float64))
+        choice = scores + (np.asarray(bias, np.float64) if bias is not None else 0.0)
+        allowed = np.ones(e, bool)
+        if groups:
+            per = e // groups
+            gscore = []
+            for g in range(groups):
+                member = choice[g * per:(g + 1) * per]
+                gscore.append(np.sort(member)[-2:].sum() if bias is not None else member.max())
+            allowed[:] = False
+            for g in np_top_k(gscore, topk_group):
+                allowed[g * per:(g + 1) * per] = True
+        ranked[row] = np.where(allowed, choice, -np.inf)
+        sel = np_top_k(list(ranked[row]), k)
+        w = scores[sel]
+        if renormalize:
+            w = w / w.sum()
+        weights[row], ids[row] = w * scale, sel
+    return weights, ids, ranked
 
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])

@@ -148,8 +148,9 @@ def test_stage_breakdown_prints_a_row_per_token_count(monkeypatch, method, tmp_p
 
 
 def test_route_bench_prints_a_row_per_router_and_token_count(monkeypatch, capsys):
-    """bench/route_bench.py: select_experts with its top-k kernel against lax.top_k (on CPU both
-    are lax.top_k), device time from one trace, for the routers asked."""
+    """bench/route_bench.py: select_experts (the route kernel) against its pure-JAX path with the
+    top-k kernel and with lax.top_k (on CPU all three are lax.top_k), device time from one trace,
+    for the routers asked."""
     monkeypatch.syspath_prepend(ROOT)
     from bench import route_bench
 

@@ -5,31 +5,11 @@ import numpy as np
 import pytest
 
 from jax_moe import select_experts
-from helpers import np_sigmoid, np_softmax, np_top_k
+from helpers import np_select_experts, np_sigmoid
 
 
 def reference(logits, k, scoring="softmax", renormalize=True, groups=None, topk_group=None, bias=None, scale=1.0):
-    t, e = logits.shape
-    weights, ids = np.zeros((t, k), np.float32), np.zeros((t, k), np.int32)
-    for row in range(t):
-        scores = (np_softmax if scoring == "softmax" else np_sigmoid)(logits[row].astype(np.float64))
-        choice = scores + (bias if bias is not None else 0.0)
-        allowed = np.ones(e, bool)
-        if groups:
-            per = e // groups
-            gscore = []
-            for g in range(groups):
-                member = choice[g * per:(g + 1) * per]
-                gscore.append(np.sort(member)[-2:].sum() if bias is not None else member.max())
-            allowed[:] = False
-            for g in np_top_k(gscore, topk_group):
-                allowed[g * per:(g + 1) * per] = True
-        masked = np.where(allowed, choice, -np.inf)
-        sel = np_top_k(list(masked), k)
-        w = scores[sel]
-        if renormalize:
-            w = w / w.sum()
-        weights[row], ids[row] = w * scale, sel
+    weights, ids, _ = np_select_experts(logits, k, scoring, renormalize, groups, topk_group, bias, scale)
     return weights, ids
 
 

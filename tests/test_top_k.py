@@ -100,15 +100,16 @@ def test_kernel_takes_leading_axes_vmap_and_grad(rng):
 
 
 @pytest.mark.gpu
-def test_routing_on_the_gpu_takes_the_kernel_and_picks_lax_top_ks_experts(rng):
-    """DeepSeek-V3's grouped routing (three top-k's) and a plain softmax top-8 on the GPU pick the
-    experts and weights of the definition's top-k."""
+def test_pure_jax_routing_on_the_gpu_takes_the_kernel_and_picks_lax_top_ks_experts(rng):
+    """The pure-JAX router (what runs past the route kernel's limits): DeepSeek-V3's grouped routing
+    (three top-k's) and a plain softmax top-8 on the GPU pick the experts and weights of the
+    definition's top-k."""
     need_native("cuda")
     logits = jnp.asarray(rng.standard_normal((512, 256)), jnp.float32)
     bias = jnp.asarray(rng.standard_normal(256) / 10, jnp.float32)
     kw = dict(scoring="sigmoid", num_expert_group=8, topk_group=4, e_score_correction_bias=bias,
               routed_scaling_factor=2.5)
-    fn = jax.jit(lambda lg: routing.select_experts(lg, 8, **kw))
+    fn = jax.jit(lambda lg: routing.select_experts_lax(lg, 8, **kw))
     assert fn.lower(logits).as_text().count("jax_moe_top_k") == 3
     w, ids = fn(logits)
     scores = 1 / (1 + np.exp(-np.asarray(logits, np.float64)))
@@ -121,5 +122,5 @@ def test_routing_on_the_gpu_takes_the_kernel_and_picks_lax_top_ks_experts(rng):
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     sel = np.take_along_axis(scores, want_ids, axis=-1)
     np.testing.assert_allclose(np.asarray(w), 2.5 * sel / sel.sum(-1, keepdims=True), rtol=1e-5)
-    w, ids = jax.jit(lambda lg: routing.select_experts(lg, 8))(logits[:, :128])
+    w, ids = jax.jit(lambda lg: routing.select_experts_lax(lg, 8))(logits[:, :128])
     np.testing.assert_array_equal(np.asarray(ids), definition(np.asarray(logits[:, :128]), 8)[1])
