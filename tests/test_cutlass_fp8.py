@@ -93,9 +93,10 @@ def test_fp8_reference_matches_the_float64_definition_with_empty_experts_and_uno
     want = _fp8_loop_reference(a, b, off, row, col)
     got = cb.grouped_gemm_reference(a, b, off, a_scale=row, b_scale=col)
     assert got.dtype == jnp.bfloat16 and rel_err(got, want) < 4e-3  # bf16 rounding of d only
-    # grouped_gemm itself, here lowered for the CPU: the same reference
-    np.testing.assert_array_equal(np.asarray(cb.grouped_gemm(a, b, off, a_scale=row, b_scale=col), np.float32),
-                                  np.asarray(got, np.float32))
+    # grouped_gemm itself, lowered for the CPU (a GPU runs the kernel): the same reference
+    with jax.default_device(jax.devices("cpu")[0]):
+        on_cpu = cb.grouped_gemm(a, b, off, a_scale=row, b_scale=col)
+    np.testing.assert_array_equal(np.asarray(on_cpu, np.float32), np.asarray(got, np.float32))
     # rows past offsets[E] (expert-parallel slots) are zero, whatever their scale
     pad = jnp.asarray(rng.standard_normal((4, 48)), jnp.float32).astype(F8)
     row2 = jnp.concatenate([row, jnp.full((4,), 3.0, jnp.float32)])
