@@ -78,15 +78,19 @@ def differentiable(primal, trainer: Callable[[], Any], cfg: MoEConfig, *, residu
 
 
 def inference_only(backend: str, fn: Callable, trains: tuple[str, ...]) -> Callable:
-    """``fn(x, topk_weights)`` (prepared weights closed over) that raises a ValueError naming
-    ``backend`` and the backends that train (``trains``) when it is differentiated."""
+    """``fn(x, topk_weights, topk_ids)`` (prepared weights closed over) that raises a ValueError naming
+    ``backend`` and the backends that train (``trains``) when it is differentiated.
+
+    ``topk_ids`` is an argument, not closed over: under ``jax.grad`` the router's integer outputs are
+    differentiation tracers too (the route kernel is a ``custom_vjp``), and a ``custom_vjp`` must not
+    close over those."""
 
     @jax.custom_vjp
-    def f(x, tw):
-        return fn(x, tw)
+    def f(x, tw, ids):
+        return fn(x, tw, ids)
 
-    def fwd(x, tw):
-        return fn(x, tw), None
+    def fwd(x, tw, ids):
+        return fn(x, tw, ids), None
 
     def bwd(_, g):
         raise ValueError(

@@ -134,9 +134,9 @@ class ExpertsModule(nnx.Module):
             from jax_moe.autodiff import inference_only
 
             impl, prepared = oracle.module(self.prepared_backend), self.prepared.get_value()
-            run = inference_only(self.prepared_backend, lambda v, w: impl.apply_prepared(v, prepared, w, topk_ids),
+            run = inference_only(self.prepared_backend, lambda v, w, i: impl.apply_prepared(v, prepared, w, i),
                                  oracle.training_backends())
-            return run(x, topk_weights).astype(self.dtype)
+            return run(x, topk_weights, topk_ids).astype(self.dtype)
         quant = None if self.quant is None else self.quant.get_value()
         w13, w2 = self.w13.get_value(), self.w2.get_value()
         if quant is None:
