@@ -24,11 +24,16 @@ class DeviceInfo:
 
 
 def device_info(device=None) -> DeviceInfo:
-    """``device``: a DeviceInfo (returned as is), a jax Device, or None for JAX's default device."""
+    """``device``: a DeviceInfo (returned as is), a jax Device, or None for JAX's default device
+    (``jax.default_device``'s where one is set, else the first device)."""
     if isinstance(device, DeviceInfo):
         return device
     if device is None:
-        device = jax.devices()[0]
+        device = jax.config.jax_default_device
+        if isinstance(device, str):
+            device = jax.devices(device)[0]
+        elif device is None:
+            device = jax.devices()[0]
     cap = getattr(device, "compute_capability", None)
     capability = None
     if device.platform == "gpu" and cap:

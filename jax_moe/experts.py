@@ -108,30 +108,33 @@ def fused_experts(
     )
 
 
-def run_experts(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, backend: str | None = None, **options):
-    """The oracle's backend on already-checked arguments (``options`` as the backends' ``apply``)."""
+def run_experts(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, backend: str | None = None,
+                device=None, **options):
+    """The oracle's backend on already-checked arguments (``options`` as the backends' ``apply``),
+    chosen for ``device`` (a jax Device; None: JAX's default device)."""
     quant = options.get("quant")
     residuals = options.pop("residuals", "save")
     features = oracle.call_features(dtype=w13.dtype if quant is None else None, **options)
-    sel = oracle.select_backend(cfg, quant, backend=backend, features=features)
+    sel = oracle.select_backend(cfg, quant, backend=backend, device=device, features=features)
     if sel.name == "xla" or quant is not None:
         return sel.module.apply(x, w13, w2, topk_weights, topk_ids, cfg, **options)
     # a kernel backend on float weights: under jax.grad, the oracle's pick among the backends that train
     def trainer():
-        return oracle.select_backend(cfg, None, backend=backend, features=features | {"grad"}).module
+        return oracle.select_backend(cfg, None, backend=backend, device=device, features=features | {"grad"}).module
 
     b13, b2 = options.pop("w13_bias", None), options.pop("w2_bias", None)
     f = differentiable(sel.module, trainer, cfg, residuals=residuals, **options)
     return f(x, w13, w2, topk_weights, topk_ids, b13, b2)
 
 
-def run_experts_batched(x, counts, w13, w2, cfg: MoEConfig, *, backend: str | None = None, **options):
+def run_experts_batched(x, counts, w13, w2, cfg: MoEConfig, *, backend: str | None = None, device=None,
+                        **options):
     """The expert stage on the batched format (x [E, C, H], counts [E] int32 -> y [E, C, H]; see
-    ``xla.apply_batched``) with the oracle's backend among those that have one (feature
+    ``xla.apply_batched``) with the oracle's backend for ``device`` among those that have one (feature
     ``"batched"``); a forced ``backend`` without one raises ValueError with that reason."""
     quant = options.get("quant")
     features = oracle.call_features(dtype=w13.dtype if quant is None else None, batched=True, **options)
-    impl = oracle.select_backend(cfg, quant, backend=backend, features=features).module
+    impl = oracle.select_backend(cfg, quant, backend=backend, device=device, features=features).module
     return impl.apply_batched(x, counts, w13, w2, cfg, **options)
 
 

@@ -382,10 +382,12 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
     tok = pcfg.token_spec
     batched = pcfg.expert_format == "batched"
     experts = _experts_batched if batched else _experts
+    device = pcfg.mesh.devices.flat[0]  # the backend serves the mesh's devices, not JAX's default one
     scale_layout = None
     if quant is not None and quant.act == "nvfp4" and pcfg.strategy != "none":
         features = oracle.call_features(dtype=None, w13_bias=w13_bias, w2_bias=w2_bias, batched=batched, **opts)
-        chosen = oracle.select_backend(local_cfg, quant, backend=opts.get("backend"), features=features)
+        chosen = oracle.select_backend(local_cfg, quant, backend=opts.get("backend"), device=device,
+                                       features=features)
         scale_layout = getattr(chosen.module, "PREQUANTIZED_INPUT", {}).get(quant.act)
         if batched and scale_layout not in (None, "linear"):
             raise ValueError(f"expert_format='batched': {chosen.name} reads NVFP4 block scales in {scale_layout!r} "
@@ -393,7 +395,7 @@ def parallel_fused_experts(x, w13, w2, topk_weights, topk_ids, pcfg: ParallelCon
         opts["backend"] = chosen.name  # the backend whose input format the dispatch produces
 
     def body(x, w13, w2, w, ids, w13_bias, w2_bias, quant):
-        o = dict(opts, w13_bias=w13_bias, quant=quant, cfg=local_cfg)
+        o = dict(opts, w13_bias=w13_bias, quant=quant, cfg=local_cfg, device=device)
         if scale_layout is None:
             def run(xr, wr, idr):
                 return experts(xr, w13, w2, wr, idr, o, w2_bias, tp_ax)

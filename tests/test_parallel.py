@@ -43,6 +43,26 @@ def test_parallel_equals_single_device(rng, shape, names, axes, strategy):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("expert_format", ["standard", "batched"])
+def test_the_backend_is_chosen_for_the_mesh_devices_not_the_default_device(rng, monkeypatch, expert_format):
+    """A CPU mesh in a process whose default device is a GPU runs a CPU backend: every oracle
+    choice inside the parallel call is made for the mesh's devices."""
+    from jax_moe import oracle
+
+    pcfg = ParallelConfig(cpu_mesh((2, 4), ("dp", "ep")), ep_axis="ep", dp_axis="dp", expert_format=expert_format)
+    seen = []
+    select = oracle.select_backend
+
+    def recording(*a, device=None, **kw):
+        seen.append(device)
+        return select(*a, device=device, **kw)
+
+    monkeypatch.setattr(oracle, "select_backend", recording)
+    x, w13, w2, w, ids, _ = moe(rng, 16)
+    _parallel_out(pcfg, x, w13, w2, w, ids)
+    assert seen and all(d in set(pcfg.mesh.devices.flat) for d in seen), seen
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["naive", "all_to_all"])
 def test_tokens_whose_experts_all_live_on_one_device(rng, strategy):
