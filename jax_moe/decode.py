@@ -30,6 +30,7 @@ from jax_moe.activations import activate
 from jax_moe.config import FLOAT_DTYPES, MoEConfig, check_dtype, check_rank
 from jax_moe.kernels import ACTIVATIONS, LAYOUTS, _native
 from jax_moe.layouts.transposed import transpose_experts
+from jax_moe.quant.rounding import round_to
 
 MAX_SLOTS = 16  # T*k at most this: the decode path (more slots: the grouped pipeline)
 
@@ -83,14 +84,11 @@ def _reference(x, w13, w2, w, ids, cfg, b13, b2, out_dt):
     ok = (ids >= 0) & (ids < e)
     ec = jnp.clip(ids, 0, e - 1)
 
-    def bf16_round(v):
-        return v.astype(jnp.bfloat16).astype(jnp.float32)
-
-    h1 = bf16_round(jnp.einsum("th,tknh->tkn", x, w13[ec], preferred_element_type=jnp.float32))
+    h1 = round_to(jnp.einsum("th,tknh->tkn", x, w13[ec], preferred_element_type=jnp.float32), jnp.bfloat16)
     if b13 is not None:
         h1 = h1 + b13.astype(jnp.float32)[ec]
     a = activate(h1, cfg).astype(jnp.bfloat16)
-    y = bf16_round(jnp.einsum("tki,tkhi->tkh", a, w2[ec], preferred_element_type=jnp.float32))
+    y = round_to(jnp.einsum("tki,tkhi->tkh", a, w2[ec], preferred_element_type=jnp.float32), jnp.bfloat16)
     if b2 is not None:
         y = y + b2.astype(jnp.float32)[ec]
     y = jnp.where(ok[..., None], y, 0.0)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jax_moe.activations import activate
 from jax_moe.config import MoEConfig
+from jax_moe.quant.rounding import round_to
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -38,7 +39,7 @@ def moe_reference(
     xf = x.astype(jnp.float32)
     wts = topk_weights.astype(jnp.float32)
     if apply_router_weight_on_input:
-        xf = (xf * wts[:, :1]).astype(x.dtype).astype(jnp.float32)
+        xf = round_to(xf * wts[:, :1], x.dtype)
         wts = jnp.ones_like(wts)
     if quant is not None:
         xf = quantize_activation(quant, xf, 1)
@@ -50,7 +51,7 @@ def moe_reference(
     if quant is not None:
         a = quantize_activation(quant, a, 2)
     else:
-        a = a.astype(x.dtype).astype(jnp.float32)  # the kernels feed GEMM2 in x's dtype
+        a = round_to(a, x.dtype)  # the kernels feed GEMM2 in x's dtype
     y = jnp.einsum("tki,tkhi->tkh", a, w2.astype(jnp.float32)[topk_ids], precision=HIGHEST)
     if w2_bias is not None:
         y = y + w2_bias.astype(jnp.float32)[topk_ids]

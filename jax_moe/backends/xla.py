@@ -54,6 +54,7 @@ from jax_moe.activations import activate
 from jax_moe.config import MoEConfig, as_jax, check_dtype, check_rank
 from jax_moe.permute import batched_rows_used, finalize, sort_by_expert
 from jax_moe.quant import fp4
+from jax_moe.quant.rounding import round_to
 from jax_moe.quant.scheme import (
     dequantize_experts,
     dequantize_weights,
@@ -363,7 +364,7 @@ def _dense_experts(xq, topk_weights, topk_ids, cfg, w13, w2, quant, w13_bias, w2
     y = jnp.einsum("eti,ehi->eth", a.astype(cdt), w2, precision=prec, preferred_element_type=jnp.float32)
     if w2_bias is not None:
         y = y + w2_bias.astype(jnp.float32)[:, None, :]
-    y = y.astype(xq.dtype if quant is None else jnp.float32).astype(jnp.float32)
+    y = round_to(y, xq.dtype if quant is None else jnp.float32)
     y = jnp.where(hit, y, 0.0)
     # combine[t, e] = sum_j w[t, j] * [ids[t, j] == e]
     combine = jnp.einsum("tk,tke->te", topk_weights, onehot)

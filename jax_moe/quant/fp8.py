@@ -50,6 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe.quant.rounding import cast_kept
+
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 # The scale given to an all-zero group: positive and normal, so x / scale is 0, never NaN.
@@ -94,8 +96,9 @@ def reciprocal(scale):
 
 
 def cast_to_fp8(v):
-    """float32 ``v`` (already divided by its scale) -> float8_e4m3fn, saturating at +-448."""
-    return jnp.clip(jnp.asarray(v, jnp.float32), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    """float32 ``v`` (already divided by its scale) -> float8_e4m3fn, saturating at +-448; a cast
+    that a later dequantizing ``astype`` keeps on a GPU too (:func:`jax_moe.quant.rounding.cast_kept`)."""
+    return cast_kept(jnp.clip(jnp.asarray(v, jnp.float32), -FP8_MAX, FP8_MAX), FP8_DTYPE)
 
 
 def expand_prefix(s, ndim: int):
