@@ -71,13 +71,7 @@ __global__ void RouteRows(const float* logits, const float* bias, int64_t rows, 
   const int e = p.e;
   const float* lr = logits + row * e;
   float l[P];
-  uint32_t valid = 0;  // bit i: value lane + 32 i is in the row
-#pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int c = lane + 32 * i;
-    l[i] = c < e ? lr[c] : -INFINITY;
-    valid |= c < e ? (1u << i) : 0u;
-  }
+  const uint32_t valid = LoadLanes(lr, e, lane, l);  // bit i: value lane + 32 i is in the row
   // The row's softmax max and denominator, where a softmax over the whole row is used.
   float row_max = 0.0f, row_sum = 1.0f;
   if (!p.sigmoid && (p.biased || !p.renormalize)) {
@@ -138,8 +132,8 @@ __global__ void RouteRows(const float* logits, const float* bias, int64_t rows, 
     if ((index & 31) == lane) left &= ~(1u << (index >> 5));
     if (lane == r) my_id = index;
   }
-  const float my_logit = lane < p.k ? lr[my_id] : 0.0f;
   const bool mine = lane < p.k;
+  const float my_logit = mine ? lr[my_id] : 0.0f;
   float w;
   if (p.sigmoid) {
     w = p.renormalize ? LaneSoftmax(LogSigmoid(my_logit), mine) : Sigmoid(my_logit);
@@ -198,12 +192,7 @@ ffi::Error RouteCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> logits, ffi::Buf
   const float* bp = bias.typed_data();
   float* wp = weights->typed_data();
   int32_t* ip = ids->typed_data();
-  if (e <= 32) Launch<1>(stream, lp, bp, rows, rows_per_bias, p, wp, ip);
-  else if (e <= 64) Launch<2>(stream, lp, bp, rows, rows_per_bias, p, wp, ip);
-  else if (e <= 128) Launch<4>(stream, lp, bp, rows, rows_per_bias, p, wp, ip);
-  else if (e <= 256) Launch<8>(stream, lp, bp, rows, rows_per_bias, p, wp, ip);
-  else if (e <= 512) Launch<16>(stream, lp, bp, rows, rows_per_bias, p, wp, ip);
-  else Launch<32>(stream, lp, bp, rows, rows_per_bias, p, wp, ip);
+  WithValuesPerLane(e, [&](auto lanes) { Launch<decltype(lanes)::value>(stream, lp, bp, rows, rows_per_bias, p, wp, ip); });
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
 }

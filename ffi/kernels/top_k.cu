@@ -27,15 +27,11 @@ __global__ void TopKRows(const float* x, int64_t rows, int n, int k, int32_t* ou
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kTopKWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= rows) return;
-  const float* xr = x + row * n;
+  float v[P];
+  uint32_t left = LoadLanes(x + row * n, n, lane, v);  // bit i: value lane + 32 i still in the row
   uint32_t key[P];
-  uint32_t left = 0;  // bit i: value lane + 32 i still in the row
 #pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int c = lane + 32 * i;
-    key[i] = c < n ? OrderKey(xr[c]) : 0u;
-    left |= c < n ? (1u << i) : 0u;
-  }
+  for (int i = 0; i < P; ++i) key[i] = OrderKey(v[i]);  // past n: -inf, never open
   for (int r = 0; r < k; ++r) {
     const int index = WarpTopIndex(key, left, lane);
     if ((index & 31) == lane) left &= ~(1u << (index >> 5));
@@ -68,12 +64,7 @@ ffi::Error TopKCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::ResultBuf
   const float* xp = x.typed_data();
   int32_t* op = indices->typed_data();
   const int ni = static_cast<int>(n), ki = static_cast<int>(k);
-  if (n <= 32) Launch<1>(stream, xp, rows, ni, ki, op);
-  else if (n <= 64) Launch<2>(stream, xp, rows, ni, ki, op);
-  else if (n <= 128) Launch<4>(stream, xp, rows, ni, ki, op);
-  else if (n <= 256) Launch<8>(stream, xp, rows, ni, ki, op);
-  else if (n <= 512) Launch<16>(stream, xp, rows, ni, ki, op);
-  else Launch<32>(stream, xp, rows, ni, ki, op);
+  WithValuesPerLane(n, [&](auto p) { Launch<decltype(p)::value>(stream, xp, rows, ni, ki, op); });
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
 }

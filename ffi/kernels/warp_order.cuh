@@ -6,7 +6,9 @@
 // the largest key, then the lowest index holding it.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace jax_moe {
 
@@ -34,6 +36,32 @@ __device__ __forceinline__ int WarpTopIndex(const uint32_t (&key)[P], uint32_t o
   for (int i = P - 1; i >= 0; --i)  // descending i: the lane's lowest index is written last
     index = (((open >> i) & 1u) && key[i] == top) ? uint32_t(lane + 32 * i) : index;
   return static_cast<int>(__reduce_min_sync(0xffffffffu, index));
+}
+
+// A row of n <= 32 * P floats spread over the warp: lane l gets v[i] = row[l + 32 i], -inf past n.
+// Returns bit i set where l + 32 i < n.
+template <int P>
+__device__ __forceinline__ uint32_t LoadLanes(const float* row, int n, int lane, float (&v)[P]) {
+  uint32_t valid = 0;
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int c = lane + 32 * i;
+    v[i] = c < n ? row[c] : -INFINITY;
+    valid |= c < n ? (1u << i) : 0u;
+  }
+  return valid;
+}
+
+// Calls launch(std::integral_constant<int, P>{}) with the fewest values per lane P in {1, 2, 4, ..., 32}
+// that hold a row of n <= 1024 values (32 * P >= n).
+template <class F>
+void WithValuesPerLane(int64_t n, F&& launch) {
+  if (n <= 32) launch(std::integral_constant<int, 1>{});
+  else if (n <= 64) launch(std::integral_constant<int, 2>{});
+  else if (n <= 128) launch(std::integral_constant<int, 4>{});
+  else if (n <= 256) launch(std::integral_constant<int, 8>{});
+  else if (n <= 512) launch(std::integral_constant<int, 16>{});
+  else launch(std::integral_constant<int, 32>{});
 }
 
 }  // namespace jax_moe
