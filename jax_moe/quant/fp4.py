@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.quant.fp8 import FP8_DTYPE, FP8_MAX, cast_to_fp8, expand_prefix, finite_absmax, nonfinite_to_nan, reciprocal
+from jax_moe.quant.rounding import upcast_kept
 
 E2M1_MAX = 6.0
 RCP_6 = np.float32(1) / np.float32(E2M1_MAX)
@@ -189,7 +190,7 @@ def quantize_nvfp4(x, global_scale=None):
     blocks = jnp.where(jnp.isfinite(blocks), blocks, 0.0)
     amax = jnp.max(jnp.abs(blocks), axis=-1)  # [..., K/16]
     s = cast_to_fp8((amax * RCP_6) * g)
-    sf = s.astype(jnp.float32)
+    sf = upcast_kept(s)  # the stored scale's value (module jax_moe.quant.rounding)
     mult = jnp.where(sf > 0, g / jnp.where(sf > 0, sf, 1.0), 0.0)
     codes = e2m1_encode(blocks * mult[..., None]).reshape(x.shape)
     s = jnp.where(bad, jnp.asarray(jnp.nan, FP8_DTYPE), s)  # E4M3 NaN: the block dequantizes to NaN
@@ -206,7 +207,7 @@ def dequantize_nvfp4(packed, block_scale, global_scale, dtype=jnp.float32):
     _check_k("packed (unpacked)", v, NVFP4_BLOCK, "NVFP4")
     if block_scale.shape[-1] != k // NVFP4_BLOCK:
         raise ValueError(f"block_scale must end in K/16 = {k // NVFP4_BLOCK}, got {list(block_scale.shape)}")
-    sf = jnp.asarray(block_scale).astype(jnp.float32)
+    sf = upcast_kept(block_scale)
     g = expand_prefix(global_scale, v.ndim)
     out = v.reshape(v.shape[:-1] + (k // NVFP4_BLOCK, NVFP4_BLOCK)) * sf[..., None]
     return (out.reshape(v.shape) * reciprocal(g)).astype(dtype)
@@ -297,6 +298,6 @@ def quantize_mxfp8(x):
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_mxfp8(q, scale, dtype=jnp.float32):
     """Inverse of :func:`quantize_mxfp8`: q [..., K] float8_e4m3fn, scale [..., K/32] uint8 -> [..., K]."""
-    v = jnp.asarray(q).astype(jnp.float32)
+    v = upcast_kept(q)
     _check_k("q", v, MX_BLOCK, "MXFP8")
     return _mx_apply(v, scale).astype(dtype)

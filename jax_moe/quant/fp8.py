@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe.quant.rounding import cast_kept
+from jax_moe.quant.rounding import upcast_kept
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -96,9 +96,8 @@ def reciprocal(scale):
 
 
 def cast_to_fp8(v):
-    """float32 ``v`` (already divided by its scale) -> float8_e4m3fn, saturating at +-448; a cast
-    that a later dequantizing ``astype`` keeps on a GPU too (:func:`jax_moe.quant.rounding.cast_kept`)."""
-    return cast_kept(jnp.clip(jnp.asarray(v, jnp.float32), -FP8_MAX, FP8_MAX), FP8_DTYPE)
+    """float32 ``v`` (already divided by its scale) -> float8_e4m3fn, saturating at +-448."""
+    return jnp.clip(jnp.asarray(v, jnp.float32), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
 
 def expand_prefix(s, ndim: int):
@@ -256,7 +255,7 @@ def dequantize_fp8(q, scale, dtype=jnp.float32):
     q [...] float8_e4m3fn; scale [] / [E] (indexes q's leading axes) / q's rank with
     singleton axes ([T, 1], [E, N, 1]). Returns q's shape in ``dtype``.
     """
-    qf = jnp.asarray(q).astype(jnp.float32)
+    qf = upcast_kept(q)  # q may have been quantized in this program: keep its rounding
     return (qf * expand_prefix(scale, qf.ndim)).astype(dtype)
 
 
@@ -269,7 +268,7 @@ def dequantize_fp8_block(q, scale, block_shape=(128, 128), dtype=jnp.float32):
 @functools.partial(jax.jit, static_argnames=("block_shape", "dtype"))
 def _dequantize_fp8_block(q, scale, block_shape, dtype):
     bn, bk = block_shape
-    qf = jnp.asarray(q).astype(jnp.float32)
+    qf = upcast_kept(q)  # q may have been quantized in this program: keep its rounding
     n, k = qf.shape[-2:]
     want = (math.ceil(n / bn), math.ceil(k / bk))
     if tuple(scale.shape[-2:]) != want:
@@ -289,7 +288,7 @@ def dequantize_fp8_per_token_group(q, scale, group_size: int = 128, dtype=jnp.fl
 
 @functools.partial(jax.jit, static_argnames=("g", "dtype"))
 def _dequantize_fp8_per_token_group(q, scale, g, dtype):
-    qf = jnp.asarray(q).astype(jnp.float32)
+    qf = upcast_kept(q)  # q may have been quantized in this program: keep its rounding
     k = qf.shape[-1]
     if scale.shape[-1] != math.ceil(k / g):
         raise ValueError(f"scale must end in ceil(K/{g}) = {math.ceil(k / g)}, got {list(scale.shape)}")

@@ -7,12 +7,12 @@ as two ``astype`` therefore rounds on the CPU and does not round on a GPU: the p
 would skip its activation quantization there, and a scale derived from a rounded one would
 not match the rounded value that is stored. The two functions below round on every platform:
 
-- :func:`cast_kept`: ``v`` as ``dtype``, behind an ``optimization_barrier`` so that no later
-  ``astype`` can fold the cast away. Its result is a real ``dtype`` array (stored, or fed to a
-  kernel); the barrier costs the consumer's fusion with its producer, nothing else.
+- :func:`upcast_kept`: a narrow array's values in a wider type, read through an
+  ``optimization_barrier`` so that the convert which produced them (a quantization) is kept.
+  Dequantizations use it; a quantization that feeds a kernel stays a plain, fusible cast.
 - :func:`round_to`: the float32 values of ``v`` rounded to ``dtype``'s (nearest, ties to even).
   For bfloat16 that is ``lax.reduce_precision``, which no simplifier removes and which fuses;
-  for another narrower type, :func:`cast_kept` and back.
+  for another narrower type, a cast and :func:`upcast_kept`.
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["cast_kept", "round_to"]
+__all__ = ["round_to", "upcast_kept"]
 
 
-def cast_kept(v, dtype) -> jax.Array:
-    """``v.astype(dtype)`` that a later ``astype`` back to a wider type cannot undo: same shape,
-    ``dtype``."""
-    return jax.lax.optimization_barrier(jnp.asarray(v).astype(dtype))
+def upcast_kept(q, dtype=jnp.float32) -> jax.Array:
+    """``q.astype(dtype)`` (same shape) that keeps the rounding which produced ``q``."""
+    return jax.lax.optimization_barrier(jnp.asarray(q)).astype(dtype)
 
 
 def round_to(v, dtype) -> jax.Array:
@@ -38,4 +37,4 @@ def round_to(v, dtype) -> jax.Array:
         return v
     if dtype == jnp.bfloat16:
         return jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
-    return cast_kept(v, dtype).astype(jnp.float32)
+    return upcast_kept(v.astype(dtype))

@@ -81,7 +81,7 @@ from jax_moe.layouts import (
     mixed_gemm_scale_shape,
 )
 from jax_moe.quant import fp8, int4
-from jax_moe.quant.rounding import cast_kept
+from jax_moe.quant.rounding import upcast_kept
 from jax_moe.quant.scheme import check_finite_positive
 
 SCHEME = "w4a8"
@@ -113,8 +113,8 @@ def act_prequant_scale(a_scale):
     runner's ``(pre-quant scale bf(1 / a) [] bfloat16, alpha 1 / float32(bf(1 / a)) [] float32)``
     (module docstring). Broadcast by the caller to [H] or [I] and [E]."""
     a = jnp.max(jnp.asarray(a_scale, jnp.float32))
-    pq = cast_kept(jnp.float32(1.0) / a, SCALE_DTYPE)  # alpha below is 1 / this rounded value, on a GPU too
-    return pq, jnp.float32(1.0) / pq.astype(jnp.float32)
+    pq = (jnp.float32(1.0) / a).astype(SCALE_DTYPE)
+    return pq, jnp.float32(1.0) / upcast_kept(pq)  # 1 / the rounded value, on a GPU too
 
 
 def prepare_w4a8_weights(w13, w13_scale, w2, w2_scale, activation: str = "silu",
