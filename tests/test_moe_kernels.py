@@ -249,7 +249,8 @@ def test_act_and_mul_reference_layouts_biases_and_swigluoai(rng, layout, activat
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     with jax.default_device(jax.devices("cpu")[0]):  # act_and_mul lowered for the CPU is the reference
         on_cpu = jax.jit(lambda h: kernels.act_and_mul(h, activation, **args))(h)
-        np.testing.assert_array_equal(np.asarray(on_cpu), np.asarray(kernels.act_and_mul_reference(h, activation, **args)))
+        reference = kernels.act_and_mul_reference(h, activation, **args)
+        np.testing.assert_array_equal(np.asarray(on_cpu), np.asarray(reference))
     q, s = kernels.act_and_mul_reference(h, activation, quant="fp8_per_token", **args)
     np.testing.assert_allclose(np.asarray(s), np_fp8_per_token(want.astype(np.float32))[1], rtol=1e-5)
     assert rel_err(dequant(q, s), want) < 5e-2 and (np.asarray(s)[valid:] == TINY).all()

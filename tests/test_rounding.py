@@ -58,7 +58,7 @@ def _foldable_chains(fn, *args) -> list[str]:
     ``v`` wider than ``narrow``: what a GPU's XLA folds to ``v`` by default."""
     from jax.extend import core as jex_core
 
-    made = {}  # var -> (input atom, its dtype) for converts to a narrow float from a wider one
+    made = {}  # var made by a convert to a narrow float -> the wider dtype it was converted from
     found = []
 
     def walk(jaxpr, sub):

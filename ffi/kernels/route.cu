@@ -192,7 +192,9 @@ ffi::Error RouteCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> logits, ffi::Buf
   const float* bp = bias.typed_data();
   float* wp = weights->typed_data();
   int32_t* ip = ids->typed_data();
-  WithValuesPerLane(e, [&](auto lanes) { Launch<decltype(lanes)::value>(stream, lp, bp, rows, rows_per_bias, p, wp, ip); });
+  WithValuesPerLane(e, [&](auto lanes) {
+    Launch<decltype(lanes)::value>(stream, lp, bp, rows, rows_per_bias, p, wp, ip);
+  });
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
 }
