@@ -26,6 +26,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jax_moe import timing
+
 Layer = Callable[[jax.Array, object, jax.Array, jax.Array], jax.Array]
 
 
@@ -71,25 +73,6 @@ def per_layer_ms(fn: Layer, x: jax.Array, weights, num_experts: int, top_k: int,
 
 
 def repeated_ms(fn: Callable, inputs: list[tuple], vary: int, reps: int, timeit: Callable) -> float:
-    """Median device time (ms) of one call of ``fn``, with the host's dispatch left out: ``reps``
-    calls in one jitted ``fori_loop``.
-
-    ``inputs`` are the argument sets of the per-call timer; call ``n`` of the loop takes the first
-    set's arguments, except argument ``vary``, which it takes from set ``n % len(inputs)`` (a small
-    array, e.g. a routing's expert offsets: the loop then reads a fresh routing each call, and no
-    call is loop-invariant). Each call's first output element is added to the loop's carry, so
-    no call is dead. Both cost a tiny kernel per call, and the loop its own per-iteration cost
-    (module note), the same for every ``fn`` compared: a fair ranking, not a kernel's time alone."""
-    sets = jnp.stack([args[vary] for args in inputs])
-    fixed = list(inputs[0])
-
-    def run(stacked, *args):
-        def body(n, acc):
-            call = list(args)
-            call[vary] = jax.lax.dynamic_index_in_dim(stacked, n % stacked.shape[0], keepdims=False)
-            first = jax.tree.leaves(fn(*call))[0]
-            return acc + first.reshape(-1)[0].astype(jnp.float32)
-
-        return jax.lax.fori_loop(0, reps, body, jnp.float32(0))
-
-    return timeit(jax.jit(run), [(sets, *fixed)]) / reps
+    """Median device time (ms) of one call of ``fn``: ``reps`` calls in one jitted loop, argument
+    ``vary`` cycled over the sets of ``inputs`` (:func:`jax_moe.timing.repeated_ms`)."""
+    return timing.repeated_ms(fn, inputs, vary, reps, timeit)

@@ -61,10 +61,8 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +71,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import in_loop, peers  # noqa: E402
-from jax_moe import oracle  # noqa: E402
+from jax_moe import oracle, timing  # noqa: E402
 from jax_moe.backends import xla  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights  # noqa: E402
@@ -114,20 +112,9 @@ MODELS = {
 
 
 def timeit(fn, inputs, min_iters=5, max_iters=50, budget_s=0.6) -> float:
-    """Median wall time (ms) of ``fn(*inputs[n % len(inputs)])`` after warm-up; blocks on each."""
-    jax.block_until_ready(fn(*inputs[0]))  # compile + warm-up
-    jax.block_until_ready(fn(*inputs[-1]))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*inputs[0]))
-    first = time.perf_counter() - t0
-    iters = int(min(max_iters, max(min_iters, budget_s / max(first, 1e-6))))
-    times = []
-    for n in range(iters):
-        args = inputs[n % len(inputs)]
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    """Median wall time (ms) of ``fn(*inputs[n % len(inputs)])`` after warm-up; blocks on each
+    (:func:`jax_moe.timing.median_ms`)."""
+    return timing.median_ms(fn, inputs, min_iters, max_iters, budget_s)
 
 
 def measure_ceilings() -> tuple[float, float]:

@@ -23,17 +23,30 @@ class DeviceInfo:
         return self.platform if self.sm is None else f"SM{self.sm}"
 
 
-def device_info(device=None) -> DeviceInfo:
-    """``device``: a DeviceInfo (returned as is), a jax Device, or None for JAX's default device
-    (``jax.default_device``'s where one is set, else the first device)."""
-    if isinstance(device, DeviceInfo):
-        return device
+def resolve_device(device=None):
+    """``device`` (a jax Device) as it is, or for None JAX's default device: ``jax.default_device``'s
+    where one is set, else the first device."""
     if device is None:
         device = jax.config.jax_default_device
         if isinstance(device, str):
             device = jax.devices(device)[0]
         elif device is None:
             device = jax.devices()[0]
+    return device
+
+
+def device_kind(device=None) -> str:
+    """The device's model name (``jax.Device.device_kind``, e.g. ``"NVIDIA H100 80GB HBM3"``) of
+    ``device`` or JAX's default device (:func:`resolve_device`)."""
+    return str(resolve_device(device).device_kind)
+
+
+def device_info(device=None) -> DeviceInfo:
+    """``device``: a DeviceInfo (returned as is), a jax Device, or None for JAX's default device
+    (:func:`resolve_device`)."""
+    if isinstance(device, DeviceInfo):
+        return device
+    device = resolve_device(device)
     cap = getattr(device, "compute_capability", None)
     capability = None
     if device.platform == "gpu" and cap:
