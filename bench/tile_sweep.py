@@ -6,7 +6,7 @@ kind ``bf16_kn``: the same products on the transposed weights, ``w13 [E, H, 2I]`
 through :func:`jax_moe.backends.cutlass_grad_gemm.grouped_gemm_dgrad`'s kernel)
 with the rows of a random softmax top-k routing, in one process, the tiles interleaved per cell.
 Each figure is device time per call: the median over a jitted loop of calls, each on the next
-routing's expert offsets (:func:`bench.in_loop.repeated_ms`, about ``LOOP_MS`` per loop), so
+routing's expert offsets (:func:`jax_moe.timing.loop_ms`, about ``LOOP_MS`` per loop), so
 the host's dispatch, which is most of a per-call figure below a millisecond, does not pick the
 tile (``--timer call``: the per-call medians instead). Optionally the whole forward per tile
 next to tokamax (``--forward``), to see what a tile choice is worth end to end.
@@ -38,9 +38,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench import in_loop, moe_bench, peers  # noqa: E402
-from jax_moe import ffi, kernels  # noqa: E402
+from bench import moe_bench, peers  # noqa: E402
+from jax_moe import ffi, kernels, timing  # noqa: E402
 from jax_moe.backends import cutlass, cutlass_gemm, cutlass_tiles  # noqa: E402
+from jax_moe.backends.cutlass_tile_cache import choose  # noqa: E402
 from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad  # noqa: E402
 from jax_moe.layouts.transposed import transpose_experts  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
@@ -80,9 +81,7 @@ def fp8_weights(w13, w2):
 def loop_timer(fn, inputs: list[tuple], vary: int) -> float:
     """Device ms per call of ``fn``: about ``LOOP_MS`` of calls in one jitted loop, argument
     ``vary`` (the expert offsets) cycled over the routing sets of ``inputs``."""
-    probe = moe_bench.timeit(fn, inputs, min_iters=3, max_iters=3)  # with dispatch: an upper bound
-    reps = max(2, min(64, round(LOOP_MS / probe)))
-    return in_loop.repeated_ms(fn, inputs, vary, reps, moe_bench.timeit)
+    return timing.loop_ms(fn, inputs, vary, LOOP_MS)
 
 
 def call_timer(fn, inputs: list[tuple], vary: int) -> float:
@@ -227,9 +226,7 @@ def table_from_figures(results: dict) -> dict:
             if not cell:
                 continue
             heur = cutlass_tiles.heuristic_tile(float(r))
-            best = min(cell, key=cell.get)
-            beaten = heur not in cell or cell[heur] > cell[best] * (1 + cutlass_tiles.MIN_GAIN)
-            tile = best if beaten else heur
+            tile = choose(cell, heur, cutlass_tiles.MIN_GAIN)
             differs |= tile != heur
             chosen.append((float(r), tile))
         if differs:

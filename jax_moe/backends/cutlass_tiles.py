@@ -19,7 +19,10 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
 :func:`pick_tile` chooses per GEMM from the average rows per expert (``rows / E``):
 
 1. ``JAX_MOE_CUTLASS_TILE`` forces one tile everywhere.
-2. A GEMM whose ``(kind, E, N, K)`` is in :data:`MEASURED` takes the tile measured fastest at the
+2. Tuned tiles: a GEMM in the active tile cache (:mod:`jax_moe.backends.cutlass_tile_cache`,
+   ``JAX_MOE_TILE_CACHE``, written by :func:`jax_moe.autotune.tune` on this GPU model) takes the
+   tile measured fastest for it there, at the nearest rows per expert.
+3. A GEMM whose ``(kind, E, N, K)`` is in :data:`MEASURED` takes the tile measured fastest at the
    nearest rows per expert (on a log scale). The table is written by ``bench/tile_sweep.py
    --update-table`` from an H100 run (every tile timed on each GEMM of the bench's models, with
    the rows of a random softmax top-k routing, in device time per call, calls in a jitted loop,
@@ -33,17 +36,25 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
    one unit (the activation in the epilogue on the tiles that fuse it, the activation kernel
    after the others): the forward's GEMM1 pick where it may fuse, falling back to the plain
    kind's rows.
-3. Otherwise the heuristic :func:`heuristic_tile`, the same for both kinds: pingpong below
+4. Otherwise the heuristic :func:`heuristic_tile`, the same for both kinds: pingpong below
    :data:`DECODE_ROWS_PER_EXPERT`, 128x256 from :data:`WIDE_ROWS_PER_EXPERT`, 128x128 between.
 
 Everything here is static (shapes and a dict): the choice costs nothing at run time and the
-program stays one CUDA graph.
+program stays one CUDA graph. Inside :func:`tuning` (the autotuner's trials) the cache is not
+read, chosen GEMMs take the trial's tiles, and every pick is recorded.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
+import contextvars
+import dataclasses
 import os
+from collections.abc import Iterator, Mapping
+
+from jax_moe.backends import cutlass_tile_cache
+from jax_moe.backends.cutlass_tile_cache import gemm_key, nearest
+from jax_moe.device import device_kind
 
 # tile name -> CutlassTile in ffi/cutlass/grouped_gemm.h (one CUTLASS instantiation per kind; the K
 # tile is 128 bytes, 64 for bf16 and 128 for fp8, except pingpong_64x128_k256's 256 bytes)
@@ -343,10 +354,45 @@ def heuristic_tile(rows_per_expert: float) -> str:
 def measured_tile(kind: str, groups: int, n: int, k: int, rows_per_expert: float) -> str | None:
     """The tile :data:`MEASURED` has for this GEMM at the nearest rows per expert, or None."""
     points = MEASURED.get((kind, groups, n, k))
-    if not points:
+    return nearest(points, rows_per_expert) if points else None
+
+
+def tuned_tile(key: str, rows_per_expert: float) -> str | None:
+    """The active tile cache's tile for GEMM ``key`` (:func:`gemm_key`) at the nearest rows per
+    expert, or None: no cache, none for this GEMM, or one measured on another GPU model."""
+    cache = cutlass_tile_cache.active(TILES)
+    if cache is None or key not in cache.gemms or cache.device != device_kind():
         return None
-    x = math.log2(max(rows_per_expert, 1e-6))
-    return min(points, key=lambda p: abs(math.log2(p[0]) - x))[1]
+    return cache.tile_for(key, rows_per_expert)
+
+
+@dataclasses.dataclass
+class Trial:
+    """One autotuner trial (:func:`tuning`): ``tiles`` gemm_key -> the tile that GEMM takes;
+    ``picks`` every (gemm_key, rows per expert, tile picked) the traced program asked for, in order."""
+
+    tiles: Mapping[str, str]
+    picks: list[tuple[str, float, str]] = dataclasses.field(default_factory=list)
+
+
+_TRIAL: contextvars.ContextVar[Trial | None] = contextvars.ContextVar("jax_moe_tile_trial", default=None)
+
+
+@contextlib.contextmanager
+def tuning(tiles: Mapping[str, str] | None = None) -> Iterator[Trial]:
+    """Within it, programs traced pick as shipped (no tile cache) except the GEMMs named in
+    ``tiles`` (gemm_key -> tile), and record every pick: what :func:`jax_moe.autotune.tune` traces
+    each trial under. Only tracing reads it: a program jitted inside keeps its tiles outside."""
+    tiles = dict(tiles or {})
+    unknown = sorted(t for t in tiles.values() if t not in TILES)
+    if unknown:
+        raise ValueError(f"tiles {unknown} are not built (have {sorted(TILES)})")
+    trial = Trial(tiles)
+    token = _TRIAL.set(trial)
+    try:
+        yield trial
+    finally:
+        _TRIAL.reset(token)
 
 
 def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None = None,
@@ -354,17 +400,21 @@ def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None
     """The tile for a grouped GEMM of ``rows`` expert-sorted rows over ``num_groups`` experts,
     ``d [rows, n] = a [rows, k] @ b[e]`` of ``kind`` (``"bf16"``, ``"fp8"`` or ``"bf16_kn"``, or one
     of them with ``"_act"``: GEMM1 with its activation, else the plain kind's rows): the
-    override, else the measured table (when ``n`` and ``k`` are given), else the heuristic (see
-    the module note)."""
+    override, else the tuned tiles, else the measured table (both when ``n`` and ``k`` are
+    given), else the heuristic (see the module note)."""
     forced = os.environ.get(TILE_ENV)
     if forced:
         if forced not in TILES:
             raise ValueError(f"{TILE_ENV} must be one of {sorted(TILES)}, got {forced!r}")
         return forced
     r = rows / max(num_groups, 1)
-    if n is not None and k is not None:
-        for table_kind in (kind, kind.removesuffix("_act")):
-            tile = measured_tile(table_kind, num_groups, n, k, r)
-            if tile is not None:
-                return tile
-    return heuristic_tile(r)
+    if n is None or k is None:
+        return heuristic_tile(r)
+    key, trial = gemm_key(kind, num_groups, n, k), _TRIAL.get()
+    tile = trial.tiles.get(key) if trial is not None else tuned_tile(key, r)
+    if tile is None:
+        tile = (measured_tile(kind, num_groups, n, k, r) or measured_tile(kind.removesuffix("_act"), num_groups, n, k, r)
+                or heuristic_tile(r))
+    if trial is not None:
+        trial.picks.append((key, r, tile))
+    return tile

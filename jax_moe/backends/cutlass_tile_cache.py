@@ -1,0 +1,165 @@
+"""Tuned tiles: a JSON file of the cutlass backend's tile per GEMM, measured on one GPU model.
+
+The tile table shipped in :mod:`jax_moe.backends.cutlass_tiles` covers the bench's four models on
+an H100. Any other layer shape, or another GPU, falls back to a rows-per-expert heuristic.
+:func:`jax_moe.autotune.tune` times every tile on a layer's own GEMMs on this GPU and writes
+what it found here; :func:`~jax_moe.backends.cutlass_tiles.pick_tile` then reads it first.
+
+A cache is used where ``JAX_MOE_TILE_CACHE`` names its file, or after :func:`use`. It applies
+only on the GPU model it was measured on (its ``"device"``, ``jax.Device.device_kind``); on
+another, :func:`lookup` answers None and the shipped table and heuristic decide. The file::
+
+    {"format": "jax_moe.cutlass_tiles/1",
+     "device": "NVIDIA H100 80GB HBM3",
+     "gemms":   {"bf16_kn_act/160/3072/5120": {"4": "pingpong_64x128", "32": "pingpong_64x256"}},
+     "figures": {"bf16_kn_act/160/3072/5120": {"4": {"pingpong_64x128": 0.41, ...}, ...}}}
+
+A GEMM is keyed ``"kind/E/N/K"`` (:func:`gemm_key`: the kind the forward asks for, ``"_act"``
+for GEMM1 with its activation; N and K of ``d [M, N] = a [M, K] @ w[e]`` whatever the weight
+layout); under it, per average rows per expert, the chosen tile. The nearest point on a log
+scale answers (:func:`nearest`), as for the shipped table. ``"figures"`` keeps the milliseconds
+each choice came from (the forward's device time per call with that GEMM on that tile), so a
+cache can be read, diffed and shipped as a record of what was measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+
+FORMAT = "jax_moe.cutlass_tiles/1"
+CACHE_ENV = "JAX_MOE_TILE_CACHE"
+
+Points = tuple[tuple[float, str], ...]  # (rows per expert, tile), increasing rows per expert
+
+
+def gemm_key(kind: str, num_groups: int, n: int, k: int) -> str:
+    """``"kind/E/N/K"``: one grouped GEMM shape of one kind (the tile sweep's figures use it too)."""
+    return f"{kind}/{int(num_groups)}/{int(n)}/{int(k)}"
+
+
+def nearest(points: Points, rows_per_expert: float) -> str:
+    """The tile of the point nearest ``rows_per_expert`` on a log scale (the first on a tie)."""
+    x = math.log2(max(rows_per_expert, 1e-6))
+    return min(points, key=lambda p: abs(math.log2(p[0]) - x))[1]
+
+
+def choose(cell: Mapping[str, float], default: str, min_gain: float) -> str:
+    """The tile to keep from one GEMM's timings ``cell`` (tile -> ms): the fastest where it beats
+    ``default`` by more than ``min_gain`` (or ``default`` was not timed), else ``default``: a
+    choice inside the timer's spread is not a choice."""
+    best = min(cell, key=cell.get)
+    if default not in cell or cell[default] > cell[best] * (1 + min_gain):
+        return best
+    return default
+
+
+@dataclasses.dataclass
+class TileCache:
+    """Tuned tiles of one GPU model: ``gemms`` gemm_key -> :data:`Points`; ``figures`` gemm_key ->
+    rows per expert (as written) -> tile -> ms."""
+
+    device: str
+    gemms: dict[str, Points] = dataclasses.field(default_factory=dict)
+    figures: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
+
+    def record(self, key: str, rows_per_expert: float, tile: str, cell: Mapping[str, float]) -> None:
+        """Keep ``tile`` for GEMM ``key`` at ``rows_per_expert`` (replacing a point there) and its timings."""
+        points = {r: t for r, t in self.gemms.get(key, ()) if r != rows_per_expert}
+        points[float(rows_per_expert)] = tile
+        self.gemms[key] = tuple(sorted(points.items()))
+        self.figures.setdefault(key, {})[f"{rows_per_expert:g}"] = {t: float(ms) for t, ms in cell.items()}
+
+    def tile_for(self, key: str, rows_per_expert: float) -> str | None:
+        points = self.gemms.get(key)
+        return nearest(points, rows_per_expert) if points else None
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "device": self.device,
+                "gemms": {k: {f"{r:g}": t for r, t in pts} for k, pts in sorted(self.gemms.items())},
+                "figures": {k: self.figures[k] for k in sorted(self.figures)}}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the file (atomically: a reader never sees half of it)."""
+        path = os.fspath(path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+
+
+def from_json(doc: Mapping, where: str, tiles: Iterable[str]) -> TileCache:
+    """A :class:`TileCache` from a parsed file; ValueError naming ``where`` and what is wrong."""
+    tiles = set(tiles)
+    if not isinstance(doc, Mapping) or doc.get("format") != FORMAT:
+        raise ValueError(f"{where}: not a jax_moe tile cache (wants \"format\": {FORMAT!r})")
+    device, gemms = doc.get("device"), doc.get("gemms", {})
+    if not isinstance(device, str) or not device:
+        raise ValueError(f"{where}: \"device\" must name the GPU model the tiles were measured on")
+    cache = TileCache(device)
+    for key, points in gemms.items():
+        parts = key.split("/")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
+            raise ValueError(f"{where}: GEMM key {key!r} is not \"kind/E/N/K\"")
+        try:
+            pts = tuple(sorted((float(r), t) for r, t in points.items()))
+        except (AttributeError, ValueError) as err:
+            raise ValueError(f"{where}: {key}: wants {{rows per expert: tile}}, got {points!r}") from err
+        for r, t in pts:
+            if not (r > 0 and math.isfinite(r)):
+                raise ValueError(f"{where}: {key}: rows per expert must be positive, got {r}")
+            if t not in tiles:
+                raise ValueError(f"{where}: {key}: tile {t!r} is not built (have {sorted(tiles)})")
+        cache.gemms[key] = pts
+    cache.figures = {k: dict(v) for k, v in doc.get("figures", {}).items()}
+    return cache
+
+
+def load(path: str | os.PathLike, tiles: Iterable[str]) -> TileCache:
+    """The cache in ``path``; ValueError naming the file when it is not one."""
+    path = os.fspath(path)
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err})") from err
+    return from_json(doc, path, tiles)
+
+
+# ----------------------------------------------------------------------------- the active cache
+
+_used: dict = {"path": None}  # set by use(); else the environment decides
+_loaded: dict = {}  # path -> (mtime, TileCache)
+
+
+def use(path: str | os.PathLike | None) -> None:
+    """Read tuned tiles from ``path`` from now on in this process (it overrides
+    ``JAX_MOE_TILE_CACHE``); ``None`` goes back to the environment. Programs already jitted keep
+    the tiles they were traced with."""
+    _used["path"] = None if path is None else os.fspath(path)
+
+
+def active_path() -> str | None:
+    """The file tuned tiles are read from: :func:`use`'s, else ``JAX_MOE_TILE_CACHE``'s, else None."""
+    return _used["path"] or os.environ.get(CACHE_ENV) or None
+
+
+def active(tiles: Iterable[str]) -> TileCache | None:
+    """The active cache (re-read when its file changes), or None when no file is named. A named
+    file that is missing or malformed is a ValueError: a cache asked for is never skipped silently."""
+    path = active_path()
+    if path is None:
+        return None
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except FileNotFoundError as err:
+        raise ValueError(f"{CACHE_ENV} / jax_moe.autotune.use names {path}, which does not exist") from err
+    hit = _loaded.get(path)
+    if hit is None or hit[0] != mtime:
+        hit = (mtime, load(path, tiles))
+        _loaded[path] = hit
+    return hit[1]
