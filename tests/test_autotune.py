@@ -1,0 +1,241 @@
+"""Tuned tiles (jax_moe/autotune.py, jax_moe/backends/cutlass_tile_cache.py): the autotuner keeps a
+tile only where the forward is measurably faster, writes a cache file that later traces on the
+same GPU model read first, and refuses what it cannot tune. The GPU test tunes a real block and
+checks the tuned forward against the float64 definition."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import np_moe, poison_memory, rel_err, random_routing
+from jax_moe import MoEBlock, autotune
+from jax_moe.backends import cutlass_tile_cache as tc
+from jax_moe.backends import cutlass_tiles as ct
+from jax_moe.config import MoEConfig
+from jax_moe.device import device_kind
+
+E, N, K = 16, 256, 512
+GEMM1, GEMM2 = tc.gemm_key("bf16_kn_act", E, N, K), tc.gemm_key("bf16_kn", E, K, N // 2)
+TILE_IDS = {name: i for i, name in enumerate(ct.TILES)}
+
+
+@pytest.fixture(autouse=True)
+def _no_cache(monkeypatch):
+    monkeypatch.delenv(ct.TILE_ENV, raising=False)
+    monkeypatch.delenv(tc.CACHE_ENV, raising=False)
+    tc.use(None)
+    yield
+    tc.use(None)
+
+
+def two_gemm_forward(w, x, topk_weights, topk_ids):
+    """A stand-in forward with two grouped GEMMs (T*k rows over E experts) that picks their tiles as
+    the cutlass backend does, and returns the tiles it was traced with, encoded in its output."""
+    rows = topk_ids.size
+    t1 = ct.pick_tile(rows, E, n=N, k=K, kind="bf16_kn_act")
+    t2 = ct.pick_tile(rows, E, n=K, k=N // 2, kind="bf16_kn")
+    return jnp.zeros_like(x, jnp.float32) + (100 * TILE_IDS[t1] + TILE_IDS[t2]) + 0 * w
+
+
+def synthetic_timer(times: dict):
+    """A timer that runs the program once and answers from the tiles it was traced with:
+    ``times[(gemm, tile)]`` ms off a 1.0 ms forward for each GEMM on that tile."""
+    names = {i: name for name, i in TILE_IDS.items()}
+
+    def timer(fn, inputs, vary):
+        code = int(jax.block_until_ready(fn(*inputs[0]))[0, 0])
+        t1, t2 = names[code // 100], names[code % 100]
+        return 1.0 - times.get(("gemm1", t1), 0.0) - times.get(("gemm2", t2), 0.0)
+
+    return timer
+
+
+CFG = MoEConfig(E, 4, K, N // 2)
+
+
+def test_tune_keeps_a_tile_only_where_the_forward_is_faster_by_more_than_min_gain(tmp_path):
+    path = tmp_path / "tiles.json"
+    timer = synthetic_timer({("gemm1", "pingpong_64x256"): 0.2, ("gemm2", "coop_128x128"): 0.01})
+    report = autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), path=path, timer=timer, log=None)
+    by_key = {g.key: g for g in report.gemms}
+    assert set(by_key) == {GEMM1, GEMM2}
+    assert by_key[GEMM1].chosen == "pingpong_64x256" and by_key[GEMM1].gain == pytest.approx(1.25)
+    assert by_key[GEMM2].chosen == by_key[GEMM2].default  # 1% faster: inside the timer's spread, not kept
+    assert sorted(by_key[GEMM1].cell) == sorted(ct.TILES)  # every tile was timed
+    (fwd,) = report.forwards
+    assert fwd.default_ms == pytest.approx(1.0) and fwd.tuned_ms == pytest.approx(0.8)
+    assert "| 64 | 1.0000 | 0.8000 | 1.25x |" in report.markdown()
+    doc = json.loads(path.read_text())
+    assert doc["format"] == tc.FORMAT and doc["device"] == device_kind()
+    assert doc["gemms"][GEMM1] == {"16": "pingpong_64x256"}  # 64 tokens x top-4 over 16 experts
+    assert doc["figures"][GEMM1]["16"]["pingpong_64x256"] == pytest.approx(0.8)
+
+
+def test_later_traces_on_the_same_gpu_model_read_the_tuned_tiles_first(tmp_path, monkeypatch):
+    path = tmp_path / "tiles.json"
+    cache = tc.TileCache(device_kind())
+    cache.record(GEMM1, 16.0, "pingpong_64x256", {"pingpong_64x256": 0.5})
+    cache.save(path)
+    shipped = ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn_act")
+    assert shipped != "pingpong_64x256"
+    monkeypatch.setenv(tc.CACHE_ENV, str(path))
+    assert ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn_act") == "pingpong_64x256"
+    assert ct.pick_tile(20 * E, E, n=N, k=K, kind="bf16_kn_act") == "pingpong_64x256"  # the nearest point
+    assert ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn") == ct.heuristic_tile(16)  # another GEMM: as shipped
+    monkeypatch.setenv(ct.TILE_ENV, "coop_128x128")
+    assert ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_128x128"  # the forced tile still wins
+
+
+def test_tiles_tuned_on_another_gpu_model_are_not_used(tmp_path):
+    path = tmp_path / "tiles.json"
+    cache = tc.TileCache("Some Other GPU")
+    cache.record(GEMM1, 16.0, "pingpong_64x256", {"pingpong_64x256": 0.5})
+    cache.save(path)
+    autotune.use(path)
+    assert ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn_act") == ct.heuristic_tile(16)
+    with pytest.raises(ValueError, match="Some Other GPU"):  # and the tuner will not mix them
+        autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), path=path,
+                              timer=synthetic_timer({}), log=None)
+
+
+def test_a_cache_asked_for_is_never_skipped_silently(tmp_path, monkeypatch):
+    monkeypatch.setenv(tc.CACHE_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="missing.json"):
+        ct.pick_tile(64, E, n=N, k=K)
+    bad = tmp_path / "bad.json"
+    for doc, what in [({"format": "x"}, "not a jax_moe tile cache"),
+                      ({"format": tc.FORMAT, "device": "G", "gemms": {"bf16/1/2": {}}}, "kind/E/N/K"),
+                      ({"format": tc.FORMAT, "device": "G", "gemms": {GEMM1: {"4": "huge_tile"}}}, "huge_tile"),
+                      ({"format": tc.FORMAT, "device": "G", "gemms": {GEMM1: {"-1": "coop_128x128"}}}, "positive"),
+                      ({"format": tc.FORMAT, "gemms": {}}, "device")]:
+        bad.write_text(json.dumps(doc))
+        with pytest.raises(ValueError, match=what):
+            tc.load(bad, ct.TILES)
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        tc.load(bad, ct.TILES)
+
+
+def test_a_cache_file_round_trips_and_tuning_again_keeps_the_other_gemms(tmp_path):
+    path = tmp_path / "tiles.json"
+    cache = tc.TileCache(device_kind())
+    other = tc.gemm_key("fp8", 8, 1024, 2048)
+    cache.record(other, 2.0, "coop_128x128", {"coop_128x128": 0.3, "pingpong_64x128": 0.4})
+    cache.record(other, 0.5, "pingpong_64x128", {"pingpong_64x128": 0.2})
+    cache.save(path)
+    back = tc.load(path, ct.TILES)
+    assert back.gemms == {other: ((0.5, "pingpong_64x128"), (2.0, "coop_128x128"))}
+    assert back.figures == cache.figures
+    autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), path=path, timer=synthetic_timer({}), log=None)
+    assert set(tc.load(path, ct.TILES).gemms) == {other, GEMM1, GEMM2}
+
+
+def test_tuning_forces_the_named_gemms_records_every_pick_and_ignores_the_cache(tmp_path):
+    cache = tc.TileCache(device_kind())
+    cache.record(GEMM2, 4.0, "coop_128x256", {"coop_128x256": 0.1})
+    cache.save(tmp_path / "t.json")
+    autotune.use(tmp_path / "t.json")
+    with ct.tuning({GEMM1: "coop_128x128"}) as trial:
+        assert ct.pick_tile(4 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_128x128"
+        assert ct.pick_tile(4 * E, E, n=K, k=N // 2, kind="bf16_kn") == ct.heuristic_tile(4)  # not the cache's
+    assert trial.picks == [(GEMM1, 4.0, "coop_128x128"), (GEMM2, 4.0, ct.heuristic_tile(4))]
+    assert ct.pick_tile(4 * E, E, n=K, k=N // 2, kind="bf16_kn") == "coop_128x256"  # outside: the cache again
+    with pytest.raises(ValueError, match="not built"):
+        with ct.tuning({GEMM1: "huge_tile"}):
+            pass
+
+
+def test_token_counts_on_the_decode_path_have_nothing_to_tune():
+    report = autotune.tune_forward(lambda w, x, tw, ids: x * w, jnp.float32(1), CFG, (1,), timer=synthetic_timer({}),
+                                   log=None)
+    assert report.gemms == [] and report.forwards == []
+
+
+def test_tune_refuses_what_it_cannot_tune(monkeypatch):
+    with pytest.raises(ValueError, match="tokens"):
+        autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (0,), log=None)
+    with pytest.raises(ValueError, match="min_gain"):
+        autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), min_gain=-1, log=None)
+    monkeypatch.setenv(ct.TILE_ENV, "coop_128x128")
+    with pytest.raises(ValueError, match=ct.TILE_ENV):
+        autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), log=None)
+
+
+def test_a_block_whose_experts_run_elsewhere_is_refused_with_the_backend_named():
+    block = MoEBlock(64, 32, 4, 2, rngs=__import__("flax").nnx.Rngs(0), backend="xla")
+    with pytest.raises(ValueError, match="'xla'.*'cutlass'"):
+        autotune.tune(block, (64,), log=None)
+
+
+def test_the_cutlass_forward_is_traced_with_each_trial_tile():
+    """On the real pipeline (the kernels' CPU lowerings): the tuner finds both grouped GEMMs of the
+    cutlass forward, and each trial's program was traced with the tile tried (else it raises)."""
+    from jax_moe.backends import cutlass
+
+    rng = np.random.default_rng(0)
+    cfg = MoEConfig(8, 2, 128, 64)
+    w13 = jnp.asarray(rng.standard_normal((8, 128, 128)) / 12, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((8, 128, 64)) / 8, jnp.bfloat16)
+
+    def forward(w, x, tw, ids):
+        return cutlass.apply(x, *w, tw, ids, cfg)
+
+    timed = []
+
+    def timer(fn, inputs, vary):
+        timed.append(fn(*inputs[0]))
+        return 1.0
+
+    report = autotune.tune_forward(forward, (w13, w2), cfg, (16,), timer=timer, log=None)
+    assert {g.key for g in report.gemms} == {tc.gemm_key("bf16", 8, 128, 128), tc.gemm_key("bf16", 8, 128, 64)}
+    assert len(timed) == 1 + 2 * (len(ct.TILES) - 1)  # today's, then each GEMM on each other tile
+    assert all(g.chosen == g.default for g in report.gemms)  # ties keep today's pick
+
+
+def test_a_model_config_gives_the_routed_experts_shapes(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 4096, "num_experts": 128,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 1536, "hidden_act": "silu"}))
+    cfg = autotune.config_from_file(str(tmp_path), 3)
+    assert (cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size, cfg.activation) == \
+        (128, 8, 4096, 1536, "silu")
+
+
+@pytest.mark.gpu
+def test_a_tuned_block_on_the_gpu_computes_the_definition(tmp_path):
+    """tune() on a real prepared block: every tile timed for both GEMMs, the cache written; the block
+    traced afterwards on the tuned tiles matches the float64 definition (outputs poisoned first)."""
+    from flax import nnx
+
+    from helpers import SCHEME_TOL, random_weights, skip_unless_available
+    from jax_moe.checkpoint.readers import ExpertWeights, LayerTensors
+
+    skip_unless_available("cutlass")
+    rng = np.random.default_rng()
+    e, h, i, k, t = 16, 512, 256, 4, 512
+    w13, w2 = random_weights(rng, e, h, i, dtype=jnp.bfloat16)
+    layer = LayerTensors(ExpertWeights(w13, w2), router=jnp.asarray(rng.standard_normal((e, h)), jnp.float32), top_k=k)
+    block = MoEBlock.from_layer_tensors(layer, backend="cutlass")
+    assert block.prepare("cutlass") == "cutlass"
+    path = tmp_path / "tiles.json"
+    report = autotune.tune(block, (t,), path=path, min_gain=0.0, log=None)
+    assert {g.key.split("/")[0] for g in report.gemms} == {"bf16_kn_act", "bf16_kn"}
+    assert all(sorted(g.cell) == sorted(ct.TILES) and min(g.cell.values()) > 0 for g in report.gemms)
+    assert all(g.cell[g.chosen] == min(g.cell.values()) for g in report.gemms)  # min_gain 0: the fastest
+
+    autotune.use(path)
+    for g in report.gemms:  # traces from now on take the tuned tiles
+        kind, _, n, kk = g.key.split("/")
+        assert ct.pick_tile(t * k, e, n=int(n), k=int(kk), kind=kind) == g.chosen
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    tw, ids = random_routing(rng, t, e, k)
+    graphdef, state = nnx.split(block)
+    fn = jax.jit(lambda s, v, a, b: nnx.merge(graphdef, s)._run_experts(v, a, b))
+    poison_memory(jax.eval_shape(fn, state, x, tw, ids))
+    got = fn(state, x, tw, ids)
+    assert rel_err(got, np_moe(x, w13, w2, tw, ids)) < SCHEME_TOL["bf16"]
