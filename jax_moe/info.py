@@ -25,6 +25,26 @@ def model_shape(text: str) -> tuple[int, int, int, int]:
     return values
 
 
+def tile_cache_status() -> str:
+    """Where the cutlass backend's tiles come from here: the tuned-tile cache named by
+    ``JAX_MOE_TILE_CACHE`` / ``jax_moe.autotune.use`` (its GPU model and GEMMs), or the shipped table."""
+    from jax_moe.backends import cutlass_tile_cache as tc
+    from jax_moe.backends.cutlass_tiles import MEASURED_ON, TILES
+    from jax_moe.device import device_kind
+
+    shipped = f"the shipped table (measured on {MEASURED_ON}) and the heuristic"
+    path = tc.active_path()
+    if path is None:
+        return f"{shipped}; no tuned-tile cache ({tc.CACHE_ENV} unset; python -m jax_moe.autotune writes one)"
+    try:
+        cache = tc.active(TILES)
+    except ValueError as err:
+        return f"tuned-tile cache unusable: {err}"
+    if cache.device != device_kind():
+        return f"{path} holds tiles of {cache.device}, not this {device_kind()}: not used; {shipped}"
+    return f"{path}: {len(cache.gemms)} tuned GEMM shapes of {cache.device}, read first; then {shipped}"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m jax_moe.info", description=__doc__)
     p.add_argument("--model", default="128,2048,768,8", type=model_shape,
@@ -58,6 +78,7 @@ def main(argv=None) -> None:
         print(f"native trtllm: loaded ({', '.join(trt.compiled_schemes())}); cubins read from {trt.cubin_root()}")
     else:
         print(f"native trtllm: unavailable: {trt._state['error']}")
+    print(f"cutlass tiles: {tile_cache_status()}")
     quant = None if args.scheme == "bf16" else SchemeOnly(args.scheme, e)
     static = "" if quant is None or quant.a2_scale is None else ", static scales"
     print(f"model E={e} H={h} I={i} k={k} activation={args.activation} scheme={args.scheme}"

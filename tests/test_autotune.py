@@ -214,6 +214,18 @@ def test_the_cutlass_forward_is_traced_with_each_trial_tile():
     assert all(g.chosen == g.default for g in report.gemms)  # ties keep today's pick
 
 
+def test_info_says_where_the_tiles_come_from(tmp_path):
+    from jax_moe.info import tile_cache_status
+
+    assert "no tuned-tile cache" in tile_cache_status()
+    for device, says in ((device_kind(), "1 tuned GEMM shapes"), ("Some Other GPU", "not used")):
+        cache = tc.TileCache(device)
+        cache.record(GEMM1, 16.0, "pingpong_64x256", {"pingpong_64x256": 0.5})
+        cache.save(tmp_path / f"{len(device)}.json")
+        autotune.use(tmp_path / f"{len(device)}.json")
+        assert says in tile_cache_status()
+
+
 def test_a_model_config_gives_the_routed_experts_shapes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 4096, "num_experts": 128,
