@@ -72,6 +72,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import in_loop, peers  # noqa: E402
 from jax_moe import oracle, timing  # noqa: E402
+from jax_moe.info import tile_cache_status  # noqa: E402
 from jax_moe.backends import xla  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights  # noqa: E402
@@ -454,6 +455,7 @@ def main(argv=None):
     title = (f"{args.scheme}{' (tactics autotuned)' if args.tune else ''}: {dev.device_kind} ({dev.platform}), {datetime.date.today()}, commit {commit}, jax {jax.__version__}; "
              f"measured {bw / 1e12:.2f} TB/s read+write, {peak / 1e12:.0f} TFLOP/s bf16 matmul")
     print("#", title)
+    print(f"# cutlass tiles: {tile_cache_status()}")
     rows: list = []
     loop_rows: list = []
     here = os.path.dirname(__file__)
