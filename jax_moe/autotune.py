@@ -279,19 +279,25 @@ def main(argv: Sequence[str] | None = None) -> Report:
     p.add_argument("--out", default=os.environ.get(cutlass_tile_cache.CACHE_ENV) or "jax_moe_tiles.json",
                    help="the cache file to write (default: $JAX_MOE_TILE_CACHE, else ./jax_moe_tiles.json)")
     args = p.parse_args(argv)
-    if args.config:
-        layer = args.layer
-        if layer is None:
-            cfg_path = os.path.join(args.config, "config.json") if os.path.isdir(args.config) else args.config
-            with open(cfg_path) as f:
-                layer = int(json.load(f).get("num_hidden_layers", 1)) - 1
-        cfg = config_from_file(args.config, layer)
-    else:
-        e, h, i, k = args.shape
-        cfg = MoEConfig(e, k, h, i, args.activation)
+    try:
+        if args.config:
+            layer = args.layer
+            if layer is None:
+                cfg_path = os.path.join(args.config, "config.json") if os.path.isdir(args.config) else args.config
+                with open(cfg_path) as f:
+                    layer = int(json.load(f).get("num_hidden_layers", 1)) - 1
+            cfg = config_from_file(args.config, layer)
+        else:
+            e, h, i, k = args.shape
+            cfg = MoEConfig(e, k, h, i, args.activation)
+    except (OSError, ValueError) as err:
+        p.error(str(err))
     print(f"# {device_kind()}: E={cfg.num_experts} H={cfg.hidden_size} I={cfg.intermediate_size} k={cfg.top_k} "
           f"{cfg.activation} {args.scheme}, T={args.tokens}")
-    report = tune(random_block(cfg, args.scheme), args.tokens, path=args.out, min_gain=args.min_gain)
+    try:
+        report = tune(random_block(cfg, args.scheme), args.tokens, path=args.out, min_gain=args.min_gain)
+    except ValueError as err:  # what cannot be tuned here, said without a traceback
+        p.exit(2, f"{p.prog}: {err}\n")
     print(report.markdown())
     print(f"# use it: export {cutlass_tile_cache.CACHE_ENV}={os.path.abspath(args.out)}")
     return report

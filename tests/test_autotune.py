@@ -235,6 +235,20 @@ def test_a_model_config_gives_the_routed_experts_shapes(tmp_path):
         (128, 8, 4096, 1536, "silu")
 
 
+def test_the_command_line_says_what_it_cannot_tune_without_a_traceback(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        autotune.main(["--shape", "16", "0", "128", "4"])
+    assert stop.value.code == 2 and "hidden_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        autotune.main(["--config", str(tmp_path / "none.json")])
+    assert stop.value.code == 2 and "none.json" in capsys.readouterr().err
+    if jax.devices()[0].platform == "cpu":  # no cutlass backend here: refused with the reason
+        with pytest.raises(SystemExit) as stop:
+            autotune.main(["--shape", "16", "256", "128", "4", "--out", str(tmp_path / "t.json")])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and "cutlass" in err and "Traceback" not in err
+
+
 @pytest.mark.gpu
 def test_a_tuned_block_on_the_gpu_computes_the_definition(tmp_path):
     """tune() on a real prepared block: every tile timed for both GEMMs, the cache written; the block
