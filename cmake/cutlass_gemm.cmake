@@ -12,9 +12,19 @@
 # JAX_MOE_WITH_CUTLASS (default ON) builds it when the headers are found and JAX_MOE_CUDA_ARCHS
 # includes 90a; otherwise the module is skipped with a status line and jax_moe.backends.cutlass says why.
 # Only sm_90a code is generated for these TUs, whatever else the other CUDA targets build for.
-# Instantiations: one object file per (kind, tile) of ffi/cutlass/grouped_gemm.h (CutlassGemmKind x
-# CutlassTile; the counts are read from that header), each ffi/cutlass/grouped_gemm_tile.cu compiled with
-# JAX_MOE_CUTLASS_KIND/JAX_MOE_CUTLASS_TILE, so they compile in parallel (1-2 min each on one core).
+# Instantiations: every (kind, tile) of ffi/cutlass/grouped_gemm.h (CutlassGemmKind x CutlassTile), one
+# object file per kind (the kind count is read from that header): ffi/cutlass/grouped_gemm_kind.cu
+# compiled with JAX_MOE_CUTLASS_KIND, holding all of that kind's tiles; the kinds compile in parallel.
+#
+# Why a kind per TU, not a (kind, tile) per TU: most of a TU's time is a fixed cost of the CUTLASS/CuTe
+# headers (cudafe++ 6-10 s, cicc's parse, the host compile 5 s), paid once per TU. nvcc 13.0, one TU
+# alone on an idle 2-core machine, wall: kind 0 (bf16) one tile 32-41 s each, its five tiles in five
+# TUs 179 s, the same five in one TU 74 s (cicc 52 s where one tile's is 18-24 s; peak memory 6.1 GB
+# against 3.3-3.7 GB). Per kind, five tiles in one TU: bf16 74 s, fp8 75 s, dgrad 68 s, wgrad 64 s,
+# the three act kinds 41-44 s (3.7-4.0 GB): 409 s for all 35 instantiations, where kind 0 alone took
+# 179 s as five TUs. The kernels are the same either way (their sm_90a code byte for byte). On many
+# cores the 7 TUs run at once, so the build takes about as long as the slowest kind (~75 s); 35 one-tile
+# TUs (32-41 s each) would finish sooner only with more than ~35 cores.
 include_guard(GLOBAL)
 include("${CMAKE_CURRENT_LIST_DIR}/find_flashinfer.cmake")
 
@@ -73,12 +83,12 @@ else()
     set(JAX_MOE_CUTLASS_STATUS
         "skipped: CUTLASS headers not found (install nvidia-cutlass, or set CUTLASS_DIR or FLASHINFER_SRC_DIR)")
   else()
-    # Ninja runs cores + 2 jobs at once by default. Each TU below holds a core and 2-3.5 GB for about a
-    # minute, so they share a pool of one job per core and per 4 GB of memory: on 2 cores, 2 at a time
-    # build six of them in 199 s, where 3 at a time take 232 s (and on many cores, memory is the bound).
+    # Ninja runs cores + 2 jobs at once by default. Each TU below holds a core and 3.7-6.8 GB for about
+    # a minute, so they share a pool of one job per core and per 8 GB of memory (on 2 cores, 2 at a time
+    # beat Ninja's default 3: 199 s against 232 s for six one-tile TUs; on many cores, memory bounds it).
     cmake_host_system_information(RESULT _cores QUERY NUMBER_OF_LOGICAL_CORES)
     cmake_host_system_information(RESULT _mem_mib QUERY TOTAL_PHYSICAL_MEMORY)
-    math(EXPR _jobs "${_mem_mib} / 4096")
+    math(EXPR _jobs "${_mem_mib} / 8192")
     if(_cores LESS _jobs)
       set(_jobs ${_cores})
     endif()
@@ -91,16 +101,13 @@ else()
     add_library(jax_moe_cutlass_kernels STATIC ffi/cutlass/grouped_gemm.cu ffi/cutlass/grouped_gemm_grad.cu)
     set(_cutlass_targets jax_moe_cutlass_kernels)
     math(EXPR _last_kind "${_n_kinds} - 1")
-    math(EXPR _last_tile "${_n_tiles} - 1")
     foreach(_kind RANGE ${_last_kind})
-      foreach(_tile RANGE ${_last_tile})
-        set(_t jax_moe_cutlass_gemm_k${_kind}_t${_tile})
-        add_library(${_t} OBJECT ffi/cutlass/grouped_gemm_tile.cu)
-        target_compile_definitions(${_t} PRIVATE JAX_MOE_CUTLASS_KIND=${_kind} JAX_MOE_CUTLASS_TILE=${_tile})
-        set_target_properties(${_t} PROPERTIES JOB_POOL_COMPILE jax_moe_cutlass_tus)
-        target_sources(jax_moe_cutlass_kernels PRIVATE $<TARGET_OBJECTS:${_t}>)
-        list(APPEND _cutlass_targets ${_t})
-      endforeach()
+      set(_t jax_moe_cutlass_gemm_k${_kind})
+      add_library(${_t} OBJECT ffi/cutlass/grouped_gemm_kind.cu)
+      target_compile_definitions(${_t} PRIVATE JAX_MOE_CUTLASS_KIND=${_kind})
+      set_target_properties(${_t} PROPERTIES JOB_POOL_COMPILE jax_moe_cutlass_tus)
+      target_sources(jax_moe_cutlass_kernels PRIVATE $<TARGET_OBJECTS:${_t}>)
+      list(APPEND _cutlass_targets ${_t})
     endforeach()
     foreach(_t IN LISTS _cutlass_targets)
       set_target_properties(${_t} PROPERTIES CUDA_ARCHITECTURES OFF CUDA_STANDARD 17 POSITION_INDEPENDENT_CODE ON)
@@ -115,6 +122,6 @@ else()
     target_link_libraries(_jax_moe_cutlass PRIVATE jax_moe_cutlass_kernels CUDA::cudart_static)
     install(TARGETS _jax_moe_cutlass LIBRARY DESTINATION jax_moe)
     set(JAX_MOE_CUTLASS_STATUS
-        "cutlass grouped gemms: ${_n_kinds} kinds x ${_n_tiles} tiles (sm_90a, ${_jobs} at a time; headers ${_cutlass_inc})")
+        "cutlass grouped gemms: ${_n_kinds} kinds x ${_n_tiles} tiles, a TU per kind (sm_90a, ${_jobs} at a time; headers ${_cutlass_inc})")
   endif()
 endif()

@@ -1,9 +1,9 @@
 // The CUTLASS side of the grouped GEMM FFI targets (contract in grouped_gemm.h): one SM90
 // pointer-array grouped GEMM type per (kind, tile), the device kernel that fills its per-group argument
-// arrays from the expert offsets (or, batched, the counts: GroupRows), and the host launch. Included by ffi/cutlass/grouped_gemm_tile.cu, which
-// CMake compiles once per (kind, tile) (cmake/cutlass_gemm.cmake) so that the instantiations compile in
-// parallel; the FFI handlers (grouped_gemm.cu) see only GroupedGemmCall, GroupRows and
-// Run/WorkspaceBytes.
+// arrays from the expert offsets (or, batched, the counts: GroupRows), and the host launch. Included by
+// ffi/cutlass/grouped_gemm_kind.cu, which CMake compiles once per kind (all its tiles in one object file;
+// cmake/cutlass_gemm.cmake) so that the kinds compile in parallel; the FFI handlers (grouped_gemm.cu) see
+// only GroupedGemmCall, GroupRows and Run/WorkspaceBytes.
 //
 // Layouts, in CUTLASS's terms (grouped_gemm_traits.cuh per kind): forward A row-major [M_e, K], B
 // "column-major" (K, N), i.e. our [N, K] rows with K contiguous; D row-major; no C operand.
@@ -124,31 +124,34 @@ constexpr size_t kArrayAlign = 256;  // every array of the workspace starts on t
 
 inline size_t RoundUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-// Defined, one (kind, tile) per TU, by JAX_MOE_INSTANTIATE_CUTLASS_GEMM below.
+// Defined, a kind's tiles per TU, by JAX_MOE_INSTANTIATE_CUTLASS_GEMM below.
 template <int Kind, int Tile>
 size_t WorkspaceBytes(int64_t groups, int sm_count);
 template <int Kind, int Tile>
 ffi::Error Run(const GroupedGemmCall& call);
+
+// M(KIND, TILE) for each CutlassTile of grouped_gemm.h: the declarations below and the definitions
+// (grouped_gemm_kind.cu) go through this one list.
+#define JAX_MOE_FOR_EACH_CUTLASS_TILE(M, KIND) \
+  M(KIND, kTileCoop128x128)                    \
+  M(KIND, kTilePingpong64x128)                 \
+  M(KIND, kTileCoop128x256)                    \
+  M(KIND, kTilePingpong64x256)                 \
+  M(KIND, kTilePingpong64x128K2)
+static_assert(kNumCutlassTiles == 5, "one entry per tile in JAX_MOE_FOR_EACH_CUTLASS_TILE");
 
 #define JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, TILE)                   \
   template <>                                                      \
   size_t WorkspaceBytes<KIND, TILE>(int64_t groups, int sm_count); \
   template <>                                                      \
   ffi::Error Run<KIND, TILE>(const GroupedGemmCall& call);
-#define JAX_MOE_DECLARE_CUTLASS_TILES(KIND)                 \
-  JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTileCoop128x128)      \
-  JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTilePingpong64x128)   \
-  JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTileCoop128x256)      \
-  JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTilePingpong64x256)   \
-  JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, kTilePingpong64x128K2)
-JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16)
-JAX_MOE_DECLARE_CUTLASS_TILES(kGemmFp8)
-JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16Dgrad)
-JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16Wgrad)
-JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16Act)
-JAX_MOE_DECLARE_CUTLASS_TILES(kGemmFp8Act)
-JAX_MOE_DECLARE_CUTLASS_TILES(kGemmBf16ActKN)
-#undef JAX_MOE_DECLARE_CUTLASS_TILES
+JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmBf16)
+JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmFp8)
+JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmBf16Dgrad)
+JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmBf16Wgrad)
+JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmBf16Act)
+JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmFp8Act)
+JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmBf16ActKN)
 #undef JAX_MOE_DECLARE_CUTLASS_GEMM
 
 #ifdef JAX_MOE_CUTLASS_IMPL
