@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 from bench import moe_bench, peers  # noqa: E402
 from jax_moe import ffi, kernels, timing  # noqa: E402
 from jax_moe.backends import cutlass, cutlass_gemm, cutlass_tiles  # noqa: E402
-from jax_moe.backends.cutlass_tile_cache import choose  # noqa: E402
+from jax_moe.backends.cutlass_tile_cache import choose, gemm_key  # noqa: E402
 from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad  # noqa: E402
 from jax_moe.layouts.transposed import transpose_experts  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
@@ -112,7 +112,7 @@ def sweep_model(m: moe_bench.Model, tokens, kind: str, results: dict, table: lis
             e, n, k = w.shape
             if kind == "bf16_kn":  # the table's (N, K) are the product's, whatever the layout
                 n, k = k, n
-            key = f"{kind}/{e}/{n}/{k}"
+            key = gemm_key(kind, e, n, k)
             cell = {}
             for tile, fn in fns.items():
                 inputs = [(op[which][0], op[which][1], w, ws, op[0]) for op in ops]
@@ -206,7 +206,7 @@ def act_model(m: moe_bench.Model, tokens, kind: str = "bf16", results: dict | No
             print(f"| {m.name} | {t} | {tile} | " + " | ".join(moe_bench.fmt(v) for v in ms) +
                   f" | {ms[1] / ms[2]:.2f}x |", flush=True)
         if results is not None:
-            results.setdefault(f"{kind}_act/{e}/{n}/{k}", {})[str(t * m.k / e)] = unit
+            results.setdefault(gemm_key(f"{kind}_act", e, n, k), {})[str(t * m.k / e)] = unit
         print(f"# {m.name} T={t}: GEMM1 + activation as the forward runs them, fastest on {min(unit, key=unit.get)}")
         del inputs
 
