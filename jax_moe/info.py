@@ -27,12 +27,20 @@ def model_shape(text: str) -> tuple[int, int, int, int]:
 
 def tile_cache_status() -> str:
     """Where the cutlass backend's tiles come from here: the tuned-tile cache named by
-    ``JAX_MOE_TILE_CACHE`` / ``jax_moe.autotune.use`` (its GPU model and GEMMs), or the shipped table."""
+    ``JAX_MOE_TILE_CACHE`` / ``jax_moe.autotune.use`` (its GPU model and GEMMs), the tuned tiles
+    shipped for this GPU model, and the shipped table."""
     from jax_moe.backends import cutlass_tile_cache as tc
     from jax_moe.backends.cutlass_tiles import MEASURED_ON, TILES
     from jax_moe.device import device_kind
 
+    here = device_kind()
+    try:
+        ours = tc.shipped(here, TILES)
+    except ValueError as err:
+        return f"shipped tuned tiles unusable: {err}"
     shipped = f"the shipped table (measured on {MEASURED_ON}) and the heuristic"
+    if ours is not None:
+        shipped = f"{len(ours.gemms)} shipped tuned GEMM shapes of {here}, then {shipped}"
     path = tc.active_path()
     if path is None:
         return f"{shipped}; no tuned-tile cache ({tc.CACHE_ENV} unset; python -m jax_moe.autotune writes one)"
@@ -40,8 +48,8 @@ def tile_cache_status() -> str:
         cache = tc.active(TILES)
     except ValueError as err:
         return f"tuned-tile cache unusable: {err}"
-    if cache.device != device_kind():
-        return f"{path} holds tiles of {cache.device}, not this {device_kind()}: not used; {shipped}"
+    if cache.device != here:
+        return f"{path} holds tiles of {cache.device}, not this {here}: not used; {shipped}"
     return f"{path}: {len(cache.gemms)} tuned GEMM shapes of {cache.device}, read first; then {shipped}"
 
 

@@ -6,6 +6,7 @@ checks the tuned forward against the float64 definition."""
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +23,15 @@ from jax_moe.device import device_kind
 E, N, K = 16, 256, 512
 GEMM1, GEMM2 = tc.gemm_key("bf16_kn_act", E, N, K), tc.gemm_key("bf16_kn", E, K, N // 2)
 TILE_IDS = {name: i for i, name in enumerate(ct.TILES)}
+SHIPPED = tc.SHIPPED_DIR  # the package's shipped caches (the fixture hides them from the other tests)
 
 
 @pytest.fixture(autouse=True)
-def _no_cache(monkeypatch):
+def _no_cache(monkeypatch, tmp_path_factory):
     monkeypatch.delenv(ct.TILE_ENV, raising=False)
     monkeypatch.delenv(tc.CACHE_ENV, raising=False)
+    monkeypatch.delenv(tc.SHIPPED_ENV, raising=False)
+    monkeypatch.setattr(tc, "SHIPPED_DIR", str(tmp_path_factory.mktemp("no_shipped_tiles")))
     tc.use(None)
     yield
     tc.use(None)
@@ -167,6 +171,74 @@ def test_tuning_forces_the_named_gemms_records_every_pick_and_ignores_the_cache(
             pass
 
 
+def ship(directory, device: str, key: str, points: dict[float, str]) -> None:
+    """Writes a shipped cache of ``device`` holding GEMM ``key`` at ``points`` into ``directory``."""
+    cache = tc.TileCache(device)
+    for r, tile in points.items():
+        cache.record(key, r, tile, {tile: 1.0})
+    cache.save(directory / tc.shipped_file_name(device))
+
+
+def test_tiles_shipped_for_this_gpu_model_are_read_after_the_users_and_before_the_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(tc, "SHIPPED_DIR", str(tmp_path))
+    ship(tmp_path, device_kind(), GEMM1, {16.0: "pingpong_64x256"})
+    ship(tmp_path, "Some Other GPU", GEMM2, {16.0: "coop_128x256"})
+    assert ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn_act") == "pingpong_64x256"
+    assert ct.pick_tile(16 * E, E, n=K, k=N // 2, kind="bf16_kn") == ct.heuristic_tile(16)  # another GPU's
+    users = tmp_path / "users" / "tiles.json"
+    users.parent.mkdir()
+    cache = tc.TileCache(device_kind())
+    cache.record(GEMM1, 16.0, "coop_128x128", {"coop_128x128": 0.5})
+    cache.save(users)
+    autotune.use(users)
+    assert ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_128x128"  # the user's first
+    autotune.use(None)
+    monkeypatch.setenv(tc.SHIPPED_ENV, "off")
+    assert ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn_act") == ct.heuristic_tile(16)  # set aside
+
+
+def test_the_tuner_starts_from_the_shipped_tiles_not_the_users(tmp_path, monkeypatch):
+    monkeypatch.setattr(tc, "SHIPPED_DIR", str(tmp_path))
+    ship(tmp_path, device_kind(), GEMM2, {4.0: "coop_128x256"})
+    (tmp_path / "user").mkdir()
+    cache = tc.TileCache(device_kind())
+    cache.record(GEMM1, 4.0, "pingpong_64x256", {"pingpong_64x256": 0.5})
+    cache.save(tmp_path / "user" / "t.json")
+    autotune.use(tmp_path / "user" / "t.json")
+    with ct.tuning() as trial:
+        ct.pick_tile(4 * E, E, n=N, k=K, kind="bf16_kn_act")
+        ct.pick_tile(4 * E, E, n=K, k=N // 2, kind="bf16_kn")
+    assert trial.picks == [(GEMM1, 4.0, ct.heuristic_tile(4)), (GEMM2, 4.0, "coop_128x256")]
+
+
+def test_a_malformed_or_doubled_shipped_cache_is_an_error_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(tc, "SHIPPED_DIR", str(tmp_path))
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match="broken.json"):
+        ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn_act")
+    (tmp_path / "broken.json").unlink()
+    ship(tmp_path, device_kind(), GEMM1, {16.0: "pingpong_64x256"})
+    (tmp_path / "copy.json").write_text((tmp_path / tc.shipped_file_name(device_kind())).read_text())
+    with pytest.raises(ValueError, match="two shipped tile caches"):
+        tc.shipped_caches(ct.TILES, str(tmp_path))
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(SHIPPED)) if os.path.isdir(SHIPPED) else [])
+def test_every_shipped_cache_loads_names_built_tiles_and_its_gpu_model(name):
+    cache = tc.load(os.path.join(SHIPPED, name), ct.TILES)
+    assert name == tc.shipped_file_name(cache.device)
+    assert cache.gemms, "a shipped cache holds tuned GEMMs"
+    for key, points in cache.gemms.items():
+        figures = cache.figures[key]
+        for r, tile in points:
+            cell = figures[f"{r:g}"]
+            assert tile in cell and all(ms > 0 for ms in cell.values()), (key, r)
+
+
+def test_tiles_ship_for_the_hopper_gpus_the_bench_measures():
+    assert {tc.shipped_file_name(d) for d in ("NVIDIA H100 80GB HBM3", "NVIDIA H200")} <= set(os.listdir(SHIPPED))
+
+
 def test_token_counts_on_the_decode_path_have_nothing_to_tune():
     report = autotune.tune_forward(lambda w, x, tw, ids: x * w, jnp.float32(1), CFG, (1,), timer=synthetic_timer({}),
                                    log=None)
@@ -224,6 +296,16 @@ def test_info_says_where_the_tiles_come_from(tmp_path):
         cache.save(tmp_path / f"{len(device)}.json")
         autotune.use(tmp_path / f"{len(device)}.json")
         assert says in tile_cache_status()
+
+
+def test_info_names_the_tiles_shipped_for_this_gpu_model(tmp_path, monkeypatch):
+    from jax_moe.info import tile_cache_status
+
+    monkeypatch.setattr(tc, "SHIPPED_DIR", str(tmp_path))
+    ship(tmp_path, device_kind(), GEMM1, {16.0: "pingpong_64x256"})
+    assert f"1 shipped tuned GEMM shapes of {device_kind()}" in tile_cache_status()
+    monkeypatch.setenv(tc.SHIPPED_ENV, "off")
+    assert "shipped tuned" not in tile_cache_status()
 
 
 def test_a_model_config_gives_the_routed_experts_shapes(tmp_path):

@@ -209,3 +209,50 @@ def test_stage_breakdown_of_fp8_needs_the_trace(monkeypatch):
 
     with pytest.raises(SystemExit):
         stage_breakdown.main(["--scheme", "fp8", "--method", "alone"])
+
+
+@pytest.fixture
+def tune_models(monkeypatch):
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import tune_models
+
+    return tune_models
+
+
+def test_tune_models_tunes_each_layer_in_its_own_process_into_one_file(tune_models, monkeypatch, capsys):
+    calls = []
+
+    def call(cmd):
+        calls.append(cmd)
+        return 1 if cmd[cmd.index("--shape") + 1] == "16" else 0  # DBRX's 16 experts fail here
+
+    monkeypatch.setattr(tune_models.subprocess, "call", call)
+    assert tune_models.main(["--models", "qwen3-235b", "dbrx", "--out", "t.json"]) == 1
+    assert [c[c.index("--shape") + 1:c.index("--shape") + 5] for c in calls] == [
+        ["128", "4096", "1536", "8"], ["16", "6144", "10752", "4"]]
+    assert all(c[1:3] == ["-m", "jax_moe.autotune"] and c[c.index("--out") + 1] == "t.json" for c in calls)
+    assert "failed: dbrx" in capsys.readouterr().out
+
+
+def test_tune_models_leaves_the_bench_models_to_the_measured_table_on_its_gpu_model(tune_models, monkeypatch):
+    from jax_moe import device
+    from jax_moe.backends.cutlass_tiles import MEASURED_ON
+
+    calls = []
+    monkeypatch.setattr(tune_models.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    for gpu, bench_models_tuned in ((MEASURED_ON, False), ("NVIDIA H200", True)):
+        calls.clear()
+        monkeypatch.setattr(device, "device_kind", lambda d=None, gpu=gpu: gpu)
+        assert tune_models.main([]) == 0
+        shapes = {tuple(c[c.index("--shape") + 1:c.index("--shape") + 5]) for c in calls}
+        assert (("128", "2048", "768", "8") in shapes) == bench_models_tuned  # Qwen3-30B-A3B
+        assert len(calls) == len(tune_models.LAYERS) - (0 if bench_models_tuned else 4)
+
+
+def test_tiles_ship_on_an_h200_for_every_layer_tune_models_names(tune_models):
+    from jax_moe.backends import cutlass_tile_cache as tc
+    from jax_moe.backends.cutlass_tiles import TILES
+
+    cache = tc.load(os.path.join(tc.SHIPPED_DIR, tc.shipped_file_name("NVIDIA H200")), TILES)
+    for name, (e, h, i, k) in tune_models.LAYERS.items():
+        assert tc.gemm_key("bf16_kn", e, h, i) in cache.gemms, name  # GEMM2: [T*k, I] @ [E, I, H]

@@ -7,7 +7,12 @@ what it found here; :func:`~jax_moe.backends.cutlass_tiles.pick_tile` then reads
 
 A cache is used where ``JAX_MOE_TILE_CACHE`` names its file, or after :func:`use`. It applies
 only on the GPU model it was measured on (its ``"device"``, ``jax.Device.device_kind``); on
-another, :func:`lookup` answers None and the shipped table and heuristic decide. The file::
+another, the tiles that ship decide.
+
+Caches also ship with the package, one per GPU model, in ``jax_moe/backends/tuned_tiles/``
+(:func:`shipped`): ``bench/tune_models.py`` tunes popular models' layer shapes into them. They are
+read after the user's cache and before the table measured for the bench's models, on their own
+GPU model only; ``JAX_MOE_SHIPPED_TILES=off`` sets them aside. The file::
 
     {"format": "jax_moe.cutlass_tiles/1",
      "device": "NVIDIA H100 80GB HBM3",
@@ -32,6 +37,8 @@ from collections.abc import Iterable, Mapping
 
 FORMAT = "jax_moe.cutlass_tiles/1"
 CACHE_ENV = "JAX_MOE_TILE_CACHE"
+SHIPPED_ENV = "JAX_MOE_SHIPPED_TILES"  # "off": the shipped caches are not read
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned_tiles")
 
 Points = tuple[tuple[float, str], ...]  # (rows per expert, tile), increasing rows per expert
 
@@ -163,3 +170,40 @@ def active(tiles: Iterable[str]) -> TileCache | None:
         hit = (mtime, load(path, tiles))
         _loaded[path] = hit
     return hit[1]
+
+
+# ----------------------------------------------------------------------------- the shipped caches
+
+_shipped: dict = {}  # (directory, tiles) -> {device: TileCache}
+
+
+def shipped_file_name(device: str) -> str:
+    """The file a GPU model's shipped cache is kept in: ``"NVIDIA H100 80GB HBM3"`` ->
+    ``nvidia_h100_80gb_hbm3.json`` (what is read is each file's ``"device"``, not its name)."""
+    return "".join(c if c.isalnum() else "_" for c in device.lower()).strip("_") + ".json"
+
+
+def shipped_caches(tiles: Iterable[str], directory: str | None = None) -> dict[str, TileCache]:
+    """Every cache in ``directory`` (default :data:`SHIPPED_DIR`), by GPU model. Read once per
+    process; a malformed file, or two for one GPU model, is a ValueError naming them."""
+    directory = directory or SHIPPED_DIR
+    tiles = tuple(sorted(tiles))
+    hit = _shipped.get((directory, tiles))
+    if hit is None:
+        hit = {}
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".json")) if os.path.isdir(directory) else []
+        for name in names:
+            cache = load(os.path.join(directory, name), tiles)
+            if cache.device in hit:
+                raise ValueError(f"{directory}: two shipped tile caches for {cache.device} ({name} and another)")
+            hit[cache.device] = cache
+        _shipped[(directory, tiles)] = hit
+    return hit
+
+
+def shipped(device: str, tiles: Iterable[str]) -> TileCache | None:
+    """The shipped cache of GPU model ``device``, or None: none ships for it, or
+    ``JAX_MOE_SHIPPED_TILES=off``."""
+    if os.environ.get(SHIPPED_ENV, "").lower() in ("off", "0", "false", "no"):
+        return None
+    return shipped_caches(tiles).get(device)

@@ -20,8 +20,9 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
 
 1. ``JAX_MOE_CUTLASS_TILE`` forces one tile everywhere.
 2. Tuned tiles: a GEMM in the active tile cache (:mod:`jax_moe.backends.cutlass_tile_cache`,
-   ``JAX_MOE_TILE_CACHE``, written by :func:`jax_moe.autotune.tune` on this GPU model) takes the
-   tile measured fastest for it there, at the nearest rows per expert.
+   ``JAX_MOE_TILE_CACHE``, written by :func:`jax_moe.autotune.tune` on this GPU model), else in
+   the cache shipped for this GPU model (``jax_moe/backends/tuned_tiles/``, popular models'
+   layers), takes the tile measured fastest for it there, at the nearest rows per expert.
 3. A GEMM whose ``(kind, E, N, K)`` is in :data:`MEASURED` takes the tile measured fastest at the
    nearest rows per expert (on a log scale). The table is written by ``bench/tile_sweep.py
    --update-table`` from an H100 run (every tile timed on each GEMM of the bench's models, with
@@ -40,8 +41,9 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
    :data:`DECODE_ROWS_PER_EXPERT`, 128x256 from :data:`WIDE_ROWS_PER_EXPERT`, 128x128 between.
 
 Everything here is static (shapes and a dict): the choice costs nothing at run time and the
-program stays one CUDA graph. Inside :func:`tuning` (the autotuner's trials) the cache is not
-read, chosen GEMMs take the trial's tiles, and every pick is recorded.
+program stays one CUDA graph. Inside :func:`tuning` (the autotuner's trials) the user's cache is
+not read (the shipped ones are: they are today's picks), chosen GEMMs take the trial's tiles, and
+every pick is recorded.
 """
 
 from __future__ import annotations
@@ -357,13 +359,15 @@ def measured_tile(kind: str, groups: int, n: int, k: int, rows_per_expert: float
     return nearest(points, rows_per_expert) if points else None
 
 
-def tuned_tile(key: str, rows_per_expert: float) -> str | None:
-    """The active tile cache's tile for GEMM ``key`` (:func:`gemm_key`) at the nearest rows per
-    expert, or None: no cache, none for this GEMM, or one measured on another GPU model."""
-    cache = cutlass_tile_cache.active(TILES)
-    if cache is None or key not in cache.gemms or cache.device != device_kind():
-        return None
-    return cache.tile_for(key, rows_per_expert)
+def tuned_tile(key: str, rows_per_expert: float, *, user: bool = True) -> str | None:
+    """The tuned tile for GEMM ``key`` (:func:`gemm_key`) at the nearest rows per expert: the
+    active tile cache's (the user's; ``user=False`` skips it), else the cache shipped for this GPU
+    model; None where neither was measured on this GPU model or holds this GEMM."""
+    device = device_kind()
+    for cache in (cutlass_tile_cache.active(TILES) if user else None, cutlass_tile_cache.shipped(device, TILES)):
+        if cache is not None and cache.device == device and key in cache.gemms:
+            return cache.tile_for(key, rows_per_expert)
+    return None
 
 
 @dataclasses.dataclass
@@ -380,9 +384,10 @@ _TRIAL: contextvars.ContextVar[Trial | None] = contextvars.ContextVar("jax_moe_t
 
 @contextlib.contextmanager
 def tuning(tiles: Mapping[str, str] | None = None) -> Iterator[Trial]:
-    """Within it, programs traced pick as shipped (no tile cache) except the GEMMs named in
-    ``tiles`` (gemm_key -> tile), and record every pick: what :func:`jax_moe.autotune.tune` traces
-    each trial under. Only tracing reads it: a program jitted inside keeps its tiles outside."""
+    """Within it, programs traced pick as shipped (the shipped caches, not the user's) except the
+    GEMMs named in ``tiles`` (gemm_key -> tile), and record every pick: what
+    :func:`jax_moe.autotune.tune` traces each trial under. Only tracing reads it: a program jitted
+    inside keeps its tiles outside."""
     tiles = dict(tiles or {})
     unknown = sorted(t for t in tiles.values() if t not in TILES)
     if unknown:
@@ -411,7 +416,9 @@ def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None
     if n is None or k is None:
         return heuristic_tile(r)
     key, trial = gemm_key(kind, num_groups, n, k), _TRIAL.get()
-    tile = trial.tiles.get(key) if trial is not None else tuned_tile(key, r)
+    tile = trial.tiles.get(key) if trial is not None else None
+    if tile is None:
+        tile = tuned_tile(key, r, user=trial is None)
     if tile is None:
         tile = (measured_tile(kind, num_groups, n, k, r) or measured_tile(kind.removesuffix("_act"), num_groups, n, k, r)
                 or heuristic_tile(r))
