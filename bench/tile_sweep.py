@@ -225,7 +225,7 @@ def table_from_figures(results: dict) -> dict:
         for r, cell in sorted(points.items(), key=lambda p: float(p[0])):
             if not cell:
                 continue
-            heur = cutlass_tiles.heuristic_tile(float(r))
+            heur = cutlass_tiles.heuristic_tile(float(r), kind, results.get("device", cutlass_tiles.MEASURED_ON))
             tile = choose(cell, heur, cutlass_tiles.MIN_GAIN)
             differs |= tile != heur
             chosen.append((float(r), tile))

@@ -99,7 +99,10 @@ def test_reference_matches_loop_with_empty_experts_and_unowned_rows(rng):
 
 
 def test_pick_tile(monkeypatch):
+    from jax_moe.backends import cutlass_tiles
+
     monkeypatch.delenv(cb.TILE_ENV, raising=False)
+    monkeypatch.setattr(cutlass_tiles, "device_kind", lambda device=None: "NVIDIA H100 80GB HBM3")
     assert cb.pick_tile(8, 256) == "pingpong_64x128"        # decode: few rows per expert
     assert cb.pick_tile(100 * 256, 256) == "coop_128x128"   # between
     assert cb.pick_tile(8 * 8192, 256) == "coop_128x256"    # >= 128 rows per expert: the wide tile

@@ -11,15 +11,17 @@ from bench import tile_sweep
 from jax_moe.backends import cutlass_tiles as ct
 
 RATES = (0.03125, 0.25, 1, 4, 16, 32, 63, 64, 100, 127, 128, 512, 4096)
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
 
 
 @pytest.fixture(autouse=True)
 def _no_override(monkeypatch):
     monkeypatch.delenv(ct.TILE_ENV, raising=False)
+    monkeypatch.setattr(ct, "device_kind", lambda device=None: H100)  # the GPU model the table was measured on
 
 
 def test_every_tile_named_anywhere_is_built():
-    named = {ct.heuristic_tile(r) for r in RATES}
+    named = {ct.heuristic_tile(r, kind, gpu) for r in RATES for kind in ("bf16", "fp8") for gpu in (H100, H200)}
     named |= {tile for points in ct.MEASURED.values() for _, tile in points}
     assert named <= set(ct.TILES)
 
@@ -28,6 +30,17 @@ def test_every_tile_named_anywhere_is_built():
                                      (127, "coop_128x128"), (128, "coop_128x256"), (4096, "coop_128x256")])
 def test_bf16_heuristic_by_rows_per_expert(r, tile):
     assert ct.heuristic_tile(r) == tile
+    assert ct.heuristic_tile(r, "fp8", H200) == tile  # FP8 on an H200: not measured otherwise
+
+
+@pytest.mark.parametrize("r, tile", [(63, "pingpong_64x128"), (64, "pingpong_64x256"), (128, "pingpong_64x256"),
+                                     (384, "pingpong_64x256"), (448, "coop_128x256"), (4096, "coop_128x256")])
+def test_an_h200_takes_the_wide_pingpong_tile_for_bf16_from_64_to_448_rows_per_expert(r, tile, monkeypatch):
+    for kind in ("bf16", "bf16_kn", "bf16_kn_act"):
+        assert ct.heuristic_tile(r, kind, H200) == tile
+    monkeypatch.setattr(ct, "device_kind", lambda device=None: H200)
+    assert ct.pick_tile(int(r * 16), 16, n=64, k=32, kind="bf16_kn") == tile  # a shape in no table
+    assert ct.pick_tile(int(r * 16), 16) == tile
 
 
 @pytest.mark.parametrize("r", RATES)
