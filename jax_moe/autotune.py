@@ -1,10 +1,11 @@
 """Tune the cutlass backend's tiles for your own layers on your own GPU, and ship the result.
 
-The cutlass backend picks each grouped GEMM's CUTLASS tile at trace time: from a table measured
-on an H100 for the bench's models, else from a rows-per-expert heuristic
-(:mod:`jax_moe.backends.cutlass_tiles`). :func:`tune` times a layer's forward with each GEMM on
-each tile, at the token counts you serve, and writes the tiles that win to a cache file
-(:mod:`jax_moe.backends.cutlass_tile_cache`) that later traces read on the same GPU model::
+The cutlass backend picks each grouped GEMM's CUTLASS tile at trace time: from the tuned tiles
+shipped for popular layers on this GPU model, else from a table measured on an H100 for the
+bench's models, else from a rows-per-expert heuristic (:mod:`jax_moe.backends.cutlass_tiles`).
+:func:`tune` times a layer's forward with each GEMM on each tile, at the token counts you serve,
+and writes the tiles that win to a cache file (:mod:`jax_moe.backends.cutlass_tile_cache`) that
+later traces read first on the same GPU model::
 
     block = MoEBlock.from_pretrained("/models/GLM-4.5-Air", layer=1)
     block.prepare()
@@ -27,6 +28,7 @@ gains inside the timer's spread, measured at 4-7% per trial on an H200), today's
 for that token count. What is written is the tile per GEMM at that token count's rows per expert;
 other token counts take the nearest point on a log scale. Token counts on the decode path (a few
 slots, no grouped GEMM) have nothing to tune. Training's backward GEMMs keep the shipped picks.
+``bench/tune_models.py`` runs this over popular layers' shapes to write the shipped tiles.
 """
 
 from __future__ import annotations
