@@ -2,10 +2,11 @@
 
 Runs ``python -m jax_moe.autotune --shape E H I k`` (random weights of the layer's shapes, prepared
 for the cutlass backend) for each layer of :data:`LAYERS`, each in its own process (a large
-layer's weights are freed before the next), all into one cache file. The files in
-``jax_moe/backends/tuned_tiles/`` were written so, one per GPU model, and ship with the package::
+layer's weights are freed before the next), all into one cache file: by default this GPU model's
+file in ``jax_moe/backends/tuned_tiles/``, the tiles that ship with the package (one file per GPU
+model, written so). A layer already there is tuned again from its shipped tiles::
 
-    python bench/tune_models.py --out jax_moe/backends/tuned_tiles/nvidia_h100_80gb_hbm3.json
+    python bench/tune_models.py                                  # every layer, into the shipped file
     python bench/tune_models.py --models qwen3-235b glm-4.5 --scheme fp8 --out tiles.json
     python bench/tune_models.py --list
 
@@ -65,30 +66,34 @@ def main(argv: list[str] | None = None) -> int:
                    help="layers to tune (default: all; the bench's four only off the measured table's GPU model)")
     p.add_argument("--scheme", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--tokens", nargs="+", type=int, default=[16, 64, 256, 1024, 4096])
-    p.add_argument("--out", default="jax_moe_tiles.json", help="the cache file (tiles already there are kept)")
+    p.add_argument("--out", help="the cache file; tiles already there are kept (default: this GPU model's "
+                   "shipped file, jax_moe/backends/tuned_tiles/)")
     p.add_argument("--list", action="store_true", help="print the layers and exit")
     args = p.parse_args(argv)
     if args.list:
         for name, s in LAYERS.items():
             print(f"{name:18s} E={s.e:4d} H={s.h:5d} I={s.i:5d} k={s.k}")
         return 0
+    from jax_moe.backends import cutlass_tile_cache  # noqa: PLC0415
+    from jax_moe.backends.cutlass_tiles import MEASURED_ON  # noqa: PLC0415
+    from jax_moe.device import device_kind  # noqa: PLC0415
+
+    out = args.out or os.path.join(cutlass_tile_cache.SHIPPED_DIR, cutlass_tile_cache.shipped_file_name(device_kind()))
     models = args.models
     if models is None:
-        from jax_moe.backends.cutlass_tiles import MEASURED_ON  # noqa: PLC0415
-        from jax_moe.device import device_kind  # noqa: PLC0415
-
         models = [m for m in LAYERS if m not in BENCH_MODELS or device_kind() != MEASURED_ON]
     failed = []
     for name in models:
         s = LAYERS[name]
         cmd = [sys.executable, "-m", "jax_moe.autotune", "--shape", *map(str, s), "--scheme", args.scheme,
-               "--tokens", *map(str, args.tokens), "--out", args.out]
+               "--tokens", *map(str, args.tokens), "--out", out]
         print(f"## {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         rc = subprocess.call(cmd)
         print(f"## {name}: exit {rc} in {time.perf_counter() - t0:.0f} s", flush=True)
         if rc:
             failed.append(name)
+    print(f"## tiles in {out}")
     if failed:
         print(f"## failed: {' '.join(failed)}")
     return 1 if failed else 0

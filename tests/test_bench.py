@@ -256,3 +256,15 @@ def test_tiles_ship_on_an_h200_for_every_layer_tune_models_names(tune_models):
     cache = tc.load(os.path.join(tc.SHIPPED_DIR, tc.shipped_file_name("NVIDIA H200")), TILES)
     for name, (e, h, i, k) in tune_models.LAYERS.items():
         assert tc.gemm_key("bf16_kn", e, h, i) in cache.gemms, name  # GEMM2: [T*k, I] @ [E, I, H]
+
+
+def test_tune_models_writes_this_gpu_models_shipped_file_by_default(tune_models, monkeypatch, capsys):
+    from jax_moe import device
+    from jax_moe.backends import cutlass_tile_cache as tc
+
+    calls = []
+    monkeypatch.setattr(tune_models.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(device, "device_kind", lambda d=None: "NVIDIA H200")
+    assert tune_models.main(["--models", "olmoe"]) == 0
+    assert calls[0][calls[0].index("--out") + 1] == os.path.join(tc.SHIPPED_DIR, "nvidia_h200.json")
+    assert "nvidia_h200.json" in capsys.readouterr().out
