@@ -373,11 +373,12 @@ def measured_tile(kind: str, groups: int, n: int, k: int, rows_per_expert: float
     return nearest(points, rows_per_expert) if points else None
 
 
-def tuned_tile(key: str, rows_per_expert: float, *, user: bool = True) -> str | None:
+def tuned_tile(key: str, rows_per_expert: float, *, user: bool = True, device: str | None = None) -> str | None:
     """The tuned tile for GEMM ``key`` (:func:`gemm_key`) at the nearest rows per expert: the
-    active tile cache's (the user's; ``user=False`` skips it), else the cache shipped for this GPU
-    model; None where neither was measured on this GPU model or holds this GEMM."""
-    device = device_kind()
+    active tile cache's (the user's; ``user=False`` skips it), else the cache shipped for GPU model
+    ``device`` (None: JAX's default device's); None where neither was measured on that GPU model
+    or holds this GEMM."""
+    device = device_kind() if device is None else device
     for cache in (cutlass_tile_cache.active(TILES) if user else None, cutlass_tile_cache.shipped(device, TILES)):
         if cache is not None and cache.device == device and key in cache.gemms:
             return cache.tile_for(key, rows_per_expert)
@@ -426,16 +427,16 @@ def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None
         if forced not in TILES:
             raise ValueError(f"{TILE_ENV} must be one of {sorted(TILES)}, got {forced!r}")
         return forced
-    r = rows / max(num_groups, 1)
+    r, device = rows / max(num_groups, 1), device_kind()
     if n is None or k is None:
-        return heuristic_tile(r, kind)
+        return heuristic_tile(r, kind, device)
     key, trial = gemm_key(kind, num_groups, n, k), _TRIAL.get()
     tile = trial.tiles.get(key) if trial is not None else None
     if tile is None:
-        tile = tuned_tile(key, r, user=trial is None)
+        tile = tuned_tile(key, r, user=trial is None, device=device)
     if tile is None:
         tile = (measured_tile(kind, num_groups, n, k, r) or measured_tile(kind.removesuffix("_act"), num_groups, n, k, r)
-                or heuristic_tile(r, kind))
+                or heuristic_tile(r, kind, device))
     if trial is not None:
         trial.picks.append((key, r, tile))
     return tile
