@@ -1,4 +1,4 @@
-// XLA FFI handlers of jax_moe_cutlass_grouped_gemm, _fp8 and _act (contract in
+// XLA FFI handlers of jax_moe_cutlass_grouped_gemm, _fp8, _act and _scatter (contract in
 // grouped_gemm.h): decode and check the buffers on the host from their static shapes (CUTLASS's
 // can_implement cannot see the per-group sizes, which live on the device) and hand the call to the
 // (kind, tile)'s instantiation, two launches: the setup kernel (the group arrays, and the zeroing of
@@ -31,19 +31,22 @@ constexpr RunFn kRun[kNumCutlassGemmKinds][kNumCutlassTiles] = {
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16),      JAX_MOE_CUTLASS_TILES(Run, kGemmFp8),
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Wgrad),
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Act),   JAX_MOE_CUTLASS_TILES(Run, kGemmFp8Act),
-    JAX_MOE_CUTLASS_TILES(Run, kGemmBf16ActKN)};
+    JAX_MOE_CUTLASS_TILES(Run, kGemmBf16ActKN), JAX_MOE_CUTLASS_TILES(Run, kGemmBf16KNScatter),
+    JAX_MOE_CUTLASS_TILES(Run, kGemmFp8Scatter)};
 constexpr BytesFn kBytes[kNumCutlassGemmKinds][kNumCutlassTiles] = {
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16),      JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8),
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Wgrad),
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Act),   JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8Act),
-    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16ActKN)};
+    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16ActKN), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16KNScatter),
+    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8Scatter)};
 #undef JAX_MOE_CUTLASS_TILES
-static_assert(kNumCutlassGemmKinds == 7 && kNumCutlassTiles == 5, "one row per kind, one column per tile above");
+static_assert(kNumCutlassGemmKinds == 9 && kNumCutlassTiles == 5, "one row per kind, one column per tile above");
 
 std::string Name(int kind) {
-  return IsActKind(kind) ? "cutlass_grouped_gemm_act: "
-         : kind == kGemmFp8 ? "cutlass_grouped_gemm_fp8: "
-                            : "cutlass_grouped_gemm: ";
+  return IsActKind(kind)       ? "cutlass_grouped_gemm_act: "
+         : IsScatterKind(kind) ? "cutlass_grouped_gemm_scatter: "
+         : kind == kGemmFp8    ? "cutlass_grouped_gemm_fp8: "
+                               : "cutlass_grouped_gemm: ";
 }
 
 // Checks what both targets share (a, b, offsets or counts, d, workspace, tile) and fills call's shapes and
@@ -75,6 +78,7 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
   const int64_t m = batched ? ad[0] * capacity : ad[0];
   if (bd[kn ? 1 : 2] != k) return InvalidArgument(n_ + "b must be " + b_shape + " with a's K");
   if (groups < 1) return InvalidArgument(n_ + "b must have at least one expert");
+  if (batched && IsScatterKind(kind)) return InvalidArgument(n_ + "a must have rank 2 [M, K] (standard format only)");
   if (batched) {
     if (ad[0] != groups) return InvalidArgument(n_ + "batched a must be [E, C, K] with b's E");
     if (offsets.dimensions().size() != 1 || offsets.dimensions()[0] != groups)
@@ -84,8 +88,11 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
   } else {
     if (offsets.dimensions().size() != 1 || offsets.dimensions()[0] != groups + 1)
       return InvalidArgument(n_ + "offsets must be [E + 1] int32");
-    if (dd.size() != 2 || dd[0] != m || dd[1] != d_cols)
+    if (IsScatterKind(kind)) {  // d [T, N]: any T (the tokens)
+      if (dd.size() != 2 || dd[1] != d_cols) return InvalidArgument(n_ + "d must be [T, N]");
+    } else if (dd.size() != 2 || dd[0] != m || dd[1] != d_cols) {
       return InvalidArgument(n_ + (IsActKind(kind) ? "d must be [M, N/2]" : "d must be [M, N]"));
+    }
   }
   const int64_t align_k = CutlassAlignK(kind);
   if (k < align_k || k % align_k || n < kCutlassAlignN || n % kCutlassAlignN)
@@ -190,6 +197,45 @@ ffi::Error GroupedGemmActCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
   return RunKind(kind, tile, call);
 }
 
+// The scatter kinds (kGemmBf16KNScatter for bf16 a and b [E, K, N], kGemmFp8Scatter for FP8 a and b
+// [E, N, K]): d [T, N] zeroed, then each row of a, times its slot's weight, added into d[slot / k].
+ffi::Error GroupedGemmScatterCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                                  ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> slots,
+                                  ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::F32> row_scale,
+                                  ffi::Buffer<ffi::F32> col_scale, ffi::Buffer<ffi::F32> bias,
+                                  ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace, int64_t tile) {
+  const bool fp8 = a.element_type() == ffi::DataType::F8E4M3FN;
+  const int kind = fp8 ? kGemmFp8Scatter : kGemmBf16KNScatter;
+  const std::string n_ = Name(kind);
+  GroupedGemmCall call{};
+  call.stream = stream;
+  if (auto err = CheckOperands(kind, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
+  if (slots.dimensions().size() != 1 || slots.dimensions()[0] != call.m)
+    return InvalidArgument(n_ + "slots must be [M] int32 (each row's top-k slot)");
+  const auto wd = weights.dimensions();
+  if (wd.size() != 2 || wd[0] != d->dimensions()[0] || wd[1] < 1)
+    return InvalidArgument(n_ + "weights must be [T, k] float32 with d's T rows (each slot's routing weight)");
+  if (fp8) {
+    if (auto err = CheckScales(kind, row_scale, col_scale, call)) return std::move(*err);
+  } else if (row_scale.element_count() != 0 || col_scale.element_count() != 0) {
+    return InvalidArgument(n_ + "row_scale and col_scale must be [0] with bf16 a (no scales)");
+  }
+  const auto bd = bias.dimensions();
+  if (bias.element_count() != 0) {
+    if (bd.size() != 2 || bd[0] != call.groups || bd[1] != call.n)
+      return InvalidArgument(n_ + "bias must be [E, N] float32 (each expert's GEMM2 bias) or [0]");
+    call.bias = bias.typed_data();
+  }
+  call.slots = slots.typed_data();
+  call.weights = weights.typed_data();
+  call.topk = wd[1];
+  call.num_tokens = d->dimensions()[0];
+  if (call.num_tokens == 0) return ffi::Error::Success();
+  JAX_MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d->untyped_data(), 0, d->size_bytes(), stream));
+  if (call.m == 0) return ffi::Error::Success();
+  return RunKind(kind, tile, call);
+}
+
 }  // namespace
 
 int SmCount(int device) {
@@ -229,3 +275,5 @@ JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmFp8, jax_moe::GroupedGemmFp8
 // transposed.
 JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmAct, jax_moe::GroupedGemmActCuda, "tile", "activation", "alpha",
                             "limit", "transposed");
+// a, b, offsets, slots, weights, row_scale, col_scale, bias -> d, workspace; attr tile.
+JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmScatter, jax_moe::GroupedGemmScatterCuda, "tile");

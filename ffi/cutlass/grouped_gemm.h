@@ -1,4 +1,4 @@
-// jax_moe's own SM90 grouped GEMMs (CUTLASS 3.x pointer-array kernels), five XLA FFI targets
+// jax_moe's own SM90 grouped GEMMs (CUTLASS 3.x pointer-array kernels), six XLA FFI targets
 // (jax_moe/backends/cutlass_gemm.py and cutlass_grad_gemm.py hold their shape rules and jnp references):
 //
 // jax_moe_cutlass_grouped_gemm (bf16):
@@ -58,6 +58,25 @@
 //   the transposed load-time layout, whose weight stream is faster on the H100).
 //   The batched format as above (a [E, C, K], counts [E], row_scale [E, C], d [E, C, I]).
 //
+// jax_moe_cutlass_grouped_gemm_scatter (GEMM2 with the weighted un-permute in its epilogue;
+// ffi/cutlass/scatter_epilogue.cuh): the forward's last GEMM adds each row, times its routing weight,
+// straight into its token's output row, so the [M, N] rows are never written nor read back:
+//   a [M, K], b [E, K, N] bf16 (N contiguous; kGemmBf16KNScatter) or [E, N, K] float8_e4m3fn
+//   (kGemmFp8Scatter), offsets [E+1] as above, and
+//   slots [M] int32       each row's top-k slot s = t * k + j (sort_by_expert's sorted_slots): the row
+//                         goes to output row t = s / k with weight weights[t, j]; s outside [0, T * k):
+//                         the row is dropped
+//   weights [T, k] float32  the routing weights (T = d's rows)
+//   row_scale [M] float32, col_scale [E, N] float32   FP8 a and b (as the fp8 target); [0] for bf16
+//   bias [E, N] float32   each expert's GEMM2 bias, or [0]: none
+// -> d [T, N] bf16       d[t] = sum over the rows r with slots[r] / k = t of
+//                        weights[slots[r]] * (a[r] @ b[e]^T (times the scales) + bias[e]), computed in float32
+//                        per row, rounded to bf16, and added into d with 16-byte bf16 atomics (each add
+//                        rounds to bf16; the order of the adds, and so the last bits, may differ run to
+//                        run). d is zeroed first (a memset in the call); a token no row reaches stays 0.
+//    workspace [W] uint8 as above (one more array: each group's first row)
+//   attrs tile. Standard format only. N a multiple of 8 (16-byte rows of d).
+//
 // attr tile: a CutlassTile below. E >= 1. K must be a multiple of CutlassAlignK(kind) (16-byte TMA rows of
 // a and b), N a multiple of kCutlassAlignN (16-byte bf16 rows of d). Offsets are clamped to [0, M] on
 // device, so no value of them makes the kernel touch memory outside the buffers; a decreasing pair
@@ -91,13 +110,19 @@ enum CutlassGemmKind : int {
   kGemmBf16Act = 4,    // bf16 x bf16 -> bf16 act(gate) * up of interleaved gate/up columns (gated_epilogue.cuh)
   kGemmFp8Act = 5,     // e4m3 x e4m3 -> e4m3 act(gate) * up, scales and a static output scale in the epilogue
   kGemmBf16ActKN = 6,  // kGemmBf16Act on b [E, K, N] (N contiguous: the transposed load-time layout)
-  kNumCutlassGemmKinds = 7,
+  kGemmBf16KNScatter = 7,  // bf16, b [E, K, N]: weighted rows added into d[slot / k] (scatter_epilogue.cuh)
+  kGemmFp8Scatter = 8,     // e4m3 x e4m3, the scales, then the weighted rows added into d[slot / k]
+  kNumCutlassGemmKinds = 9,
 };
 
-constexpr bool IsFp8Kind(int kind) { return kind == kGemmFp8 || kind == kGemmFp8Act; }
+constexpr bool IsFp8Kind(int kind) { return kind == kGemmFp8 || kind == kGemmFp8Act || kind == kGemmFp8Scatter; }
 constexpr bool IsActKind(int kind) { return kind == kGemmBf16Act || kind == kGemmFp8Act || kind == kGemmBf16ActKN; }
-// b [E, K, N] (N contiguous) rather than [E, N, K]: the dgrad kind, and the act kind on transposed weights.
-constexpr bool IsNContiguousB(int kind) { return kind == kGemmBf16Dgrad || kind == kGemmBf16ActKN; }
+constexpr bool IsScatterKind(int kind) { return kind == kGemmBf16KNScatter || kind == kGemmFp8Scatter; }
+// b [E, K, N] (N contiguous) rather than [E, N, K]: the dgrad kind, and the act and scatter kinds on
+// transposed weights.
+constexpr bool IsNContiguousB(int kind) {
+  return kind == kGemmBf16Dgrad || kind == kGemmBf16ActKN || kind == kGemmBf16KNScatter;
+}
 
 constexpr int kCutlassAlignN = 8;      // bf16 elements per 16 bytes: N (d's rows) must be a multiple of it
 constexpr int kCutlassAlignKBf16 = 8;  // K of bf16 a and b: 16-byte rows
@@ -118,3 +143,4 @@ extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemmFp8(XLA_FFI_CallFrame* call_fr
 extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemmDgrad(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemmWgrad(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemmAct(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeCutlassGroupedGemmScatter(XLA_FFI_CallFrame* call_frame);

@@ -12,6 +12,8 @@
 // (the group's rows) and col_scale + g * N (the group's expert).
 // The act kinds: the gated activation of gated_epilogue.cuh (no shared memory, direct stores), d of
 // N / 2 columns; its FP8 kind takes the same two pointer arrays of scales.
+// The scatter kinds: the weighted scatter-add of scatter_epilogue.cuh into d [T, N] (zeroed by the
+// handler first), one more per-group array (each group's first row: its rows' slots and scales).
 #pragma once
 
 #include <cstddef>
@@ -43,6 +45,10 @@ struct GroupedGemmCall {
   int64_t d_cols;           // d's row length: n, or n / 2 for the act kinds (16-byte multiple of rows)
   const float* bias;        // act kinds: [groups, n] float32 GEMM1 bias, or nullptr
   const float* out_scale;   // kGemmFp8Act: [1] float32 static output scale
+  const int32_t* slots;     // scatter kinds: [m] int32 top-k slot t * k + j of each row (d [num_tokens, n])
+  const float* weights;     // scatter kinds: [num_tokens * k] float32 routing weight of each slot
+  int64_t topk;             // scatter kinds: slots per token
+  int64_t num_tokens;       // scatter kinds: d's rows
   int activation;           // act kinds: kAct*
   float alpha, limit;       // act kinds: swigluoai's constants
   void* workspace;
@@ -152,6 +158,8 @@ JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmBf16Wgrad)
 JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmBf16Act)
 JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmFp8Act)
 JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmBf16ActKN)
+JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmBf16KNScatter)
+JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmFp8Scatter)
 #undef JAX_MOE_DECLARE_CUTLASS_GEMM
 
 #ifdef JAX_MOE_CUTLASS_IMPL
@@ -162,6 +170,7 @@ template <int Kind, class TileShape, class ClusterShape, class KernelSchedule, c
 struct GroupedGemm {
   static constexpr bool kScaled = IsFp8Kind(Kind);
   static constexpr bool kAct = IsActKind(Kind);
+  static constexpr bool kScatter = IsScatterKind(Kind);
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using Element = ElementAB<Kind>;
   using ElementD = ElementDOf<Kind>;
@@ -203,6 +212,7 @@ struct GroupedGemm {
     StrideA* sa;
     StrideB* sb;
     StrideD* sd;
+    int64_t* row_lo;  // scatter kinds: each group's first row
     void* cutlass_workspace;
   };
 
@@ -226,11 +236,13 @@ struct GroupedGemm {
     r.sa = static_cast<StrideA*>(take(g * sizeof(StrideA)));
     r.sb = static_cast<StrideB*>(take(g * sizeof(StrideB)));
     r.sd = static_cast<StrideD*>(take(g * sizeof(StrideD)));
+    if constexpr (kScatter) r.row_lo = static_cast<int64_t*>(take(g * sizeof(int64_t)));
     r.cutlass_workspace = take(0);
     return r;
   }
 
-  // call: the act kinds' epilogue operands (nullptr to size the workspace, which they do not change).
+  // call: the act and scatter kinds' epilogue operands (nullptr to size the workspace, which they do
+  // not change).
   static typename Gemm::Arguments MakeArguments(const Arrays& arr, int64_t groups, int device, int sm_count,
                                                 const GroupedGemmCall* call = nullptr) {
     cutlass::KernelHardwareInfo hw;
@@ -256,6 +268,20 @@ struct GroupedGemm {
         ep.activation = call->activation;
         ep.alpha = call->alpha;
         ep.limit = call->limit;
+      }
+    } else if constexpr (kScatter) {
+      auto& ep = args.epilogue;
+      ep.row_lo = arr.row_lo;
+      if constexpr (kScaled) {
+        ep.ptr_row_scale = arr.prow;
+        ep.ptr_col_scale = arr.pcol;
+      }
+      if (call != nullptr) {
+        ep.slots = call->slots;
+        ep.weights = call->weights;
+        ep.k = call->topk;
+        ep.bias = call->bias;
+        ep.num_tokens = call->num_tokens;
       }
     } else {
       if constexpr (kScaled) {
@@ -288,6 +314,7 @@ struct GroupedGemm {
 // Group g's entries per kind:
 //   forward, dgrad: rows [lo, hi) of a and d (and row_scale), expert g's weights (and col_scale row);
 //                   problem (hi - lo, n, k); b is [E, N, K] (forward) or [E, K, N] (IsNContiguousB)
+//   scatter:        as forward, but d whole (the epilogue adds each row into d[slot / k]) and lo kept
 //   wgrad:          rows [lo, hi) of u (a, [M, k]) and v (b, [M, n]), expert g's d [k, n]; problem
 //                   (k, n, hi - lo), or no tiles at all (M = 0) for an expert without rows (the handler
 //                   zeroes its d: a K of 0 is not a GEMM CUTLASS's mainloop runs)
@@ -298,7 +325,7 @@ __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, 
                                 const float* col_scale) {
   const int64_t fill_blocks = (groups + blockDim.x - 1) / blockDim.x;
   if (static_cast<int64_t>(blockIdx.x) >= fill_blocks) {
-    if constexpr (Kind != kGemmBf16Wgrad)
+    if constexpr (Kind != kGemmBf16Wgrad && !IsScatterKind(Kind))
       ZeroUnownedRows(offsets, groups, m, batched, capacity, d_cols * int64_t(sizeof(*d)) / 16,
                       reinterpret_cast<uint4*>(d), blockIdx.x - fill_blocks, gridDim.x - fill_blocks);
     return;
@@ -320,7 +347,7 @@ __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, 
     arr.shapes[g] = make_shape(static_cast<int>(hi - lo), n, k);
     arr.pa[g] = a + lo * k64;
     arr.pb[g] = b + g * n64 * k64;
-    arr.pd[g] = d + lo * d_cols;
+    arr.pd[g] = G::kScatter ? d : d + lo * d_cols;  // scatter: every group adds into all of d [T, N]
     arr.sa[g] = LeadingStride<typename G::StrideA>(k64);
     arr.sb[g] = LeadingStride<typename G::StrideB>(IsNContiguousB(Kind) ? n64 : k64);
   }
@@ -328,6 +355,7 @@ __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, 
     arr.prow[g] = row_scale + lo;
     arr.pcol[g] = col_scale + g * n64;
   }
+  if constexpr (G::kScatter) arr.row_lo[g] = lo;
   arr.sd[g] = LeadingStride<typename G::StrideD>(Kind == kGemmBf16Wgrad ? n64 : d_cols);
 }
 
@@ -349,7 +377,8 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   constexpr int kThreads = 128;
   const int64_t fill_blocks = (c.groups + kThreads - 1) / kThreads;
   // zeroing: one block per unowned row at most, at most one per SM (block-stride beyond)
-  const int64_t zero_blocks = Kind != kGemmBf16Wgrad && c.zero_unowned ? (c.m < c.sm_count ? c.m : c.sm_count) : 0;
+  const int64_t zero_blocks =
+      Kind != kGemmBf16Wgrad && !G::kScatter && c.zero_unowned ? (c.m < c.sm_count ? c.m : c.sm_count) : 0;
   FillGroupArrays<Kind, G><<<static_cast<unsigned>(fill_blocks + zero_blocks), kThreads, 0, c.stream>>>(
       arr, c.offsets, c.groups, c.m, c.batched, c.capacity, static_cast<int>(c.n), static_cast<int>(c.k), c.d_cols,
       static_cast<const E*>(c.a), static_cast<const E*>(c.b), static_cast<D*>(c.d), c.row_scale, c.col_scale);

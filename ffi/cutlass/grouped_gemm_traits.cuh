@@ -22,6 +22,7 @@
 
 #include "gated_epilogue.cuh"
 #include "grouped_gemm.h"
+#include "scatter_epilogue.cuh"
 
 namespace jax_moe::cutlass_gg {
 using namespace cute;
@@ -53,9 +54,14 @@ using ElementAB = std::conditional_t<IsFp8Kind(Kind), cutlass::float_e4m3_t, cut
 template <int Kind>
 using ElementDOf = std::conditional_t<Kind == kGemmFp8Act, cutlass::float_e4m3_t, cutlass::bfloat16_t>;
 
-// The collective epilogue of a kind: CUTLASS's TMA epilogue with the kind's Fusion, or for the act
-// kinds the gated activation (gated_epilogue.cuh) under the no-shared-memory adapter.
-template <int Kind, class TileShape, class ClusterShape, class EpilogueSchedule, bool kAct = IsActKind(Kind)>
+// The collective epilogue of a kind: CUTLASS's TMA epilogue with the kind's Fusion, or under the
+// no-shared-memory adapter the gated activation (the act kinds, gated_epilogue.cuh) or the weighted
+// scatter-add (the scatter kinds, scatter_epilogue.cuh).
+enum EpilogueKind : int { kEpiTma = 0, kEpiGatedAct = 1, kEpiScatterAdd = 2 };
+constexpr int EpilogueKindOf(int kind) {
+  return IsActKind(kind) ? kEpiGatedAct : IsScatterKind(kind) ? kEpiScatterAdd : kEpiTma;
+}
+template <int Kind, class TileShape, class ClusterShape, class EpilogueSchedule, int kEpi = EpilogueKindOf(Kind)>
 struct EpilogueOf {
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<cutlass::bfloat16_t>::value;
   using type = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -66,10 +72,15 @@ struct EpilogueOf {
       EpilogueSchedule, typename Fusion<Kind, TileShape>::type>::CollectiveOp;
 };
 template <int Kind, class TileShape, class ClusterShape, class EpilogueSchedule>
-struct EpilogueOf<Kind, TileShape, ClusterShape, EpilogueSchedule, true> {
+struct EpilogueOf<Kind, TileShape, ClusterShape, EpilogueSchedule, kEpiGatedAct> {
   using Out = std::conditional_t<Kind == kGemmFp8Act, Fp8, __nv_bfloat16>;
   using type = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
       GatedActEpilogue<ElementDOf<Kind>, Out, IsFp8Kind(Kind)>>;
+};
+template <int Kind, class TileShape, class ClusterShape, class EpilogueSchedule>
+struct EpilogueOf<Kind, TileShape, ClusterShape, EpilogueSchedule, kEpiScatterAdd> {
+  using type = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+      ScatterAddEpilogue<IsFp8Kind(Kind)>>;
 };
 
 // A and B in CUTLASS's terms (A is M x K, B is K x N; RowMajor A and ColumnMajor B are K-major).
@@ -85,6 +96,8 @@ struct OperandLayouts<kGemmBf16Dgrad> {  // A = rows [M_e, K], B = weights [K, N
 };
 template <>
 struct OperandLayouts<kGemmBf16ActKN> : OperandLayouts<kGemmBf16Dgrad> {};  // the act kind on [E, K, N] weights
+template <>
+struct OperandLayouts<kGemmBf16KNScatter> : OperandLayouts<kGemmBf16Dgrad> {};  // the scatter kind on [E, K, N]
 template <>
 struct OperandLayouts<kGemmBf16Wgrad> {  // A = u[rows]^T (P x rows, P contiguous), B = v[rows] (rows x Q)
   using A = cutlass::layout::ColumnMajor;

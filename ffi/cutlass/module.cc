@@ -11,7 +11,7 @@
 namespace nb = nanobind;
 
 NB_MODULE(_jax_moe_cutlass, m) {
-  m.doc() = "jax_moe's CUTLASS SM90 grouped GEMMs (bf16, fp8 with row/column scales, the gated activation in GEMM1's epilogue, and bf16 backward) as XLA FFI custom calls";
+  m.doc() = "jax_moe's CUTLASS SM90 grouped GEMMs (bf16, fp8 with row/column scales, the gated activation in GEMM1's epilogue, the weighted un-permute in GEMM2's epilogue, and bf16 backward) as XLA FFI custom calls";
   m.def("registrations", []() {
     nb::dict d;
     d["jax_moe_cutlass_grouped_gemm"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeCutlassGroupedGemm));
@@ -19,6 +19,8 @@ NB_MODULE(_jax_moe_cutlass, m) {
     d["jax_moe_cutlass_grouped_gemm_dgrad"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeCutlassGroupedGemmDgrad));
     d["jax_moe_cutlass_grouped_gemm_wgrad"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeCutlassGroupedGemmWgrad));
     d["jax_moe_cutlass_grouped_gemm_act"] = nb::capsule(reinterpret_cast<void*>(&JaxMoeCutlassGroupedGemmAct));
+    d["jax_moe_cutlass_grouped_gemm_scatter"] =
+        nb::capsule(reinterpret_cast<void*>(&JaxMoeCutlassGroupedGemmScatter));
     return d;
   }, "FFI target name -> handler capsule (platform CUDA).");
   m.def(
@@ -32,7 +34,8 @@ NB_MODULE(_jax_moe_cutlass, m) {
       },
       nb::arg("num_groups"), nb::arg("tile"), nb::arg("sm_count") = 0, nb::arg("kind") = 0,
       "Bytes of the uint8 workspace result for num_groups experts, this tile and kind (0 bf16, 1 fp8, "
-      "2 bf16 dgrad, 3 bf16 wgrad, 4 bf16 act, 5 fp8 act, 6 bf16 act on transposed b); "
+      "2 bf16 dgrad, 3 bf16 wgrad, 4 bf16 act, 5 fp8 act, 6 bf16 act on transposed b, 7 bf16 scatter on "
+      "transposed b, 8 fp8 scatter); "
       "sm_count 0: the current device's.");
   m.def("current_sm_count", &jax_moe::CutlassCurrentSmCount, "SMs of the current CUDA device (0: none).");
   m.attr("num_tiles") = static_cast<int>(jax_moe::kNumCutlassTiles);

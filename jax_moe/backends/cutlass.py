@@ -24,6 +24,13 @@ static GEMM2 input scale, where it pays: bf16 where GEMM1 runs a pingpong tile o
 (:func:`~jax_moe.backends.cutlass_act_gemm.fuses_activation`, ``JAX_MOE_CUTLASS_FUSED_ACT=all`` to
 fuse everywhere, ``=0`` nowhere).
 
+``finalize="scatter"`` (or ``JAX_MOE_CUTLASS_FINALIZE=scatter`` for ``"auto"``) on FP8 weights or
+prepared bf16 weights replaces the last two lines: GEMM2's epilogue adds each row, times its
+routing weight (and after its GEMM2 bias), into its token's output row with bf16 atomics
+(:mod:`jax_moe.backends.cutlass_scatter_gemm`), so ``y`` is never written nor read back; the
+order of the adds is free, so the last bits may differ run to run. ``"auto"`` gathers
+(bit-reproducible) unless told otherwise.
+
 ``valid = sort.offsets[E]``: slots whose expert id is outside ``[0, E)`` (expert-parallel ids of
 -1) sort last and are skipped. The weights are used as vLLM stores them (``w13 [E, 2I, H]`` gate
 rows then up rows, or alternating with ``gate_up_layout="interleaved"``; ``w2 [E, H, I]``, K
@@ -78,6 +85,7 @@ from jax_moe import decode, ffi, kernels
 from jax_moe.backends import cutlass_vjp
 from jax_moe.backends.cutlass_act_gemm import forward_gemm1, gemm1_with_activation
 from jax_moe.backends.cutlass_prepared import Prepared, apply_prepared, prepare  # noqa: F401  (MoEBlock.prepare())
+from jax_moe.backends.cutlass_scatter_gemm import grouped_gemm_scatter, scatters
 from jax_moe.backends.cutlass_vjp import activation as _activation
 from jax_moe.backends.cutlass_vjp import act_options, bias_options
 from jax_moe.backends.cutlass_gemm import (  # noqa: F401  (the GEMM layer's names, re-exported)
@@ -285,7 +293,8 @@ def _check_experts(x, w13, w2, cfg, quant, tile) -> None:
 
 
 def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None, w2_bias=None,
-          apply_router_weight_on_input: bool = False, tile: str | None = "auto", transposed: bool = False) -> jax.Array:
+          apply_router_weight_on_input: bool = False, tile: str | None = "auto", transposed: bool = False,
+          finalize: str = "auto") -> jax.Array:
     """``y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` on jax_moe's CUTLASS
     grouped GEMMs (the oracle's entry point; ``fused_experts`` checks the shapes first).
 
@@ -300,13 +309,18 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     summed. ``tile``: both GEMMs' tile (``"auto"``: each GEMM picks its own from its shape and rows per
     expert, :mod:`jax_moe.backends.cutlass_tiles`). ``transposed``: bf16 w13 [E, H, 2I] and w2
     [E, I, H] (N contiguous; :func:`prepare`'s layout, the faster weight stream), the same
-    function. Returns [T, H] in x's dtype.
+    function. ``finalize``: how each token's k expert rows are summed: ``"gather"`` (the
+    un-permute kernel, a float32 sum, bit-reproducible), ``"scatter"`` (GEMM2's epilogue adds each
+    weighted row into its token's row with bf16 atomics: no ``[T*k, H]`` round trip, the order of
+    the adds free; FP8 or transposed bf16 weights), ``"auto"``
+    (:func:`~jax_moe.backends.cutlass_scatter_gemm.scatters`). Returns [T, H] in x's dtype.
     Raises ValueError for what this build does not take: other schemes or activation formats,
     other activations, other weight dtypes, biases of other shapes.
     """
     w13s, w2s = _stored_views(w13, w2, transposed, quant)
     _check_apply(x, w13s, w2s, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bias,
                  apply_router_weight_on_input, tile)
+    scatters(finalize, bf16_out=True, transposed=transposed, quant=quant)  # ValueError: an unknown or unbuilt form
     t, h = x.shape
     e, k = w13.shape[0], topk_ids.shape[1]
     if t == 0:
@@ -317,7 +331,7 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     if quant is None:
         return cutlass_vjp.forward(x, w13, w2, topk_weights, topk_ids, cfg, tile=tile, residuals="recompute",
                                    w13_bias=w13_bias, w2_bias=w2_bias, transposed=transposed,
-                                   apply_router_weight_on_input=apply_router_weight_on_input)[0]
+                                   apply_router_weight_on_input=apply_router_weight_on_input, finalize=finalize)[0]
     tw = topk_weights.astype(jnp.float32)
     sort, valid = ffi.sort_by_expert_valid(topk_ids.astype(jnp.int32), e)  # valid [1]: rows of experts in [0, E)
     # as the xla backend: the router weight scales x in x's dtype, then x is quantized
@@ -333,8 +347,13 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     else:
         h1 = grouped_gemm(a1, w13, sort.offsets, a_scale=s1, b_scale=s13, tile=tile1)
         a2, s2 = _fp8_gemm2_input(h1, cfg, valid, quant, sort.offsets, w13_bias)
-    y = grouped_gemm(a2, w2, sort.offsets, a_scale=s2, b_scale=jnp.asarray(quant.w2_scale, jnp.float32),
-                     tile=tile)
+    s22 = jnp.asarray(quant.w2_scale, jnp.float32)
+    if scatters(finalize, bf16_out=jnp.dtype(x.dtype) == jnp.bfloat16, transposed=False, quant=quant):
+        w = jnp.ones_like(tw) if apply_router_weight_on_input else tw  # the weight went into x
+        b2 = None if w2_bias is None else w2_bias.astype(jnp.float32)
+        return grouped_gemm_scatter(a2, w2, sort.offsets, sort.sorted_slots, w, a_scale=s2, b_scale=s22, bias=b2,
+                                    tile=tile).astype(x.dtype)
+    y = grouped_gemm(a2, w2, sort.offsets, a_scale=s2, b_scale=s22, tile=tile)
     return kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid, out_dtype=x.dtype,
                                     apply_router_weight_on_input=apply_router_weight_on_input,
                                     **bias_options(w2_bias, sort.offsets))

@@ -62,6 +62,12 @@ ACT_KINDS: dict[str, tuple[int, str, str]] = {
     "fp8_act": (5, "jax_moe_cutlass_grouped_gemm_act", "float8_e4m3fn"),
     "bf16_act_kn": (6, "jax_moe_cutlass_grouped_gemm_act", "bfloat16"),
 }
+# GEMM2 with the weighted un-permute in its epilogue (jax_moe.backends.cutlass_scatter_gemm), one FFI
+# target for both: kind -> (CutlassGemmKind, FFI target, dtype of a and b); bf16 reads b [E, K, N]
+SCATTER_KINDS: dict[str, tuple[int, str, str]] = {
+    "bf16_kn_scatter": (7, "jax_moe_cutlass_grouped_gemm_scatter", "bfloat16"),
+    "fp8_scatter": (8, "jax_moe_cutlass_grouped_gemm_scatter", "float8_e4m3fn"),
+}
 ALIGN_N = 8  # N: 16-byte bf16 rows of d; ffi: kCutlassAlignN
 ALIGN_K = {"bf16": 8, "fp8": 16}  # K: 16-byte rows of a and b; ffi: kCutlassAlignKBf16, kCutlassAlignKFp8
 
@@ -101,7 +107,8 @@ def available(device=None) -> tuple[bool, str]:
 
 def _constants_match(mod) -> bool:
     """The compiled module's tile and kind counts and alignments are this file's."""
-    want = {"num_tiles": len(TILES), "num_kinds": len(KINDS) + len(GRAD_KINDS) + len(ACT_KINDS), "align_n": ALIGN_N,
+    want = {"num_tiles": len(TILES), "num_kinds": len(KINDS) + len(GRAD_KINDS) + len(ACT_KINDS) + len(SCATTER_KINDS),
+            "align_n": ALIGN_N,
             "align_k_bf16": ALIGN_K["bf16"], "align_k_fp8": ALIGN_K["fp8"]}
     return all(getattr(mod, name, None) == value for name, value in want.items())
 
@@ -127,12 +134,12 @@ def _register() -> bool:
 @functools.lru_cache(maxsize=None)
 def workspace_size(num_groups: int, tile: str, kind: str = "bf16") -> int:
     """Bytes of the grouped GEMM's workspace result for ``num_groups`` experts, ``tile`` and
-    ``kind`` (a key of :data:`KINDS`, :data:`GRAD_KINDS` or :data:`ACT_KINDS`) on the current CUDA
-    device (its SM count sets CUTLASS's share: TMA descriptors per SM)."""
+    ``kind`` (a key of :data:`KINDS`, :data:`GRAD_KINDS`, :data:`ACT_KINDS` or :data:`SCATTER_KINDS`)
+    on the current CUDA device (its SM count sets CUTLASS's share: TMA descriptors per SM)."""
     mod = _module()
     if mod is None:
         raise RuntimeError(_state["error"])
-    kind_id = {**KINDS, **GRAD_KINDS, **ACT_KINDS}[kind][0]
+    kind_id = {**KINDS, **GRAD_KINDS, **ACT_KINDS, **SCATTER_KINDS}[kind][0]
     return int(mod.workspace_size(int(num_groups), TILES[tile], kind=kind_id))
 
 

@@ -137,7 +137,7 @@ def _repack_w13(w13, w13_bias, interleave: bool, transpose: bool):
 
 
 def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, apply_router_weight_on_input: bool = False,
-                   tile: str | None = "auto") -> jax.Array:
+                   tile: str | None = "auto", finalize: str = "auto") -> jax.Array:
     """``y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` on the prepared
     weights: x [T, H] float, topk_weights [T, k] float, topk_ids [T, k] int32 (outside [0, E):
     skipped). Returns [T, H] in x's dtype. As :func:`jax_moe.backends.cutlass.apply`, whose
@@ -149,4 +149,4 @@ def apply_prepared(x, prepared: Prepared, topk_weights, topk_ids, *, apply_route
     return cutlass.apply(x, prepared.w13, prepared.w2, topk_weights, topk_ids, prepared.cfg, quant=prepared.quant,
                          w13_bias=prepared.w13_bias, w2_bias=prepared.w2_bias,
                          apply_router_weight_on_input=apply_router_weight_on_input, tile=tile,
-                         transposed=prepared.transposed)
+                         transposed=prepared.transposed, finalize=finalize)

@@ -9,6 +9,11 @@ Forward (:func:`forward`), rows in expert-sorted order (:mod:`jax_moe.kernels`):
     y = grouped_gemm(a2, w2, sort.offsets)                     # [R, H]
     out = unpermute_reduce(y, sort.inverse, topk_weights, bias=b2, offsets)   # [T, H]
 
+or, with ``finalize`` scattering on transposed weights, GEMM2 adds each row times its weight
+into its token's output row in its epilogue (:mod:`jax_moe.backends.cutlass_scatter_gemm`)::
+
+    out = grouped_gemm_scatter(a2, w2, sort.offsets, sort.sorted_slots, topk_weights, bias=b2)   # [T, H]
+
 Where nothing is saved for a backward (``residuals="recompute"``), the gate/up rows are
 interleaved and GEMM1 runs a tile that fuses it (:data:`~jax_moe.backends.cutlass_act_gemm.FUSED_TILES`),
 GEMM1 and the activation are one kernel (:mod:`jax_moe.backends.cutlass_act_gemm`),
@@ -56,6 +61,7 @@ from jax_moe.activations import activate
 from jax_moe.backends.cutlass_act_gemm import forward_gemm1, gemm1_with_activation
 from jax_moe.backends.cutlass_gemm import grouped_gemm
 from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
+from jax_moe.backends.cutlass_scatter_gemm import grouped_gemm_scatter, scatters
 from jax_moe.config import MoEConfig
 
 RESIDUALS = ("save", "recompute")
@@ -93,7 +99,7 @@ def activation(h1, cfg: MoEConfig, valid, offsets, b13, dtype=jnp.bfloat16):
 
 def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None, w2_bias=None,
             apply_router_weight_on_input: bool = False, tile: str = "auto", residuals: str = "save",
-            transposed: bool = False):
+            transposed: bool = False, finalize: str = "gather"):
     """The bf16 forward on checked arguments -> (out [T, H] in x's dtype, residuals).
 
     x [T, H] float (computed in bf16); w13 [E, 2I, H] bf16; w2 [E, H, I] bf16; topk_weights
@@ -102,6 +108,8 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None
     :mod:`jax_moe.backends.cutlass_tiles`).
     ``residuals``: what the backward gets (see the module note); :func:`backward` takes them.
     ``transposed``: w13 [E, H, 2I] and w2 [E, I, H] (N contiguous), ``residuals="recompute"`` only.
+    ``finalize``: how a token's k rows are summed (:func:`~jax_moe.backends.cutlass_scatter_gemm.scatters`);
+    the scatter form (GEMM2's epilogue adds them into the output) only on transposed weights.
     """
     if residuals not in RESIDUALS:
         raise ValueError(f"residuals must be one of {RESIDUALS}, got {residuals!r}")
@@ -119,6 +127,12 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None
     else:
         h1 = gemm(a1, w13, sort.offsets, tile=tile1)
         a2 = activation(h1, cfg, valid, sort.offsets, w13_bias)
+    if transposed and scatters(finalize, bf16_out=jnp.dtype(x.dtype) == jnp.bfloat16, transposed=True):
+        w = jnp.ones_like(tw) if apply_router_weight_on_input else tw  # the weight went into x
+        b2 = None if w2_bias is None else w2_bias.astype(jnp.float32)
+        out = grouped_gemm_scatter(a2, w2, sort.offsets, sort.sorted_slots, w, bias=b2, tile=tile, transposed=True)
+        return out.astype(x.dtype), {"x": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13,
+                                     "w2": w2, "w13_bias": w13_bias, "w2_bias": w2_bias}
     y = gemm(a2, w2, sort.offsets, tile=tile)
     out = kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid, out_dtype=x.dtype,
                                    apply_router_weight_on_input=apply_router_weight_on_input,

@@ -1,0 +1,216 @@
+// The weighted un-permute as GEMM2's epilogue (the scatter kinds of grouped_gemm.h): each accumulator
+// row, times its routing weight, is added straight into its token's row of the output, so GEMM2's
+// [M, N] rows are never written and the separate un-permute kernel never reads them back.
+//
+// Per row m of a group (global row lo + m), whose top-k slot is s = slots[lo + m] (token t = s / k,
+// its j-th expert): w = weights[s]; per column n,
+//   v = (acc[m, n] (FP8: * col_scale[e, n] * row_scale[lo + m]) + bias[e, n]) * w
+// in float32, rounded to bf16, then d[t, n] += v with the L2's bf16 atomics. In the SM90 tensor
+// cores' accumulator layout (wgmma, m64nNk16) a thread holds columns 2q and 2q+1 (q = lane % 4) of
+// every 8-column group of its rows; the four lanes of a quad transpose four groups' packed pairs so
+// that each lane holds one group's 8 consecutive columns, and adds them with one 16-byte
+// `red.global.add.noftz.v4.bf16x2`. No shared memory: the adapter runs it where the TMA epilogue
+// would (cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter).
+//
+// The adds of a token's k rows come from different CTAs in no fixed order, and each rounds to bf16:
+// the sum is not bit-reproducible run to run, and carries up to k roundings where the un-permute
+// kernel's float32 sum carries one. A row whose slot is outside [0, T * k) adds nothing.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+
+namespace jax_moe::cutlass_gg {
+
+// kScaled: FP8 operands, the row and column dequantization scales applied to the accumulator first.
+template <bool kScaled>
+class ScatterAddEpilogue {
+ public:
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using ElementC = void;
+  using ElementD = cutlass::bfloat16_t;
+  using ElementOutput = ElementD;
+  using InternalStrideC = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
+  using InternalStrideD = InternalStrideC;
+  using StrideC = InternalStrideC*;
+  using StrideD = InternalStrideD*;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  using ThreadEpilogueOp = void;  // named by CUTLASS's device adapter, never used
+
+  struct SharedStorage {};
+  using TensorMapStorage = SharedStorage;
+
+  struct Arguments {
+    ElementD** ptr_D = nullptr;             // per group: d [T, N] itself (every group adds into all of it)
+    StrideD dD = nullptr;                   // per group: d's leading dimension (N)
+    const int64_t* row_lo = nullptr;        // per group: its first row (the slots' index)
+    const int32_t* slots = nullptr;         // [M] each row's top-k slot t * k + j, or outside [0, T * k): dropped
+    const float* weights = nullptr;         // [T * k] the routing weight of each slot
+    int64_t k = 1;                          // slots per token
+    const float** ptr_row_scale = nullptr;  // FP8 per group: its rows' scales
+    const float** ptr_col_scale = nullptr;  // FP8 per group: its expert's [N] column scales
+    const float* bias = nullptr;            // [E, N] float32 GEMM2 bias, or nullptr
+    int64_t num_tokens = 0;                 // T: d's rows
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.ptr_D != nullptr && args.row_lo != nullptr && args.slots != nullptr && args.weights != nullptr &&
+           args.k >= 1 &&
+           (!kScaled || (args.ptr_row_scale != nullptr && args.ptr_col_scale != nullptr));
+  }
+
+  CUTLASS_HOST_DEVICE explicit ScatterAddEpilogue(Params const& params) : params_(params) {}
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
+                                 BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    // The fragment is ((2 columns, 2 row halves, groups of 8 columns), MMA_M, MMA_N): wgmma's.
+    static_assert(rank<0>(FrgLayout{}) == 3 && size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2,
+                  "the scatter epilogue needs the SM90 wgmma accumulator layout");
+    constexpr int kGroups = size<0, 2>(FrgLayout{});
+    static_assert(kGroups % 4 == 0, "a quad adds four 8-column groups at a time");
+
+    const int m_size = static_cast<int>(get<0>(problem_shape_mnkl));
+    const int n_size = static_cast<int>(get<1>(problem_shape_mnkl));
+    const int l = static_cast<int>(get<3>(blk_coord_mnkl));
+    Tensor cd = local_tile(make_identity_tensor(make_shape(m_size, n_size)), take<0, 2>(blk_shape_mnk),
+                           make_coord(get<0>(blk_coord_mnkl), get<1>(blk_coord_mnkl)));
+    Tensor tc = tiled_mma.get_thread_slice(thread_idx).partition_C(cd);  // (m, n) of each accumulator
+
+    __nv_bfloat16* d = reinterpret_cast<__nv_bfloat16*>(params_.ptr_D[l]);
+    const int64_t ld = cute::get<0>(params_.dD[l]);
+    const int64_t lo = params_.row_lo[l];
+    const int32_t* slots = params_.slots + lo;
+    const float* row_scale = nullptr;
+    const float* col_scale = nullptr;
+    if constexpr (kScaled) {
+      row_scale = params_.ptr_row_scale[l];
+      col_scale = params_.ptr_col_scale[l];
+    }
+    const float* bias = params_.bias != nullptr ? params_.bias + int64_t(l) * n_size : nullptr;
+    const int64_t num_slots = params_.num_tokens * params_.k, k = params_.k;
+    const int q = static_cast<int>(threadIdx.x & 3);
+
+    CUTLASS_PRAGMA_UNROLL
+    for (int mi = 0; mi < size<1>(acc); ++mi) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int ni = 0; ni < size<2>(acc); ++ni) {
+        // The thread's two rows (one per half): their output row (-1: none), weight and scale, read once.
+        int64_t t[2];
+        float rw[2], rs[2];
+        CUTLASS_PRAGMA_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          const int m = get<0>(tc(make_coord(make_coord(0, half, 0), mi, ni)));
+          const int64_t s = m < m_size ? int64_t(__ldg(slots + m)) : -1;
+          const bool in = s >= 0 && s < num_slots;
+          t[half] = in ? s / k : -1;
+          rw[half] = in ? __ldg(params_.weights + s) : 0.0f;
+          rs[half] = 1.0f;
+          if constexpr (kScaled) rs[half] = in ? __ldg(row_scale + m) : 0.0f;
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int g0 = 0; g0 < kGroups; g0 += 4) {
+          // This lane's column pair in groups g0 .. g0 + 3: its column scales and bias, loaded together
+          // (8-byte loads: the pair's first column is even) ahead of both rows that use them.
+          float2 cs[4], bs[4];
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < 4; ++j) {
+            const int n = get<1>(tc(make_coord(make_coord(0, 0, g0 + j), mi, ni)));
+            const bool ok = n < n_size;
+            cs[j] = make_float2(1.0f, 1.0f);
+            if constexpr (kScaled) {
+              if (ok) cs[j] = __ldg(reinterpret_cast<const float2*>(col_scale + n));
+            }
+            bs[j] = bias != nullptr && ok ? __ldg(reinterpret_cast<const float2*>(bias + n)) : make_float2(0.0f, 0.0f);
+          }
+          CUTLASS_PRAGMA_UNROLL
+          for (int half = 0; half < 2; ++half) {
+            uint32_t w[4];  // w[j]: this lane's pair of group g0 + j, weighted, packed to bf16x2
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < 4; ++j) {
+              float v0 = acc(make_coord(make_coord(0, half, g0 + j), mi, ni));
+              float v1 = acc(make_coord(make_coord(1, half, g0 + j), mi, ni));
+              if constexpr (kScaled) v0 *= cs[j].x * rs[half], v1 *= cs[j].y * rs[half];
+              w[j] = Pack((v0 + bs[j].x) * rw[half], (v1 + bs[j].y) * rw[half]);
+            }
+            uint32_t r[4];  // after the transpose: the four lanes' pairs of group g0 + q, columns in order
+            QuadTranspose(w, q, r);
+            // Every lane runs the shuffles above; only the ones with a row and columns in bounds add.
+            const int n = get<1>(tc(make_coord(make_coord(0, half, g0 + q), mi, ni))) - 2 * q;
+            if (t[half] >= 0 && n < n_size) RedAddBf16x8(d + t[half] * ld + n, r);
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  // The quad's 4x4 transpose of 32-bit words: lane q holds M[q][0..3] (its pair of groups g0 .. g0 + 3)
+  // and ends with M[0..3][q] (group g0 + q's pairs, columns 0-1, 2-3, 4-5, 6-7). With lane q ^ 2 it
+  // swaps the half of its row it does not end in, with lane q ^ 1 the column it does not end in.
+  static CUTLASS_DEVICE void QuadTranspose(const uint32_t (&w)[4], int q, uint32_t (&r)[4]) {
+    const bool right = (q & 2) != 0;  // lane q ends in columns 2..3 of the 4
+    const uint32_t keep0 = right ? w[2] : w[0], keep1 = right ? w[3] : w[1];
+    const uint32_t recv0 = __shfl_xor_sync(0xffffffffu, right ? w[0] : w[2], 2);
+    const uint32_t recv1 = __shfl_xor_sync(0xffffffffu, right ? w[1] : w[3], 2);
+    // keep_c = M[q][c0 + c], recv_c = M[q ^ 2][c0 + c] for c0 = q & 2
+    const bool odd = (q & 1) != 0;
+    const uint32_t own_a = odd ? keep1 : keep0;  // M[q][q]
+    const uint32_t own_b = odd ? recv1 : recv0;  // M[q ^ 2][q]
+    const uint32_t got_a = __shfl_xor_sync(0xffffffffu, odd ? keep0 : keep1, 1);  // M[q ^ 1][q]
+    const uint32_t got_b = __shfl_xor_sync(0xffffffffu, odd ? recv0 : recv1, 1);  // M[q ^ 3][q]
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int x = i ^ q;  // row i is M[q ^ x]: x 0 own_a, 1 got_a, 2 own_b, 3 got_b
+      const uint32_t lo = (x & 1) ? got_a : own_a, hi = (x & 1) ? got_b : own_b;
+      r[i] = (x & 2) ? hi : lo;
+    }
+  }
+
+  static CUTLASS_DEVICE uint32_t Pack(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+
+  // dst[0..7] += the eight bf16 of r, in one 16-byte reduction (dst 16-byte aligned: N % 8 == 0).
+  static CUTLASS_DEVICE void RedAddBf16x8(__nv_bfloat16* dst, const uint32_t (&r)[4]) {
+    asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(r[0]), "r"(r[1]),
+                 "r"(r[2]), "r"(r[3])
+                 : "memory");
+  }
+
+  Params params_;
+};
+
+}  // namespace jax_moe::cutlass_gg

@@ -1,0 +1,196 @@
+"""GEMM2 with the weighted un-permute in its epilogue: each expert row, times its routing weight,
+is added straight into its token's output row, so the forward's ``[T*k, H]`` rows are never
+written nor read back by a separate un-permute.
+
+:func:`grouped_gemm_scatter` is :func:`jax_moe.backends.cutlass_gemm.grouped_gemm` whose epilogue
+(``ffi/cutlass/scatter_epilogue.cuh``) computes, per row r of expert e, whose top-k slot is
+``s = slots[r] = t * k + j`` (the sort's ``sorted_slots``), in float32::
+
+    v = a[r] @ b[e].T                        # [N]   (FP8: * a_scale[r] * b_scale[e, n])
+    v = (v + bias[e]) * weights[t, j]        # optional GEMM2 bias, then the routing weight
+    d[t] += bf16(v)                          # 16-byte bf16 atomics in the L2
+
+into ``d [T, N]`` bfloat16, zeroed first. A row whose slot is outside ``[0, T*k)`` adds nothing;
+so do the rows outside ``[offsets[0], offsets[E])``. A token's k adds come from different CTAs
+in no fixed order and each rounds to bf16, so the result carries up to k roundings (the
+un-permute kernel's float32 sum carries one) and its last bits may differ from run to run. The
+weights are the layouts the forward's GEMM2 reads: bf16 ``b [E, K, N]`` (N contiguous,
+``transposed=True``: the prepared layout of :mod:`jax_moe.backends.cutlass_prepared`) or FP8
+``b [E, N, K]`` (K contiguous).
+
+Where it pays: the adds land in the L2 while ``d`` fits there with the weights streaming past.
+:func:`jax_moe.backends.cutlass.apply`'s ``finalize`` picks it (:func:`scatters`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe.backends.cutlass_gemm import (
+    ALIGN_N,
+    SCATTER_KINDS,
+    TILES,
+    _check_operands,
+    _check_scale,
+    _reference,
+    _register,
+    _resolve_tile,
+    _row_col_scales,
+    check_offsets,
+    dtype_name,
+    owned_rows,
+    row_experts,
+    workspace_size,
+)
+from jax_moe.config import check_rank
+from jax_moe.layouts.transposed import transpose_experts, transposed_shape
+
+# how cutlass.apply sums a token's k expert rows (its ``finalize`` argument)
+FINALIZES = ("auto", "gather", "scatter")
+# JAX_MOE_CUTLASS_FINALIZE (read at trace time): what "auto" means, "gather" or "scatter"
+FINALIZE_ENV = "JAX_MOE_CUTLASS_FINALIZE"
+
+
+def scatters(finalize: str, *, bf16_out: bool, transposed: bool, quant=None) -> bool:
+    """Whether a cutlass forward sums its k rows per token in GEMM2's epilogue
+    (:func:`grouped_gemm_scatter`) rather than with the un-permute kernel.
+
+    ``finalize``: ``"gather"`` (the un-permute kernel: a float32 sum, bit-reproducible),
+    ``"scatter"`` (GEMM2's epilogue; ValueError where no kernel takes these weights: bf16 weights
+    K contiguous), or ``"auto"``: ``JAX_MOE_CUTLASS_FINALIZE`` if set, else ``"gather"``, and
+    scatter only where a kernel takes the weights and the output is bf16 (``bf16_out``). The
+    weights: FP8 (``quant``), or bf16 ``transposed`` ([E, I, H], the prepared layout)."""
+    if finalize not in FINALIZES:
+        raise ValueError(f"finalize must be one of {FINALIZES}, got {finalize!r}")
+    kernel = quant is not None or transposed
+    if finalize == "scatter":
+        if not kernel:
+            raise ValueError("finalize='scatter' needs FP8 weights or bf16 weights in the prepared (transposed) "
+                             "layout: w2 [E, I, H] (cutlass.prepare)")
+        return True
+    if finalize == "gather":
+        return False
+    mode = os.environ.get(FINALIZE_ENV, "") or "gather"
+    if mode not in ("gather", "scatter"):
+        raise ValueError(f"{FINALIZE_ENV} must be 'gather' or 'scatter', got {mode!r}")
+    return mode == "scatter" and kernel and bf16_out
+
+
+def _check_scatter(a, b, offsets, slots, weights, a_scale, b_scale, bias, tile, transposed):
+    """Checks :func:`grouped_gemm_scatter`'s arguments (ValueError) -> (kind, tile, b as [E, N, K])."""
+    check_rank("a", a, 2, "[M, K]")
+    check_rank("b", b, 3, "[E, K, N] (bf16, transposed)" if transposed else "[E, N, K]")
+    if dtype_name(a) == "bfloat16" and not transposed:
+        raise ValueError("bf16 b must be the transposed layout [E, K, N] (transposed=True): the scatter "
+                         "epilogue is built for the prepared bf16 weights and for FP8")
+    if dtype_name(a) == "float8_e4m3fn" and transposed:
+        raise ValueError("FP8 b must be [E, N, K] (transposed=False): the FP8 tensor cores read K-major weights")
+    stored = transposed_shape(b) if transposed else b
+    m, k = a.shape
+    kind = _check_operands(a, stored, k, a_scale, b_scale, {(m,): "per row [M]"})
+    e, n, _ = stored.shape
+    check_offsets(offsets, e, m)
+    check_rank("slots", slots, 1, "[M]")
+    if dtype_name(slots) != "int32" or slots.shape[0] != m:
+        raise ValueError(f"slots must be [M] = [{m}] int32 (each row's top-k slot t * k + j), "
+                         f"got {list(slots.shape)} {dtype_name(slots)}")
+    check_rank("weights", weights, 2, "[T, k]")
+    if dtype_name(weights) != "float32" or weights.shape[1] < 1:
+        raise ValueError(f"weights must be [T, k] float32 with k >= 1 (the routing weights), "
+                         f"got {list(weights.shape)} {dtype_name(weights)}")
+    if n % ALIGN_N:
+        raise ValueError(f"N must be a multiple of {ALIGN_N} (16-byte rows of d), got N={n}")
+    if bias is not None:
+        _check_scale("bias", bias, {(e, n): "[E, N] float32: each expert's GEMM2 bias"})
+    table = "fp8" if kind == "fp8" else "bf16_kn"  # GEMM2's rows of the tile table for these weights
+    return f"{table}_scatter", _resolve_tile(tile, m, e, n=n, k=k, kind=table), stored
+
+
+def grouped_gemm_scatter_shape(a, b, offsets, slots, weights, *, a_scale=None, b_scale=None, bias=None,
+                               transposed: bool = False) -> jax.ShapeDtypeStruct:
+    """The shape rule: a [M, K], b [E, K, N] bf16 (``transposed``) or [E, N, K] FP8, slots [M],
+    weights [T, k] -> d [T, N] bfloat16 (no data read)."""
+    _, _, stored = _check_scatter(a, b, offsets, slots, weights, a_scale, b_scale, bias, "auto", transposed)
+    return jax.ShapeDtypeStruct((weights.shape[0], stored.shape[1]), jnp.bfloat16)
+
+
+def _scatter_reference(a, b, offsets, slots, weights, row, col, bias):
+    """The definition in float32: the rows' GEMM (scales included), the bias, the slot's weight, a
+    sum per token over the owned rows (slots outside [0, T*k) dropped), then bf16."""
+    m = a.shape[0]
+    t, k = weights.shape
+    if t == 0:
+        return jnp.zeros((0, b.shape[1]), jnp.bfloat16)
+    v = _reference(a, b, offsets, row, col, dtype=jnp.float32)
+    off, owned = owned_rows(offsets, m)
+    if bias is not None:
+        v = v + bias[row_experts(off, m)]
+    ok = owned & (slots >= 0) & (slots < t * k)
+    w = weights.reshape(-1)[jnp.clip(slots, 0, t * k - 1)]
+    v = jnp.where(ok[:, None], v * w[:, None], 0.0)
+    return jax.ops.segment_sum(v, jnp.where(ok, slots // k, t), num_segments=t).astype(jnp.bfloat16)
+
+
+def grouped_gemm_scatter_reference(a, b, offsets, slots, weights, *, a_scale=None, b_scale=None, bias=None,
+                                   tile=None, transposed: bool = False) -> jax.Array:
+    """jnp reference of :func:`grouped_gemm_scatter` (same arguments and result; ``tile`` is checked
+    and ignored): the rows' products in float32, the bias and weight, summed per token in float32."""
+    kind, _, _ = _check_scatter(a, b, offsets, slots, weights, a_scale, b_scale, bias, tile, transposed)
+    bs = transpose_experts(b) if transposed else b
+    scales = (None, None) if kind != "fp8_scatter" else _row_col_scales(a_scale, b_scale, (a.shape[0],),
+                                                                       bs.shape[0], bs.shape[1])
+    return _scatter_reference(a, bs, offsets, slots, weights, *scales, bias)
+
+
+def grouped_gemm_scatter(a: jax.Array, b: jax.Array, offsets: jax.Array, slots: jax.Array, weights: jax.Array, *,
+                         a_scale=None, b_scale=None, bias=None, tile: str | None = "auto",
+                         transposed: bool = False) -> jax.Array:
+    """``d[t] = sum_j weights[t, j] * (a[r] @ b[e(r)].T + bias[e(r)])`` over the rows r of token t's
+    slots (``slots[r] = t * k + j``).
+
+    a [M, K] expert-sorted rows (expert e owns ``offsets[e] <= r < offsets[e+1]``); offsets [E+1]
+    int32; slots [M] int32 (each row's top-k slot: ``sort_by_expert``'s ``sorted_slots``; outside
+    ``[0, T*k)``: dropped); weights [T, k] float32 (the routing weights; ones where the weight went
+    into the input); ``bias`` [E, N] float32 or None.
+
+    - bfloat16 a and b with ``transposed=True``: b [E, K, N], N contiguous (the prepared layout).
+    - float8_e4m3fn a and b [E, N, K] with ``a_scale``/``b_scale`` as
+      :func:`~jax_moe.backends.cutlass_gemm.grouped_gemm` takes them.
+
+    Returns d [T, N] bfloat16, N a multiple of 8. The adds are bf16 atomics in no fixed
+    order (see the module note). ``tile``: ``"auto"`` (GEMM2's pick: the ``"bf16_kn"`` or
+    ``"fp8"`` rows of the tile table) or a name in :data:`TILES`. CPU or no module:
+    :func:`grouped_gemm_scatter_reference`.
+    """
+    kind, tile, stored = _check_scatter(a, b, offsets, slots, weights, a_scale, b_scale, bias, tile, transposed)
+    m, (e, n, _) = a.shape[0], stored.shape
+    t = weights.shape[0]
+    if t == 0:
+        return jnp.zeros((0, n), jnp.bfloat16)
+    scaled = kind == "fp8_scatter"
+    if scaled:
+        row, col = _row_col_scales(a_scale, b_scale, (m,), e, n)
+    else:
+        row = col = jnp.zeros((0,), jnp.float32)
+    bias_in = jnp.zeros((0,), jnp.float32) if bias is None else bias
+
+    def default(a, b, offsets, slots, weights, row, col, bias_in):
+        bs = transpose_experts(b) if transposed else b
+        return _scatter_reference(a, bs, offsets, slots, weights, row if scaled else None, col if scaled else None,
+                                  None if bias is None else bias_in)
+
+    if m == 0 or not _register():
+        return default(a, b, offsets, slots, weights, row, col, bias_in)
+
+    def cuda(*args):
+        outs = (jax.ShapeDtypeStruct((t, n), jnp.bfloat16),
+                jax.ShapeDtypeStruct((workspace_size(e, tile, kind),), jnp.uint8))
+        d, _ = jax.ffi.ffi_call(SCATTER_KINDS[kind][1], outs, vmap_method="sequential")(
+            *args, tile=np.int64(TILES[tile]))
+        return d
+
+    return jax.lax.platform_dependent(a, b, offsets, slots, weights, row, col, bias_in, cuda=cuda, default=default)

@@ -1,0 +1,295 @@
+"""GEMM2 with the weighted un-permute in its epilogue (jax_moe.backends.cutlass_scatter_gemm): the
+definition in float64, the argument errors, when the cutlass forward takes it, and on the GPU the
+kernel against the definition and the scattering forward against the gathering one and the
+xla backend."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jax_moe.backends import cutlass as cb
+from jax_moe.backends import xla
+from jax_moe.backends.cutlass_scatter_gemm import (
+    FINALIZE_ENV,
+    grouped_gemm_scatter,
+    grouped_gemm_scatter_reference,
+    grouped_gemm_scatter_shape,
+    scatters,
+)
+from jax_moe.quant.scheme import QuantConfig
+
+from cutlass_cases import FP8_REL_TOL, REL_TOL, fp8_gemm_problem, gemm_problem, gptoss_problem, moe_problem, small_cfg
+from helpers import np_moe, poison_memory, rel_err, skip_unless_available
+
+T = 37  # tokens
+
+
+def definition(a, b, offsets, slots, weights, bias=None, row=None, col=None):
+    """d[t] = sum over rows r of expert e with slots[r] = t * k + j of weights[t, j] * (a[r] @ b[e].T
+    (* row[r] * col[e]) + bias[e]), in float64; b [E, N, K]; rows outside the offsets and slots
+    outside [0, T * k) add nothing."""
+    a, b = np.asarray(a.astype(jnp.float32), np.float64), np.asarray(b.astype(jnp.float32), np.float64)
+    off, slots, weights = np.asarray(offsets), np.asarray(slots), np.asarray(weights, np.float64)
+    t, k = weights.shape
+    d = np.zeros((t, b.shape[1]))
+    for e in range(b.shape[0]):
+        for r in range(off[e], off[e + 1]):
+            if not 0 <= slots[r] < t * k:
+                continue
+            v = a[r] @ b[e].T
+            if row is not None:
+                v = v * np.asarray(col, np.float64)[e] * float(row[r])
+            if bias is not None:
+                v = v + np.asarray(bias, np.float64)[e]
+            d[slots[r] // k] += weights.reshape(-1)[slots[r]] * v
+    return d
+
+
+def routing_rows(rng, m, t=T):
+    """slots [M] int32 (each row's slot t * k + j, k = ceil(M / t) so every token has several rows;
+    a few -1 and T * k: dropped) and weights [T, k] float32 in (0.05, 1)."""
+    k = -(-m // t)
+    slots = rng.permutation(t * k)[:m]
+    slots[rng.random(m) < 0.05] = -1
+    slots[rng.random(m) < 0.05] = t * k
+    return jnp.asarray(slots, jnp.int32), jnp.asarray(rng.uniform(0.05, 1.0, (t, k)), jnp.float32)
+
+
+def bf16_case(rng, counts, n=200, k=64, pad=9):
+    """bf16 rows, with ``pad`` unowned rows before and after the experts', and weights [E, K, N]."""
+    a, b, off = gemm_problem(rng, counts, n, k)
+    p = jnp.asarray(rng.standard_normal((pad, k)), jnp.bfloat16)
+    return jnp.concatenate([p, a, p]), b, off + pad
+
+
+# ----------------------------------------------------------------------------- the definition (CPU)
+
+
+def test_the_reference_is_the_definition_bf16(rng):
+    a, b, off = bf16_case(rng, [5, 0, 17, 30])
+    slots, w = routing_rows(rng, a.shape[0])
+    bias = jnp.asarray(rng.standard_normal((4, 200)), jnp.float32)
+    got = grouped_gemm_scatter_reference(a, jnp.swapaxes(b, 1, 2), off, slots, w, bias=bias, transposed=True)
+    assert got.shape == (T, 200) and got.dtype == jnp.bfloat16
+    assert rel_err(got, definition(a, b, off, slots, w, bias)) < REL_TOL
+
+
+def test_the_reference_is_the_definition_fp8(rng):
+    a, b, off, row, col = fp8_gemm_problem(rng, [12, 3, 0, 40, 8], 96, 64)
+    slots, w = routing_rows(rng, a.shape[0])
+    got = grouped_gemm_scatter_reference(a, b, off, slots, w, a_scale=row, b_scale=col)
+    assert rel_err(got, definition(a, b, off, slots, w, row=row, col=col)) < REL_TOL
+
+
+def test_off_the_gpu_the_call_is_its_reference(rng):
+    a, b, off = bf16_case(rng, [6, 9])
+    slots, w = routing_rows(rng, a.shape[0])
+    bt = jnp.swapaxes(b, 1, 2)
+    with jax.default_device(jax.devices("cpu")[0]):
+        got = jax.jit(lambda *x: grouped_gemm_scatter(*x, transposed=True))(a, bt, off, slots, w)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(grouped_gemm_scatter_reference(a, bt, off, slots, w, transposed=True),
+                                             np.float32))
+
+
+def test_no_tokens_and_no_rows(rng):
+    a, b, off = bf16_case(rng, [3, 4])
+    slots, w = routing_rows(rng, a.shape[0])
+    bt = jnp.swapaxes(b, 1, 2)
+    assert grouped_gemm_scatter(a, bt, off, slots, w[:0], transposed=True).shape == (0, 200)
+    empty = grouped_gemm_scatter(a[:0], bt, jnp.zeros(3, jnp.int32), slots[:0], w[:5], transposed=True)
+    assert empty.shape == (5, 200) and not np.asarray(empty, np.float32).any()
+
+
+def test_the_shape_rule():
+    a = jax.ShapeDtypeStruct((50, 64), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((4, 64, 200), jnp.bfloat16)
+    off = jax.ShapeDtypeStruct((5,), jnp.int32)
+    slots, w = jax.ShapeDtypeStruct((50,), jnp.int32), jax.ShapeDtypeStruct((11, 5), jnp.float32)
+    s = grouped_gemm_scatter_shape(a, b, off, slots, w, transposed=True)
+    assert (s.shape, s.dtype) == ((11, 200), jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------- argument errors
+
+
+def _args(rng):
+    a, b, off = bf16_case(rng, [4, 6], n=64, k=32)
+    slots, w = routing_rows(rng, a.shape[0])
+    return a, jnp.swapaxes(b, 1, 2), off, slots, w
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(transposed=False), "bf16 b must be the transposed layout"),
+    (dict(slots="float"), "slots must be"),
+    (dict(slots="short"), "slots must be"),
+    (dict(weights="flat"), "weights must have rank 2"),
+    (dict(weights="bf16"), "weights must be"),
+    (dict(bias="wrong"), "bias must have shape"),
+    (dict(a_scale=True), "a_scale is only taken with float8_e4m3fn"),
+    (dict(tile="huge"), "tile must be 'auto' or one of"),
+])
+def test_bad_arguments_name_the_argument(rng, change, match):
+    a, bt, off, slots, w = _args(rng)
+    kw = dict(transposed=True)
+    if change.get("slots") == "float":
+        slots = slots.astype(jnp.float32)
+    if change.get("slots") == "short":
+        slots = slots[1:]
+    if change.get("weights") == "flat":
+        w = w.reshape(-1)
+    if change.get("weights") == "bf16":
+        w = w.astype(jnp.bfloat16)
+    if "bias" in change:
+        kw["bias"] = jnp.zeros((2, 32), jnp.float32)
+    if "a_scale" in change:
+        kw["a_scale"] = jnp.float32(1)
+    for key in ("transposed", "tile"):
+        if key in change:
+            kw[key] = change[key]
+    with pytest.raises(ValueError, match=match):
+        grouped_gemm_scatter(a, bt, off, slots, w, **kw)
+
+
+def test_fp8_weights_must_be_k_major(rng):
+    a, b, off, row, col = fp8_gemm_problem(rng, [4, 4], 64, 32)
+    slots, w = routing_rows(rng, 8)
+    with pytest.raises(ValueError, match="FP8 b must be"):
+        grouped_gemm_scatter(a, b, off, slots, w, a_scale=row, b_scale=col, transposed=True)
+
+
+# ----------------------------------------------------------------------------- when the forward scatters
+
+
+def test_scatters_where_asked_and_a_kernel_takes_the_weights(monkeypatch):
+    fp8 = QuantConfig("fp8", w13_scale=jnp.float32(1), w2_scale=jnp.float32(1))
+    monkeypatch.delenv(FINALIZE_ENV, raising=False)
+    assert scatters("scatter", bf16_out=True, transposed=True)
+    assert scatters("scatter", bf16_out=False, transposed=False, quant=fp8)
+    assert not scatters("gather", bf16_out=True, transposed=True)
+    assert not scatters("auto", bf16_out=True, transposed=True)  # gathers unless told
+    monkeypatch.setenv(FINALIZE_ENV, "scatter")
+    assert scatters("auto", bf16_out=True, transposed=True) and scatters("auto", bf16_out=True, transposed=False,
+                                                                       quant=fp8)
+    assert not scatters("auto", bf16_out=False, transposed=True)  # a float32 output keeps its float32 sum
+    assert not scatters("auto", bf16_out=True, transposed=False)  # no kernel for K-major bf16 weights
+    assert not scatters("gather", bf16_out=True, transposed=True)
+
+
+def test_unknown_or_unbuilt_finalize_forms_are_errors(monkeypatch, rng):
+    with pytest.raises(ValueError, match="finalize must be one of"):
+        scatters("atomic", bf16_out=True, transposed=True)
+    monkeypatch.setenv(FINALIZE_ENV, "fast")
+    with pytest.raises(ValueError, match=FINALIZE_ENV):
+        scatters("auto", bf16_out=True, transposed=True)
+    monkeypatch.delenv(FINALIZE_ENV)
+    cfg = small_cfg()
+    x, w13, w2, tw, ids = moe_problem(rng, 5, 8, 2, 64, 32)
+    with pytest.raises(ValueError, match="finalize='scatter' needs"):
+        cb.apply(x, w13, w2, tw, ids, cfg, finalize="scatter")  # bf16 weights as stored: K contiguous
+
+
+def _fp8_layer(rng, t, e=8, k=2, h=64, i=32):
+    from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
+
+    cfg = small_cfg(e, k, h, i)
+    x, w13, w2, tw, ids = moe_problem(rng, t, e, k, h, i)
+    a13 = calibrate_activation_scale("fp8_per_tensor", x.astype(jnp.float32))
+    q13, q2, quant = quantize_weights("fp8", w13, w2, act="fp8_per_tensor", a13_scale=a13, a2_scale=a13 / 4,
+                                      weight_scale="per_channel")
+    return cfg, x, q13, q2, tw, ids, quant
+
+
+@pytest.mark.parametrize("minus_one", [0.0, 0.2])
+def test_a_scattering_bf16_layer_is_the_gathering_one_on_cpu(rng, minus_one):
+    """GPT-OSS-style (swigluoai, interleaved, both biases), some ids -1: the kernels' jnp references."""
+    cfg, x, w13, w2, tw, ids, b = gptoss_problem(rng, 45, 8, 4, 64, 32, minus_one=minus_one)
+    p = cb.prepare(w13, w2, cfg, **b)
+    gather = jax.jit(lambda *a: cb.apply_prepared(*a, finalize="gather"))(x, p, tw, ids)
+    scatter = jax.jit(lambda *a: cb.apply_prepared(*a, finalize="scatter"))(x, p, tw, ids)
+    assert rel_err(scatter, gather) < REL_TOL
+    want = np_moe(x, w13, w2, tw, ids, "swigluoai", "interleaved", b["w13_bias"], b["w2_bias"], alpha=1.5, limit=4.0)
+    assert rel_err(scatter, want) < REL_TOL
+
+
+def test_a_scattering_fp8_layer_is_the_gathering_one_on_cpu(rng):
+    cfg, x, q13, q2, tw, ids, quant = _fp8_layer(rng, 40)
+    p = cb.prepare(q13, q2, cfg, quant)
+    scatter = jax.jit(lambda *a: cb.apply_prepared(*a, finalize="scatter"))(x, p, tw, ids)
+    assert rel_err(scatter, xla.apply(x, q13, q2, tw, ids, cfg, quant=quant)) < FP8_REL_TOL
+
+
+def test_the_router_weight_on_the_input_is_not_applied_twice(rng):
+    cfg = small_cfg(k=1)
+    x, w13, w2, tw, ids = moe_problem(rng, 30, 8, 1, 64, 32)
+    p = cb.prepare(w13, w2, cfg)
+    got = cb.apply_prepared(x, p, tw, ids, apply_router_weight_on_input=True, finalize="scatter")
+    want = cb.apply_prepared(x, p, tw, ids, apply_router_weight_on_input=True, finalize="gather")
+    assert rel_err(got, want) < REL_TOL
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
+def test_bf16_kernel_matches_the_definition(rng, tile):
+    """16 experts of 0..300 rows (empty ones, partial tiles), unowned rows at both ends, N = 200
+    (a partial column block on every tile), a bias, slots of -1 and T * k dropped; output poisoned."""
+    skip_unless_available(cb)
+    counts = rng.integers(0, 300, 16)
+    counts[3] = 0
+    a, b, off = bf16_case(rng, counts, n=200, k=256)
+    slots, w = routing_rows(rng, a.shape[0], t=600)
+    bias = jnp.asarray(rng.standard_normal((16, 200)), jnp.float32)
+    fn = jax.jit(lambda a, bt, o, s, w, bias: grouped_gemm_scatter(a, bt, o, s, w, bias=bias, tile=tile,
+                                                                   transposed=True))
+    bt = jnp.swapaxes(b, 1, 2)
+    poison_memory(jax.eval_shape(fn, a, bt, off, slots, w, bias))
+    got = fn(a, bt, off, slots, w, bias)
+    assert rel_err(got, definition(a, b, off, slots, w, bias)) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
+def test_fp8_kernel_matches_the_definition(rng, tile):
+    skip_unless_available(cb)
+    counts = rng.integers(0, 200, 24)
+    a, b, off, row, col = fp8_gemm_problem(rng, counts, 200, 256)
+    slots, w = routing_rows(rng, a.shape[0], t=500)
+    fn = jax.jit(lambda a, b, o, s, w, r, c: grouped_gemm_scatter(a, b, o, s, w, a_scale=r, b_scale=c, tile=tile))
+    poison_memory(jax.eval_shape(fn, a, b, off, slots, w, row, col))
+    got = fn(a, b, off, slots, w, row, col)
+    assert rel_err(got, definition(a, b, off, slots, w, row=row, col=col)) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, e, k", [(16, 128, 8), (300, 16, 4), (2000, 64, 6)])
+def test_a_scattering_bf16_layer_on_the_gpu(rng, t, e, k):
+    """GPT-OSS-style with both biases and ids of -1, prepared: against the gathering forward and the
+    float64 definition, twice (a jitted function's second call), outputs poisoned."""
+    skip_unless_available(cb)
+    cfg, x, w13, w2, tw, ids, b = gptoss_problem(rng, t, e, k, 256, 128, minus_one=0.1)
+    p = cb.prepare(w13, w2, cfg, **b)
+    f = jax.jit(lambda *a: cb.apply_prepared(*a, finalize="scatter"))
+    want = np_moe(x, w13, w2, tw, ids, "swigluoai", "interleaved", b["w13_bias"], b["w2_bias"], alpha=1.5, limit=4.0)
+    for _ in range(2):
+        poison_memory(jax.eval_shape(f, x, p, tw, ids))
+        got = f(x, p, tw, ids)
+        assert rel_err(got, want) < REL_TOL
+    gather = jax.jit(lambda *a: cb.apply_prepared(*a, finalize="gather"))(x, p, tw, ids)
+    assert rel_err(got, gather) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, e, k", [(16, 128, 8), (1000, 16, 4)])
+def test_a_scattering_fp8_layer_on_the_gpu(rng, t, e, k):
+    skip_unless_available(cb)
+    cfg, x, q13, q2, tw, ids, quant = _fp8_layer(rng, t, e, k, 256, 128)
+    p = cb.prepare(q13, q2, cfg, quant)
+    f = jax.jit(lambda *a: cb.apply_prepared(*a, finalize="scatter"))
+    poison_memory(jax.eval_shape(f, x, p, tw, ids))
+    got = f(x, p, tw, ids)
+    assert rel_err(got, xla.apply(x, q13, q2, tw, ids, cfg, quant=quant)) < FP8_REL_TOL
