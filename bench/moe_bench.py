@@ -28,6 +28,9 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
 - ``tokamax`` (bf16 only, where tokamax is importable on an NVIDIA GPU; :mod:`bench.peers`): the
   same routing and data through tokamax's Mosaic-GPU ``ragged_dot``, the peer to beat. Its column
   is followed by "vs tokamax", tokamax's time over the best jax_moe time (above 1: jax_moe is faster).
+- ``cutlass_sc`` (only when named in ``--impls``): ``cutlass`` prepared, with ``finalize="scatter"``:
+  GEMM2's epilogue adds each weighted row into its token's output row (bf16 atomics), in place of
+  the un-permute kernel (:mod:`jax_moe.backends.cutlass_scatter_gemm`).
 - ``cutlass_nk`` (only when named in ``--impls``; bf16): ``cutlass`` prepared without the
   transpose, its weights K contiguous as stored (``cutlass.prepare(..., transpose=False)``; a gated
   layer's w13 still interleaved), to set the two layouts side by side; it holds a second copy of
@@ -199,6 +202,11 @@ def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16, only: list[s
         impls["cutlass_nk"] = (True, lambda w13, w2: cutlass.prepare(w13, w2, cfg, w13_bias=b13, w2_bias=b2,
                                                                       transpose=False),
                                lambda x, p, w, ids: cutlass.apply_prepared(x, p, w, ids))
+    if only is not None and "cutlass_sc" in only and "cutlass" in impls:
+        from jax_moe.backends import cutlass
+
+        impls["cutlass_sc"] = (True, lambda w13, w2: cutlass.prepare(w13, w2, cfg, quant, w13_bias=b13, w2_bias=b2),
+                               lambda x, p, w, ids: cutlass.apply_prepared(x, p, w, ids, finalize="scatter"))
     if quant is None and jnp.dtype(dtype) == jnp.bfloat16 and plain and want("tokamax"):
         impls.update(peers.implementations())
     return impls
