@@ -191,6 +191,25 @@ def test_unknown_or_unbuilt_finalize_forms_are_errors(monkeypatch, rng):
         cb.apply(x, w13, w2, tw, ids, cfg, finalize="scatter")  # bf16 weights as stored: K contiguous
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_scattering_gemm2_picks_its_tile_under_its_own_key(rng, fp8):
+    """So that the autotuner (run with JAX_MOE_CUTLASS_FINALIZE=scatter) tunes it apart from the
+    gathering GEMM2, whose best tile differs."""
+    from jax_moe.backends import cutlass_tiles as ct
+
+    if fp8:
+        cfg, x, w13, w2, tw, ids, quant = _fp8_layer(rng, 40)
+        p, want = cb.prepare(w13, w2, cfg, quant), "fp8_scatter/8/64/32"
+    else:
+        cfg = small_cfg()
+        x, w13, w2, tw, ids = moe_problem(rng, 40, 8, 2, 64, 32)
+        p, want = cb.prepare(w13, w2, cfg), "bf16_kn_scatter/8/64/32"
+    with ct.tuning() as trial:
+        jax.eval_shape(lambda *a: cb.apply_prepared(*a, finalize="scatter"), x, p, tw, ids)
+    keys = [key for key, _, _ in trial.picks]
+    assert keys[-1] == want and not any(key.startswith(("bf16_kn/", "fp8/8/64/")) for key in keys)
+
+
 def _fp8_layer(rng, t, e=8, k=2, h=64, i=32):
     from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
 

@@ -80,6 +80,16 @@ def test_gemm1_with_its_activation_takes_its_own_rows_else_the_plain_kinds(monke
     assert ct.pick_tile(16 * 4, 16, n=64, k=512, kind="bf16_kn_act") == ct.heuristic_tile(4)
 
 
+def test_the_scatter_gemm_takes_its_own_rows_else_gemm2s(monkeypatch):
+    """``kind + "_scatter"``: GEMM2 with the un-permute in its epilogue; its own rows where a table or
+    tile cache has them (the epilogue's cost moves the best tile), else the plain GEMM2's."""
+    monkeypatch.setitem(ct.MEASURED, ("fp8", 16, 256, 512), ((4.0, "pingpong_64x128_k256"),))
+    assert ct.pick_tile(16 * 4, 16, n=256, k=512, kind="fp8_scatter") == "pingpong_64x128_k256"
+    monkeypatch.setitem(ct.MEASURED, ("fp8_scatter", 16, 256, 512), ((4.0, "coop_128x256"),))
+    assert ct.pick_tile(16 * 4, 16, n=256, k=512, kind="fp8_scatter") == "coop_128x256"
+    assert ct.pick_tile(16 * 4, 16, n=256, k=512, kind="fp8") == "pingpong_64x128_k256"
+
+
 def test_the_override_wins_and_is_checked(monkeypatch):
     monkeypatch.setenv(ct.TILE_ENV, "coop_128x128")
     assert ct.pick_tile(1, 128, n=2048, k=768) == "coop_128x128"

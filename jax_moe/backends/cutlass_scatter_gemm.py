@@ -106,8 +106,9 @@ def _check_scatter(a, b, offsets, slots, weights, a_scale, b_scale, bias, tile, 
         raise ValueError(f"N must be a multiple of {ALIGN_N} (16-byte rows of d), got N={n}")
     if bias is not None:
         _check_scale("bias", bias, {(e, n): "[E, N] float32: each expert's GEMM2 bias"})
-    table = "fp8" if kind == "fp8" else "bf16_kn"  # GEMM2's rows of the tile table for these weights
-    return f"{table}_scatter", _resolve_tile(tile, m, e, n=n, k=k, kind=table), stored
+    # its own tuned tiles ("fp8_scatter/E/N/K"), else GEMM2's rows of the tile table for these weights
+    scatter_kind = "fp8_scatter" if kind == "fp8" else "bf16_kn_scatter"
+    return scatter_kind, _resolve_tile(tile, m, e, n=n, k=k, kind=scatter_kind), stored
 
 
 def grouped_gemm_scatter_shape(a, b, offsets, slots, weights, *, a_scale=None, b_scale=None, bias=None,
@@ -162,8 +163,9 @@ def grouped_gemm_scatter(a: jax.Array, b: jax.Array, offsets: jax.Array, slots: 
       :func:`~jax_moe.backends.cutlass_gemm.grouped_gemm` takes them.
 
     Returns d [T, N] bfloat16, N a multiple of 8. The adds are bf16 atomics in no fixed
-    order (see the module note). ``tile``: ``"auto"`` (GEMM2's pick: the ``"bf16_kn"`` or
-    ``"fp8"`` rows of the tile table) or a name in :data:`TILES`. CPU or no module:
+    order (see the module note). ``tile``: ``"auto"`` (the pick for kind ``"bf16_kn_scatter"`` or
+    ``"fp8_scatter"``: tuned tiles of its own where a tile cache has them, else GEMM2's
+    ``"bf16_kn"`` or ``"fp8"`` rows of the tile table) or a name in :data:`TILES`. CPU or no module:
     :func:`grouped_gemm_scatter_reference`.
     """
     kind, tile, stored = _check_scatter(a, b, offsets, slots, weights, a_scale, b_scale, bias, tile, transposed)

@@ -419,7 +419,8 @@ def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None
               kind: str = "bf16") -> str:
     """The tile for a grouped GEMM of ``rows`` expert-sorted rows over ``num_groups`` experts,
     ``d [rows, n] = a [rows, k] @ b[e]`` of ``kind`` (``"bf16"``, ``"fp8"`` or ``"bf16_kn"``, or one
-    of them with ``"_act"``: GEMM1 with its activation, else the plain kind's rows): the
+    of them with ``"_act"``: GEMM1 with its activation, or ``"_scatter"``: GEMM2 adding its rows
+    into the output; their own tuned tiles and rows, else the plain kind's rows): the
     override, else the tuned tiles, else the measured table (both when ``n`` and ``k`` are
     given), else the heuristic (see the module note)."""
     forced = os.environ.get(TILE_ENV)
@@ -435,7 +436,8 @@ def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None
     if tile is None:
         tile = tuned_tile(key, r, user=trial is None, device=device)
     if tile is None:
-        tile = (measured_tile(kind, num_groups, n, k, r) or measured_tile(kind.removesuffix("_act"), num_groups, n, k, r)
+        plain = kind.removesuffix("_act").removesuffix("_scatter")
+        tile = (measured_tile(kind, num_groups, n, k, r) or measured_tile(plain, num_groups, n, k, r)
                 or heuristic_tile(r, kind, device))
     if trial is not None:
         trial.picks.append((key, r, tile))
