@@ -125,17 +125,24 @@ def test_fp8_scale_forms_broadcast_to_rows_and_channels(rng):
 
 def test_compiled_module_matches_this_file():
     """Where this checkout built jax_moe._jax_moe_cutlass (no GPU needed): its tile and kind counts
-    and alignments are backends/cutlass.py's, and the fp8 workspace holds two more per-group
-    pointer arrays (the scale vectors) than the bf16 one, each rounded up to 256 bytes."""
-    from jax_moe.backends.cutlass_gemm import ACT_KINDS
+    and alignments are backends/cutlass.py's, the fp8 workspace holds two more per-group pointer
+    arrays (the scale vectors) than the bf16 one, and each scatter kind one more (each group's first
+    row) than the act kind of its operands (the other epilogue without TMA descriptors), each array
+    rounded up to 256 bytes."""
+    from jax_moe.backends.cutlass_gemm import ACT_KINDS, SCATTER_KINDS
 
     mod = pytest.importorskip("jax_moe._jax_moe_cutlass")
     assert cb._constants_match(mod)
     for tile in cb.TILES.values():
         for e in (1, 8, 256):
+            array = -(-8 * e // 256) * 256
             bf16, f8 = (mod.workspace_size(e, tile, sm_count=132, kind=cb.KINDS[kind][0]) for kind in ("bf16", "fp8"))
-            assert f8 - bf16 == 2 * (-(-8 * e // 256) * 256)
-    kinds = len(cb.KINDS) + len(cb.GRAD_KINDS) + len(ACT_KINDS)
+            assert f8 - bf16 == 2 * array
+            for scatter, act in (("bf16_kn_scatter", "bf16_act_kn"), ("fp8_scatter", "fp8_act")):
+                sizes = [mod.workspace_size(e, tile, sm_count=132, kind=k[0]) for k in (SCATTER_KINDS[scatter],
+                                                                                       ACT_KINDS[act])]
+                assert sizes[0] - sizes[1] == array, (scatter, e, tile)
+    kinds = len(cb.KINDS) + len(cb.GRAD_KINDS) + len(ACT_KINDS) + len(SCATTER_KINDS)
     for bad in (dict(tile=len(cb.TILES), kind=0), dict(tile=0, kind=kinds)):
         with pytest.raises(ValueError, match="unknown tile or kind"):
             mod.workspace_size(8, bad["tile"], sm_count=132, kind=bad["kind"])
