@@ -25,6 +25,7 @@
 #include "cutlass/epilogue/dispatch_policy.hpp"
 
 #include "../kernels/moe_device.cuh"
+#include "no_smem_epilogue.cuh"
 
 namespace jax_moe::cutlass_gg {
 
@@ -32,27 +33,12 @@ namespace jax_moe::cutlass_gg {
 // ElementD: the same bytes in CUTLASS's type (the pointer arrays' type). kScaled: FP8 operands, the
 // row and column dequantization scales applied to the accumulator first.
 template <class ElementD_, class Out, bool kScaled>
-class GatedActEpilogue {
+class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
  public:
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ElementScalar = float;
-  using ElementC = void;
-  using ElementD = ElementD_;
-  using ElementOutput = ElementD;
-  using InternalStrideC = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
-  using InternalStrideD = InternalStrideC;
-  using StrideC = InternalStrideC*;
-  using StrideD = InternalStrideD*;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
-  using ThreadEpilogueOp = void;  // named by CUTLASS's device adapter, never used: the activation is operator()'s
+  using Base = NoSmemEpilogueBase<ElementD_>;
+  using typename Base::ElementD;
+  using typename Base::StrideD;
   static_assert(sizeof(ElementD) == sizeof(Out), "CUTLASS's and the row kernels' output element differ in size");
-
-  struct SharedStorage {};
-  using TensorMapStorage = SharedStorage;
 
   struct Arguments {
     ElementD** ptr_D = nullptr;               // per group: its rows of d [M, N/2]
@@ -67,26 +53,11 @@ class GatedActEpilogue {
   using Params = Arguments;
 
   template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.ptr_D != nullptr && (!kScaled || (args.ptr_row_scale != nullptr && args.ptr_col_scale != nullptr));
   }
 
   CUTLASS_HOST_DEVICE explicit GatedActEpilogue(Params const& params) : params_(params) {}
-
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
@@ -157,19 +128,8 @@ class GatedActEpilogue {
         }
         CUTLASS_PRAGMA_UNROLL
         for (int g0 = 0; g0 < kGroups; g0 += 8) {
-          // The column scales and biases of this lane's pair in groups g0 .. g0 + 7, loaded together
-          // (8-byte loads: the pair's first column is even) ahead of the rows that use them.
-          float2 cs[8], bs[8];
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < 8; ++j) {
-            const int n = get<1>(tc(make_coord(make_coord(0, 0, g0 + j), mi, ni)));
-            const bool ok = n < n_size;
-            cs[j] = make_float2(1.0f, 1.0f);
-            if constexpr (kScaled) {
-              if (ok) cs[j] = __ldg(reinterpret_cast<const float2*>(col_scale + n));
-            }
-            bs[j] = bias != nullptr && ok ? __ldg(reinterpret_cast<const float2*>(bias + n)) : make_float2(0.0f, 0.0f);
-          }
+          float2 cs[8], bs[8];  // this lane's column pair in groups g0 .. g0 + 7: scales, bias
+          LoadColumnPairs<8, kScaled>(tc, mi, ni, g0, n_size, col_scale, bias, cs, bs);
           CUTLASS_PRAGMA_UNROLL
           for (int half = 0; half < 2; ++half) {
             // v[j]: this lane's output of group g0 + j (columns 2q, 2q+1 of the group's 8), in the

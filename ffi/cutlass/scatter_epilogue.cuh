@@ -26,31 +26,14 @@
 #include "cutlass/epilogue/collective/detail.hpp"
 #include "cutlass/epilogue/dispatch_policy.hpp"
 
+#include "no_smem_epilogue.cuh"
+
 namespace jax_moe::cutlass_gg {
 
 // kScaled: FP8 operands, the row and column dequantization scales applied to the accumulator first.
 template <bool kScaled>
-class ScatterAddEpilogue {
+class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
  public:
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ElementScalar = float;
-  using ElementC = void;
-  using ElementD = cutlass::bfloat16_t;
-  using ElementOutput = ElementD;
-  using InternalStrideC = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
-  using InternalStrideD = InternalStrideC;
-  using StrideC = InternalStrideC*;
-  using StrideD = InternalStrideD*;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
-  using ThreadEpilogueOp = void;  // named by CUTLASS's device adapter, never used
-
-  struct SharedStorage {};
-  using TensorMapStorage = SharedStorage;
-
   struct Arguments {
     ElementD** ptr_D = nullptr;             // per group: d [T, N] itself (every group adds into all of it)
     StrideD dD = nullptr;                   // per group: d's leading dimension (N)
@@ -66,19 +49,6 @@ class ScatterAddEpilogue {
   using Params = Arguments;
 
   template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.ptr_D != nullptr && args.row_lo != nullptr && args.slots != nullptr && args.weights != nullptr &&
            args.k >= 1 &&
@@ -86,8 +56,6 @@ class ScatterAddEpilogue {
   }
 
   CUTLASS_HOST_DEVICE explicit ScatterAddEpilogue(Params const& params) : params_(params) {}
-
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
@@ -141,19 +109,8 @@ class ScatterAddEpilogue {
         }
         CUTLASS_PRAGMA_UNROLL
         for (int g0 = 0; g0 < kGroups; g0 += 4) {
-          // This lane's column pair in groups g0 .. g0 + 3: its column scales and bias, loaded together
-          // (8-byte loads: the pair's first column is even) ahead of both rows that use them.
-          float2 cs[4], bs[4];
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < 4; ++j) {
-            const int n = get<1>(tc(make_coord(make_coord(0, 0, g0 + j), mi, ni)));
-            const bool ok = n < n_size;
-            cs[j] = make_float2(1.0f, 1.0f);
-            if constexpr (kScaled) {
-              if (ok) cs[j] = __ldg(reinterpret_cast<const float2*>(col_scale + n));
-            }
-            bs[j] = bias != nullptr && ok ? __ldg(reinterpret_cast<const float2*>(bias + n)) : make_float2(0.0f, 0.0f);
-          }
+          float2 cs[4], bs[4];  // this lane's column pair in groups g0 .. g0 + 3: scales, bias
+          LoadColumnPairs<4, kScaled>(tc, mi, ni, g0, n_size, col_scale, bias, cs, bs);
           CUTLASS_PRAGMA_UNROLL
           for (int half = 0; half < 2; ++half) {
             uint32_t w[4];  // w[j]: this lane's pair of group g0 + j, weighted, packed to bf16x2

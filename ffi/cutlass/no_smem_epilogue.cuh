@@ -1,0 +1,77 @@
+// What jax_moe's own grouped-GEMM epilogues share (gated_epilogue.cuh, scatter_epilogue.cuh): the
+// types and no-op host hooks CUTLASS's pointer-array kernels ask of a collective epilogue that stores
+// straight from the accumulators, without shared memory, under
+// cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter. An epilogue derives from it
+// and adds its Arguments (= Params), can_implement and operator().
+#pragma once
+
+#include <cstddef>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+
+namespace jax_moe::cutlass_gg {
+
+template <class ElementD_>
+struct NoSmemEpilogueBase {
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using ElementC = void;
+  using ElementD = ElementD_;
+  using ElementOutput = ElementD;
+  using InternalStrideC = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
+  using InternalStrideD = InternalStrideC;
+  using StrideC = InternalStrideC*;
+  using StrideD = InternalStrideD*;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  using ThreadEpilogueOp = void;  // named by CUTLASS's device adapter, never used
+
+  struct SharedStorage {};
+  using TensorMapStorage = SharedStorage;
+
+  // The arguments are the parameters: no workspace, nothing to set up.
+  template <class ProblemShape, class Arguments>
+  static constexpr Arguments to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape, class Arguments>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
+    return 0;
+  }
+  template <class ProblemShape, class Arguments>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+};
+
+// The column dequantization scales (kScaled: FP8) and the bias of this lane's column pair in the kN
+// accumulator groups g0 .. g0 + kN - 1 of (mi, ni), loaded together with 8-byte loads (a pair's first
+// column is even) ahead of the rows that use them; ones and zeros where there are none or the pair is
+// past n_size. tc: the thread's partition of the tile's (m, n) coordinates; col_scale and bias: the
+// expert's [N] vectors, or nullptr.
+template <int kN, bool kScaled, class Coords>
+CUTLASS_DEVICE void LoadColumnPairs(Coords const& tc, int mi, int ni, int g0, int n_size, const float* col_scale,
+                                    const float* bias, float2 (&cs)[kN], float2 (&bs)[kN]) {
+  using namespace cute;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kN; ++j) {
+    const int n = get<1>(tc(make_coord(make_coord(0, 0, g0 + j), mi, ni)));
+    const bool ok = n < n_size;
+    cs[j] = make_float2(1.0f, 1.0f);
+    if constexpr (kScaled) {
+      if (ok) cs[j] = __ldg(reinterpret_cast<const float2*>(col_scale + n));
+    }
+    bs[j] = bias != nullptr && ok ? __ldg(reinterpret_cast<const float2*>(bias + n)) : make_float2(0.0f, 0.0f);
+  }
+}
+
+}  // namespace jax_moe::cutlass_gg
