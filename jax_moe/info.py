@@ -53,6 +53,21 @@ def tile_cache_status() -> str:
     return f"{path}: {len(cache.gemms)} tuned GEMM shapes of {cache.device}, read first; then {shipped}"
 
 
+def finalize_status() -> str:
+    """How the cutlass forward sums each token's k expert rows when ``finalize="auto"``: what
+    ``JAX_MOE_CUTLASS_FINALIZE`` says (:func:`jax_moe.backends.cutlass_scatter_gemm.scatters`)."""
+    from jax_moe.backends.cutlass_scatter_gemm import FINALIZE_ENV, scatters
+
+    try:
+        scatter = scatters("auto", bf16_out=True, transposed=True)
+    except ValueError as err:
+        return f"unusable: {err}"
+    if scatter:
+        return (f"scatter ({FINALIZE_ENV}=scatter): GEMM2's epilogue adds each row into its token's row, "
+                "on FP8 and prepared bf16 weights; not bit-reproducible")
+    return f"gather (the un-permute kernel, bit-reproducible; {FINALIZE_ENV}=scatter adds in GEMM2's epilogue)"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m jax_moe.info", description=__doc__)
     p.add_argument("--model", default="128,2048,768,8", type=model_shape,
@@ -87,6 +102,7 @@ def main(argv=None) -> None:
     else:
         print(f"native trtllm: unavailable: {trt._state['error']}")
     print(f"cutlass tiles: {tile_cache_status()}")
+    print(f"cutlass finalize: {finalize_status()}")
     quant = None if args.scheme == "bf16" else SchemeOnly(args.scheme, e)
     static = "" if quant is None or quant.a2_scale is None else ", static scales"
     print(f"model E={e} H={h} I={i} k={k} activation={args.activation} scheme={args.scheme}"

@@ -210,6 +210,17 @@ def test_the_scattering_gemm2_picks_its_tile_under_its_own_key(rng, fp8):
     assert keys[-1] == want and not any(key.startswith(("bf16_kn/", "fp8/8/64/")) for key in keys)
 
 
+def test_info_says_how_the_forward_sums_its_rows(monkeypatch):
+    from jax_moe.info import finalize_status
+
+    monkeypatch.delenv(FINALIZE_ENV, raising=False)
+    assert finalize_status().startswith("gather")
+    monkeypatch.setenv(FINALIZE_ENV, "scatter")
+    assert finalize_status().startswith("scatter") and "not bit-reproducible" in finalize_status()
+    monkeypatch.setenv(FINALIZE_ENV, "atomic")
+    assert finalize_status().startswith("unusable") and FINALIZE_ENV in finalize_status()
+
+
 def _fp8_layer(rng, t, e=8, k=2, h=64, i=32):
     from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
 
