@@ -75,7 +75,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import in_loop, peers  # noqa: E402
 from jax_moe import oracle, timing  # noqa: E402
-from jax_moe.info import tile_cache_status  # noqa: E402
+from jax_moe.info import finalize_status, tile_cache_status  # noqa: E402
 from jax_moe.backends import xla  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights  # noqa: E402
@@ -464,6 +464,7 @@ def main(argv=None):
              f"measured {bw / 1e12:.2f} TB/s read+write, {peak / 1e12:.0f} TFLOP/s bf16 matmul")
     print("#", title)
     print(f"# cutlass tiles: {tile_cache_status()}")
+    print(f"# cutlass finalize: {finalize_status()}")
     rows: list = []
     loop_rows: list = []
     here = os.path.dirname(__file__)
