@@ -83,18 +83,13 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
                             BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
                             TiledMma tiled_mma, int thread_idx) {
     using namespace cute;
-    // The fragment is ((2 columns, 2 row halves, groups of 8 columns), MMA_M, MMA_N): wgmma's.
-    static_assert(rank<0>(FrgLayout{}) == 3 && size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2,
-                  "the gated epilogue needs the SM90 wgmma accumulator layout");
-    constexpr int kGroups = size<0, 2>(FrgLayout{});
+    constexpr int kGroups = WgmmaColumnGroups<FrgLayout>();
     static_assert(kGroups % 8 == 0, "a quad stores eight 8-column groups at a time");
 
     const int m_size = static_cast<int>(get<0>(problem_shape_mnkl));
     const int n_size = static_cast<int>(get<1>(problem_shape_mnkl));
     const int l = static_cast<int>(get<3>(blk_coord_mnkl));
-    Tensor cd = local_tile(make_identity_tensor(make_shape(m_size, n_size)), take<0, 2>(blk_shape_mnk),
-                           make_coord(get<0>(blk_coord_mnkl), get<1>(blk_coord_mnkl)));
-    Tensor tc = tiled_mma.get_thread_slice(thread_idx).partition_C(cd);  // (m, n) of each accumulator
+    const auto tc = AccumulatorCoords(m_size, n_size, blk_shape_mnk, blk_coord_mnkl, tiled_mma, thread_idx);
 
     Out* d = reinterpret_cast<Out*>(params_.ptr_D[l]);
     const int64_t ld = cute::get<0>(params_.dD[l]);  // d's row length (N / 2, as the setup kernel wrote it)

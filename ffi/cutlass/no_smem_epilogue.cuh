@@ -53,6 +53,28 @@ struct NoSmemEpilogueBase {
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 };
 
+// The 8-column groups of the SM90 tensor cores' accumulator fragment (wgmma, m64nNk16: ((2 columns,
+// 2 row halves, groups of 8 columns), MMA_M, MMA_N); a thread holds columns 2q and 2q + 1 of each
+// group of its rows, q = lane % 4), checked to be that layout.
+template <class FrgLayout>
+constexpr int WgmmaColumnGroups() {
+  using namespace cute;
+  static_assert(rank<0>(FrgLayout{}) == 3 && size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2,
+                "the epilogue needs the SM90 wgmma accumulator layout");
+  return size<0, 2>(FrgLayout{});
+}
+
+// The (m, n) coordinates, within the group's m_size x n_size problem, of each of this thread's
+// accumulators of the tile at blk_coord.
+template <class BlockShapeMNK, class BlockCoordMNKL, class TiledMma>
+CUTLASS_DEVICE auto AccumulatorCoords(int m_size, int n_size, BlockShapeMNK const& blk_shape,
+                                      BlockCoordMNKL const& blk_coord, TiledMma const& tiled_mma, int thread_idx) {
+  using namespace cute;
+  Tensor cd = local_tile(make_identity_tensor(make_shape(m_size, n_size)), take<0, 2>(blk_shape),
+                         make_coord(get<0>(blk_coord), get<1>(blk_coord)));
+  return tiled_mma.get_thread_slice(thread_idx).partition_C(cd);
+}
+
 // The column dequantization scales (kScaled: FP8) and the bias of this lane's column pair in the kN
 // accumulator groups g0 .. g0 + kN - 1 of (mi, ni), loaded together with 8-byte loads (a pair's first
 // column is even) ahead of the rows that use them; ones and zeros where there are none or the pair is
