@@ -28,7 +28,7 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
 - ``tokamax`` (bf16 only, where tokamax is importable on an NVIDIA GPU; :mod:`bench.peers`): the
   same routing and data through tokamax's Mosaic-GPU ``ragged_dot``, the peer to beat. Its column
   is followed by "vs tokamax", tokamax's time over the best jax_moe time (above 1: jax_moe is faster).
-- ``cutlass_sc`` (only when named in ``--impls``): ``cutlass`` prepared, with ``finalize="scatter"``:
+- ``cutlass_sc`` (only when named in ``--impls``, with or without ``cutlass``): ``cutlass`` prepared, with ``finalize="scatter"``:
   GEMM2's epilogue adds each weighted row into its token's output row (bf16 atomics), in place of
   the un-permute kernel (:mod:`jax_moe.backends.cutlass_scatter_gemm`).
 - ``cutlass_nk`` (only when named in ``--impls``; bf16): ``cutlass`` prepared without the
@@ -87,6 +87,7 @@ SCHEMES = {"bf16": 2, "f16": 2, "fp8": 1, "fp8_block": 1 + 4 / (128 * 128), "mxf
 FP8_MATH = ("fp8", "fp8_block", "w4a8")  # schemes whose GEMMs run on FP8 tensor cores
 TOKEN_DTYPE = {"f16": jnp.float16}       # the tokens' dtype where it is not bfloat16
 NOT_JAX_MOE = ("ragged_dot", "dense", "tokamax")  # baselines and peers: never "best jax_moe"
+CUTLASS_VARIANTS = ("cutlass_nk", "cutlass_sc")  # cutlass on other settings, only when named in --impls
 
 @dataclasses.dataclass(frozen=True)
 class Model:
@@ -184,8 +185,9 @@ def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16, only: list[s
                   f"{cfg.activation}, {cfg.gate_up_layout}{', with biases' if biases is not None else ''})")
     impls = {name: v for name, v in impls.items() if want(name)}
     features = oracle.call_features(dtype=dtype, w13_bias=b13, w2_bias=b2)
+    variants = [v for v in CUTLASS_VARIANTS if only is not None and v in only]  # cutlass's, named: probe cutlass
     for name in oracle.MODULES:
-        if name == "xla" or not want(name):
+        if name == "xla" or not (want(name) or (name == "cutlass" and variants)):
             continue
         mod, ok, reason = oracle.probe(name, cfg, quant, None, features)
         if not ok:
@@ -196,17 +198,19 @@ def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16, only: list[s
         else:
             impls[name] = (True, same, lambda x, ws, w, ids, mod=mod: mod.apply(x, *ws[:2], w, ids, cfg, quant=quant,
                                                                                 **bias_kw(ws)))
-    if only is not None and "cutlass_nk" in only and "cutlass" in impls and quant is None:
+    if "cutlass_nk" in variants and "cutlass" in impls and quant is None:
         from jax_moe.backends import cutlass
 
         impls["cutlass_nk"] = (True, lambda w13, w2: cutlass.prepare(w13, w2, cfg, w13_bias=b13, w2_bias=b2,
                                                                       transpose=False),
                                lambda x, p, w, ids: cutlass.apply_prepared(x, p, w, ids))
-    if only is not None and "cutlass_sc" in only and "cutlass" in impls:
+    if "cutlass_sc" in variants and "cutlass" in impls:
         from jax_moe.backends import cutlass
 
         impls["cutlass_sc"] = (True, lambda w13, w2: cutlass.prepare(w13, w2, cfg, quant, w13_bias=b13, w2_bias=b2),
                                lambda x, p, w, ids: cutlass.apply_prepared(x, p, w, ids, finalize="scatter"))
+    if variants and not want("cutlass"):
+        impls.pop("cutlass", None)
     if quant is None and jnp.dtype(dtype) == jnp.bfloat16 and plain and want("tokamax"):
         impls.update(peers.implementations())
     return impls

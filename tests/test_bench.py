@@ -268,3 +268,22 @@ def test_tune_models_writes_this_gpu_models_shipped_file_by_default(tune_models,
     assert tune_models.main(["--models", "olmoe"]) == 0
     assert calls[0][calls[0].index("--out") + 1] == os.path.join(tc.SHIPPED_DIR, "nvidia_h200.json")
     assert "nvidia_h200.json" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("only, names", [
+    (["cutlass_sc"], ["cutlass_sc"]),
+    (["cutlass", "cutlass_sc"], ["cutlass", "cutlass_sc"]),
+    (["cutlass", "cutlass_nk", "cutlass_sc"], ["cutlass", "cutlass_nk", "cutlass_sc"]),
+    (["cutlass"], ["cutlass"]),
+])
+def test_cutlass_variants_run_when_named_with_or_without_cutlass(moe_bench, monkeypatch, only, names):
+    """``--impls cutlass_sc`` alone times the scatter form (cutlass is probed for it, not timed)."""
+    from jax_moe import oracle
+    from jax_moe.backends import cutlass
+
+    monkeypatch.setattr(oracle, "probe", lambda name, *a, **k: (cutlass, name == "cutlass", "here"))
+    from jax_moe.config import MoEConfig
+
+    m = moe_bench.MODELS["tiny"]
+    impls = moe_bench.implementations(MoEConfig(m.e, m.k, m.h, m.i), only=only)
+    assert sorted(impls) == names
