@@ -28,9 +28,10 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
 - ``tokamax`` (bf16 only, where tokamax is importable on an NVIDIA GPU; :mod:`bench.peers`): the
   same routing and data through tokamax's Mosaic-GPU ``ragged_dot``, the peer to beat. Its column
   is followed by "vs tokamax", tokamax's time over the best jax_moe time (above 1: jax_moe is faster).
-- ``cutlass_sc`` (only when named in ``--impls``, with or without ``cutlass``): ``cutlass`` prepared, with ``finalize="scatter"``:
-  GEMM2's epilogue adds each weighted row into its token's output row (bf16 atomics), in place of
-  the un-permute kernel (:mod:`jax_moe.backends.cutlass_scatter_gemm`).
+- ``cutlass_sc`` (only when named in ``--impls``, with or without ``cutlass``): ``cutlass``
+  prepared, with ``finalize="scatter"``: GEMM2's epilogue adds each weighted row into its token's
+  output row (bf16 atomics), in place of the un-permute kernel
+  (:mod:`jax_moe.backends.cutlass_scatter_gemm`).
 - ``cutlass_nk`` (only when named in ``--impls``; bf16): ``cutlass`` prepared without the
   transpose, its weights K contiguous as stored (``cutlass.prepare(..., transpose=False)``; a gated
   layer's w13 still interleaved), to set the two layouts side by side; it holds a second copy of
