@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="layers to tune (default: all; the bench's four only off the measured table's GPU model)")
     p.add_argument("--scheme", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--tokens", nargs="+", type=int, default=[16, 64, 256, 1024, 4096])
+    p.add_argument("--finalize", choices=("gather", "scatter"), default=None,
+                   help="scatter: tune GEMM2 with its scatter epilogue (its own tile keys), as the autotuner's flag")
     p.add_argument("--out", help="the cache file; tiles already there are kept (default: this GPU model's "
                    "shipped file, jax_moe/backends/tuned_tiles/)")
     p.add_argument("--list", action="store_true", help="print the layers and exit")
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         s = LAYERS[name]
         cmd = [sys.executable, "-m", "jax_moe.autotune", "--shape", *map(str, s), "--scheme", args.scheme,
                "--tokens", *map(str, args.tokens), "--out", out]
+        if args.finalize is not None:
+            cmd += ["--finalize", args.finalize]
         print(f"## {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         rc = subprocess.call(cmd)

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe.backends import cutlass_tile_cache
+from jax_moe.backends.cutlass_scatter_gemm import FINALIZE_ENV
 from jax_moe.backends.cutlass_tile_cache import TileCache, choose
 from jax_moe.backends.cutlass_tiles import MIN_GAIN, TILE_ENV, TILES, tuning
 from jax_moe.config import MoEConfig
@@ -278,6 +279,9 @@ def main(argv: Sequence[str] | None = None) -> Report:
     p.add_argument("--scheme", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS))
     p.add_argument("--min-gain", type=float, default=MIN_GAIN)
+    p.add_argument("--finalize", choices=("gather", "scatter"), default=None,
+                   help="how the tuned forward sums each token's rows (sets JAX_MOE_CUTLASS_FINALIZE in this "
+                        "process; default: the environment's): scatter tunes GEMM2 with its scatter epilogue")
     p.add_argument("--out", default=os.environ.get(cutlass_tile_cache.CACHE_ENV) or "jax_moe_tiles.json",
                    help="the cache file to write (default: $JAX_MOE_TILE_CACHE, else ./jax_moe_tiles.json)")
     args = p.parse_args(argv)
@@ -294,8 +298,11 @@ def main(argv: Sequence[str] | None = None) -> Report:
             cfg = MoEConfig(e, k, h, i, args.activation)
     except (OSError, ValueError) as err:
         p.error(str(err))
+    if args.finalize is not None:
+        os.environ[FINALIZE_ENV] = args.finalize  # read when the forward is traced
     print(f"# {device_kind()}: E={cfg.num_experts} H={cfg.hidden_size} I={cfg.intermediate_size} k={cfg.top_k} "
-          f"{cfg.activation} {args.scheme}, T={args.tokens}")
+          f"{cfg.activation} {args.scheme}, T={args.tokens}"
+          f"{'' if args.finalize is None else f', finalize={args.finalize}'}")
     try:
         report = tune(random_block(cfg, args.scheme), args.tokens, path=args.out, min_gain=args.min_gain)
     except ValueError as err:  # what cannot be tuned here, said without a traceback

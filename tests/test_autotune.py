@@ -331,6 +331,25 @@ def test_the_command_line_says_what_it_cannot_tune_without_a_traceback(tmp_path,
         assert stop.value.code == 2 and "cutlass" in err and "Traceback" not in err
 
 
+def test_the_command_line_tunes_the_scattering_forward_when_asked(tmp_path, monkeypatch):
+    """--finalize scatter sets JAX_MOE_CUTLASS_FINALIZE for the forward it traces (its GEMM2 then
+    has tile keys of its own, bf16_kn_scatter/...), before anything is tuned."""
+    from jax_moe.backends.cutlass_scatter_gemm import FINALIZE_ENV
+
+    monkeypatch.setenv(FINALIZE_ENV, "gather")
+    seen = []
+
+    def tune(block, tokens, **kw):
+        seen.append(os.environ[FINALIZE_ENV])
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(autotune, "tune", tune)
+    monkeypatch.setattr(autotune, "random_block", lambda cfg, scheme: None)
+    with pytest.raises(SystemExit):
+        autotune.main(["--shape", "16", "256", "128", "4", "--finalize", "scatter", "--out", str(tmp_path / "t.json")])
+    assert seen == ["scatter"]
+
+
 @pytest.mark.gpu
 def test_a_tuned_block_on_the_gpu_computes_the_definition(tmp_path):
     """tune() on a real prepared block: every tile timed for both GEMMs, the cache written; the block

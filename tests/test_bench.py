@@ -234,6 +234,15 @@ def test_tune_models_tunes_each_layer_in_its_own_process_into_one_file(tune_mode
     assert "failed: dbrx" in capsys.readouterr().out
 
 
+def test_tune_models_hands_finalize_to_each_tuner(tune_models, monkeypatch):
+    calls = []
+    monkeypatch.setattr(tune_models.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    assert tune_models.main(["--models", "olmoe", "--finalize", "scatter", "--out", "t.json"]) == 0
+    assert calls[0][-2:] == ["--finalize", "scatter"]
+    assert tune_models.main(["--models", "olmoe", "--out", "t.json"]) == 0
+    assert "--finalize" not in calls[1]
+
+
 def test_tune_models_leaves_the_bench_models_to_the_measured_table_on_its_gpu_model(tune_models, monkeypatch):
     from jax_moe import device
     from jax_moe.backends.cutlass_tiles import MEASURED_ON
