@@ -85,7 +85,7 @@ from jax_moe import decode, ffi, kernels
 from jax_moe.backends import cutlass_vjp
 from jax_moe.backends.cutlass_act_gemm import forward_gemm1, gemm1_with_activation
 from jax_moe.backends.cutlass_prepared import Prepared, apply_prepared, prepare  # noqa: F401  (MoEBlock.prepare())
-from jax_moe.backends.cutlass_scatter_gemm import grouped_gemm_scatter, scatters
+from jax_moe.backends.cutlass_scatter_gemm import scattered_gemm2, scatters
 from jax_moe.backends.cutlass_vjp import activation as _activation
 from jax_moe.backends.cutlass_vjp import act_options, bias_options
 from jax_moe.backends.cutlass_gemm import (  # noqa: F401  (the GEMM layer's names, re-exported)
@@ -349,10 +349,8 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
         a2, s2 = _fp8_gemm2_input(h1, cfg, valid, quant, sort.offsets, w13_bias)
     s22 = jnp.asarray(quant.w2_scale, jnp.float32)
     if scatters(finalize, bf16_out=jnp.dtype(x.dtype) == jnp.bfloat16, transposed=False, quant=quant):
-        w = jnp.ones_like(tw) if apply_router_weight_on_input else tw  # the weight went into x
-        b2 = None if w2_bias is None else w2_bias.astype(jnp.float32)
-        return grouped_gemm_scatter(a2, w2, sort.offsets, sort.sorted_slots, w, a_scale=s2, b_scale=s22, bias=b2,
-                                    tile=tile).astype(x.dtype)
+        return scattered_gemm2(a2, w2, sort, topk_weights, w2_bias=w2_bias, tile=tile, a_scale=s2, b_scale=s22,
+                               apply_router_weight_on_input=apply_router_weight_on_input).astype(x.dtype)
     y = grouped_gemm(a2, w2, sort.offsets, a_scale=s2, b_scale=s22, tile=tile)
     return kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid, out_dtype=x.dtype,
                                     apply_router_weight_on_input=apply_router_weight_on_input,

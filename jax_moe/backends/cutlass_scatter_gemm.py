@@ -80,6 +80,19 @@ def scatters(finalize: str, *, bf16_out: bool, transposed: bool, quant=None) -> 
     return mode == "scatter" and kernel and bf16_out
 
 
+def scattered_gemm2(a2, w2, sort, topk_weights, *, w2_bias=None, apply_router_weight_on_input: bool = False,
+                    tile: str | None = "auto", transposed: bool = False, **scales) -> jax.Array:
+    """A forward's GEMM2 and un-permute as one call: :func:`grouped_gemm_scatter` on the sort's
+    rows (``sort.offsets``, ``sort.sorted_slots``) with the routing weights [T, k] (ones where
+    ``apply_router_weight_on_input`` put them into x) and ``w2_bias`` [E, H] (any float dtype, or
+    None) in float32; ``scales``: FP8's ``a_scale`` and ``b_scale``. Returns [T, H] bfloat16."""
+    tw = topk_weights.astype(jnp.float32)
+    bias = None if w2_bias is None else w2_bias.astype(jnp.float32)
+    return grouped_gemm_scatter(a2, w2, sort.offsets, sort.sorted_slots,
+                                jnp.ones_like(tw) if apply_router_weight_on_input else tw, bias=bias, tile=tile,
+                                transposed=transposed, **scales)
+
+
 def _check_scatter(a, b, offsets, slots, weights, a_scale, b_scale, bias, tile, transposed):
     """Checks :func:`grouped_gemm_scatter`'s arguments (ValueError) -> (kind, tile, b as [E, N, K])."""
     check_rank("a", a, 2, "[M, K]")

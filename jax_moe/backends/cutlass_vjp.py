@@ -61,7 +61,7 @@ from jax_moe.activations import activate
 from jax_moe.backends.cutlass_act_gemm import forward_gemm1, gemm1_with_activation
 from jax_moe.backends.cutlass_gemm import grouped_gemm
 from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad, grouped_gemm_wgrad
-from jax_moe.backends.cutlass_scatter_gemm import grouped_gemm_scatter, scatters
+from jax_moe.backends.cutlass_scatter_gemm import scattered_gemm2, scatters
 from jax_moe.config import MoEConfig
 
 RESIDUALS = ("save", "recompute")
@@ -127,18 +127,16 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None
     else:
         h1 = gemm(a1, w13, sort.offsets, tile=tile1)
         a2 = activation(h1, cfg, valid, sort.offsets, w13_bias)
+    res = {"x": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w2": w2,
+           "w13_bias": w13_bias, "w2_bias": w2_bias}
     if transposed and scatters(finalize, bf16_out=jnp.dtype(x.dtype) == jnp.bfloat16, transposed=True):
-        w = jnp.ones_like(tw) if apply_router_weight_on_input else tw  # the weight went into x
-        b2 = None if w2_bias is None else w2_bias.astype(jnp.float32)
-        out = grouped_gemm_scatter(a2, w2, sort.offsets, sort.sorted_slots, w, bias=b2, tile=tile, transposed=True)
-        return out.astype(x.dtype), {"x": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13,
-                                     "w2": w2, "w13_bias": w13_bias, "w2_bias": w2_bias}
+        out = scattered_gemm2(a2, w2, sort, topk_weights, w2_bias=w2_bias, tile=tile, transposed=True,
+                              apply_router_weight_on_input=apply_router_weight_on_input)
+        return out.astype(x.dtype), res
     y = gemm(a2, w2, sort.offsets, tile=tile)
     out = kernels.unpermute_reduce(y, sort.inverse, tw, valid_rows=valid, out_dtype=x.dtype,
                                    apply_router_weight_on_input=apply_router_weight_on_input,
                                    **bias_options(w2_bias, sort.offsets))
-    res = {"x": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w2": w2,
-           "w13_bias": w13_bias, "w2_bias": w2_bias}
     if residuals == "save":
         res.update(sort=sort, valid=valid, a1=checkpoint_name(a1, "moe_a1"), h1=checkpoint_name(h1, "moe_h1"),
                    y=checkpoint_name(y, "moe_y"))
