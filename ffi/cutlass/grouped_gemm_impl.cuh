@@ -256,32 +256,26 @@ struct GroupedGemm {
     args.mainloop.dA = arr.sa;
     args.mainloop.ptr_B = arr.pb;
     args.mainloop.dB = arr.sb;
-    if constexpr (kAct) {
+    if constexpr (kAct || kScatter) {  // our own epilogues: the FP8 scale arrays and the bias, then each one's
       auto& ep = args.epilogue;
       if constexpr (kScaled) {
         ep.ptr_row_scale = arr.prow;
         ep.ptr_col_scale = arr.pcol;
       }
+      if constexpr (kScatter) ep.row_lo = arr.row_lo;
       if (call != nullptr) {
         ep.bias = call->bias;
-        ep.out_scale = call->out_scale;
-        ep.activation = call->activation;
-        ep.alpha = call->alpha;
-        ep.limit = call->limit;
-      }
-    } else if constexpr (kScatter) {
-      auto& ep = args.epilogue;
-      ep.row_lo = arr.row_lo;
-      if constexpr (kScaled) {
-        ep.ptr_row_scale = arr.prow;
-        ep.ptr_col_scale = arr.pcol;
-      }
-      if (call != nullptr) {
-        ep.slots = call->slots;
-        ep.weights = call->weights;
-        ep.k = call->topk;
-        ep.bias = call->bias;
-        ep.num_tokens = call->num_tokens;
+        if constexpr (kAct) {
+          ep.out_scale = call->out_scale;
+          ep.activation = call->activation;
+          ep.alpha = call->alpha;
+          ep.limit = call->limit;
+        } else {
+          ep.slots = call->slots;
+          ep.weights = call->weights;
+          ep.k = call->topk;
+          ep.num_tokens = call->num_tokens;
+        }
       }
     } else {
       if constexpr (kScaled) {
