@@ -28,10 +28,12 @@ bandwidth and bf16 matmul peak measured in the same run. Implementations:
 - ``tokamax`` (bf16 only, where tokamax is importable on an NVIDIA GPU; :mod:`bench.peers`): the
   same routing and data through tokamax's Mosaic-GPU ``ragged_dot``, the peer to beat. Its column
   is followed by "vs tokamax", tokamax's time over the best jax_moe time (above 1: jax_moe is faster).
-- ``cutlass_sc`` (only when named in ``--impls``, with or without ``cutlass``): ``cutlass``
-  prepared, with ``finalize="scatter"``: GEMM2's epilogue adds each weighted row into its token's
-  output row (bf16 atomics), in place of the un-permute kernel
-  (:mod:`jax_moe.backends.cutlass_scatter_gemm`).
+- ``cutlass_sc`` and ``cutlass_ga`` (only when named in ``--impls``, with or without
+  ``cutlass``): ``cutlass`` prepared, with ``finalize="scatter"`` (GEMM2's epilogue adds each
+  weighted row into its token's output row with bf16 atomics, in place of the un-permute kernel:
+  :mod:`jax_moe.backends.cutlass_scatter_gemm`) or ``finalize="gather"`` (the un-permute kernel's
+  float32 sum, bit-reproducible). ``cutlass`` itself takes ``"auto"``: the scatter unless
+  ``JAX_MOE_CUTLASS_FINALIZE`` or XLA's determinism flags say otherwise (the header says which).
 - ``cutlass_nk`` (only when named in ``--impls``; bf16): ``cutlass`` prepared without the
   transpose, its weights K contiguous as stored (``cutlass.prepare(..., transpose=False)``; a gated
   layer's w13 still interleaved), to set the two layouts side by side; it holds a second copy of
@@ -88,7 +90,7 @@ SCHEMES = {"bf16": 2, "f16": 2, "fp8": 1, "fp8_block": 1 + 4 / (128 * 128), "mxf
 FP8_MATH = ("fp8", "fp8_block", "w4a8")  # schemes whose GEMMs run on FP8 tensor cores
 TOKEN_DTYPE = {"f16": jnp.float16}       # the tokens' dtype where it is not bfloat16
 NOT_JAX_MOE = ("ragged_dot", "dense", "tokamax")  # baselines and peers: never "best jax_moe"
-CUTLASS_VARIANTS = ("cutlass_nk", "cutlass_sc")  # cutlass on other settings, only when named in --impls
+CUTLASS_VARIANTS = ("cutlass_nk", "cutlass_sc", "cutlass_ga")  # cutlass on other settings, only when named in --impls
 
 @dataclasses.dataclass(frozen=True)
 class Model:
@@ -205,11 +207,12 @@ def implementations(cfg: MoEConfig, quant=None, dtype=jnp.bfloat16, only: list[s
         impls["cutlass_nk"] = (True, lambda w13, w2: cutlass.prepare(w13, w2, cfg, w13_bias=b13, w2_bias=b2,
                                                                       transpose=False),
                                lambda x, p, w, ids: cutlass.apply_prepared(x, p, w, ids))
-    if "cutlass_sc" in variants and "cutlass" in impls:
-        from jax_moe.backends import cutlass
+    for name, finalize in (("cutlass_sc", "scatter"), ("cutlass_ga", "gather")):
+        if name in variants and "cutlass" in impls:
+            from jax_moe.backends import cutlass
 
-        impls["cutlass_sc"] = (True, lambda w13, w2: cutlass.prepare(w13, w2, cfg, quant, w13_bias=b13, w2_bias=b2),
-                               lambda x, p, w, ids: cutlass.apply_prepared(x, p, w, ids, finalize="scatter"))
+            impls[name] = (True, lambda w13, w2: cutlass.prepare(w13, w2, cfg, quant, w13_bias=b13, w2_bias=b2),
+                           lambda x, p, w, ids, f=finalize: cutlass.apply_prepared(x, p, w, ids, finalize=f))
     if variants and not want("cutlass"):
         impls.pop("cutlass", None)
     if quant is None and jnp.dtype(dtype) == jnp.bfloat16 and plain and want("tokamax"):
@@ -448,7 +451,8 @@ def main(argv=None):
     p.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md and save a PNG plot")
     p.add_argument("--impls", nargs="+", default=None,
                    help="only these implementations (e.g. xla cutlass tokamax); default: every one that runs here "
-                        "but cutlass_nk (cutlass prepared with K-contiguous weights), which must be named")
+                        "but cutlass's variants, which must be named: cutlass_nk (K-contiguous weights), "
+                        "cutlass_sc / cutlass_ga (finalize='scatter' / 'gather')")
     p.add_argument("--in-loop", nargs="*", type=int, default=[], metavar="T",
                    help="also time these T per layer inside one jitted loop (device time, no dispatch)")
     p.add_argument("--layers", type=int, default=32, help="layers of the --in-loop loop")

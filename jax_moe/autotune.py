@@ -281,7 +281,8 @@ def main(argv: Sequence[str] | None = None) -> Report:
     p.add_argument("--min-gain", type=float, default=MIN_GAIN)
     p.add_argument("--finalize", choices=("gather", "scatter"), default=None,
                    help="how the tuned forward sums each token's rows (sets JAX_MOE_CUTLASS_FINALIZE in this "
-                        "process; default: the environment's): scatter tunes GEMM2 with its scatter epilogue")
+                        "process; default: what finalize='auto' takes here, the scatter unless the environment "
+                        "asks for determinism): scatter tunes GEMM2 with its scatter epilogue")
     p.add_argument("--out", default=os.environ.get(cutlass_tile_cache.CACHE_ENV) or "jax_moe_tiles.json",
                    help="the cache file to write (default: $JAX_MOE_TILE_CACHE, else ./jax_moe_tiles.json)")
     args = p.parse_args(argv)

@@ -54,18 +54,19 @@ def tile_cache_status() -> str:
 
 
 def finalize_status() -> str:
-    """How the cutlass forward sums each token's k expert rows when ``finalize="auto"``: what
-    ``JAX_MOE_CUTLASS_FINALIZE`` says (:func:`jax_moe.backends.cutlass_scatter_gemm.scatters`)."""
-    from jax_moe.backends.cutlass_scatter_gemm import FINALIZE_ENV, scatters
+    """How the cutlass forward sums each token's k expert rows when ``finalize="auto"``, and why
+    (:func:`jax_moe.backends.cutlass_scatter_gemm.auto_finalize`)."""
+    from jax_moe.backends.cutlass_scatter_gemm import FINALIZE_ENV, auto_finalize
 
     try:
-        scatter = scatters("auto", bf16_out=True, transposed=True)
+        mode, why = auto_finalize()
     except ValueError as err:
         return f"unusable: {err}"
-    if scatter:
-        return (f"scatter ({FINALIZE_ENV}=scatter): GEMM2's epilogue adds each row into its token's row, "
-                "on FP8 and prepared bf16 weights; not bit-reproducible")
-    return f"gather (the un-permute kernel, bit-reproducible; {FINALIZE_ENV}=scatter adds in GEMM2's epilogue)"
+    if mode == "scatter":
+        return (f"scatter ({why}): GEMM2's epilogue adds each row into its token's row, on FP8 and prepared "
+                f"bf16 weights; not bit-reproducible ({FINALIZE_ENV}=gather or XLA's "
+                "--xla_gpu_deterministic_ops=true: the un-permute kernel)")
+    return f"gather ({why}): the un-permute kernel, bit-reproducible"
 
 
 def main(argv=None) -> None:

@@ -283,6 +283,7 @@ def test_tune_models_writes_this_gpu_models_shipped_file_by_default(tune_models,
     (["cutlass_sc"], ["cutlass_sc"]),
     (["cutlass", "cutlass_sc"], ["cutlass", "cutlass_sc"]),
     (["cutlass", "cutlass_nk", "cutlass_sc"], ["cutlass", "cutlass_nk", "cutlass_sc"]),
+    (["cutlass_sc", "cutlass_ga"], ["cutlass_ga", "cutlass_sc"]),
     (["cutlass"], ["cutlass"]),
 ])
 def test_cutlass_variants_run_when_named_with_or_without_cutlass(moe_bench, monkeypatch, only, names):

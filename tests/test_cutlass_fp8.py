@@ -201,7 +201,8 @@ def test_fp8_dynamic_per_tensor_scales_are_over_the_tensor_handed_over(rng, monk
     seen = []
     real = cb.grouped_gemm
     monkeypatch.setattr(cb, "grouped_gemm", lambda *a, **kw: seen.append(kw["a_scale"]) or real(*a, **kw))
-    cb.apply(x, q13, q2, tw, ids, MoEConfig(e, k, h, i, expert_shard=True), quant=quant)
+    # gather: GEMM2 is then a grouped_gemm call too (the scattering one takes the same a_scale)
+    cb.apply(x, q13, q2, tw, ids, MoEConfig(e, k, h, i, expert_shard=True), quant=quant, finalize="gather")
     assert float(seen[0]) == pytest.approx(100.0 / 448, rel=1e-6)
     assert seen[1].shape == ()
 

@@ -13,6 +13,8 @@ from jax_moe.backends import cutlass as cb
 from jax_moe.backends import xla
 from jax_moe.backends.cutlass_scatter_gemm import (
     FINALIZE_ENV,
+    auto_finalize,
+    deterministic_requested,
     grouped_gemm_scatter,
     grouped_gemm_scatter_reference,
     grouped_gemm_scatter_shape,
@@ -166,16 +168,41 @@ def test_fp8_weights_must_be_k_major(rng):
 def test_scatters_where_asked_and_a_kernel_takes_the_weights(monkeypatch):
     fp8 = QuantConfig("fp8", w13_scale=jnp.float32(1), w2_scale=jnp.float32(1))
     monkeypatch.delenv(FINALIZE_ENV, raising=False)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     assert scatters("scatter", bf16_out=True, transposed=True)
     assert scatters("scatter", bf16_out=False, transposed=False, quant=fp8)
     assert not scatters("gather", bf16_out=True, transposed=True)
-    assert not scatters("auto", bf16_out=True, transposed=True)  # gathers unless told
-    monkeypatch.setenv(FINALIZE_ENV, "scatter")
+    # "auto" scatters wherever a kernel takes the weights and the output is bf16
     assert scatters("auto", bf16_out=True, transposed=True) and scatters("auto", bf16_out=True, transposed=False,
                                                                        quant=fp8)
     assert not scatters("auto", bf16_out=False, transposed=True)  # a float32 output keeps its float32 sum
     assert not scatters("auto", bf16_out=True, transposed=False)  # no kernel for K-major bf16 weights
-    assert not scatters("gather", bf16_out=True, transposed=True)
+    monkeypatch.setenv(FINALIZE_ENV, "gather")
+    assert not scatters("auto", bf16_out=True, transposed=True)
+    assert scatters("scatter", bf16_out=True, transposed=True)  # the argument outranks the variable
+
+
+@pytest.mark.parametrize("xla_flags", ["--xla_gpu_deterministic_ops=true", "--xla_gpu_deterministic_ops",
+                                       "--xla_dump_to=/tmp/d --xla_gpu_exclude_nondeterministic_ops=1"])
+def test_auto_gathers_where_xla_is_asked_for_deterministic_ops(monkeypatch, xla_flags):
+    monkeypatch.delenv(FINALIZE_ENV, raising=False)
+    monkeypatch.setenv("XLA_FLAGS", xla_flags)
+    assert auto_finalize()[0] == "gather" and "deterministic" in auto_finalize()[1]
+    assert not scatters("auto", bf16_out=True, transposed=True)
+    monkeypatch.setenv(FINALIZE_ENV, "scatter")  # the variable outranks the flags
+    assert scatters("auto", bf16_out=True, transposed=True)
+
+
+@pytest.mark.parametrize("xla_flags, deterministic", [
+    ("", False),
+    ("--xla_gpu_deterministic_ops=false", False),
+    ("--xla_gpu_deterministic_ops=0 --xla_gpu_autotune_level=0", False),
+    ("--xla_gpu_deterministic_ops_extra=true", False),
+    ("--xla_gpu_deterministic_ops=TRUE", True),
+    ("--xla_gpu_exclude_nondeterministic_ops", True),
+])
+def test_deterministic_requested_reads_xla_flags_as_xla_does(xla_flags, deterministic):
+    assert deterministic_requested(xla_flags) is deterministic
 
 
 def test_unknown_or_unbuilt_finalize_forms_are_errors(monkeypatch, rng):
@@ -214,9 +241,12 @@ def test_info_says_how_the_forward_sums_its_rows(monkeypatch):
     from jax_moe.info import finalize_status
 
     monkeypatch.delenv(FINALIZE_ENV, raising=False)
-    assert finalize_status().startswith("gather")
-    monkeypatch.setenv(FINALIZE_ENV, "scatter")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     assert finalize_status().startswith("scatter") and "not bit-reproducible" in finalize_status()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    assert finalize_status().startswith("gather") and "XLA_FLAGS" in finalize_status()
+    monkeypatch.setenv(FINALIZE_ENV, "gather")
+    assert finalize_status().startswith("gather") and FINALIZE_ENV in finalize_status()
     monkeypatch.setenv(FINALIZE_ENV, "atomic")
     assert finalize_status().startswith("unusable") and FINALIZE_ENV in finalize_status()
 

@@ -24,12 +24,12 @@ static GEMM2 input scale, where it pays: bf16 where GEMM1 runs a pingpong tile o
 (:func:`~jax_moe.backends.cutlass_act_gemm.fuses_activation`, ``JAX_MOE_CUTLASS_FUSED_ACT=all`` to
 fuse everywhere, ``=0`` nowhere).
 
-``finalize="scatter"`` (or ``JAX_MOE_CUTLASS_FINALIZE=scatter`` for ``"auto"``) on FP8 weights or
-prepared bf16 weights replaces the last two lines: GEMM2's epilogue adds each row, times its
-routing weight (and after its GEMM2 bias), into its token's output row with bf16 atomics
-(:mod:`jax_moe.backends.cutlass_scatter_gemm`), so ``y`` is never written nor read back; the
-order of the adds is free, so the last bits may differ run to run. ``"auto"`` gathers
-(bit-reproducible) unless told otherwise.
+``finalize="scatter"`` (what ``"auto"`` means unless ``JAX_MOE_CUTLASS_FINALIZE=gather`` or XLA's
+determinism flags say otherwise) on FP8 weights or prepared bf16 weights replaces the last two
+lines: GEMM2's epilogue adds each row, times its routing weight (and after its GEMM2 bias), into
+its token's output row with bf16 atomics (:mod:`jax_moe.backends.cutlass_scatter_gemm`), so ``y``
+is never written nor read back; the order of the adds is free, so the last bits may differ run to
+run, as with XLA's own scatter-adds. ``"gather"`` keeps the bit-reproducible float32 sum.
 
 ``valid = sort.offsets[E]``: slots whose expert id is outside ``[0, E)`` (expert-parallel ids of
 -1) sort last and are skipped. The weights are used as vLLM stores them (``w13 [E, 2I, H]`` gate
@@ -312,8 +312,9 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     function. ``finalize``: how each token's k expert rows are summed: ``"gather"`` (the
     un-permute kernel, a float32 sum, bit-reproducible), ``"scatter"`` (GEMM2's epilogue adds each
     weighted row into its token's row with bf16 atomics: no ``[T*k, H]`` round trip, the order of
-    the adds free; FP8 or transposed bf16 weights), ``"auto"``
-    (:func:`~jax_moe.backends.cutlass_scatter_gemm.scatters`). Returns [T, H] in x's dtype.
+    the adds free; FP8 or transposed bf16 weights), ``"auto"`` (the scatter where it applies,
+    unless the environment asks for determinism: :func:`~jax_moe.backends.cutlass_scatter_gemm.scatters`).
+    Returns [T, H] in x's dtype.
     Raises ValueError for what this build does not take: other schemes or activation formats,
     other activations, other weight dtypes, biases of other shapes.
     """

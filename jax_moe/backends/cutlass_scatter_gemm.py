@@ -18,8 +18,10 @@ weights are the layouts the forward's GEMM2 reads: bf16 ``b [E, K, N]`` (N conti
 ``transposed=True``: the prepared layout of :mod:`jax_moe.backends.cutlass_prepared`) or FP8
 ``b [E, N, K]`` (K contiguous).
 
-Where it pays: the adds land in the L2 while ``d`` fits there with the weights streaming past.
-:func:`jax_moe.backends.cutlass.apply`'s ``finalize`` picks it (:func:`scatters`).
+Where it pays: the adds replace GEMM2's ``[T*k, N]`` store and the un-permute kernel's read of it.
+:func:`jax_moe.backends.cutlass.apply`'s ``finalize`` picks it (:func:`scatters`): by default
+wherever it applies, unless ``JAX_MOE_CUTLASS_FINALIZE=gather`` or XLA's determinism flags
+(:func:`auto_finalize`) ask for the bit-reproducible sum.
 """
 
 from __future__ import annotations
@@ -53,6 +55,35 @@ from jax_moe.layouts.transposed import transpose_experts, transposed_shape
 FINALIZES = ("auto", "gather", "scatter")
 # JAX_MOE_CUTLASS_FINALIZE (read at trace time): what "auto" means, "gather" or "scatter"
 FINALIZE_ENV = "JAX_MOE_CUTLASS_FINALIZE"
+# XLA's own switches for deterministic GPU programs (in XLA_FLAGS): under either, "auto" gathers
+DETERMINISTIC_XLA_FLAGS = ("--xla_gpu_deterministic_ops", "--xla_gpu_exclude_nondeterministic_ops")
+
+
+def deterministic_requested(xla_flags: str | None = None) -> bool:
+    """Whether ``XLA_FLAGS`` (``xla_flags``: that string, None: the environment's) turns on one of
+    XLA's switches for deterministic GPU programs (:data:`DETERMINISTIC_XLA_FLAGS`), written
+    ``--flag``, ``--flag=true`` or ``--flag=1``: the same request XLA's own scatter-adds honour."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    for word in flags.split():
+        name, _, value = word.partition("=")
+        if name in DETERMINISTIC_XLA_FLAGS and value.lower() in ("", "true", "1"):
+            return True
+    return False
+
+
+def auto_finalize() -> tuple[str, str]:
+    """What ``finalize="auto"`` means now -> (``"gather"`` or ``"scatter"``, why): the
+    ``JAX_MOE_CUTLASS_FINALIZE`` variable where set; else ``"gather"`` under XLA's determinism
+    flags (:func:`deterministic_requested`); else ``"scatter"``, as XLA's own scatter-adds on a GPU
+    take atomics unless those flags ask otherwise. ValueError for another value of the variable."""
+    mode = os.environ.get(FINALIZE_ENV, "")
+    if mode:
+        if mode not in ("gather", "scatter"):
+            raise ValueError(f"{FINALIZE_ENV} must be 'gather' or 'scatter', got {mode!r}")
+        return mode, f"{FINALIZE_ENV}={mode}"
+    if deterministic_requested():
+        return "gather", "XLA_FLAGS asks for deterministic GPU ops"
+    return "scatter", "the default where no flag asks for determinism"
 
 
 def scatters(finalize: str, *, bf16_out: bool, transposed: bool, quant=None) -> bool:
@@ -61,9 +92,10 @@ def scatters(finalize: str, *, bf16_out: bool, transposed: bool, quant=None) -> 
 
     ``finalize``: ``"gather"`` (the un-permute kernel: a float32 sum, bit-reproducible),
     ``"scatter"`` (GEMM2's epilogue; ValueError where no kernel takes these weights: bf16 weights
-    K contiguous), or ``"auto"``: ``JAX_MOE_CUTLASS_FINALIZE`` if set, else ``"gather"``, and
-    scatter only where a kernel takes the weights and the output is bf16 (``bf16_out``). The
-    weights: FP8 (``quant``), or bf16 ``transposed`` ([E, I, H], the prepared layout)."""
+    K contiguous), or ``"auto"``: :func:`auto_finalize` (scatter unless ``JAX_MOE_CUTLASS_FINALIZE``
+    or XLA's determinism flags say gather), and scatter only where a kernel takes the weights and
+    the output is bf16 (``bf16_out``). The weights: FP8 (``quant``), or bf16 ``transposed``
+    ([E, I, H], the prepared layout)."""
     if finalize not in FINALIZES:
         raise ValueError(f"finalize must be one of {FINALIZES}, got {finalize!r}")
     kernel = quant is not None or transposed
@@ -74,10 +106,7 @@ def scatters(finalize: str, *, bf16_out: bool, transposed: bool, quant=None) -> 
         return True
     if finalize == "gather":
         return False
-    mode = os.environ.get(FINALIZE_ENV, "") or "gather"
-    if mode not in ("gather", "scatter"):
-        raise ValueError(f"{FINALIZE_ENV} must be 'gather' or 'scatter', got {mode!r}")
-    return mode == "scatter" and kernel and bf16_out
+    return auto_finalize()[0] == "scatter" and kernel and bf16_out
 
 
 def scattered_gemm2(a2, w2, sort, topk_weights, *, w2_bias=None, apply_router_weight_on_input: bool = False,
