@@ -22,10 +22,10 @@
 # TUs 179 s, the same five in one TU 74 s (cicc 52 s where one tile's is 18-24 s; peak memory 6.1 GB
 # against 3.3-3.7 GB). Per kind, five tiles in one TU: bf16 74 s, fp8 75 s, dgrad 68 s, wgrad 64 s,
 # the three act kinds 41-44 s (3.7-4.0 GB): 409 s for all 35 instantiations, where kind 0 alone took
-# 179 s as five TUs; the two scatter kinds added since, 38-44 s each (3.7-4.0 GB). The kernels are the
-# same either way (their sm_90a code byte for byte). On many cores the 9 TUs run at once, so the build
-# takes about as long as the slowest kind (~75 s); 45 one-tile TUs (32-41 s each) would finish sooner
-# only with more than ~45 cores.
+# 179 s as five TUs; the three scatter kinds added since, 38-46 s each (3.7-4.0 GB). The kernels are
+# the same either way (their sm_90a code byte for byte). On many cores the 10 TUs run at once, so the
+# build takes about as long as the slowest kind (~75 s); 50 one-tile TUs (32-41 s each) would finish
+# sooner only with more than ~50 cores.
 include_guard(GLOBAL)
 include("${CMAKE_CURRENT_LIST_DIR}/find_flashinfer.cmake")
 

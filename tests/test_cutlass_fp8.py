@@ -138,7 +138,8 @@ def test_compiled_module_matches_this_file():
             array = -(-8 * e // 256) * 256
             bf16, f8 = (mod.workspace_size(e, tile, sm_count=132, kind=cb.KINDS[kind][0]) for kind in ("bf16", "fp8"))
             assert f8 - bf16 == 2 * array
-            for scatter, act in (("bf16_kn_scatter", "bf16_act_kn"), ("fp8_scatter", "fp8_act")):
+            for scatter, act in (("bf16_kn_scatter", "bf16_act_kn"), ("fp8_scatter", "fp8_act"),
+                                 ("bf16_scatter", "bf16_act")):
                 sizes = [mod.workspace_size(e, tile, sm_count=132, kind=k[0]) for k in (SCATTER_KINDS[scatter],
                                                                                        ACT_KINDS[act])]
                 assert sizes[0] - sizes[1] == array, (scatter, e, tile)

@@ -20,7 +20,6 @@ from jax_moe.backends.cutlass_scatter_gemm import (
     grouped_gemm_scatter_shape,
     scatters,
 )
-from jax_moe.quant.scheme import QuantConfig
 
 from cutlass_cases import FP8_REL_TOL, REL_TOL, fp8_gemm_problem, gemm_problem, gptoss_problem, moe_problem, small_cfg
 from helpers import np_moe, poison_memory, rel_err, skip_unless_available
@@ -69,11 +68,14 @@ def bf16_case(rng, counts, n=200, k=64, pad=9):
 # ----------------------------------------------------------------------------- the definition (CPU)
 
 
-def test_the_reference_is_the_definition_bf16(rng):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_reference_is_the_definition_bf16(rng, transposed):
+    """bf16 weights as stored, b [E, N, K], or transposed, b [E, K, N]: the same function."""
     a, b, off = bf16_case(rng, [5, 0, 17, 30])
     slots, w = routing_rows(rng, a.shape[0])
     bias = jnp.asarray(rng.standard_normal((4, 200)), jnp.float32)
-    got = grouped_gemm_scatter_reference(a, jnp.swapaxes(b, 1, 2), off, slots, w, bias=bias, transposed=True)
+    bb = jnp.swapaxes(b, 1, 2) if transposed else b
+    got = grouped_gemm_scatter_reference(a, bb, off, slots, w, bias=bias, transposed=transposed)
     assert got.shape == (T, 200) and got.dtype == jnp.bfloat16
     assert rel_err(got, definition(a, b, off, slots, w, bias)) < REL_TOL
 
@@ -124,7 +126,7 @@ def _args(rng):
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(transposed=False), "bf16 b must be the transposed layout"),
+    (dict(transposed=False), r"b must be \[E, N, K\] with a's K"),  # [E, K, N] read as [E, N, K]
     (dict(slots="float"), "slots must be"),
     (dict(slots="short"), "slots must be"),
     (dict(weights="flat"), "weights must have rank 2"),
@@ -165,21 +167,17 @@ def test_fp8_weights_must_be_k_major(rng):
 # ----------------------------------------------------------------------------- when the forward scatters
 
 
-def test_scatters_where_asked_and_a_kernel_takes_the_weights(monkeypatch):
-    fp8 = QuantConfig("fp8", w13_scale=jnp.float32(1), w2_scale=jnp.float32(1))
+def test_scatters_where_asked_or_by_default_for_a_bf16_output(monkeypatch):
     monkeypatch.delenv(FINALIZE_ENV, raising=False)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    assert scatters("scatter", bf16_out=True, transposed=True)
-    assert scatters("scatter", bf16_out=False, transposed=False, quant=fp8)
-    assert not scatters("gather", bf16_out=True, transposed=True)
-    # "auto" scatters wherever a kernel takes the weights and the output is bf16
-    assert scatters("auto", bf16_out=True, transposed=True) and scatters("auto", bf16_out=True, transposed=False,
-                                                                       quant=fp8)
-    assert not scatters("auto", bf16_out=False, transposed=True)  # a float32 output keeps its float32 sum
-    assert not scatters("auto", bf16_out=True, transposed=False)  # no kernel for K-major bf16 weights
+    assert scatters("scatter", bf16_out=True) and scatters("scatter", bf16_out=False)
+    assert not scatters("gather", bf16_out=True)
+    # "auto" scatters wherever the output is bf16 (a kernel takes every layout of the weights)
+    assert scatters("auto", bf16_out=True)
+    assert not scatters("auto", bf16_out=False)  # a float32 output keeps its float32 sum
     monkeypatch.setenv(FINALIZE_ENV, "gather")
-    assert not scatters("auto", bf16_out=True, transposed=True)
-    assert scatters("scatter", bf16_out=True, transposed=True)  # the argument outranks the variable
+    assert not scatters("auto", bf16_out=True)
+    assert scatters("scatter", bf16_out=True)  # the argument outranks the variable
 
 
 @pytest.mark.parametrize("xla_flags", ["--xla_gpu_deterministic_ops=true", "--xla_gpu_deterministic_ops",
@@ -188,9 +186,9 @@ def test_auto_gathers_where_xla_is_asked_for_deterministic_ops(monkeypatch, xla_
     monkeypatch.delenv(FINALIZE_ENV, raising=False)
     monkeypatch.setenv("XLA_FLAGS", xla_flags)
     assert auto_finalize()[0] == "gather" and "deterministic" in auto_finalize()[1]
-    assert not scatters("auto", bf16_out=True, transposed=True)
+    assert not scatters("auto", bf16_out=True)
     monkeypatch.setenv(FINALIZE_ENV, "scatter")  # the variable outranks the flags
-    assert scatters("auto", bf16_out=True, transposed=True)
+    assert scatters("auto", bf16_out=True)
 
 
 @pytest.mark.parametrize("xla_flags, deterministic", [
@@ -205,36 +203,40 @@ def test_deterministic_requested_reads_xla_flags_as_xla_does(xla_flags, determin
     assert deterministic_requested(xla_flags) is deterministic
 
 
-def test_unknown_or_unbuilt_finalize_forms_are_errors(monkeypatch, rng):
+def test_unknown_finalize_forms_are_errors(monkeypatch, rng):
     with pytest.raises(ValueError, match="finalize must be one of"):
-        scatters("atomic", bf16_out=True, transposed=True)
-    monkeypatch.setenv(FINALIZE_ENV, "fast")
-    with pytest.raises(ValueError, match=FINALIZE_ENV):
-        scatters("auto", bf16_out=True, transposed=True)
-    monkeypatch.delenv(FINALIZE_ENV)
+        scatters("atomic", bf16_out=True)
     cfg = small_cfg()
     x, w13, w2, tw, ids = moe_problem(rng, 5, 8, 2, 64, 32)
-    with pytest.raises(ValueError, match="finalize='scatter' needs"):
-        cb.apply(x, w13, w2, tw, ids, cfg, finalize="scatter")  # bf16 weights as stored: K contiguous
+    with pytest.raises(ValueError, match="finalize must be one of"):
+        cb.apply(x, w13, w2, tw, ids, cfg, finalize="atomic")
+    monkeypatch.setenv(FINALIZE_ENV, "fast")
+    with pytest.raises(ValueError, match=FINALIZE_ENV):
+        scatters("auto", bf16_out=True)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_the_scattering_gemm2_picks_its_tile_under_its_own_key(rng, fp8):
+@pytest.mark.parametrize("weights", ["bf16 as stored", "bf16 prepared", "fp8"])
+def test_the_scattering_gemm2_picks_its_tile_under_its_own_key(rng, weights):
     """So that the autotuner (run with JAX_MOE_CUTLASS_FINALIZE=scatter) tunes it apart from the
     gathering GEMM2, whose best tile differs."""
     from jax_moe.backends import cutlass_tiles as ct
 
-    if fp8:
+    if weights == "fp8":
         cfg, x, w13, w2, tw, ids, quant = _fp8_layer(rng, 40)
-        p, want = cb.prepare(w13, w2, cfg, quant), "fp8_scatter/8/64/32"
+        fn, args, want = cb.apply_prepared, (cb.prepare(w13, w2, cfg, quant),), "fp8_scatter/8/64/32"
     else:
         cfg = small_cfg()
         x, w13, w2, tw, ids = moe_problem(rng, 40, 8, 2, 64, 32)
-        p, want = cb.prepare(w13, w2, cfg), "bf16_kn_scatter/8/64/32"
+        if weights == "bf16 prepared":
+            fn, args, want = cb.apply_prepared, (cb.prepare(w13, w2, cfg),), "bf16_kn_scatter/8/64/32"
+        else:
+            fn, args, want = lambda x, w13, w2, *a, **kw: cb.apply(x, w13, w2, *a, cfg, **kw), (w13, w2), \
+                "bf16_scatter/8/64/32"
     with ct.tuning() as trial:
-        jax.eval_shape(lambda *a: cb.apply_prepared(*a, finalize="scatter"), x, p, tw, ids)
+        jax.eval_shape(lambda x, *a: fn(x, *a, finalize="scatter"), x, *args, tw, ids)
     keys = [key for key, _, _ in trial.picks]
-    assert keys[-1] == want and not any(key.startswith(("bf16_kn/", "fp8/8/64/")) for key in keys)
+    # GEMM2 is [E=8, N=H=64, K=I=32]: picked under the scatter's key, never the gathering one's
+    assert keys[-1] == want and not {"bf16_kn/8/64/32", "bf16/8/64/32", "fp8/8/64/32"} & set(keys)
 
 
 def test_info_says_how_the_forward_sums_its_rows(monkeypatch):
@@ -262,13 +264,24 @@ def _fp8_layer(rng, t, e=8, k=2, h=64, i=32):
     return cfg, x, q13, q2, tw, ids, quant
 
 
+def _bf16_forwards(cfg, w13, w2, b, prepared: bool):
+    """(gathering, scattering) jitted forwards (x, tw, ids) -> [T, H] on the weights as stored or prepared."""
+    if prepared:
+        p = cb.prepare(w13, w2, cfg, **b)
+        return tuple(jax.jit(lambda x, tw, ids, f=f: cb.apply_prepared(x, p, tw, ids, finalize=f))
+                     for f in ("gather", "scatter"))
+    return tuple(jax.jit(lambda x, tw, ids, f=f: cb.apply(x, w13, w2, tw, ids, cfg, finalize=f, **b))
+                 for f in ("gather", "scatter"))
+
+
+@pytest.mark.parametrize("prepared", [False, True])
 @pytest.mark.parametrize("minus_one", [0.0, 0.2])
-def test_a_scattering_bf16_layer_is_the_gathering_one_on_cpu(rng, minus_one):
-    """GPT-OSS-style (swigluoai, interleaved, both biases), some ids -1: the kernels' jnp references."""
+def test_a_scattering_bf16_layer_is_the_gathering_one_on_cpu(rng, minus_one, prepared):
+    """GPT-OSS-style (swigluoai, interleaved, both biases), some ids -1, weights as stored or
+    prepared: the kernels' jnp references."""
     cfg, x, w13, w2, tw, ids, b = gptoss_problem(rng, 45, 8, 4, 64, 32, minus_one=minus_one)
-    p = cb.prepare(w13, w2, cfg, **b)
-    gather = jax.jit(lambda *a: cb.apply_prepared(*a, finalize="gather"))(x, p, tw, ids)
-    scatter = jax.jit(lambda *a: cb.apply_prepared(*a, finalize="scatter"))(x, p, tw, ids)
+    gather_fn, scatter_fn = _bf16_forwards(cfg, w13, w2, b, prepared)
+    gather, scatter = gather_fn(x, tw, ids), scatter_fn(x, tw, ids)
     assert rel_err(scatter, gather) < REL_TOL
     want = np_moe(x, w13, w2, tw, ids, "swigluoai", "interleaved", b["w13_bias"], b["w2_bias"], alpha=1.5, limit=4.0)
     assert rel_err(scatter, want) < REL_TOL
@@ -294,21 +307,23 @@ def test_the_router_weight_on_the_input_is_not_applied_twice(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("tile", sorted(cb.TILES))
-def test_bf16_kernel_matches_the_definition(rng, tile):
+def test_bf16_kernel_matches_the_definition(rng, tile, transposed):
     """16 experts of 0..300 rows (empty ones, partial tiles), unowned rows at both ends, N = 200
-    (a partial column block on every tile), a bias, slots of -1 and T * k dropped; output poisoned."""
+    (a partial column block on every tile), a bias, slots of -1 and T * k dropped; b [E, N, K] or
+    transposed [E, K, N]; output poisoned."""
     skip_unless_available(cb)
     counts = rng.integers(0, 300, 16)
     counts[3] = 0
     a, b, off = bf16_case(rng, counts, n=200, k=256)
     slots, w = routing_rows(rng, a.shape[0], t=600)
     bias = jnp.asarray(rng.standard_normal((16, 200)), jnp.float32)
-    fn = jax.jit(lambda a, bt, o, s, w, bias: grouped_gemm_scatter(a, bt, o, s, w, bias=bias, tile=tile,
-                                                                   transposed=True))
-    bt = jnp.swapaxes(b, 1, 2)
-    poison_memory(jax.eval_shape(fn, a, bt, off, slots, w, bias))
-    got = fn(a, bt, off, slots, w, bias)
+    fn = jax.jit(lambda a, bb, o, s, w, bias: grouped_gemm_scatter(a, bb, o, s, w, bias=bias, tile=tile,
+                                                                   transposed=transposed))
+    bb = jnp.swapaxes(b, 1, 2) if transposed else b
+    poison_memory(jax.eval_shape(fn, a, bb, off, slots, w, bias))
+    got = fn(a, bb, off, slots, w, bias)
     assert rel_err(got, definition(a, b, off, slots, w, bias)) < REL_TOL
 
 
@@ -326,21 +341,21 @@ def test_fp8_kernel_matches_the_definition(rng, tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prepared", [False, True])
 @pytest.mark.parametrize("t, e, k", [(16, 128, 8), (300, 16, 4), (2000, 64, 6)])
-def test_a_scattering_bf16_layer_on_the_gpu(rng, t, e, k):
-    """GPT-OSS-style with both biases and ids of -1, prepared: against the gathering forward and the
-    float64 definition, twice (a jitted function's second call), outputs poisoned."""
+def test_a_scattering_bf16_layer_on_the_gpu(rng, t, e, k, prepared):
+    """GPT-OSS-style with both biases and ids of -1, weights as stored or prepared: against the
+    gathering forward and the float64 definition, twice (a jitted function's second call), outputs
+    poisoned."""
     skip_unless_available(cb)
     cfg, x, w13, w2, tw, ids, b = gptoss_problem(rng, t, e, k, 256, 128, minus_one=0.1)
-    p = cb.prepare(w13, w2, cfg, **b)
-    f = jax.jit(lambda *a: cb.apply_prepared(*a, finalize="scatter"))
+    gather_fn, f = _bf16_forwards(cfg, w13, w2, b, prepared)
     want = np_moe(x, w13, w2, tw, ids, "swigluoai", "interleaved", b["w13_bias"], b["w2_bias"], alpha=1.5, limit=4.0)
     for _ in range(2):
-        poison_memory(jax.eval_shape(f, x, p, tw, ids))
-        got = f(x, p, tw, ids)
+        poison_memory(jax.eval_shape(f, x, tw, ids))
+        got = f(x, tw, ids)
         assert rel_err(got, want) < REL_TOL
-    gather = jax.jit(lambda *a: cb.apply_prepared(*a, finalize="gather"))(x, p, tw, ids)
-    assert rel_err(got, gather) < REL_TOL
+    assert rel_err(got, gather_fn(x, tw, ids)) < REL_TOL
 
 
 @pytest.mark.gpu

@@ -32,15 +32,15 @@ constexpr RunFn kRun[kNumCutlassGemmKinds][kNumCutlassTiles] = {
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Wgrad),
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Act),   JAX_MOE_CUTLASS_TILES(Run, kGemmFp8Act),
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16ActKN), JAX_MOE_CUTLASS_TILES(Run, kGemmBf16KNScatter),
-    JAX_MOE_CUTLASS_TILES(Run, kGemmFp8Scatter)};
+    JAX_MOE_CUTLASS_TILES(Run, kGemmFp8Scatter),    JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Scatter)};
 constexpr BytesFn kBytes[kNumCutlassGemmKinds][kNumCutlassTiles] = {
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16),      JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8),
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Wgrad),
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Act),   JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8Act),
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16ActKN), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16KNScatter),
-    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8Scatter)};
+    JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8Scatter), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Scatter)};
 #undef JAX_MOE_CUTLASS_TILES
-static_assert(kNumCutlassGemmKinds == 9 && kNumCutlassTiles == 5, "one row per kind, one column per tile above");
+static_assert(kNumCutlassGemmKinds == 10 && kNumCutlassTiles == 5, "one row per kind, one column per tile above");
 
 std::string Name(int kind) {
   return IsActKind(kind)       ? "cutlass_grouped_gemm_act: "
@@ -197,16 +197,20 @@ ffi::Error GroupedGemmActCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
   return RunKind(kind, tile, call);
 }
 
-// The scatter kinds (kGemmBf16KNScatter for bf16 a and b [E, K, N], kGemmFp8Scatter for FP8 a and b
-// [E, N, K]): d [T, N] zeroed, then each row of a, times its slot's weight, added into d[slot / k].
+// The scatter kinds (kGemmBf16KNScatter for bf16 a and transposed b [E, K, N], kGemmBf16Scatter for bf16
+// a and b [E, N, K], kGemmFp8Scatter for FP8 a and b [E, N, K]): d [T, N] zeroed, then each row of a,
+// times its slot's weight, added into d[slot / k].
 ffi::Error GroupedGemmScatterCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                                   ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> slots,
                                   ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::F32> row_scale,
                                   ffi::Buffer<ffi::F32> col_scale, ffi::Buffer<ffi::F32> bias,
-                                  ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace, int64_t tile) {
+                                  ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace, int64_t tile,
+                                  int64_t transposed) {
   const bool fp8 = a.element_type() == ffi::DataType::F8E4M3FN;
-  const int kind = fp8 ? kGemmFp8Scatter : kGemmBf16KNScatter;
+  const int kind = fp8 ? kGemmFp8Scatter : transposed ? kGemmBf16KNScatter : kGemmBf16Scatter;
   const std::string n_ = Name(kind);
+  if (transposed != 0 && transposed != 1) return InvalidArgument(n_ + "transposed must be 0 or 1");
+  if (fp8 && transposed) return InvalidArgument(n_ + "transposed b [E, K, N] is bf16 only (FP8 MMAs read K-major b)");
   GroupedGemmCall call{};
   call.stream = stream;
   if (auto err = CheckOperands(kind, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
@@ -275,5 +279,5 @@ JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmFp8, jax_moe::GroupedGemmFp8
 // transposed.
 JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmAct, jax_moe::GroupedGemmActCuda, "tile", "activation", "alpha",
                             "limit", "transposed");
-// a, b, offsets, slots, weights, row_scale, col_scale, bias -> d, workspace; attr tile.
-JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmScatter, jax_moe::GroupedGemmScatterCuda, "tile");
+// a, b, offsets, slots, weights, row_scale, col_scale, bias -> d, workspace; attrs tile, transposed.
+JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeCutlassGroupedGemmScatter, jax_moe::GroupedGemmScatterCuda, "tile", "transposed");

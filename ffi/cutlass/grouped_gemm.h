@@ -61,8 +61,9 @@
 // jax_moe_cutlass_grouped_gemm_scatter (GEMM2 with the weighted un-permute in its epilogue;
 // ffi/cutlass/scatter_epilogue.cuh): the forward's last GEMM adds each row, times its routing weight,
 // straight into its token's output row, so the [M, N] rows are never written nor read back:
-//   a [M, K], b [E, K, N] bf16 (N contiguous; kGemmBf16KNScatter) or [E, N, K] float8_e4m3fn
-//   (kGemmFp8Scatter), offsets [E+1] as above, and
+//   a [M, K], b [E, K, N] bf16 (N contiguous, transposed=1; kGemmBf16KNScatter), [E, N, K] bf16
+//   (K contiguous; kGemmBf16Scatter) or [E, N, K] float8_e4m3fn (kGemmFp8Scatter), offsets [E+1] as
+//   above, and
 //   slots [M] int32       each row's top-k slot s = t * k + j (sort_by_expert's sorted_slots): the row
 //                         goes to output row t = s / k with weight weights[t, j]; s outside [0, T * k):
 //                         the row is dropped
@@ -75,7 +76,8 @@
 //                        rounds to bf16; the order of the adds, and so the last bits, may differ run to
 //                        run). d is zeroed first (a memset in the call); a token no row reaches stays 0.
 //    workspace [W] uint8 as above (one more array: each group's first row)
-//   attrs tile. Standard format only. N a multiple of 8 (16-byte rows of d).
+//   attrs tile, transposed (1: bf16 b [E, K, N]; 0: b [E, N, K]). Standard format only. N a multiple of
+//   8 (16-byte rows of d).
 //
 // attr tile: a CutlassTile below. E >= 1. K must be a multiple of CutlassAlignK(kind) (16-byte TMA rows of
 // a and b), N a multiple of kCutlassAlignN (16-byte bf16 rows of d). Offsets are clamped to [0, M] on
@@ -112,12 +114,15 @@ enum CutlassGemmKind : int {
   kGemmBf16ActKN = 6,  // kGemmBf16Act on b [E, K, N] (N contiguous: the transposed load-time layout)
   kGemmBf16KNScatter = 7,  // bf16, b [E, K, N]: weighted rows added into d[slot / k] (scatter_epilogue.cuh)
   kGemmFp8Scatter = 8,     // e4m3 x e4m3, the scales, then the weighted rows added into d[slot / k]
-  kNumCutlassGemmKinds = 9,
+  kGemmBf16Scatter = 9,    // kGemmBf16KNScatter on b [E, N, K] (K contiguous: the weights as stored)
+  kNumCutlassGemmKinds = 10,
 };
 
 constexpr bool IsFp8Kind(int kind) { return kind == kGemmFp8 || kind == kGemmFp8Act || kind == kGemmFp8Scatter; }
 constexpr bool IsActKind(int kind) { return kind == kGemmBf16Act || kind == kGemmFp8Act || kind == kGemmBf16ActKN; }
-constexpr bool IsScatterKind(int kind) { return kind == kGemmBf16KNScatter || kind == kGemmFp8Scatter; }
+constexpr bool IsScatterKind(int kind) {
+  return kind == kGemmBf16KNScatter || kind == kGemmFp8Scatter || kind == kGemmBf16Scatter;
+}
 // b [E, K, N] (N contiguous) rather than [E, N, K]: the dgrad kind, and the act and scatter kinds on
 // transposed weights.
 constexpr bool IsNContiguousB(int kind) {

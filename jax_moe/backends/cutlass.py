@@ -25,8 +25,8 @@ static GEMM2 input scale, where it pays: bf16 where GEMM1 runs a pingpong tile o
 fuse everywhere, ``=0`` nowhere).
 
 ``finalize="scatter"`` (what ``"auto"`` means unless ``JAX_MOE_CUTLASS_FINALIZE=gather`` or XLA's
-determinism flags say otherwise) on FP8 weights or prepared bf16 weights replaces the last two
-lines: GEMM2's epilogue adds each row, times its routing weight (and after its GEMM2 bias), into
+determinism flags say otherwise; a bf16 output) replaces the last two lines, on every layout of
+the weights: GEMM2's epilogue adds each row, times its routing weight (and after its GEMM2 bias), into
 its token's output row with bf16 atomics (:mod:`jax_moe.backends.cutlass_scatter_gemm`), so ``y``
 is never written nor read back; the order of the adds is free, so the last bits may differ run to
 run, as with XLA's own scatter-adds. ``"gather"`` keeps the bit-reproducible float32 sum.
@@ -312,7 +312,7 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     function. ``finalize``: how each token's k expert rows are summed: ``"gather"`` (the
     un-permute kernel, a float32 sum, bit-reproducible), ``"scatter"`` (GEMM2's epilogue adds each
     weighted row into its token's row with bf16 atomics: no ``[T*k, H]`` round trip, the order of
-    the adds free; FP8 or transposed bf16 weights), ``"auto"`` (the scatter where it applies,
+    the adds free), ``"auto"`` (the scatter where the output is bf16,
     unless the environment asks for determinism: :func:`~jax_moe.backends.cutlass_scatter_gemm.scatters`).
     Returns [T, H] in x's dtype.
     Raises ValueError for what this build does not take: other schemes or activation formats,
@@ -321,7 +321,7 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     w13s, w2s = _stored_views(w13, w2, transposed, quant)
     _check_apply(x, w13s, w2s, topk_weights, topk_ids, cfg, quant, w13_bias, w2_bias,
                  apply_router_weight_on_input, tile)
-    scatters(finalize, bf16_out=True, transposed=transposed, quant=quant)  # ValueError: an unknown or unbuilt form
+    scatters(finalize, bf16_out=True)  # ValueError: an unknown form
     t, h = x.shape
     e, k = w13.shape[0], topk_ids.shape[1]
     if t == 0:
@@ -349,7 +349,7 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
         h1 = grouped_gemm(a1, w13, sort.offsets, a_scale=s1, b_scale=s13, tile=tile1)
         a2, s2 = _fp8_gemm2_input(h1, cfg, valid, quant, sort.offsets, w13_bias)
     s22 = jnp.asarray(quant.w2_scale, jnp.float32)
-    if scatters(finalize, bf16_out=jnp.dtype(x.dtype) == jnp.bfloat16, transposed=False, quant=quant):
+    if scatters(finalize, bf16_out=jnp.dtype(x.dtype) == jnp.bfloat16):
         return scattered_gemm2(a2, w2, sort, topk_weights, w2_bias=w2_bias, tile=tile, a_scale=s2, b_scale=s22,
                                apply_router_weight_on_input=apply_router_weight_on_input).astype(x.dtype)
     y = grouped_gemm(a2, w2, sort.offsets, a_scale=s2, b_scale=s22, tile=tile)

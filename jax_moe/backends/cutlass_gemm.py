@@ -63,10 +63,12 @@ ACT_KINDS: dict[str, tuple[int, str, str]] = {
     "bf16_act_kn": (6, "jax_moe_cutlass_grouped_gemm_act", "bfloat16"),
 }
 # GEMM2 with the weighted un-permute in its epilogue (jax_moe.backends.cutlass_scatter_gemm), one FFI
-# target for both: kind -> (CutlassGemmKind, FFI target, dtype of a and b); bf16 reads b [E, K, N]
+# target for all three: kind -> (CutlassGemmKind, FFI target, dtype of a and b); "bf16_kn_scatter"
+# reads b [E, K, N] (the transposed layout), the others b [E, N, K]
 SCATTER_KINDS: dict[str, tuple[int, str, str]] = {
     "bf16_kn_scatter": (7, "jax_moe_cutlass_grouped_gemm_scatter", "bfloat16"),
     "fp8_scatter": (8, "jax_moe_cutlass_grouped_gemm_scatter", "float8_e4m3fn"),
+    "bf16_scatter": (9, "jax_moe_cutlass_grouped_gemm_scatter", "bfloat16"),
 }
 ALIGN_N = 8  # N: 16-byte bf16 rows of d; ffi: kCutlassAlignN
 ALIGN_K = {"bf16": 8, "fp8": 16}  # K: 16-byte rows of a and b; ffi: kCutlassAlignKBf16, kCutlassAlignKFp8

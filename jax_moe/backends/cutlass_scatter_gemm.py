@@ -14,9 +14,9 @@ into ``d [T, N]`` bfloat16, zeroed first. A row whose slot is outside ``[0, T*k)
 so do the rows outside ``[offsets[0], offsets[E])``. A token's k adds come from different CTAs
 in no fixed order and each rounds to bf16, so the result carries up to k roundings (the
 un-permute kernel's float32 sum carries one) and its last bits may differ from run to run. The
-weights are the layouts the forward's GEMM2 reads: bf16 ``b [E, K, N]`` (N contiguous,
-``transposed=True``: the prepared layout of :mod:`jax_moe.backends.cutlass_prepared`) or FP8
-``b [E, N, K]`` (K contiguous).
+weights are the layouts the forward's GEMM2 reads: bf16 ``b [E, N, K]`` (K contiguous, as
+stored) or ``b [E, K, N]`` (N contiguous, ``transposed=True``: the prepared layout of
+:mod:`jax_moe.backends.cutlass_prepared`), or FP8 ``b [E, N, K]``.
 
 Where it pays: the adds replace GEMM2's ``[T*k, N]`` store and the un-permute kernel's read of it.
 :func:`jax_moe.backends.cutlass.apply`'s ``finalize`` picks it (:func:`scatters`): by default
@@ -86,27 +86,21 @@ def auto_finalize() -> tuple[str, str]:
     return "scatter", "the default where no flag asks for determinism"
 
 
-def scatters(finalize: str, *, bf16_out: bool, transposed: bool, quant=None) -> bool:
+def scatters(finalize: str, *, bf16_out: bool) -> bool:
     """Whether a cutlass forward sums its k rows per token in GEMM2's epilogue
     (:func:`grouped_gemm_scatter`) rather than with the un-permute kernel.
 
     ``finalize``: ``"gather"`` (the un-permute kernel: a float32 sum, bit-reproducible),
-    ``"scatter"`` (GEMM2's epilogue; ValueError where no kernel takes these weights: bf16 weights
-    K contiguous), or ``"auto"``: :func:`auto_finalize` (scatter unless ``JAX_MOE_CUTLASS_FINALIZE``
-    or XLA's determinism flags say gather), and scatter only where a kernel takes the weights and
-    the output is bf16 (``bf16_out``). The weights: FP8 (``quant``), or bf16 ``transposed``
-    ([E, I, H], the prepared layout)."""
+    ``"scatter"`` (GEMM2's epilogue), or ``"auto"``: :func:`auto_finalize` (scatter unless
+    ``JAX_MOE_CUTLASS_FINALIZE`` or XLA's determinism flags say gather), and scatter only where the
+    output is bf16 (``bf16_out``: a float32 output keeps its float32 sum). A kernel takes every
+    layout of GEMM2's weights: FP8 [E, H, I], bf16 [E, H, I] as stored, or bf16 [E, I, H] (the
+    prepared layout)."""
     if finalize not in FINALIZES:
         raise ValueError(f"finalize must be one of {FINALIZES}, got {finalize!r}")
-    kernel = quant is not None or transposed
-    if finalize == "scatter":
-        if not kernel:
-            raise ValueError("finalize='scatter' needs FP8 weights or bf16 weights in the prepared (transposed) "
-                             "layout: w2 [E, I, H] (cutlass.prepare)")
-        return True
-    if finalize == "gather":
-        return False
-    return auto_finalize()[0] == "scatter" and kernel and bf16_out
+    if finalize != "auto":
+        return finalize == "scatter"
+    return auto_finalize()[0] == "scatter" and bf16_out
 
 
 def scattered_gemm2(a2, w2, sort, topk_weights, *, w2_bias=None, apply_router_weight_on_input: bool = False,
@@ -126,9 +120,6 @@ def _check_scatter(a, b, offsets, slots, weights, a_scale, b_scale, bias, tile, 
     """Checks :func:`grouped_gemm_scatter`'s arguments (ValueError) -> (kind, tile, b as [E, N, K])."""
     check_rank("a", a, 2, "[M, K]")
     check_rank("b", b, 3, "[E, K, N] (bf16, transposed)" if transposed else "[E, N, K]")
-    if dtype_name(a) == "bfloat16" and not transposed:
-        raise ValueError("bf16 b must be the transposed layout [E, K, N] (transposed=True): the scatter "
-                         "epilogue is built for the prepared bf16 weights and for FP8")
     if dtype_name(a) == "float8_e4m3fn" and transposed:
         raise ValueError("FP8 b must be [E, N, K] (transposed=False): the FP8 tensor cores read K-major weights")
     stored = transposed_shape(b) if transposed else b
@@ -149,13 +140,13 @@ def _check_scatter(a, b, offsets, slots, weights, a_scale, b_scale, bias, tile, 
     if bias is not None:
         _check_scale("bias", bias, {(e, n): "[E, N] float32: each expert's GEMM2 bias"})
     # its own tuned tiles ("fp8_scatter/E/N/K"), else GEMM2's rows of the tile table for these weights
-    scatter_kind = "fp8_scatter" if kind == "fp8" else "bf16_kn_scatter"
+    scatter_kind = "fp8_scatter" if kind == "fp8" else "bf16_kn_scatter" if transposed else "bf16_scatter"
     return scatter_kind, _resolve_tile(tile, m, e, n=n, k=k, kind=scatter_kind), stored
 
 
 def grouped_gemm_scatter_shape(a, b, offsets, slots, weights, *, a_scale=None, b_scale=None, bias=None,
                                transposed: bool = False) -> jax.ShapeDtypeStruct:
-    """The shape rule: a [M, K], b [E, K, N] bf16 (``transposed``) or [E, N, K] FP8, slots [M],
+    """The shape rule: a [M, K], b [E, K, N] bf16 (``transposed``) or [E, N, K], slots [M],
     weights [T, k] -> d [T, N] bfloat16 (no data read)."""
     _, _, stored = _check_scatter(a, b, offsets, slots, weights, a_scale, b_scale, bias, "auto", transposed)
     return jax.ShapeDtypeStruct((weights.shape[0], stored.shape[1]), jnp.bfloat16)
@@ -200,15 +191,16 @@ def grouped_gemm_scatter(a: jax.Array, b: jax.Array, offsets: jax.Array, slots: 
     ``[0, T*k)``: dropped); weights [T, k] float32 (the routing weights; ones where the weight went
     into the input); ``bias`` [E, N] float32 or None.
 
-    - bfloat16 a and b with ``transposed=True``: b [E, K, N], N contiguous (the prepared layout).
+    - bfloat16 a and b [E, N, K] (K contiguous: the weights as stored), or with ``transposed=True``
+      b [E, K, N] (N contiguous: the prepared layout).
     - float8_e4m3fn a and b [E, N, K] with ``a_scale``/``b_scale`` as
       :func:`~jax_moe.backends.cutlass_gemm.grouped_gemm` takes them.
 
     Returns d [T, N] bfloat16, N a multiple of 8. The adds are bf16 atomics in no fixed
-    order (see the module note). ``tile``: ``"auto"`` (the pick for kind ``"bf16_kn_scatter"`` or
-    ``"fp8_scatter"``: tuned tiles of its own where a tile cache has them, else GEMM2's
-    ``"bf16_kn"`` or ``"fp8"`` rows of the tile table) or a name in :data:`TILES`. CPU or no module:
-    :func:`grouped_gemm_scatter_reference`.
+    order (see the module note). ``tile``: ``"auto"`` (the pick for kind ``"bf16_scatter"``,
+    ``"bf16_kn_scatter"`` or ``"fp8_scatter"``: tuned tiles of its own where a tile cache has them,
+    else GEMM2's ``"bf16"``, ``"bf16_kn"`` or ``"fp8"`` rows of the tile table) or a name in
+    :data:`TILES`. CPU or no module: :func:`grouped_gemm_scatter_reference`.
     """
     kind, tile, stored = _check_scatter(a, b, offsets, slots, weights, a_scale, b_scale, bias, tile, transposed)
     m, (e, n, _) = a.shape[0], stored.shape
@@ -234,7 +226,7 @@ def grouped_gemm_scatter(a: jax.Array, b: jax.Array, offsets: jax.Array, slots: 
         outs = (jax.ShapeDtypeStruct((t, n), jnp.bfloat16),
                 jax.ShapeDtypeStruct((workspace_size(e, tile, kind),), jnp.uint8))
         d, _ = jax.ffi.ffi_call(SCATTER_KINDS[kind][1], outs, vmap_method="sequential")(
-            *args, tile=np.int64(TILES[tile]))
+            *args, tile=np.int64(TILES[tile]), transposed=np.int64(transposed))
         return d
 
     return jax.lax.platform_dependent(a, b, offsets, slots, weights, row, col, bias_in, cuda=cuda, default=default)

@@ -9,8 +9,9 @@ Forward (:func:`forward`), rows in expert-sorted order (:mod:`jax_moe.kernels`):
     y = grouped_gemm(a2, w2, sort.offsets)                     # [R, H]
     out = unpermute_reduce(y, sort.inverse, topk_weights, bias=b2, offsets)   # [T, H]
 
-or, with ``finalize`` scattering on transposed weights, GEMM2 adds each row times its weight
-into its token's output row in its epilogue (:mod:`jax_moe.backends.cutlass_scatter_gemm`)::
+or, with ``finalize`` scattering where nothing is saved for a backward (``residuals="recompute"``),
+GEMM2 adds each row times its weight into its token's output row in its epilogue
+(:mod:`jax_moe.backends.cutlass_scatter_gemm`)::
 
     out = grouped_gemm_scatter(a2, w2, sort.offsets, sort.sorted_slots, topk_weights, bias=b2)   # [T, H]
 
@@ -109,7 +110,8 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None
     ``residuals``: what the backward gets (see the module note); :func:`backward` takes them.
     ``transposed``: w13 [E, H, 2I] and w2 [E, I, H] (N contiguous), ``residuals="recompute"`` only.
     ``finalize``: how a token's k rows are summed (:func:`~jax_moe.backends.cutlass_scatter_gemm.scatters`);
-    the scatter form (GEMM2's epilogue adds them into the output) only on transposed weights.
+    the scatter form (GEMM2's epilogue adds them into the output) only with ``residuals="recompute"``
+    (the backward's own forward keeps GEMM2's rows: the router weights' gradient reads them).
     """
     if residuals not in RESIDUALS:
         raise ValueError(f"residuals must be one of {RESIDUALS}, got {residuals!r}")
@@ -129,8 +131,8 @@ def forward(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, w13_bias=None
         a2 = activation(h1, cfg, valid, sort.offsets, w13_bias)
     res = {"x": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w2": w2,
            "w13_bias": w13_bias, "w2_bias": w2_bias}
-    if transposed and scatters(finalize, bf16_out=jnp.dtype(x.dtype) == jnp.bfloat16, transposed=True):
-        out = scattered_gemm2(a2, w2, sort, topk_weights, w2_bias=w2_bias, tile=tile, transposed=True,
+    if residuals == "recompute" and scatters(finalize, bf16_out=jnp.dtype(x.dtype) == jnp.bfloat16):
+        out = scattered_gemm2(a2, w2, sort, topk_weights, w2_bias=w2_bias, tile=tile, transposed=transposed,
                               apply_router_weight_on_input=apply_router_weight_on_input)
         return out.astype(x.dtype), res
     y = gemm(a2, w2, sort.offsets, tile=tile)
