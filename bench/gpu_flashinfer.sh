@@ -14,7 +14,7 @@
 #          (JAX_MOE_FI_PREBUILT; timed, separate build dir), then the FlashInfer tests
 #   test   python -m jax_moe.info (bf16, fp8, mxfp4) and every GPU test (pytest -m gpu), or PYTEST_ARGS's
 #          selection: the whole GPU suite now outlasts one 10-minute device command, so split it, e.g.
-#          PYTEST_ARGS="tests/test_flashinfer_cutlass.py tests/test_nn.py tests/test_gpu_xla.py" (~6 min)
+#          PYTEST_ARGS="tests/test_flashinfer_cutlass*.py tests/test_nn.py tests/test_gpu_xla.py" (~6 min)
 #          then PYTEST_ARGS="tests/test_moe_kernels.py tests/test_cutlass_backend.py tests/test_cutlass_fp8.py
 #          tests/test_cutlass_batched.py tests/test_ffi_sort.py".
 #          PYTEST_ARGS is split on spaces; a -k expression goes in PYTEST_K (e.g. PYTEST_K="mxfp4 or fp8").
@@ -59,7 +59,7 @@ if [[ " $steps " == *" relink "* ]]; then
     --no-deps -e . --config-settings=build-dir=build/prebuilt > "$out/relink.log" 2>&1 \
     || { tail -30 "$out/relink.log"; exit 1; }
   echo "install against the prebuilt libjax_moe_fi.so: $(( $(date +%s) - start )) s" | tee -a "$out/gpu.txt"
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_flashinfer_cutlass.py -k "matches or fp8_matches" 2>&1 \
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_flashinfer_cutlass*.py -k "matches or fp8_matches" 2>&1 \
     | filter | tail -2 | tee -a "$out/gpu.txt"
 fi
 if [[ " $steps " == *" test "* ]]; then
