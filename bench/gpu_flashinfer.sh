@@ -15,7 +15,7 @@
 #   test   python -m jax_moe.info (bf16, fp8, mxfp4) and every GPU test (pytest -m gpu), or PYTEST_ARGS's
 #          selection: the whole GPU suite now outlasts one 10-minute device command, so split it, e.g.
 #          PYTEST_ARGS="tests/test_flashinfer_cutlass*.py tests/test_nn.py tests/test_gpu_xla.py" (~6 min)
-#          then PYTEST_ARGS="tests/test_moe_kernels.py tests/test_cutlass_backend.py tests/test_cutlass_fp8.py
+#          then PYTEST_ARGS="tests/test_moe_kernels_gpu.py tests/test_cutlass_backend.py tests/test_cutlass_fp8.py
 #          tests/test_cutlass_batched.py tests/test_ffi_sort.py".
 #          PYTEST_ARGS is split on spaces; a -k expression goes in PYTEST_K (e.g. PYTEST_K="mxfp4 or fp8").
 #          Set JAX_MOE_COMMIT: the device's copy of the tree may not carry this checkout's git HEAD.
