@@ -197,6 +197,22 @@ def test_tiles_shipped_for_this_gpu_model_are_read_after_the_users_and_before_th
     assert ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn_act") == ct.heuristic_tile(16)  # set aside
 
 
+def test_a_fused_gemm_without_tuned_tiles_of_its_own_takes_its_plain_gemms(tmp_path, monkeypatch):
+    """GEMM2 tuned while it wrote its rows (key "bf16_kn/...") keeps its tile when it scatters
+    ("bf16_kn_scatter/...") until that form is tuned itself; another GEMM's tiles are not taken."""
+    monkeypatch.setattr(tc, "SHIPPED_DIR", str(tmp_path))
+    ship(tmp_path, device_kind(), GEMM2, {16.0: "pingpong_64x256"})
+    assert ct.pick_tile(16 * E, E, n=K, k=N // 2, kind="bf16_kn_scatter") == "pingpong_64x256"
+    assert ct.pick_tile(16 * E, E, n=K, k=N // 2, kind="bf16_scatter") == ct.heuristic_tile(16)  # not bf16_kn's
+    users = tmp_path / "users.json"
+    cache = tc.TileCache(device_kind())
+    cache.record(tc.gemm_key("bf16_kn_scatter", E, K, N // 2), 16.0, "coop_128x128", {"coop_128x128": 0.5})
+    cache.save(users)
+    autotune.use(users)
+    assert ct.pick_tile(16 * E, E, n=K, k=N // 2, kind="bf16_kn_scatter") == "coop_128x128"  # its own first
+    assert ct.pick_tile(16 * E, E, n=K, k=N // 2, kind="bf16_kn") == "pingpong_64x256"
+
+
 def test_the_tuner_starts_from_the_shipped_tiles_not_the_users(tmp_path, monkeypatch):
     monkeypatch.setattr(tc, "SHIPPED_DIR", str(tmp_path))
     ship(tmp_path, device_kind(), GEMM2, {4.0: "coop_128x256"})

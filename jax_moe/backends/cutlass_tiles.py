@@ -22,7 +22,9 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
 2. Tuned tiles: a GEMM in the active tile cache (:mod:`jax_moe.backends.cutlass_tile_cache`,
    ``JAX_MOE_TILE_CACHE``, written by :func:`jax_moe.autotune.tune` on this GPU model), else in
    the cache shipped for this GPU model (``jax_moe/backends/tuned_tiles/``, popular models'
-   layers), takes the tile measured fastest for it there, at the nearest rows per expert.
+   layers), takes the tile measured fastest for it there, at the nearest rows per expert. A fused
+   kind (``"_act"``, ``"_scatter"``) with no tuned tile of its own takes its plain kind's: GEMM2
+   tuned while it still wrote its rows keeps its tile when it scatters.
 3. A GEMM whose ``(kind, E, N, K)`` is in :data:`MEASURED` takes the tile measured fastest at the
    nearest rows per expert (on a log scale). The table is written by ``bench/tile_sweep.py
    --update-table`` from an H100 run (every tile timed on each GEMM of the bench's models, with
@@ -420,9 +422,10 @@ def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None
     """The tile for a grouped GEMM of ``rows`` expert-sorted rows over ``num_groups`` experts,
     ``d [rows, n] = a [rows, k] @ b[e]`` of ``kind`` (``"bf16"``, ``"fp8"`` or ``"bf16_kn"``, or one
     of them with ``"_act"``: GEMM1 with its activation, or ``"_scatter"``: GEMM2 adding its rows
-    into the output; their own tuned tiles and rows, else the plain kind's rows): the
-    override, else the tuned tiles, else the measured table (both when ``n`` and ``k`` are
-    given), else the heuristic (see the module note)."""
+    into the output; their own tuned tiles, else the plain kind's tuned tiles, else their own
+    rows of the table, else the plain kind's): the override, else the tuned tiles, else the
+    measured table (both when ``n`` and ``k`` are given), else the heuristic (see the module
+    note)."""
     forced = os.environ.get(TILE_ENV)
     if forced:
         if forced not in TILES:
@@ -433,10 +436,12 @@ def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None
         return heuristic_tile(r, kind, device)
     key, trial = gemm_key(kind, num_groups, n, k), _TRIAL.get()
     tile = trial.tiles.get(key) if trial is not None else None
+    plain = kind.removesuffix("_act").removesuffix("_scatter")
     if tile is None:
         tile = tuned_tile(key, r, user=trial is None, device=device)
+    if tile is None and plain != kind:  # the plain GEMM's tuned tile (tuned where it ran without the fusion)
+        tile = tuned_tile(gemm_key(plain, num_groups, n, k), r, user=trial is None, device=device)
     if tile is None:
-        plain = kind.removesuffix("_act").removesuffix("_scatter")
         tile = (measured_tile(kind, num_groups, n, k, r) or measured_tile(plain, num_groups, n, k, r)
                 or heuristic_tile(r, kind, device))
     if trial is not None:
