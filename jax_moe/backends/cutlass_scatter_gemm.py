@@ -139,7 +139,7 @@ def _check_scatter(a, b, offsets, slots, weights, a_scale, b_scale, bias, tile, 
         raise ValueError(f"N must be a multiple of {ALIGN_N} (16-byte rows of d), got N={n}")
     if bias is not None:
         _check_scale("bias", bias, {(e, n): "[E, N] float32: each expert's GEMM2 bias"})
-    # its own tuned tiles ("fp8_scatter/E/N/K"), else GEMM2's rows of the tile table for these weights
+    # its own tuned tiles ("fp8_scatter/E/N/K"), else GEMM2's tuned tiles, else the tile table (pick_tile)
     scatter_kind = "fp8_scatter" if kind == "fp8" else "bf16_kn_scatter" if transposed else "bf16_scatter"
     return scatter_kind, _resolve_tile(tile, m, e, n=n, k=k, kind=scatter_kind), stored
 
@@ -199,7 +199,8 @@ def grouped_gemm_scatter(a: jax.Array, b: jax.Array, offsets: jax.Array, slots: 
     Returns d [T, N] bfloat16, N a multiple of 8. The adds are bf16 atomics in no fixed
     order (see the module note). ``tile``: ``"auto"`` (the pick for kind ``"bf16_scatter"``,
     ``"bf16_kn_scatter"`` or ``"fp8_scatter"``: tuned tiles of its own where a tile cache has them,
-    else GEMM2's ``"bf16"``, ``"bf16_kn"`` or ``"fp8"`` rows of the tile table) or a name in
+    else the gathering GEMM2's (``"bf16"``, ``"bf16_kn"`` or ``"fp8"``) tuned tiles, then rows of
+    the tile table) or a name in
     :data:`TILES`. CPU or no module: :func:`grouped_gemm_scatter_reference`.
     """
     kind, tile, stored = _check_scatter(a, b, offsets, slots, weights, a_scale, b_scale, bias, tile, transposed)
