@@ -133,11 +133,34 @@ std::optional<ffi::Error> CheckScales(int kind, ffi::Buffer<ffi::F32> row_scale,
 }
 
 // Runs the (kind, tile) instantiation on a checked call, its setup launch zeroing the unowned rows.
-template <int Kind>
-ffi::Error Launch(GroupedGemmCall& call, int64_t tile) {
+ffi::Error Launch(int kind, GroupedGemmCall& call, int64_t tile) {
   if (call.m == 0) return ffi::Error::Success();
   call.zero_unowned = true;
-  return RunKind(Kind, tile, call);
+  return RunKind(kind, tile, call);
+}
+
+// The kind a fused handler (act, scatter) runs for a's dtype and its `transposed` attribute: fp8_kind
+// for FP8 a, bf16_kn_kind for bf16 a with b [E, K, N] (transposed = 1), bf16_kind for bf16 a with
+// b [E, N, K]. An error where `transposed` is not 0 or 1, or is 1 with FP8 a.
+std::optional<ffi::Error> PickFusedKind(ffi::AnyBuffer a, int64_t transposed, int fp8_kind, int bf16_kind,
+                                        int bf16_kn_kind, int& kind) {
+  const bool fp8 = a.element_type() == ffi::DataType::F8E4M3FN;
+  kind = fp8 ? fp8_kind : transposed ? bf16_kn_kind : bf16_kind;
+  if (transposed != 0 && transposed != 1) return InvalidArgument(Name(kind) + "transposed must be 0 or 1");
+  if (fp8 && transposed)
+    return InvalidArgument(Name(kind) + "transposed b [E, K, N] is bf16 only (FP8 MMAs read K-major b)");
+  return std::nullopt;
+}
+
+// Checks an optional bias against a checked call and sets it: [0] (none) or [E, N] float32, `what`
+// naming it in the error.
+std::optional<ffi::Error> CheckBias(int kind, ffi::Buffer<ffi::F32> bias, const char* what, GroupedGemmCall& call) {
+  if (bias.element_count() == 0) return std::nullopt;
+  const auto bd = bias.dimensions();
+  if (bd.size() != 2 || bd[0] != call.groups || bd[1] != call.n)
+    return InvalidArgument(Name(kind) + "bias must be [E, N] float32 (" + what + ") or [0]");
+  call.bias = bias.typed_data();
+  return std::nullopt;
 }
 
 ffi::Error GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> offsets,
@@ -145,7 +168,7 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   GroupedGemmCall call{};
   call.stream = stream;
   if (auto err = CheckOperands(kGemmBf16, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
-  return Launch<kGemmBf16>(call, tile);
+  return Launch(kGemmBf16, call, tile);
 }
 
 ffi::Error GroupedGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> offsets,
@@ -155,7 +178,7 @@ ffi::Error GroupedGemmFp8Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
   call.stream = stream;
   if (auto err = CheckOperands(kGemmFp8, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
   if (auto err = CheckScales(kGemmFp8, row_scale, col_scale, call)) return std::move(*err);
-  return Launch<kGemmFp8>(call, tile);
+  return Launch(kGemmFp8, call, tile);
 }
 
 // The act kinds (kGemmBf16Act for bf16 a and b, kGemmBf16ActKN for bf16 with transposed b, kGemmFp8Act for
@@ -165,17 +188,14 @@ ffi::Error GroupedGemmActCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
                               ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> out_scale,
                               ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace, int64_t tile,
                               int64_t activation, float alpha, float limit, int64_t transposed) {
-  const bool fp8 = a.element_type() == ffi::DataType::F8E4M3FN;
-  const int kind = fp8 ? kGemmFp8Act : transposed ? kGemmBf16ActKN : kGemmBf16Act;
+  int kind;
+  if (auto err = PickFusedKind(a, transposed, kGemmFp8Act, kGemmBf16Act, kGemmBf16ActKN, kind)) return std::move(*err);
   const std::string n_ = Name(kind);
-  if (transposed != 0 && transposed != 1) return InvalidArgument(n_ + "transposed must be 0 or 1");
-  if (fp8 && transposed) return InvalidArgument(n_ + "transposed b [E, K, N] is bf16 only (FP8 MMAs read K-major b)");
   GroupedGemmCall call{};
   call.stream = stream;
   if (auto err = CheckOperands(kind, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
   if (activation != kActSilu && activation != kActGelu && activation != kActSwigluOai)
     return InvalidArgument(n_ + "activation must be 0 (silu), 1 (gelu) or 2 (swigluoai)");
-  const auto bd = bias.dimensions();
   if (kind == kGemmFp8Act) {
     if (auto err = CheckScales(kind, row_scale, col_scale, call)) return std::move(*err);
     if (out_scale.element_count() != 1)
@@ -184,17 +204,11 @@ ffi::Error GroupedGemmActCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
   } else if (row_scale.element_count() != 0 || col_scale.element_count() != 0 || out_scale.element_count() != 0) {
     return InvalidArgument(n_ + "row_scale, col_scale and out_scale must be [0] with bf16 a (no scales)");
   }
-  if (bias.element_count() != 0) {
-    if (bd.size() != 2 || bd[0] != call.groups || bd[1] != call.n)
-      return InvalidArgument(n_ + "bias must be [E, N] float32 (b's experts and rows) or [0]");
-    call.bias = bias.typed_data();
-  }
+  if (auto err = CheckBias(kind, bias, "b's experts and rows", call)) return std::move(*err);
   call.activation = static_cast<int>(activation);
   call.alpha = alpha;
   call.limit = limit;
-  if (call.m == 0) return ffi::Error::Success();
-  call.zero_unowned = true;
-  return RunKind(kind, tile, call);
+  return Launch(kind, call, tile);
 }
 
 // The scatter kinds (kGemmBf16KNScatter for bf16 a and transposed b [E, K, N], kGemmBf16Scatter for bf16
@@ -206,11 +220,10 @@ ffi::Error GroupedGemmScatterCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::An
                                   ffi::Buffer<ffi::F32> col_scale, ffi::Buffer<ffi::F32> bias,
                                   ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace, int64_t tile,
                                   int64_t transposed) {
-  const bool fp8 = a.element_type() == ffi::DataType::F8E4M3FN;
-  const int kind = fp8 ? kGemmFp8Scatter : transposed ? kGemmBf16KNScatter : kGemmBf16Scatter;
+  int kind;
+  if (auto err = PickFusedKind(a, transposed, kGemmFp8Scatter, kGemmBf16Scatter, kGemmBf16KNScatter, kind))
+    return std::move(*err);
   const std::string n_ = Name(kind);
-  if (transposed != 0 && transposed != 1) return InvalidArgument(n_ + "transposed must be 0 or 1");
-  if (fp8 && transposed) return InvalidArgument(n_ + "transposed b [E, K, N] is bf16 only (FP8 MMAs read K-major b)");
   GroupedGemmCall call{};
   call.stream = stream;
   if (auto err = CheckOperands(kind, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
@@ -219,17 +232,12 @@ ffi::Error GroupedGemmScatterCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::An
   const auto wd = weights.dimensions();
   if (wd.size() != 2 || wd[0] != d->dimensions()[0] || wd[1] < 1)
     return InvalidArgument(n_ + "weights must be [T, k] float32 with d's T rows (each slot's routing weight)");
-  if (fp8) {
+  if (IsFp8Kind(kind)) {
     if (auto err = CheckScales(kind, row_scale, col_scale, call)) return std::move(*err);
   } else if (row_scale.element_count() != 0 || col_scale.element_count() != 0) {
     return InvalidArgument(n_ + "row_scale and col_scale must be [0] with bf16 a (no scales)");
   }
-  const auto bd = bias.dimensions();
-  if (bias.element_count() != 0) {
-    if (bd.size() != 2 || bd[0] != call.groups || bd[1] != call.n)
-      return InvalidArgument(n_ + "bias must be [E, N] float32 (each expert's GEMM2 bias) or [0]");
-    call.bias = bias.typed_data();
-  }
+  if (auto err = CheckBias(kind, bias, "each expert's GEMM2 bias", call)) return std::move(*err);
   call.slots = slots.typed_data();
   call.weights = weights.typed_data();
   call.topk = wd[1];
