@@ -121,6 +121,21 @@ def test_cuda_custom_call_matches_numpy_edges(rng, n, e):
     check_np(f, edge_ids(rng, n, e), e)
 
 
+# (n, E) on each side of the one-block sort's limits: 1024 slots, 1024 buckets (E = 1023).
+SMALL_EDGES = [(1024, 128), (1025, 128), (1024, 1023), (1024, 1024), (512, 1023), (512, 1024), (4096, 383)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,e", SMALL_EDGES)
+def test_cuda_one_block_and_three_launch_sorts_both_meet_the_definition(rng, n, e):
+    """Up to 1024 slots over up to 1023 experts, the sort is one launch of one block; above, three
+    launches. Either side of each limit, the arrays are the NumPy definition's."""
+    need_native("cuda")
+    f = sort_valid(e)
+    check_np(f, edge_ids(rng, n, e), e)
+    check_np(f, jnp.full((n, 1), e - 1, jnp.int32), e)  # every slot in the last expert's bucket
+
+
 @pytest.mark.gpu
 def test_cuda_custom_call_skewed_routing():
     """Every slot on one expert (one bucket's column holds every chunk's count), then on the last."""
