@@ -129,6 +129,9 @@ def test_kernels_are_attributed_to_stages_by_name_and_position(monkeypatch):
     one_block = [names[0], "_ZN7jax_moe12_GLOBAL__N_19SortSmallEPKi"] + names[3:]  # the sort in one launch
     got = attribute([Kernel(n, 10.0 * j, 1.0) for j, n in enumerate(one_block)], routed=True)
     assert (got["sort"], got["permute"], got["glue"]) == (1, 1, 0)
+    by_warps = [names[0], "_ZN7jax_moe12_GLOBAL__N_19WarpRanksEPKi"] + names[2:]  # ranks by warps
+    got = attribute([Kernel(n, 10.0 * j, 1.0) for j, n in enumerate(by_warps)], routed=True)
+    assert (got["sort"], got["permute"], got["glue"]) == (2, 1, 0)
     calls = split_calls([Kernel("a", 0, 5), Kernel("b", 6, 1), Kernel("c", 100, 1)], min_gap_ns=20)
     assert [[k.name for k in g] for g in calls] == [["a", "b"], ["c"]]
 

@@ -121,15 +121,21 @@ def test_cuda_custom_call_matches_numpy_edges(rng, n, e):
     check_np(f, edge_ids(rng, n, e), e)
 
 
-# (n, E) on each side of the one-block sort's limits: 1024 slots, 1024 buckets (E = 1023).
-SMALL_EDGES = [(1024, 128), (1025, 128), (1024, 1023), (1024, 1024), (512, 1023), (512, 1024), (4096, 383)]
+# (n, E) on each side of the limits between the sort's forms: one launch of one block up to 1024 slots
+# over at most 1024 buckets (E = 1023); above, three launches, whose first step ranks by warps up to
+# 1024 buckets and by comparing every pair of a chunk's slots beyond.
+FORM_EDGES = [
+    (1024, 128), (1024, 1023), (512, 1023),                # one block
+    (1025, 128), (1025, 1023), (4096, 383), (65537, 1),    # three launches, ranks by warps
+    (1024, 1024), (512, 1024), (1025, 1024),               # three launches, ranks by pairs
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,e", SMALL_EDGES)
-def test_cuda_one_block_and_three_launch_sorts_both_meet_the_definition(rng, n, e):
-    """Up to 1024 slots over up to 1023 experts, the sort is one launch of one block; above, three
-    launches. Either side of each limit, the arrays are the NumPy definition's."""
+@pytest.mark.parametrize("n,e", FORM_EDGES)
+def test_cuda_every_form_of_the_sort_meets_the_definition(rng, n, e):
+    """The sort runs as one launch of one block or as three, by the number of slots and experts.
+    Either side of each limit, the arrays are the NumPy definition's."""
     need_native("cuda")
     f = sort_valid(e)
     check_np(f, edge_ids(rng, n, e), e)

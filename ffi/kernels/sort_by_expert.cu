@@ -1,8 +1,10 @@
 // CUDA handler of sort_by_expert: a deterministic, stable counting sort.
 // Up to kSmallSortLimit slots (T*k) over at most 1023 experts, one launch of one block, SortSmall, runs
 // the three steps below with the histograms in shared memory. Above, three launches:
-//   1. ChunkRanks, per chunk of kSortChunk slots: each slot's rank among earlier equal ids of its chunk,
-//      and the chunk's histogram (hist[chunk][bucket]); block 0 also zeroes the ticket;
+//   1. per chunk of kSortChunk slots: each slot's rank among earlier equal ids of its chunk, and the
+//      chunk's histogram (hist[chunk][bucket]); block 0 also zeroes the ticket. WarpRanks (at most 1023
+//      experts) takes a slot's rank among its warp's equal ids from __match_any_sync and adds the counts
+//      of the chunk's earlier warps; ChunkRanks (more experts) compares every pair of the chunk's slots;
 //   2. ScanBuckets, one block per bucket: the block-wide exclusive scan of its histogram column over
 //      the chunks (in place) and its count; the last block to finish scans the counts into offsets;
 //   3. Place, per slot: position = offsets[bucket] + chunk base + rank.
@@ -121,59 +123,51 @@ ScanBuckets(int64_t chunks, int num_experts, int32_t* hist, int32_t* counts, int
   if (threadIdx.x == 0) offsets[num_experts] = valid[0] = running;
 }
 
-constexpr int kSmallThreads = 1024;                 // SortSmall's one block
-constexpr int kSmallSlots = 16 * kSortChunk;        // the most slots SortSmall holds: four per thread
-constexpr int kSmallHist = 6144;                    // chunks * (E+1) int32 histogram entries at most (24 KB)
+constexpr int kSmallThreads = 1024;           // SortSmall's one block, one slot per thread
+constexpr int kWarpsPerChunk = kSortChunk / 32;
+constexpr int kSmallChunks = kSmallThreads / kSortChunk;
+constexpr int kMaxBuckets = 1024;             // E+1 at most for SortSmall and WarpRanks
 // The most slots sorted in one launch, where it is the faster: on an H100, 512 slots took 5.5 us in one
 // launch against 8.3 us in three; 4096 took 12.5 us in one, more than three took for 8192 (9.2 us).
-constexpr int64_t kSmallSortLimit = 1024;
+constexpr int64_t kSmallSortLimit = kSmallThreads;
+// Whether SortSmall takes n slots over num_experts experts.
+bool SortsSmall(int64_t n, int64_t num_experts) { return n <= kSmallSortLimit && num_experts + 1 <= kMaxBuckets; }
 
-// Whether SortSmall takes n slots over num_experts experts: few enough slots to be the faster (each
-// thread holds at most four), every chunk's histogram in one block's shared memory, and one thread per
-// bucket to scan the counts.
-bool SortsSmall(int64_t n, int64_t num_experts) {
-  const int64_t chunks = (n + kSortChunk - 1) / kSortChunk;
-  return n <= kSmallSortLimit && n <= kSmallSlots && num_experts + 1 <= kSmallThreads &&
-         chunks * (num_experts + 1) <= kSmallHist;
+// A slot's rank among the equal buckets of its warp's lanes before it, and the mask of those lanes
+// (all 32 lanes take part; -1 marks a lane with no slot, a group of its own).
+__device__ __forceinline__ int32_t WarpRank(int32_t bucket, uint32_t* peers) {
+  *peers = __match_any_sync(0xffffffffu, bucket);
+  return __popc(*peers & ((1u << (threadIdx.x & 31)) - 1));
 }
 
-// The three steps of the counting sort in one block of kSmallThreads threads, the chunks' histograms in
-// shared memory: the same ranks within kSortChunk-slot chunks, the same column scans and the same
-// placement as ChunkRanks, ScanBuckets and Place, so the same (stable) order. A slot's rank in its chunk
-// is its rank among its warp's equal buckets (__match_any_sync) plus the counts of the chunk's earlier
-// warps, which the warps of a chunk add into the chunk's histogram one after the other.
+// The three steps of the counting sort in one block of kSmallThreads threads, one slot each, the chunks'
+// histograms in shared memory: the same ranks within kSortChunk-slot chunks, the same column scans and
+// the same placement as the three launches, so the same (stable) order. A slot's rank in its chunk is its
+// rank among its warp's equal buckets plus the counts of the chunk's earlier warps, which the warps of a
+// chunk add into the chunk's histogram one after the other.
 __global__ void __launch_bounds__(kSmallThreads)
 SortSmall(const int32_t* ids, int64_t n, int num_experts, int32_t* sorted, int32_t* inverse, int32_t* counts,
           int32_t* offsets, int32_t* valid) {
-  __shared__ int32_t hist[kSmallHist];          // [chunk][E+1]: counts, then exclusive prefixes over chunks
-  __shared__ int32_t start[kSmallThreads];      // [E+1] each bucket's first position
-  constexpr int kPer = kSmallSlots / kSmallThreads;
-  constexpr int kWarpsPerChunk = kSortChunk / 32;
+  __shared__ int32_t hist[kSmallChunks * kMaxBuckets];  // [chunk][E+1]: counts, then prefixes over chunks
+  __shared__ int32_t start[kMaxBuckets];                // [E+1] each bucket's first position
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const int buckets = num_experts + 1;
   const int chunks = static_cast<int>((n + kSortChunk - 1) / kSortChunk);
   for (int i = t; i < chunks * buckets; i += kSmallThreads) hist[i] = 0;
-  int32_t rank[kPer], peers[kPer], mine[kPer];
-#pragma unroll
-  for (int r = 0; r < kPer; ++r) {  // each slot's rank among its warp's equal buckets
-    const int i = r * kSmallThreads + t;
-    mine[r] = i < n ? Bucket(ids[i], num_experts) : -1;  // -1: no slot (a group of its own)
-    peers[r] = static_cast<int32_t>(__match_any_sync(0xffffffffu, mine[r]));
-    rank[r] = __popc(static_cast<uint32_t>(peers[r]) & ((1u << lane) - 1));
-  }
+  const int32_t mine = t < n ? Bucket(ids[t], num_experts) : -1;
+  uint32_t peers;
+  int32_t rank = WarpRank(mine, &peers);
+  const int leader = __ffs(peers) - 1;
+  int32_t* my_hist = hist + (t / kSortChunk) * buckets;
   __syncthreads();
   for (int step = 0; step < kWarpsPerChunk; ++step) {  // a chunk's warps in order: counts of the earlier ones
-#pragma unroll
-    for (int r = 0; r < kPer; ++r) {
-      const int i = r * kSmallThreads + t;
-      const int leader = __ffs(peers[r]) - 1;
+    if (warp % kWarpsPerChunk == step) {
       int32_t before = 0;
-      if (warp % kWarpsPerChunk == step && i < n && lane == leader) {
-        int32_t* h = hist + (i / kSortChunk) * buckets + mine[r];
-        before = *h;
-        *h = before + __popc(peers[r]);
+      if (mine >= 0 && lane == leader) {
+        before = my_hist[mine];
+        my_hist[mine] = before + __popc(peers);
       }
-      if (warp % kWarpsPerChunk == step) rank[r] += __shfl_sync(0xffffffffu, before, leader);
+      rank += __shfl_sync(0xffffffffu, before, leader);
     }
     __syncthreads();
   }
@@ -197,14 +191,43 @@ SortSmall(const int32_t* ids, int64_t n, int num_experts, int32_t* sorted, int32
     }
   }
   __syncthreads();
+  if (mine >= 0) {
+    const int32_t pos = start[mine] + my_hist[mine] + rank;
+    sorted[pos] = t;
+    inverse[t] = pos;
+  }
+}
+
+// Step 1 by warps (one block of kSortChunk threads per chunk; max(chunks, 1) blocks, one when n == 0,
+// for the ticket): rank[i] = slot i's rank among the equal buckets of its chunk, hist[chunk][b] = the
+// chunk's count of bucket b, as ChunkRanks computes them. The warps' counts per bucket sit in shared
+// memory ([warp][E+1]), so a slot adds those of its chunk's earlier warps to its rank in its warp.
+__global__ void __launch_bounds__(kSortChunk)
+WarpRanks(const int32_t* ids, int64_t n, int64_t chunks, int num_experts, int32_t* rank, int32_t* hist,
+          int32_t* ticket) {
+  __shared__ int32_t warp_hist[kWarpsPerChunk * kMaxBuckets];
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int buckets = num_experts + 1;
+  if (blockIdx.x == 0 && t == 0) *ticket = 0;
+  if (blockIdx.x >= chunks) return;
+  for (int j = t; j < kWarpsPerChunk * buckets; j += kSortChunk) warp_hist[j] = 0;
+  const int64_t i = int64_t(blockIdx.x) * kSortChunk + t;
+  const int32_t mine = i < n ? Bucket(ids[i], num_experts) : -1;
+  uint32_t peers;
+  int32_t r = WarpRank(mine, &peers);
+  __syncthreads();
+  if (mine >= 0 && lane == __ffs(peers) - 1) warp_hist[warp * buckets + mine] = __popc(peers);
+  __syncthreads();
+  if (mine >= 0) {
+    for (int w = 0; w < warp; ++w) r += warp_hist[w * buckets + mine];
+    rank[i] = r;
+  }
+  int32_t* my_hist = hist + int64_t(blockIdx.x) * buckets;
+  for (int b = t; b < buckets; b += kSortChunk) {
+    int32_t sum = 0;
 #pragma unroll
-  for (int r = 0; r < kPer; ++r) {
-    const int i = r * kSmallThreads + t;
-    if (i < n) {
-      const int32_t pos = start[mine[r]] + hist[(i / kSortChunk) * buckets + mine[r]] + rank[r];
-      sorted[pos] = i;
-      inverse[i] = pos;
-    }
+    for (int w = 0; w < kWarpsPerChunk; ++w) sum += warp_hist[w * buckets + b];
+    my_hist[b] = sum;
   }
 }
 
@@ -240,8 +263,13 @@ ffi::Error SortByExpertCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi:
   }
   int32_t* hist = workspace->typed_data();
   int32_t* ticket = hist + chunks * (num_experts + 1);
-  ChunkRanks<<<chunks > 0 ? chunks : 1, kSortChunk, 0, stream>>>(ids.typed_data(), n, chunks, e,
-                                                                 inverse->typed_data(), hist, ticket);
+  const unsigned rank_blocks = chunks > 0 ? static_cast<unsigned>(chunks) : 1;
+  if (num_experts + 1 <= kMaxBuckets)
+    WarpRanks<<<rank_blocks, kSortChunk, 0, stream>>>(ids.typed_data(), n, chunks, e, inverse->typed_data(), hist,
+                                                      ticket);
+  else
+    ChunkRanks<<<rank_blocks, kSortChunk, 0, stream>>>(ids.typed_data(), n, chunks, e, inverse->typed_data(), hist,
+                                                       ticket);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   ScanBuckets<<<e + 1, kScanThreads, 0, stream>>>(chunks, e, hist, counts->typed_data(), offsets->typed_data(),
                                                   valid->typed_data(), ticket);
