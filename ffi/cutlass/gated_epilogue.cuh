@@ -86,20 +86,10 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
     constexpr int kGroups = WgmmaColumnGroups<FrgLayout>();
     static_assert(kGroups % 8 == 0, "a quad stores eight 8-column groups at a time");
 
-    const int m_size = static_cast<int>(get<0>(problem_shape_mnkl));
-    const int n_size = static_cast<int>(get<1>(problem_shape_mnkl));
-    const int l = static_cast<int>(get<3>(blk_coord_mnkl));
-    const auto tc = AccumulatorCoords(m_size, n_size, blk_shape_mnk, blk_coord_mnkl, tiled_mma, thread_idx);
-
-    Out* d = reinterpret_cast<Out*>(params_.ptr_D[l]);
-    const int64_t ld = cute::get<0>(params_.dD[l]);  // d's row length (N / 2, as the setup kernel wrote it)
-    const float* row_scale = nullptr;
-    const float* col_scale = nullptr;
-    if constexpr (kScaled) {
-      row_scale = params_.ptr_row_scale[l];
-      col_scale = params_.ptr_col_scale[l];
-    }
-    const float* bias = params_.bias != nullptr ? params_.bias + int64_t(l) * n_size : nullptr;
+    // ld: d's row length, N / 2
+    const auto [m_size, n_size, l, tc, d, ld, row_scale, col_scale, bias] =
+        ReadTileOperands<Out, kScaled>(params_, problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl, tiled_mma,
+                                       thread_idx);
     const float alpha = params_.alpha, limit = params_.limit;
     float inv_out = 1.0f;
     if constexpr (sizeof(Out) == 1) inv_out = 1.0f / *params_.out_scale;

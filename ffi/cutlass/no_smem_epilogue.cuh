@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -73,6 +74,45 @@ CUTLASS_DEVICE auto AccumulatorCoords(int m_size, int n_size, BlockShapeMNK cons
   Tensor cd = local_tile(make_identity_tensor(make_shape(m_size, n_size)), take<0, 2>(blk_shape),
                          make_coord(get<0>(blk_coord), get<1>(blk_coord)));
   return tiled_mma.get_thread_slice(thread_idx).partition_C(cd);
+}
+
+// What an epilogue reads first for one tile of group l: the group's problem size m_size x n_size, the
+// thread's accumulator coordinates tc (AccumulatorCoords), d's first row for the group and its row
+// length ld (as the setup kernel wrote them), the group's FP8 scale vectors (kScaled; else nullptr) and
+// its bias row (nullptr: none).
+template <class Out, class Coords>
+struct TileOperands {
+  int m_size, n_size, l;
+  Coords tc;
+  Out* d;
+  int64_t ld;
+  const float* row_scale;
+  const float* col_scale;
+  const float* bias;
+};
+
+// TileOperands from an epilogue's params (ptr_D, dD, ptr_row_scale, ptr_col_scale: per group; bias
+// [E, n_size] or nullptr) and the arguments CUTLASS passes it for a tile.
+template <class Out, bool kScaled, class Params, class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL,
+          class TiledMma>
+CUTLASS_DEVICE auto ReadTileOperands(Params const& p, ProblemShapeMNKL const& problem_shape_mnkl,
+                                     BlockShapeMNK const& blk_shape_mnk, BlockCoordMNKL const& blk_coord_mnkl,
+                                     TiledMma const& tiled_mma, int thread_idx) {
+  using namespace cute;
+  const int m_size = static_cast<int>(get<0>(problem_shape_mnkl));
+  const int n_size = static_cast<int>(get<1>(problem_shape_mnkl));
+  const int l = static_cast<int>(get<3>(blk_coord_mnkl));
+  const auto tc = AccumulatorCoords(m_size, n_size, blk_shape_mnk, blk_coord_mnkl, tiled_mma, thread_idx);
+  // Braced: the loads in this order (d, its row length, the scales, the bias).
+  return TileOperands<Out, decltype(tc)>{m_size,
+                                         n_size,
+                                         l,
+                                         tc,
+                                         reinterpret_cast<Out*>(p.ptr_D[l]),
+                                         get<0>(p.dD[l]),
+                                         kScaled ? p.ptr_row_scale[l] : nullptr,
+                                         kScaled ? p.ptr_col_scale[l] : nullptr,
+                                         p.bias != nullptr ? p.bias + int64_t(l) * n_size : nullptr};
 }
 
 // The column dequantization scales (kScaled: FP8) and the bias of this lane's column pair in the kN

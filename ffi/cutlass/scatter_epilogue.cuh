@@ -66,22 +66,11 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
     constexpr int kGroups = WgmmaColumnGroups<FrgLayout>();
     static_assert(kGroups % 4 == 0, "a quad adds four 8-column groups at a time");
 
-    const int m_size = static_cast<int>(get<0>(problem_shape_mnkl));
-    const int n_size = static_cast<int>(get<1>(problem_shape_mnkl));
-    const int l = static_cast<int>(get<3>(blk_coord_mnkl));
-    const auto tc = AccumulatorCoords(m_size, n_size, blk_shape_mnk, blk_coord_mnkl, tiled_mma, thread_idx);
-
-    __nv_bfloat16* d = reinterpret_cast<__nv_bfloat16*>(params_.ptr_D[l]);
-    const int64_t ld = cute::get<0>(params_.dD[l]);
+    const auto [m_size, n_size, l, tc, d, ld, row_scale, col_scale, bias] =
+        ReadTileOperands<__nv_bfloat16, kScaled>(params_, problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl,
+                                                 tiled_mma, thread_idx);
     const int64_t lo = params_.row_lo[l];
     const int32_t* slots = params_.slots + lo;
-    const float* row_scale = nullptr;
-    const float* col_scale = nullptr;
-    if constexpr (kScaled) {
-      row_scale = params_.ptr_row_scale[l];
-      col_scale = params_.ptr_col_scale[l];
-    }
-    const float* bias = params_.bias != nullptr ? params_.bias + int64_t(l) * n_size : nullptr;
     const int64_t num_slots = params_.num_tokens * params_.k, k = params_.k;
     const int q = static_cast<int>(threadIdx.x & 3);
 
