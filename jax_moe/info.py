@@ -63,8 +63,8 @@ def finalize_status() -> str:
     except ValueError as err:
         return f"unusable: {err}"
     if mode == "scatter":
-        return (f"scatter ({why}): GEMM2's epilogue adds each row into its token's row, on FP8 and prepared "
-                f"bf16 weights; not bit-reproducible ({FINALIZE_ENV}=gather or XLA's "
+        return (f"scatter ({why}): GEMM2's epilogue adds each row into its token's row, on every layout of "
+                f"the weights; not bit-reproducible ({FINALIZE_ENV}=gather or XLA's "
                 "--xla_gpu_deterministic_ops=true: the un-permute kernel)")
     return f"gather ({why}): the un-permute kernel, bit-reproducible"
 

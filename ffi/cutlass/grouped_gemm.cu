@@ -196,7 +196,7 @@ ffi::Error GroupedGemmActCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
   if (auto err = CheckOperands(kind, a, b, offsets, d, workspace, tile, call)) return std::move(*err);
   if (activation != kActSilu && activation != kActGelu && activation != kActSwigluOai)
     return InvalidArgument(n_ + "activation must be 0 (silu), 1 (gelu) or 2 (swigluoai)");
-  if (kind == kGemmFp8Act) {
+  if (IsFp8Kind(kind)) {
     if (auto err = CheckScales(kind, row_scale, col_scale, call)) return std::move(*err);
     if (out_scale.element_count() != 1)
       return InvalidArgument(n_ + "out_scale must have 1 element (d's static FP8 scale) with FP8 a");
