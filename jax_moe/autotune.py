@@ -26,8 +26,10 @@ the forward is faster by more than ``min_gain``; then the forward with every cho
 against today's once more, and where it is not faster by more than ``min_gain`` too (two trials'
 gains inside the timer's spread, measured at 4-7% per trial on an H200), today's picks are kept
 for that token count. What is written is the tile per GEMM at that token count's rows per expert;
-other token counts take the nearest point on a log scale. Token counts on the decode path (a few
-slots, no grouped GEMM) have nothing to tune. Training's backward GEMMs keep the shipped picks.
+other token counts take the nearest point on a log scale, up to twice as many or half as many rows
+per expert as any tuned (beyond that, the shipped tiles and the heuristic decide: tune the token
+counts you serve). Token counts on the decode path (a few slots, no grouped GEMM) have nothing to
+tune. Training's backward GEMMs keep the shipped picks.
 ``bench/tune_models.py`` runs this over popular layers' shapes to write the shipped tiles.
 """
 

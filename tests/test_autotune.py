@@ -112,6 +112,26 @@ def test_later_traces_on_the_same_gpu_model_read_the_tuned_tiles_first(tmp_path,
     assert ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_128x128"  # the forced tile still wins
 
 
+def test_tuned_tiles_answer_only_within_twice_the_tuned_rows_per_expert(tmp_path, monkeypatch):
+    """A tile that won at 16 to 64 rows per expert says nothing of 256 (nor of 4): there the
+    shipped tiles and the heuristic decide, as for a GEMM never tuned."""
+    path = tmp_path / "tiles.json"
+    cache = tc.TileCache(device_kind())
+    cache.record(GEMM1, 16.0, "pingpong_64x256", {"pingpong_64x256": 0.5})
+    cache.record(GEMM1, 64.0, "coop_128x128", {"coop_128x128": 0.5})
+    cache.save(path)
+    monkeypatch.setenv(tc.CACHE_ENV, str(path))
+    pick = lambda rows: ct.pick_tile(int(rows * E), E, n=N, k=K, kind="bf16_kn_act")  # noqa: E731
+    assert [pick(r) for r in (8, 16, 24, 64, 128)] == ["pingpong_64x256"] * 3 + ["coop_128x128"] * 2
+    monkeypatch.delenv(tc.CACHE_ENV)
+    for rows in (4, 7, 129, 256, 1024):
+        shipped = ct.pick_tile(rows * E, E, n=N, k=K, kind="bf16_kn_act")
+        monkeypatch.setenv(tc.CACHE_ENV, str(path))
+        assert pick(rows) == shipped, rows
+        monkeypatch.delenv(tc.CACHE_ENV)
+    assert tc.load(path, ct.TILES).tile_for(GEMM1, 128.0 * tc.REACH) is None
+
+
 def test_tiles_tuned_on_another_gpu_model_are_not_used(tmp_path):
     path = tmp_path / "tiles.json"
     cache = tc.TileCache("Some Other GPU")

@@ -22,7 +22,9 @@ GPU model only; ``JAX_MOE_SHIPPED_TILES=off`` sets them aside. The file::
 A GEMM is keyed ``"kind/E/N/K"`` (:func:`gemm_key`: the kind the forward asks for, ``"_act"``
 for GEMM1 with its activation; N and K of ``d [M, N] = a [M, K] @ w[e]`` whatever the weight
 layout); under it, per average rows per expert, the chosen tile. The nearest point on a log
-scale answers (:func:`nearest`), as for the shipped table. ``"figures"`` keeps the milliseconds
+scale answers (:func:`nearest`), as for the shipped table, but only within :data:`REACH` times
+the tuned range: further out the next source of tiles decides (a tile that won at 256 rows per
+expert need not win at 1024, where a 128x256 tile usually does). ``"figures"`` keeps the milliseconds
 each choice came from (the forward's device time per call with that GEMM on that tile), so a
 cache can be read, diffed and shipped as a record of what was measured.
 """
@@ -41,6 +43,11 @@ SHIPPED_ENV = "JAX_MOE_SHIPPED_TILES"  # "off": the shipped caches are not read
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned_tiles")
 
 Points = tuple[tuple[float, str], ...]  # (rows per expert, tile), increasing rows per expert
+# A tuned GEMM's points answer for rows per expert at most this factor below its smallest point or
+# above its largest. On an H200, tiles tuned up to 4096 tokens and carried to 16384 cost
+# Qwen3-30B-A3B's forward 11% (GEMM1 kept pingpong_64x256 from 256 rows per expert to 1024, where
+# coop_128x256 wins) and GPT-OSS-120B's 5% (GEMM2 kept it from 128 rows to 512).
+REACH = 2.0
 
 
 def gemm_key(kind: str, num_groups: int, n: int, k: int) -> str:
@@ -81,8 +88,12 @@ class TileCache:
         self.figures.setdefault(key, {})[f"{rows_per_expert:g}"] = {t: float(ms) for t, ms in cell.items()}
 
     def tile_for(self, key: str, rows_per_expert: float) -> str | None:
+        """The tile of GEMM ``key``'s nearest point, or None where it has no points within
+        :data:`REACH` of ``rows_per_expert``."""
         points = self.gemms.get(key)
-        return nearest(points, rows_per_expert) if points else None
+        if not points or not points[0][0] / REACH <= rows_per_expert <= points[-1][0] * REACH:
+            return None
+        return nearest(points, rows_per_expert)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "device": self.device,

@@ -22,7 +22,8 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
 2. Tuned tiles: a GEMM in the active tile cache (:mod:`jax_moe.backends.cutlass_tile_cache`,
    ``JAX_MOE_TILE_CACHE``, written by :func:`jax_moe.autotune.tune` on this GPU model), else in
    the cache shipped for this GPU model (``jax_moe/backends/tuned_tiles/``, popular models'
-   layers), takes the tile measured fastest for it there, at the nearest rows per expert. A fused
+   layers), takes the tile measured fastest for it there, at the nearest rows per expert (within
+   :data:`~jax_moe.backends.cutlass_tile_cache.REACH` times the tuned range). A fused
    kind (``"_act"``, ``"_scatter"``) with no tuned tile of its own takes its plain kind's: GEMM2
    tuned while it still wrote its rows keeps its tile when it scatters.
 3. A GEMM whose ``(kind, E, N, K)`` is in :data:`MEASURED` takes the tile measured fastest at the
