@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", choices=sorted(LAYERS), metavar="MODEL",
                    help="layers to tune (default: all; the bench's four only off the measured table's GPU model)")
     p.add_argument("--scheme", choices=("bf16", "fp8"), default="bf16")
-    p.add_argument("--tokens", nargs="+", type=int, default=[16, 64, 256, 1024, 4096])
+    p.add_argument("--tokens", nargs="+", type=int, default=[16, 64, 256, 1024, 4096, 16384],
+                   help="token counts to tune (a tuned tile answers up to twice or half its rows per expert)")
     p.add_argument("--finalize", choices=("gather", "scatter"), default=None,
                    help="scatter: tune GEMM2 with its scatter epilogue (its own tile keys), as the autotuner's flag")
     p.add_argument("--out", help="the cache file; tiles already there are kept (default: this GPU model's "

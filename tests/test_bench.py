@@ -237,6 +237,9 @@ def test_tune_models_tunes_each_layer_in_its_own_process_into_one_file(tune_mode
     assert [c[c.index("--shape") + 1:c.index("--shape") + 5] for c in calls] == [
         ["128", "4096", "1536", "8"], ["16", "6144", "10752", "4"]]
     assert all(c[1:3] == ["-m", "jax_moe.autotune"] and c[c.index("--out") + 1] == "t.json" for c in calls)
+    # the bench's token counts, so that no shipped tile is carried past twice its tuned rows per expert
+    assert all(c[c.index("--tokens") + 1:c.index("--out")] == ["16", "64", "256", "1024", "4096", "16384"]
+               for c in calls)
     assert "failed: dbrx" in capsys.readouterr().out
 
 
