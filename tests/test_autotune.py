@@ -212,6 +212,10 @@ def test_tiles_shipped_for_this_gpu_model_are_read_after_the_users_and_before_th
     cache.save(users)
     autotune.use(users)
     assert ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_128x128"  # the user's first
+    cache.gemms[GEMM1] = ((256.0, "coop_128x128"),)
+    cache.save(users)
+    autotune.use(users)
+    assert ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn_act") == "pingpong_64x256"  # the user's out of reach
     autotune.use(None)
     monkeypatch.setenv(tc.SHIPPED_ENV, "off")
     assert ct.pick_tile(16 * E, E, n=N, k=K, kind="bf16_kn_act") == ct.heuristic_tile(16)  # set aside

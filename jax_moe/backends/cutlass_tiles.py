@@ -380,11 +380,12 @@ def tuned_tile(key: str, rows_per_expert: float, *, user: bool = True, device: s
     """The tuned tile for GEMM ``key`` (:func:`gemm_key`) at the nearest rows per expert: the
     active tile cache's (the user's; ``user=False`` skips it), else the cache shipped for GPU model
     ``device`` (None: JAX's default device's); None where neither was measured on that GPU model
-    or holds this GEMM."""
+    or holds this GEMM within reach of ``rows_per_expert``."""
     device = device_kind() if device is None else device
     for cache in (cutlass_tile_cache.active(TILES) if user else None, cutlass_tile_cache.shipped(device, TILES)):
-        if cache is not None and cache.device == device and key in cache.gemms:
-            return cache.tile_for(key, rows_per_expert)
+        tile = cache.tile_for(key, rows_per_expert) if cache is not None and cache.device == device else None
+        if tile is not None:
+            return tile
     return None
 
 
