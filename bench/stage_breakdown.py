@@ -4,6 +4,7 @@
     python bench/stage_breakdown.py --models qwen3 deepseek --tokens 64 16384 --kernels $OUT/kernels.txt
     python bench/stage_breakdown.py --method alone                  # each stage jitted alone (any platform)
     python bench/stage_breakdown.py --scheme fp8 --models qwen3 --tokens 4096   # FP8 per-tensor W8A8
+    python bench/stage_breakdown.py --models qwen3 --tokens 4096 --loop 8     # + per layer inside a loop
 
 Stages (the ``cutlass`` backend's pipeline, :mod:`jax_moe.backends.cutlass`): ``route``
 (``select_experts``: softmax top-k), ``sort`` (``sort_by_expert``), ``permute`` (``permute_rows``),
@@ -23,6 +24,12 @@ Methods:
   its sort and permute are XLA fusions (column ``sort``), its activation too (``act``).
 - ``alone`` (any platform; the default without a GPU): each stage jitted alone on the intermediate
   arrays of a real forward, timed per call (host dispatch included: an upper bound at small T).
+
+``--loop N`` (``trace`` only) also traces each implementation's forward inside one jitted loop of N
+layers (:mod:`bench.in_loop`: each layer its own routing, its input the last layer's output) and
+gives, per layer, the kernels' busy time, the span from the loop's first kernel to its last over N,
+and the grouped GEMMs' share. This is a layer's device time as a model's layer loop runs it: no
+dispatch, and none of the loop timer's once-per-call costs (the span still holds the loop's start).
 
 The GEMM columns also give each grouped GEMM's share of its own floor: ``max(touched experts'
 weight bytes / bandwidth, FLOPs / peak)`` with the ceilings measured in the same run.
@@ -46,7 +53,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench import kernel_trace, peers  # noqa: E402
+from bench import in_loop, kernel_trace, peers  # noqa: E402
 from bench.moe_bench import (FP8_MATH, MODELS, Model, measure_ceilings, quantized, random_experts,  # noqa: E402
                               routed_inputs, timeit)
 from jax_moe import ffi, kernels  # noqa: E402
@@ -144,6 +151,43 @@ def traced_stages(impls: dict, logits, top_k: int, calls: int) -> dict[str, dict
     return result
 
 
+def traced_loop(fn, args: tuple, num_experts: int, top_k: int, layers: int, calls: int = 2) -> dict | None:
+    """Per layer of ``fn`` run ``layers`` times inside one jitted loop (``args`` = (x, weights,
+    topk_weights, topk_ids); the loop's routings are :func:`bench.in_loop.stacked_routing`'s):
+    microseconds of busy time, of span (the loop's first kernel's start to its last one's end, over
+    ``layers``) and of grouped-GEMM time, medians over ``calls`` traced calls of the loop; None if
+    the trace could not be split into calls."""
+    x, weights = args[:2]
+    tw, ids = in_loop.stacked_routing(x.shape[0], num_experts, top_k, layers)
+    tw = tw * in_loop.output_scale(fn, x, weights, tw[0], ids[0])
+    loop = in_loop.layer_loop(fn, layers)
+    jax.block_until_ready(loop(x, weights, tw, ids))
+    groups = kernel_trace.trace_calls([(loop, (x, weights, tw, ids))] * calls)
+    if groups is None:
+        return None
+
+    def per_layer(values) -> float:
+        return statistics.median(values) / layers / 1e3
+
+    return {"layers": layers,
+            "busy": per_layer(sum(k.duration_ns for k in g) for g in groups),
+            "span": per_layer(kernel_trace.span_ns(g) for g in groups),
+            "gemm": per_layer(sum(k.duration_ns for k in g if kernel_trace.kind_of(k.name) == "gemm")
+                              for g in groups)}
+
+
+def loop_header() -> str:
+    cols = ["model", "T", "impl", "layers", "busy us per layer", "span us per layer", "gemm us per layer"]
+    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+
+
+def format_loop_row(row: dict) -> str:
+    lp = row["loop"]
+    cells = [row["model"], str(row["T"]), row["impl"], str(lp["layers"])] + [
+        fmt_us(lp[key]) for key in ("busy", "span", "gemm")]
+    return "| " + " | ".join(cells) + " |"
+
+
 def header() -> str:
     cols = (["model", "T", "impl"] + [f"{c} us" for c in COLUMNS]
             + ["kernels", "busy us", "span us", "per call us", "gemm1 % floor", "gemm2 % floor"])
@@ -167,9 +211,10 @@ def format_row(row: dict) -> str:
 
 
 def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: float, peak: float,
-        kernels_file=None, scheme: str = "bf16") -> list[dict]:
+        kernels_file=None, scheme: str = "bf16", loop: int = 0) -> list[dict]:
     """Rows of the breakdown for model ``m`` at each T (printed as they come); ``scheme``: ``bf16``
-    or ``fp8`` (``trace`` only)."""
+    or ``fp8`` (``trace`` only); ``loop``: also trace each forward inside a loop of this many
+    layers (:func:`traced_loop`; 0: not)."""
     cfg = MoEConfig(m.e, m.k, m.h, m.i)
     w13, w2 = random_experts(m)
     traced_on_prepared = method == "trace"  # the stages of the forward MoEBlock.prepare() runs
@@ -215,6 +260,12 @@ def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: fl
                 continue
             rows.append(row)
             print(format_row(row), flush=True)
+        for name in impls if loop and traced is not None else ():
+            lp = traced_loop(*impls[name], m.e, m.k, loop)
+            row = next(r for r in rows if r["T"] == t and r["impl"] == name)
+            row["loop"] = lp
+            print(f"# in a loop: {format_loop_row(row)}" if lp else
+                  f"# {m.name} T={t} {name}: the loop's trace not attributed", flush=True)
     del w13, w2, tk, weights
     return rows
 
@@ -231,10 +282,14 @@ def main(argv=None) -> int:
     p.add_argument("--scheme", choices=("bf16", "fp8"), default="bf16",
                    help="expert weight format: fp8 is W8A8 per-tensor (trace method only; no peer)")
     p.add_argument("--kernels", default=None, help="write each forward's kernel list to this file")
+    p.add_argument("--loop", type=int, default=0, metavar="N",
+                   help="also trace each forward inside a jitted loop of N layers: device time per layer")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
     if args.scheme != "bf16" and args.method != "trace":
         p.error(f"--scheme {args.scheme} needs --method trace (the stages alone are bf16's)")
+    if args.loop and args.method != "trace":
+        p.error("--loop needs --method trace (the loop's kernels come from a profiler trace)")
 
     peer = args.scheme == "bf16" and not args.no_peer and peers.available()[0]
     if args.scheme != "bf16" and not args.no_peer:
@@ -250,10 +305,14 @@ def main(argv=None) -> int:
     kfile = open(args.kernels, "w") if args.kernels else None  # noqa: SIM115
     try:
         for key in args.models:
-            rows += run(MODELS[key], args.tokens, args.method, args.calls, peer, bw, peak, kfile, args.scheme)
+            rows += run(MODELS[key], args.tokens, args.method, args.calls, peer, bw, peak, kfile, args.scheme,
+                        args.loop)
     finally:
         if kfile:
             kfile.close()
+    looped = [r for r in rows if r.get("loop")]
+    if looped:
+        print("\n" + loop_header() + "\n" + "\n".join(format_loop_row(r) for r in looped))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

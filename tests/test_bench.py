@@ -153,6 +153,26 @@ def test_stage_breakdown_prints_a_row_per_token_count(monkeypatch, method, tmp_p
     assert (kernels.read_text().count("## tiny") == 1) == (method == "trace")
 
 
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU demo")
+def test_stage_breakdown_gives_the_device_time_per_layer_inside_a_loop(monkeypatch, capsys):
+    """--loop N: each forward is also traced inside a jitted loop of N layers, and its busy time,
+    span and GEMM time per layer are tabled (on CPU: the runtime's thunks)."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import stage_breakdown
+
+    assert stage_breakdown.main(["--tokens", "3", "--method", "trace", "--no-peer", "--loop", "2"]) == 0
+    out = capsys.readouterr().out
+    if "not attributed" in out:  # a busy host split a call in two: nothing to check
+        return
+    table = out[out.index("| model | T | impl | layers"):].splitlines()
+    row = table[2].split(" | ")
+    assert row[0].startswith("| tiny") and row[1:4] == ["3", "cutlass", "2"]
+    busy, span, gemm = (float(v.strip(" |")) for v in row[4:7])
+    assert busy > 0 and span > 0 and gemm >= 0  # (CPU thunks nest, so busy may pass span here)
+    with pytest.raises(SystemExit):
+        stage_breakdown.main(["--tokens", "3", "--method", "alone", "--loop", "2"])
+
+
 def test_route_bench_prints_a_row_per_router_and_token_count(monkeypatch, capsys):
     """bench/route_bench.py: select_experts (the route kernel) against its pure-JAX path with the
     top-k kernel and with lax.top_k (on CPU all three are lax.top_k), device time from one trace,
