@@ -14,7 +14,7 @@ The loop has costs of its own. Per iteration there is a short gap after the loop
 one-element op). Per call, the timer also counts the loop's dispatch, its copies in and the wait,
 spread over the N layers: traced, about 49 us per layer at N=8 for that layer, so a quarter of that
 at N=32. Per-layer figures are therefore upper bounds, the closer the more layers; a profiler
-trace gives the kernels alone.
+trace of the same loop gives the kernels alone (``bench/stage_breakdown.py --loop N``).
 
 The outputs are rescaled (the routing weights are multiplied once, before timing, by
 ``1 / rms`` of one layer's output) so that the tokens keep a magnitude near 1 through the N

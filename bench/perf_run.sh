@@ -3,6 +3,7 @@
 #   install   pip install -e . (the cutlass backend; FlashInfer off unless FI=1), tokamax from carried
 #             wheels in .whl/ (git-ignored; see below) into /tmp/site
 #   stages    bench/stage_breakdown.py: per-stage device time from a profiler trace, with kernel lists
+#             (and, with STAGE_LOOP=N, each forward's device time per layer inside a traced loop of N layers)
 #   bench     bench/moe_bench.py: xla, cutlass and tokamax on the four models at T=1 64 1024 4096
 #             16384, with the in-loop device time per layer at T=1 and 16
 #   fp8       (if time is left) bench/moe_bench.py --scheme fp8 on cutlass at T=4096 16384
@@ -12,7 +13,7 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     tokamax==0.0.17 einshape pydantic pydantic-core annotated-types typing-inspection qwix immutabledict tensorboardx
-# Environment: MODELS, TOKENS, LOOP_TOKENS, STAGE_MODELS, STAGE_TOKENS, BENCH_TIMEOUT, STAGES_TIMEOUT,
+# Environment: MODELS, TOKENS, LOOP_TOKENS, STAGE_MODELS, STAGE_TOKENS, STAGE_LOOP, BENCH_TIMEOUT, STAGES_TIMEOUT,
 # DEADLINE (seconds after which optional steps are skipped), SKIP_INSTALL=1, FI=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +44,7 @@ python3 -c "import tokamax; print('tokamax', tokamax.__version__)" 2>&1 | tail -
 
 models="${MODELS:-qwen3 gptoss deepseek mixtral}"
 timeout "${STAGES_TIMEOUT:-140}" python3 bench/stage_breakdown.py --models ${STAGE_MODELS:-qwen3 deepseek gptoss mixtral} \
-  --tokens ${STAGE_TOKENS:-1 64 16384} --kernels "$out/kernels.txt" --json "$out/stages.json" 2>&1 | filter \
+  --tokens ${STAGE_TOKENS:-1 64 16384} --loop "${STAGE_LOOP:-0}" --kernels "$out/kernels.txt" --json "$out/stages.json" 2>&1 | filter \
   | tee "$out/stages.log"
 echo "== stages: $(elapsed) s" | tee -a "$out/gpu.txt"
 
