@@ -62,16 +62,22 @@ def layer_loop(fn: Layer, layers: int) -> Callable:
     return jax.jit(run)
 
 
-def per_layer_ms(fn: Layer, x: jax.Array, weights, num_experts: int, top_k: int, layers: int,
-                 timeit: Callable) -> float:
-    """Median device time (ms) of one layer of ``fn`` inside a jitted loop of ``layers`` layers.
-
-    ``timeit(f, inputs) -> ms`` is the bench's timer (median of blocked calls after warm-up);
-    the routing is :func:`stacked_routing`'s, scaled by :func:`output_scale`."""
+def scaled_loop(fn: Layer, x: jax.Array, weights, num_experts: int, top_k: int, layers: int
+                ) -> tuple[Callable, tuple]:
+    """(:func:`layer_loop` of ``fn`` over ``layers`` layers, its arguments): the routing is
+    :func:`stacked_routing`'s, scaled by :func:`output_scale`."""
     tw, ids = stacked_routing(x.shape[0], num_experts, top_k, layers)
     tw = tw * output_scale(fn, x, weights, tw[0], ids[0])
-    loop = layer_loop(fn, layers)
-    return timeit(loop, [(x, weights, tw, ids)]) / layers
+    return layer_loop(fn, layers), (x, weights, tw, ids)
+
+
+def per_layer_ms(fn: Layer, x: jax.Array, weights, num_experts: int, top_k: int, layers: int,
+                 timeit: Callable) -> float:
+    """Median device time (ms) of one layer of ``fn`` inside a jitted loop of ``layers`` layers
+    (:func:`scaled_loop`). ``timeit(f, inputs) -> ms`` is the bench's timer (median of blocked
+    calls after warm-up)."""
+    loop, args = scaled_loop(fn, x, weights, num_experts, top_k, layers)
+    return timeit(loop, [args]) / layers
 
 
 def repeated_ms(fn: Callable, inputs: list[tuple], vary: int, reps: int, timeit: Callable) -> float:

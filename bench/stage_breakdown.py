@@ -153,16 +153,13 @@ def traced_stages(impls: dict, logits, top_k: int, calls: int) -> dict[str, dict
 
 def traced_loop(fn, args: tuple, num_experts: int, top_k: int, layers: int, calls: int = 2) -> dict | None:
     """Per layer of ``fn`` run ``layers`` times inside one jitted loop (``args`` = (x, weights,
-    topk_weights, topk_ids); the loop's routings are :func:`bench.in_loop.stacked_routing`'s):
-    microseconds of busy time, of span (the loop's first kernel's start to its last one's end, over
-    ``layers``) and of grouped-GEMM time, medians over ``calls`` traced calls of the loop; None if
-    the trace could not be split into calls."""
-    x, weights = args[:2]
-    tw, ids = in_loop.stacked_routing(x.shape[0], num_experts, top_k, layers)
-    tw = tw * in_loop.output_scale(fn, x, weights, tw[0], ids[0])
-    loop = in_loop.layer_loop(fn, layers)
-    jax.block_until_ready(loop(x, weights, tw, ids))
-    groups = kernel_trace.trace_calls([(loop, (x, weights, tw, ids))] * calls)
+    topk_weights, topk_ids); the loop is :func:`bench.in_loop.scaled_loop`'s): microseconds of busy
+    time, of span (the loop's first kernel's start to its last one's end, over ``layers``) and of
+    grouped-GEMM time, medians over ``calls`` traced calls of the loop; None if the trace could
+    not be split into calls."""
+    loop, loop_args = in_loop.scaled_loop(fn, *args[:2], num_experts, top_k, layers)
+    jax.block_until_ready(loop(*loop_args))
+    groups = kernel_trace.trace_calls([(loop, loop_args)] * calls)
     if groups is None:
         return None
 
@@ -260,12 +257,10 @@ def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: fl
                 continue
             rows.append(row)
             print(format_row(row), flush=True)
-        for name in impls if loop and traced is not None else ():
-            lp = traced_loop(*impls[name], m.e, m.k, loop)
-            row = next(r for r in rows if r["T"] == t and r["impl"] == name)
-            row["loop"] = lp
-            print(f"# in a loop: {format_loop_row(row)}" if lp else
-                  f"# {m.name} T={t} {name}: the loop's trace not attributed", flush=True)
+            if loop and traced is not None:
+                row["loop"] = traced_loop(fn, args, m.e, m.k, loop)
+                print(f"# in a loop: {format_loop_row(row)}" if row["loop"] else
+                      f"# {m.name} T={t} {name}: the loop's trace not attributed", flush=True)
     del w13, w2, tk, weights
     return rows
 
