@@ -69,6 +69,22 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
     const auto [m_size, n_size, l, tc, d, ld, row_scale, col_scale, bias] =
         ReadTileOperands<__nv_bfloat16, kScaled>(params_, problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl,
                                                  tiled_mma, thread_idx);
+    // Two bodies, so that a layer without a bias (most) carries neither its loads nor its registers.
+    if (bias == nullptr) {
+      AddRows<false>(acc, tc, m_size, n_size, l, d, ld, row_scale, col_scale, nullptr);
+    } else {
+      AddRows<true>(acc, tc, m_size, n_size, l, d, ld, row_scale, col_scale, bias);
+    }
+  }
+
+ private:
+  // The tile's weighted rows added into d (the file's comment): kBias, whether bias is there.
+  template <bool kBias, class FrgEngine, class FrgLayout, class Coords>
+  CUTLASS_DEVICE void AddRows(cute::Tensor<FrgEngine, FrgLayout> const& acc, Coords const& tc, int m_size,
+                              int n_size, int l, __nv_bfloat16* d, int64_t ld, const float* row_scale,
+                              const float* col_scale, const float* bias) const {
+    using namespace cute;
+    constexpr int kGroups = WgmmaColumnGroups<FrgLayout>();
     const int64_t lo = params_.row_lo[l];
     const int32_t* slots = params_.slots + lo;
     const int64_t num_slots = params_.num_tokens * params_.k, k = params_.k;
@@ -78,9 +94,10 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
     for (int mi = 0; mi < size<1>(acc); ++mi) {
       CUTLASS_PRAGMA_UNROLL
       for (int ni = 0; ni < size<2>(acc); ++ni) {
-        // The thread's two rows (one per half): their output row (-1: none), weight and scale, read once.
+        // The thread's two rows (one per half): their output row (-1: none), their weight (0: dropped)
+        // and their factor (the weight, FP8: times the row's scale), read once.
         int64_t t[2];
-        float rw[2], rs[2];
+        float rw[2], rf[2];
         CUTLASS_PRAGMA_UNROLL
         for (int half = 0; half < 2; ++half) {
           const int m = get<0>(tc(make_coord(make_coord(0, half, 0), mi, ni)));
@@ -88,22 +105,25 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
           const bool in = s >= 0 && s < num_slots;
           t[half] = in ? s / k : -1;
           rw[half] = in ? __ldg(params_.weights + s) : 0.0f;
-          rs[half] = 1.0f;
-          if constexpr (kScaled) rs[half] = in ? __ldg(row_scale + m) : 0.0f;
+          rf[half] = rw[half];
+          if constexpr (kScaled) rf[half] *= in ? __ldg(row_scale + m) : 0.0f;
         }
         CUTLASS_PRAGMA_UNROLL
         for (int g0 = 0; g0 < kGroups; g0 += 4) {
           float2 cs[4], bs[4];  // this lane's column pair in groups g0 .. g0 + 3: scales, bias
-          LoadColumnPairs<4, kScaled>(tc, mi, ni, g0, n_size, col_scale, bias, cs, bs);
+          LoadColumnPairs<4, kScaled>(tc, mi, ni, g0, n_size, col_scale, kBias ? bias : nullptr, cs, bs);
           CUTLASS_PRAGMA_UNROLL
           for (int half = 0; half < 2; ++half) {
             uint32_t w[4];  // w[j]: this lane's pair of group g0 + j, weighted, packed to bf16x2
             CUTLASS_PRAGMA_UNROLL
             for (int j = 0; j < 4; ++j) {
+              // (acc (* col scale * row scale) + bias) * w, as acc * (col scale) * factor + bias * w
               float v0 = acc(make_coord(make_coord(0, half, g0 + j), mi, ni));
               float v1 = acc(make_coord(make_coord(1, half, g0 + j), mi, ni));
-              if constexpr (kScaled) v0 *= cs[j].x * rs[half], v1 *= cs[j].y * rs[half];
-              w[j] = Pack((v0 + bs[j].x) * rw[half], (v1 + bs[j].y) * rw[half]);
+              if constexpr (kScaled) v0 *= cs[j].x, v1 *= cs[j].y;
+              v0 *= rf[half], v1 *= rf[half];
+              if constexpr (kBias) v0 += bs[j].x * rw[half], v1 += bs[j].y * rw[half];
+              w[j] = Pack(v0, v1);
             }
             uint32_t r[4];  // after the transpose: the four lanes' pairs of group g0 + q, columns in order
             QuadTranspose(w, q, r);
@@ -116,7 +136,6 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
     }
   }
 
- private:
   // The quad's 4x4 transpose of 32-bit words: lane q holds M[q][0..3] (its pair of groups g0 .. g0 + 3)
   // and ends with M[0..3][q] (group g0 + q's pairs, columns 0-1, 2-3, 4-5, 6-7). With lane q ^ 2 it
   // swaps the half of its row it does not end in, with lane q ^ 1 the column it does not end in.
