@@ -1,0 +1,122 @@
+"""A change against a baseline, timed on one GPU: the baseline's tree, and the table of the two.
+
+Machine-to-machine spread on the lent GPUs (the power cap, clocks) is as large as the changes a
+kernel edit makes (5-10% per GEMM between two H200s on the same tree), so a change is timed against
+its baseline built and run on the same machine, in alternating rounds. ``bench/side_by_side.sh``
+does the device's part; this module prepares the baseline and reads the rounds back:
+
+    python bench/side_by_side.py prepare main          # on your machine: main's tree into .base/
+    # carry .base (git-ignored) to the device with .fi, then there:
+    bench/side_by_side.sh 2 -- python3 bench/stage_breakdown.py --scheme fp8 --no-peer --models qwen3
+    python bench/side_by_side.py table rounds/         # the table (side_by_side.sh prints it too;
+                                                       # its rounds come back as $OUT/rounds.tgz)
+
+The bench command must take ``--json FILE`` and write :mod:`bench.stage_breakdown`'s rows (a list
+of objects with ``model``, ``T``, ``impl``, ``busy`` and ``stages``, microseconds of device time).
+Rounds are files ``base_<round>.json`` and ``new_<round>.json``; the table gives, per row and
+stage, the medians over rounds and ``new / base`` with its range over the rounds (each round's new
+against the same round's base).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+
+BASE_DIR = ".base"
+SIDES = ("base", "new")
+# the rows' quantities compared, in the table's order (those that are zero on both sides are left out)
+QUANTITIES = ("busy", "gemm1", "gemm2", "permute", "act", "finalize", "sort", "route", "setup", "glue")
+
+
+def prepare(rev: str, dest: str = BASE_DIR, repo: str = ".") -> str:
+    """Writes git revision ``rev``'s tree of ``repo`` to ``dest`` (replacing what is there) and
+    returns the commit it resolved to."""
+    commit = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", f"{rev}^{{commit}}"], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    if os.path.exists(dest):
+        subprocess.run(["rm", "-rf", dest], check=True)
+    os.makedirs(dest)
+    archive = subprocess.run(["git", "-C", repo, "archive", commit], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+    with open(os.path.join(dest, "BASE_COMMIT"), "w") as f:
+        f.write(commit + "\n")
+    return commit
+
+
+def _quantity(row: dict, name: str) -> float:
+    return float(row["busy"]) if name == "busy" else float(row.get("stages", {}).get(name, 0.0))
+
+
+def read_rounds(folder: str) -> dict[str, dict[int, list[dict]]]:
+    """``{side: {round: rows}}`` from ``<side>_<round>.json`` in ``folder``."""
+    out: dict[str, dict[int, list[dict]]] = {side: {} for side in SIDES}
+    for path in glob.glob(os.path.join(folder, "*_*.json")):
+        m = re.fullmatch(r"(base|new)_(\d+)\.json", os.path.basename(path))
+        if m:
+            with open(path) as f:
+                out[m.group(1)][int(m.group(2))] = json.load(f)
+    return out
+
+
+def table(rounds: dict[str, dict[int, list[dict]]]) -> list[str]:
+    """Markdown lines: per (model, T, impl) and quantity, the base and new medians over rounds (us),
+    new / base of the medians, and the range of the rounds' own new / base. Rounds present on one side
+    only, and rows missing from a round, are left out of the ratios."""
+    paired = sorted(set(rounds["base"]) & set(rounds["new"]))
+    if not paired:
+        raise ValueError("no round has both a base and a new file")
+    key = lambda r: (r["model"], int(r["T"]), r["impl"])  # noqa: E731
+    by_round = {side: {n: {key(r): r for r in rounds[side][n]} for n in paired} for side in SIDES}
+    keys: list[tuple] = []
+    for n in paired:
+        for k in by_round["base"][n]:
+            if k not in keys and all(k in by_round[s][n] for s in SIDES):
+                keys.append(k)
+    lines = ["| model | T | impl | quantity | base us | new us | new / base | rounds' range |",
+             "|---|---|---|---|---|---|---|---|"]
+    for k in keys:
+        present = [n for n in paired if all(k in by_round[s][n] for s in SIDES)]
+        for q in QUANTITIES:
+            vals = {s: [_quantity(by_round[s][n][k], q) for n in present] for s in SIDES}
+            if not any(vals["base"]) and not any(vals["new"]):
+                continue
+            base, new = statistics.median(vals["base"]), statistics.median(vals["new"])
+            per = [b and nv / b for b, nv in zip(vals["base"], vals["new"])]
+            ratio = f"{new / base:.3f}" if base else "n/a"
+            spread = f"{min(per):.3f} - {max(per):.3f}" if base and all(per) else "n/a"
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {q} | {base:.1f} | {new:.1f} | {ratio} | {spread} |")
+    lines.append(f"\n{len(paired)} round(s); each round ran the base, then the new tree, on one GPU.")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    pp = sub.add_parser("prepare", help="write a git revision's tree to .base/ (carry it to the device)")
+    pp.add_argument("rev")
+    pp.add_argument("--dest", default=BASE_DIR)
+    pt = sub.add_parser("table", help="the table of a side_by_side.sh run's rounds")
+    pt.add_argument("folder")
+    args = p.parse_args(argv)
+    if args.command == "prepare":
+        commit = prepare(args.rev, args.dest)
+        print(f"{args.dest}/ holds {commit}: carry it with .fi, then run bench/side_by_side.sh on the device")
+        return 0
+    try:
+        print("\n".join(table(read_rounds(args.folder))))
+    except ValueError as err:
+        print(f"side_by_side: {err} in {args.folder}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
