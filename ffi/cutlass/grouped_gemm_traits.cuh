@@ -79,8 +79,7 @@ struct EpilogueOf<Kind, TileShape, ClusterShape, EpilogueSchedule, kEpiGatedAct>
 };
 template <int Kind, class TileShape, class ClusterShape, class EpilogueSchedule>
 struct EpilogueOf<Kind, TileShape, ClusterShape, EpilogueSchedule, kEpiScatterAdd> {
-  using type = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-      ScatterAddEpilogue<IsFp8Kind(Kind)>>;
+  using type = ScatterRowsAdapter<ScatterAddEpilogue<IsFp8Kind(Kind), int(cute::size<0>(TileShape{}))>>;
 };
 
 // A and B in CUTLASS's terms (A is M x K, B is K x N; RowMajor A and ColumnMajor B are K-major).

@@ -1,8 +1,9 @@
 // What jax_moe's own grouped-GEMM epilogues share (gated_epilogue.cuh, scatter_epilogue.cuh): the
 // types and no-op host hooks CUTLASS's pointer-array kernels ask of a collective epilogue that stores
-// straight from the accumulators, without shared memory, under
-// cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter. An epilogue derives from it
-// and adds its Arguments (= Params), can_implement and operator().
+// straight from the accumulators, without a shared-memory staging of its tile, under
+// cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter (or, for the scatter epilogue,
+// ScatterRowsAdapter, which adds the tile's rows read ahead). An epilogue derives from it and adds its
+// Arguments (= Params), can_implement and operator().
 #pragma once
 
 #include <cstddef>

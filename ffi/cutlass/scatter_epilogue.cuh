@@ -9,8 +9,14 @@
 // cores' accumulator layout (wgmma, m64nNk16) a thread holds columns 2q and 2q+1 (q = lane % 4) of
 // every 8-column group of its rows; the four lanes of a quad transpose four groups' packed pairs so
 // that each lane holds one group's 8 consecutive columns, and adds them with one 16-byte
-// `red.global.add.noftz.v4.bf16x2`. No shared memory: the adapter runs it where the TMA epilogue
-// would (cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter).
+// `red.global.add.noftz.v4.bf16x2`.
+//
+// A tile's rows (token, weight and, FP8, weight times row scale) are read ahead by the kernel's
+// epilogue producer warp while the consumers run the tile's mainloop: a chain of three dependent
+// loads per row (the group's first row, the row's slot, the slot's weight) that the consumers would
+// otherwise wait on after it. They pass through shared memory, kRowStages tiles deep, on a
+// PipelineAsync (ScatterRowsAdapter below, in place of CUTLASS's
+// cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter).
 //
 // The adds of a token's k rows come from different CTAs in no fixed order, and each rounds to bf16:
 // the sum is not bit-reproducible run to run, and carries up to k roundings where the un-permute
@@ -25,15 +31,30 @@
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/detail.hpp"
 #include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/pipeline/sm90_pipeline.hpp"
 
 #include "no_smem_epilogue.cuh"
 
 namespace jax_moe::cutlass_gg {
 
+// One row of a tile as the epilogue needs it, read ahead (16 bytes: one shared-memory load).
+struct ScatterRow {
+  int32_t token;  // t = slot / k, or -1: the row adds nothing
+  float weight;   // its routing weight (0 where dropped)
+  float factor;   // the weight, FP8: times the row's dequantization scale
+  int32_t unused;
+};
+
 // kScaled: FP8 operands, the row and column dequantization scales applied to the accumulator first.
-template <bool kScaled>
+// kTileM: the tile's rows.
+template <bool kScaled, int kTileM>
 class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
  public:
+  static constexpr int kTileRows = kTileM;
+  static constexpr int kRowStages = 2;  // tiles of rows read ahead
+  struct RowStorage {
+    alignas(16) ScatterRow rows[kRowStages][kTileM];
+  };
   struct Arguments {
     ElementD** ptr_D = nullptr;             // per group: d [T, N] itself (every group adds into all of it)
     StrideD dD = nullptr;                   // per group: d's leading dimension (N)
@@ -61,52 +82,68 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
             class TiledMma, class ResidueMNK>
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
                                  BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
-                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char* smem) {
     using namespace cute;
     constexpr int kGroups = WgmmaColumnGroups<FrgLayout>();
     static_assert(kGroups % 4 == 0, "a quad adds four 8-column groups at a time");
+    static_assert(int(size<0>(BlockShapeMNK{})) == kTileM, "the rows read ahead are the tile's");
 
     const auto [m_size, n_size, l, tc, d, ld, row_scale, col_scale, bias] =
         ReadTileOperands<__nv_bfloat16, kScaled>(params_, problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl,
                                                  tiled_mma, thread_idx);
     // Two bodies, so that a layer without a bias (most) carries neither its loads nor its registers.
+    const ScatterRow* rows = reinterpret_cast<const ScatterRow*>(smem);
+    const int m0 = static_cast<int>(get<0>(blk_coord_mnkl)) * kTileM;  // the tile's first row in the group
     if (bias == nullptr) {
-      AddRows<false>(acc, tc, m_size, n_size, l, d, ld, row_scale, col_scale, nullptr);
+      AddRows<false>(acc, tc, rows, m0, n_size, d, ld, col_scale, nullptr);
     } else {
-      AddRows<true>(acc, tc, m_size, n_size, l, d, ld, row_scale, col_scale, bias);
+      AddRows<true>(acc, tc, rows, m0, n_size, d, ld, col_scale, bias);
+    }
+  }
+
+  // Run by the epilogue producer warp (lane 0 .. 31) for the tile of group l whose first row is m0:
+  // rows[i] for its kTileM rows m0 + i (token -1 past the group's m_size rows).
+  CUTLASS_DEVICE void FillRows(ScatterRow* rows, int l, int m0, int m_size, int lane) const {
+    const int64_t lo = params_.row_lo[l];
+    const int32_t* slots = params_.slots + lo;
+    const float* row_scale = nullptr;
+    if constexpr (kScaled) row_scale = params_.ptr_row_scale[l];
+    const int64_t num_slots = params_.num_tokens * params_.k, k = params_.k;
+    for (int i = lane; i < kTileM; i += cutlass::NumThreadsPerWarp) {
+      const int m = m0 + i;
+      const int64_t s = m < m_size ? int64_t(__ldg(slots + m)) : -1;
+      const bool in = s >= 0 && s < num_slots;
+      const float w = in ? __ldg(params_.weights + s) : 0.0f;
+      float f = w;
+      if constexpr (kScaled) f *= in ? __ldg(row_scale + m) : 0.0f;
+      rows[i] = ScatterRow{in ? static_cast<int32_t>(s / k) : -1, w, f, 0};
     }
   }
 
  private:
-  // The tile's weighted rows added into d (the file's comment): kBias, whether bias is there.
+  // The tile's weighted rows added into d (the file's comment): kBias, whether bias is there; rows, the
+  // tile's rows read ahead (FillRows), its first row m0.
   template <bool kBias, class FrgEngine, class FrgLayout, class Coords>
-  CUTLASS_DEVICE void AddRows(cute::Tensor<FrgEngine, FrgLayout> const& acc, Coords const& tc, int m_size,
-                              int n_size, int l, __nv_bfloat16* d, int64_t ld, const float* row_scale,
+  CUTLASS_DEVICE void AddRows(cute::Tensor<FrgEngine, FrgLayout> const& acc, Coords const& tc,
+                              const ScatterRow* rows, int m0, int n_size, __nv_bfloat16* d, int64_t ld,
                               const float* col_scale, const float* bias) const {
     using namespace cute;
     constexpr int kGroups = WgmmaColumnGroups<FrgLayout>();
-    const int64_t lo = params_.row_lo[l];
-    const int32_t* slots = params_.slots + lo;
-    const int64_t num_slots = params_.num_tokens * params_.k, k = params_.k;
     const int q = static_cast<int>(threadIdx.x & 3);
 
     CUTLASS_PRAGMA_UNROLL
     for (int mi = 0; mi < size<1>(acc); ++mi) {
       CUTLASS_PRAGMA_UNROLL
       for (int ni = 0; ni < size<2>(acc); ++ni) {
-        // The thread's two rows (one per half): their output row (-1: none), their weight (0: dropped)
-        // and their factor (the weight, FP8: times the row's scale), read once.
+        // The thread's two rows (one per half): their output row (-1: none), weight and factor.
         int64_t t[2];
         float rw[2], rf[2];
         CUTLASS_PRAGMA_UNROLL
         for (int half = 0; half < 2; ++half) {
-          const int m = get<0>(tc(make_coord(make_coord(0, half, 0), mi, ni)));
-          const int64_t s = m < m_size ? int64_t(__ldg(slots + m)) : -1;
-          const bool in = s >= 0 && s < num_slots;
-          t[half] = in ? s / k : -1;
-          rw[half] = in ? __ldg(params_.weights + s) : 0.0f;
-          rf[half] = rw[half];
-          if constexpr (kScaled) rf[half] *= in ? __ldg(row_scale + m) : 0.0f;
+          const ScatterRow row = rows[get<0>(tc(make_coord(make_coord(0, half, 0), mi, ni))) - m0];
+          t[half] = row.token;
+          rw[half] = row.weight;
+          rf[half] = row.factor;
         }
         CUTLASS_PRAGMA_UNROLL
         for (int g0 = 0; g0 < kGroups; g0 += 4) {
@@ -171,6 +208,78 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
   }
 
   Params params_;
+};
+
+// CUTLASS's no-shared-memory adapter around ScatterAddEpilogue, with the tile's rows read ahead:
+// - the kernel's epilogue producer warp (is_producer_load_needed) runs load per tile: it waits for a
+//   free stage of the rows pipeline, fills it (FillRows) and commits it;
+// - the consumers' store waits for that stage, runs the epilogue on it and releases it;
+// - one stage per tile (get_load_pipe_increment, as the base), so the pingpong kernel's skipping of
+//   the other warpgroup's tiles keeps the two sides in step.
+// Its shared memory, the stages of rows, is carved out of the mainloop's (grouped_gemm_impl.cuh sizes
+// the carve-out by SharedStorage).
+template <class Op>
+class ScatterRowsAdapter : public cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Op> {
+  using Base = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Op>;
+
+ public:
+  using LoadPipeline = cutlass::PipelineAsync<Op::kRowStages>;
+  using LoadPipelineState = cutlass::PipelineState<Op::kRowStages>;
+  using TensorStorage = typename Op::RowStorage;
+  using PipelineStorage = typename LoadPipeline::SharedStorage;
+  struct SharedStorage {  // what the epilogue takes of the kernel's shared memory (the carve-out)
+    TensorStorage rows;
+    PipelineStorage pipeline;
+  };
+  using StorePipeline = typename Base::StorePipeline;
+  using StorePipelineState = typename Base::StorePipelineState;
+
+  using Base::Base;
+  CUTLASS_HOST_DEVICE ScatterRowsAdapter(typename Op::Params const& params, TensorStorage&) : Base(params) {}
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return true; }
+
+  // The epilogue producer warp, per tile: the tile's rows into the next stage.
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class TiledMma, class TensorMapC>
+  CUTLASS_DEVICE auto load(LoadPipeline load_pipeline, LoadPipelineState state, ProblemShapeMNKL problem_shape_mnkl,
+                           TileShapeMNK, TileCoordMNKL tile_coord_mnkl, TiledMma, int thread_idx,
+                           TensorStorage& storage, TensorMapC const&, int = -1, bool = false) {
+    using namespace cute;
+    load_pipeline.producer_acquire(state);
+    this->FillRows(storage.rows[state.index()], static_cast<int>(get<3>(tile_coord_mnkl)),
+                   static_cast<int>(get<0>(tile_coord_mnkl)) * Op::kTileRows,
+                   static_cast<int>(get<0>(problem_shape_mnkl)), thread_idx);
+    load_pipeline.producer_commit(state);  // each lane arrives after its own stores (release)
+    ++state;
+    return state;
+  }
+
+  // The producer warp, after its last tile: every stage consumed before it leaves.
+  CUTLASS_DEVICE auto load_tail(LoadPipeline load_pipeline, LoadPipelineState state) {
+    load_pipeline.producer_tail(state);
+    return state;
+  }
+
+  // The consumers, per tile: the epilogue on the stage the producer filled for this tile.
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout,
+            class TiledMma, class TensorMapD>
+  CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadPipelineState load_state, StorePipeline,
+                            StorePipelineState store_state, ProblemShapeMNKL problem_shape_mnkl,
+                            TileShapeMNK tile_shape_mnk, TileCoordMNKL tile_coord_mnkl,
+                            cute::Tensor<AccEngine, AccLayout> accumulators, TiledMma tiled_mma, int thread_idx,
+                            TensorStorage& storage, TensorMapD const&, int = -1) {
+    load_pipeline.consumer_wait(load_state);
+    (*this)(problem_shape_mnkl, tile_shape_mnk, tile_coord_mnkl, accumulators, tiled_mma, cute::Int<0>{},
+            thread_idx, reinterpret_cast<char*>(storage.rows[load_state.index()]));
+    load_pipeline.consumer_release(load_state);
+    ++load_state;
+    return cute::make_tuple(load_state, store_state);
+  }
+
+  CUTLASS_DEVICE auto store_tail(LoadPipeline, LoadPipelineState load_state, StorePipeline,
+                                 StorePipelineState store_state) {
+    return cute::make_tuple(load_state, store_state);
+  }
 };
 
 }  // namespace jax_moe::cutlass_gg
