@@ -326,3 +326,14 @@ def test_cutlass_variants_run_when_named_with_or_without_cutlass(moe_bench, monk
     m = moe_bench.MODELS["tiny"]
     impls = moe_bench.implementations(MoEConfig(m.e, m.k, m.h, m.i), only=only)
     assert sorted(impls) == names
+
+
+@pytest.mark.parametrize("scheme", ["bf16", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_profile_forward_runs_the_prepared_forward_a_profiler_attaches_to(monkeypatch, scheme, capsys):
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import profile_forward
+
+    assert profile_forward.main(["--model", "tiny", "--scheme", scheme, "--tokens", "8", "--runs", "2"]) == 0
+    assert f"{scheme} T=8: 2 forwards run" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        profile_forward.main(["--model", "tiny", "--runs", "0"])

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One grouped GEMM of a prepared forward under Nsight Compute, on the device, with its stalls summed:
+#   bench/ncu_gemm.sh MODEL SCHEME T KERNEL [NAME]
+#   bench/ncu_gemm.sh qwen3 fp8 4096 ScatterRowsAdapter gemm2_fp8
+# KERNEL is a regular expression on the demangled kernel name: ScatterRowsAdapter (GEMM2 with the
+# weighted scatter-add epilogue, the default finalize), GatedActEpilogue (GEMM1 with the activation
+# epilogue), GroupProblemShape (every grouped GEMM). The tree must be installed (pip install -e .).
+# The third forward's kernel is profiled (bench/profile_forward.py; the first compiles) with the
+# sections below; if ncu fails with SourceCounters, it is run again without it (no stall samples).
+# Writes to ${OUT:-/tmp/ncu_gemm}: NAME.ncu-rep, NAME.log (ncu's own output), NAME_details.txt (the
+# sections), NAME_stalls.txt (bench/ncu_stalls.py on the SASS source page). Every step writes to
+# files, not pipes, so that a timed-out profile (NCU_TIMEOUT seconds, default 150) cannot hang it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ $# -ge 4 ] || { echo "usage: bench/ncu_gemm.sh MODEL SCHEME T KERNEL [NAME]" >&2; exit 2; }
+model=$1 scheme=$2 tokens=$3 kernel=$4 name=${5:-${1}_${2}_${3}}
+out="${OUT:-/tmp/ncu_gemm}"; mkdir -p "$out"
+command -v ncu > /dev/null || { echo "ncu_gemm.sh: ncu is not on PATH" >&2; exit 2; }
+sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats
+          --section WarpStateStats --section Occupancy --section LaunchStats)
+profile() {  # profile EXTRA_SECTION_ARGS...
+  timeout --kill-after=10 "${NCU_TIMEOUT:-150}" ncu --clock-control none --kernel-name-base demangled \
+    -k "regex:$kernel" --launch-skip 2 --launch-count 1 "${sections[@]}" "$@" -f -o "$out/$name" \
+    python3 bench/profile_forward.py --model "$model" --scheme "$scheme" --tokens "$tokens" --runs 4 \
+    > "$out/$name.log" 2>&1 && [ -f "$out/$name.ncu-rep" ]
+}
+if ! profile --section SourceCounters; then
+  echo "ncu_gemm.sh: $name: ncu failed with SourceCounters (see $name.log); again without it" >&2
+  mv "$out/$name.log" "$out/${name}_sourcecounters.log"
+  profile || { echo "ncu_gemm.sh: $name: ncu failed (see $name.log)" >&2; tail -5 "$out/$name.log" >&2; exit 1; }
+fi
+ncu -i "$out/$name.ncu-rep" --print-summary none > "$out/${name}_details.txt" 2>&1
+ncu -i "$out/$name.ncu-rep" --page source --print-source sass --csv > "$out/${name}_source.csv" 2> /dev/null
+python3 bench/ncu_stalls.py "$out/${name}_source.csv" > "$out/${name}_stalls.txt" 2>&1 \
+  || echo "ncu_gemm.sh: $name: no stall samples in the report" >&2
+rm -f "$out/${name}_source.csv"
+grep -E "^  [a-z_]+ *device_kernel|Duration|DRAM Throughput|Compute \(SM\) Throughput|SM Frequency|Issued Warp|No Eligible|Spilling Requests " \
+  "$out/${name}_details.txt" | head -12
+head -30 "$out/${name}_stalls.txt"
