@@ -2,7 +2,8 @@
 
 Random weights of the layer's shapes are prepared for the cutlass backend (FP8: quantized first),
 as ``MoEBlock.prepare()`` leaves them, and the jitted ``cutlass.apply_prepared`` runs ``--runs``
-times on one routed input: the same forward ``bench/stage_breakdown.py`` traces. The first run
+times on one routed input: the same forward ``bench/stage_breakdown.py`` traces, built by its
+``prepared_weights`` and ``prepared_fn``. The first run
 compiles; skip it in the profiler::
 
     ncu --launch-skip 2 --launch-count 1 -k regex:ScatterRowsAdapter \\
@@ -23,9 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 
-from bench.moe_bench import MODELS, quantized, random_experts, routed_inputs  # noqa: E402
-from jax_moe.backends import cutlass  # noqa: E402
-from jax_moe.config import MoEConfig  # noqa: E402
+from bench.moe_bench import MODELS, random_experts, routed_inputs  # noqa: E402
+from bench.stage_breakdown import prepared_fn, prepared_weights  # noqa: E402
 
 SCHEMES = ("bf16", "fp8")
 
@@ -40,17 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tokens < 1 or args.runs < 1:
         parser.error("--tokens and --runs need to be at least 1")
     m = MODELS[args.model]
-    cfg = MoEConfig(m.e, m.k, m.h, m.i)
     w13, w2 = random_experts(m)
-    if args.scheme == "bf16":
-        weights = cutlass.prepare(w13, w2, cfg)
-    else:
-        w13q, w2q, quant = quantized(args.scheme, w13, w2, m)
-        weights = cutlass.prepare(w13q, w2q, cfg, quant)
-        del w13q, w2q
+    weights = prepared_weights(m, w13, w2, args.scheme)
     del w13, w2
     x, w, ids = routed_inputs(m, args.tokens, sets=1)[0]
-    forward = jax.jit(lambda x, p, w, ids: cutlass.apply_prepared(x, p, w, ids))
+    forward = jax.jit(prepared_fn())
     for _ in range(args.runs):
         forward(x, weights, w, ids).block_until_ready()
     print(f"{m.name} {args.scheme} T={args.tokens}: {args.runs} forwards run")

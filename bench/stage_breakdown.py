@@ -207,6 +207,16 @@ def format_row(row: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def prepared_weights(m: Model, w13: jax.Array, w2: jax.Array, scheme: str = "bf16"):
+    """``m``'s experts as ``cutlass.prepare`` leaves them (what ``MoEBlock.prepare()`` does): in
+    ``scheme`` ``bf16`` as given, else quantized first (:func:`bench.moe_bench.quantized`)."""
+    cfg = MoEConfig(m.e, m.k, m.h, m.i)
+    if scheme == "bf16":
+        return cutlass.prepare(w13, w2, cfg)
+    w13q, w2q, quant = quantized(scheme, w13, w2, m)
+    return cutlass.prepare(w13q, w2q, cfg, quant)
+
+
 def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: float, peak: float,
         kernels_file=None, scheme: str = "bf16", loop: int = 0) -> list[dict]:
     """Rows of the breakdown for model ``m`` at each T (printed as they come); ``scheme``: ``bf16``
@@ -215,12 +225,8 @@ def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: fl
     cfg = MoEConfig(m.e, m.k, m.h, m.i)
     w13, w2 = random_experts(m)
     traced_on_prepared = method == "trace"  # the stages of the forward MoEBlock.prepare() runs
-    if scheme != "bf16":
-        w13q, w2q, quant = quantized(scheme, w13, w2, m)
-        weights = cutlass.prepare(w13q, w2q, cfg, quant)
-        del w13q, w2q
-    else:
-        weights = cutlass.prepare(w13, w2, cfg) if traced_on_prepared else (w13, w2)
+    on_prepared = traced_on_prepared or scheme != "bf16"  # the stored-weights forward is bf16's only
+    weights = prepared_weights(m, w13, w2, scheme) if on_prepared else (w13, w2)
     fwd = prepared_fn() if traced_on_prepared else cutlass_fn(cfg)
     tk = peers.tokamax_prepare(w13, w2) if peer else None
     rows = []
