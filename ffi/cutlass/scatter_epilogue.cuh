@@ -50,7 +50,6 @@ struct ScatterRow {
 template <bool kScaled, int kTileM>
 class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
  public:
-  static constexpr int kTileRows = kTileM;
   static constexpr int kRowStages = 2;  // tiles of rows read ahead
   struct RowStorage {
     alignas(16) ScatterRow rows[kRowStages][kTileM];
@@ -88,17 +87,23 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
     static_assert(kGroups % 4 == 0, "a quad adds four 8-column groups at a time");
     static_assert(int(size<0>(BlockShapeMNK{})) == kTileM, "the rows read ahead are the tile's");
 
-    const auto [m_size, n_size, l, tc, d, ld, row_scale, col_scale, bias] =
-        ReadTileOperands<__nv_bfloat16, kScaled>(params_, problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl,
-                                                 tiled_mma, thread_idx);
+    // The tile's columns (d, scales, bias) are read here; its rows come read ahead, in rows (FillRows).
+    const auto op = ReadTileOperands<__nv_bfloat16, kScaled>(params_, problem_shape_mnkl, blk_shape_mnk,
+                                                             blk_coord_mnkl, tiled_mma, thread_idx);
     // Two bodies, so that a layer without a bias (most) carries neither its loads nor its registers.
     const ScatterRow* rows = reinterpret_cast<const ScatterRow*>(smem);
-    const int m0 = static_cast<int>(get<0>(blk_coord_mnkl)) * kTileM;  // the tile's first row in the group
-    if (bias == nullptr) {
-      AddRows<false>(acc, tc, rows, m0, n_size, d, ld, col_scale, nullptr);
+    const int m0 = TileFirstRow(blk_coord_mnkl);
+    if (op.bias == nullptr) {
+      AddRows<false>(acc, op.tc, rows, m0, op.n_size, op.d, op.ld, op.col_scale, nullptr);
     } else {
-      AddRows<true>(acc, tc, rows, m0, n_size, d, ld, col_scale, bias);
+      AddRows<true>(acc, op.tc, rows, m0, op.n_size, op.d, op.ld, op.col_scale, op.bias);
     }
+  }
+
+  // The first row, within its group, of the tile at coord (m, n, k, group).
+  template <class TileCoordMNKL>
+  static CUTLASS_DEVICE int TileFirstRow(TileCoordMNKL const& coord) {
+    return static_cast<int>(cute::get<0>(coord)) * kTileM;
   }
 
   // Run by the epilogue producer warp (lane 0 .. 31) for the tile of group l whose first row is m0:
@@ -247,8 +252,7 @@ class ScatterRowsAdapter : public cutlass::epilogue::collective::detail::Sm90Tma
     using namespace cute;
     load_pipeline.producer_acquire(state);
     this->FillRows(storage.rows[state.index()], static_cast<int>(get<3>(tile_coord_mnkl)),
-                   static_cast<int>(get<0>(tile_coord_mnkl)) * Op::kTileRows,
-                   static_cast<int>(get<0>(problem_shape_mnkl)), thread_idx);
+                   Op::TileFirstRow(tile_coord_mnkl), static_cast<int>(get<0>(problem_shape_mnkl)), thread_idx);
     load_pipeline.producer_commit(state);  // each lane arrives after its own stores (release)
     ++state;
     return state;
