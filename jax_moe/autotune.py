@@ -111,6 +111,11 @@ class Report:
                   "|---|---|---|---|---|"]
         lines += [f"| {f.tokens} | {f.default_ms:.4f} | {f.tuned_ms:.4f} | {f.default_ms / f.tuned_ms:.2f}x | "
                   f"{'yes' if f.kept else 'no'} |" for f in self.forwards]
+        tiles = sorted({tile for g in self.gemms for tile in g.cell})
+        lines += ["", "Forward ms with each GEMM on each tile (the others on today's picks):", "",
+                  "| T | GEMM | " + " | ".join(tiles) + " |", "|---|---|" + "---|" * len(tiles)]
+        lines += [f"| {g.tokens} | {g.key} | " + " | ".join(f"{g.cell[t]:.4f}" if t in g.cell else "-" for t in tiles)
+                  + " |" for g in self.gemms]
         return "\n".join(lines)
 
 

@@ -74,6 +74,8 @@ def test_tune_keeps_a_tile_only_where_the_forward_is_faster_by_more_than_min_gai
     (fwd,) = report.forwards
     assert fwd.default_ms == pytest.approx(1.0) and fwd.tuned_ms == pytest.approx(0.8)
     assert fwd.kept and "| 64 | 1.0000 | 0.8000 | 1.25x | yes |" in report.markdown()
+    every_tile = report.markdown().split("each GEMM on each tile")[1]  # and each tile's figure per GEMM
+    assert f"| 64 | {GEMM1} | " in every_tile and "0.8000" in every_tile and every_tile.count("| 64 |") == 2
     doc = json.loads(path.read_text())
     assert doc["format"] == tc.FORMAT and doc["device"] == device_kind()
     assert doc["gemms"][GEMM1] == {"16": "pingpong_64x256"}  # 64 tokens x top-4 over 16 experts
