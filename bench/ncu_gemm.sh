@@ -18,11 +18,14 @@ out="${OUT:-/tmp/ncu_gemm}"; mkdir -p "$out"
 command -v ncu > /dev/null || { echo "ncu_gemm.sh: ncu is not on PATH" >&2; exit 2; }
 sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats
           --section WarpStateStats --section Occupancy --section LaunchStats)
+# XLA takes most of the GPU's memory up front by default; ncu's kernel replay needs room of its own to
+# save and restore what the kernel writes, and without it fails to profile ("error code (9)").
 profile() {  # profile EXTRA_SECTION_ARGS...
-  timeout --kill-after=10 "${NCU_TIMEOUT:-150}" ncu --clock-control none --kernel-name-base demangled \
-    -k "regex:$kernel" --launch-skip 2 --launch-count 1 "${sections[@]}" "$@" -f -o "$out/$name" \
-    python3 bench/profile_forward.py --model "$model" --scheme "$scheme" --tokens "$tokens" --runs 4 \
-    > "$out/$name.log" 2>&1 && [ -f "$out/$name.ncu-rep" ]
+  env -u XLA_PYTHON_CLIENT_MEM_FRACTION XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    timeout --kill-after=10 "${NCU_TIMEOUT:-150}" ncu --clock-control none --kernel-name-base demangled \
+      -k "regex:$kernel" --launch-skip 2 --launch-count 1 "${sections[@]}" "$@" -f -o "$out/$name" \
+      python3 bench/profile_forward.py --model "$model" --scheme "$scheme" --tokens "$tokens" --runs 4 \
+      > "$out/$name.log" 2>&1 && [ -f "$out/$name.ncu-rep" ]
 }
 if ! profile --section SourceCounters; then
   echo "ncu_gemm.sh: $name: ncu failed with SourceCounters (see $name.log); again without it" >&2
