@@ -37,6 +37,6 @@ ncu -i "$out/$name.ncu-rep" --page source --print-source sass --csv > "$out/${na
 python3 bench/ncu_stalls.py "$out/${name}_source.csv" > "$out/${name}_stalls.txt" 2>&1 \
   || echo "ncu_gemm.sh: $name: no stall samples in the report" >&2
 rm -f "$out/${name}_source.csv"
-grep -E "^  [a-z_]+ *device_kernel|Duration|DRAM Throughput|Compute \(SM\) Throughput|SM Frequency|Issued Warp|No Eligible|Spilling Requests " \
-  "$out/${name}_details.txt" | head -12
+grep -E "^  [a-z_]+ *device_kernel|Duration|DRAM Throughput|Memory Throughput +[TG]byte/s|L2 Cache Throughput|Compute \(SM\) Throughput|SM Frequency|Issued Warp|No Eligible|Spilling Requests " \
+  "$out/${name}_details.txt" | head -14
 head -30 "$out/${name}_stalls.txt"
