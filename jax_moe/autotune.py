@@ -192,8 +192,9 @@ def tune_forward(forward: Forward, weights, cfg: MoEConfig, tokens: Sequence[int
             g = TunedGemm(t, key, r, tile, chosen[key], cells[key])
             cache.record(key, r, g.chosen, g.cell)
             gemms.append(g)
+            every = ", ".join(f"{other} {ms:.4f}" for other, ms in g.cell.items())
             say(f"# T={t} {key} ({r:g} rows per expert): {tile} {g.cell[tile]:.4f} ms -> "
-                f"{g.chosen} {g.cell[g.chosen]:.4f} ms (" + ", ".join(f"{o} {ms:.4f}" for o, ms in g.cell.items()) + ")")
+                f"{g.chosen} {g.cell[g.chosen]:.4f} ms ({every})")
         forwards.append(TunedForward(t, default_ms, tuned_ms, chosen != picks))
         say(f"# T={t}: forward {default_ms:.4f} ms on today's tiles, {tuned_ms:.4f} ms on the fastest: "
             + ("those kept" if chosen != picks else "today's kept"))
