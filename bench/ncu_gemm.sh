@@ -8,8 +8,10 @@
 # The third forward's kernel is profiled (bench/profile_forward.py; the first compiles) with the
 # sections below; if ncu fails with SourceCounters, it is run again without it (no stall samples).
 # Writes to ${OUT:-/tmp/ncu_gemm}: NAME.ncu-rep, NAME.log (ncu's own output), NAME_details.txt (the
-# sections), NAME_stalls.txt (bench/ncu_stalls.py on the SASS source page). Every step writes to
-# files, not pipes, so that a timed-out profile (NCU_TIMEOUT seconds, default 150) cannot hang it.
+# sections), NAME_stalls.txt (bench/ncu_stalls.py on the SASS source page), NAME_bytes.md (for
+# GatedActEpilogue and ScatterRowsAdapter: bench/ncu_bytes.py, DRAM bytes against the least the GEMM
+# must move). Every step writes to files, not pipes, so that a timed-out profile (NCU_TIMEOUT
+# seconds, default 150) cannot hang it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 4 ] || { echo "usage: bench/ncu_gemm.sh MODEL SCHEME T KERNEL [NAME]" >&2; exit 2; }
@@ -37,6 +39,14 @@ ncu -i "$out/$name.ncu-rep" --page source --print-source sass --csv > "$out/${na
 python3 bench/ncu_stalls.py "$out/${name}_source.csv" > "$out/${name}_stalls.txt" 2>&1 \
   || echo "ncu_gemm.sh: $name: no stall samples in the report" >&2
 rm -f "$out/${name}_source.csv"
+case "$kernel" in  # the GEMM's DRAM bytes against the least it must move (bench/ncu_bytes.py)
+  *ScatterRows*) gemm=gemm2 ;;
+  *GatedAct*) gemm=gemm1 ;;
+  *) gemm= ;;
+esac
+[ -n "$gemm" ] && python3 bench/ncu_bytes.py "$out/${name}_details.txt" --model "$model" --scheme "$scheme" \
+  --tokens "$tokens" --gemm "$gemm" > "$out/${name}_bytes.md" 2>&1
 grep -E "^  [a-z_]+ *device_kernel|Duration|DRAM Throughput|Memory Throughput +[TG]byte/s|L2 Cache Throughput|Compute \(SM\) Throughput|SM Frequency|Issued Warp|No Eligible|Spilling Requests " \
   "$out/${name}_details.txt" | head -14
+[ -n "$gemm" ] && cat "$out/${name}_bytes.md"
 head -30 "$out/${name}_stalls.txt"
