@@ -138,9 +138,14 @@ def measure_ceilings() -> tuple[float, float]:
     return bw, 2 * m**3 / (t * 1e-3)
 
 
+def touched_experts(m: Model, t: int) -> float:
+    """Experts with at least one of T=t tokens' rows, expected under uniform top-k routing."""
+    return m.e * (1 - (1 - m.k / m.e) ** t)
+
+
 def roofline(m: Model, t: int, bw: float, peak: float, scheme: str = "bf16") -> tuple[float, float, float]:
     """(floor ms, bytes, flops) of one forward with T=t tokens (bf16 tokens in and out)."""
-    touched = m.e * (1 - (1 - m.k / m.e) ** t)
+    touched = touched_experts(m, t)
     expert_bytes = SCHEMES[scheme] * 3 * m.h * m.i
     nbytes = touched * expert_bytes + 2 * 2 * t * m.h
     flops = 2 * t * m.k * 3 * m.h * m.i

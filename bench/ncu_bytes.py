@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.moe_bench import MODELS, Model  # noqa: E402
+from bench.moe_bench import MODELS, Model, touched_experts  # noqa: E402
 
 GEMMS = ("gemm1", "gemm2")
 SCHEMES = ("bf16", "fp8")
@@ -76,7 +76,7 @@ def least_bytes(m: Model, t: int, scheme: str, gemm: str) -> float:
     """Bytes GEMM ``gemm`` of layer ``m`` must move at ``t`` tokens (the module's docstring)."""
     if scheme not in SCHEMES or gemm not in GEMMS:
         raise ValueError(f"scheme must be one of {SCHEMES} and gemm one of {GEMMS}, got {scheme!r}, {gemm!r}")
-    touched = m.e * (1 - (1 - m.k / m.e) ** t)  # experts with at least one row, expected
+    touched = touched_experts(m, t)
     rows = t * m.k
     b = 1 if scheme == "fp8" else 2
     if gemm == "gemm1":

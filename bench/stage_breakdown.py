@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import in_loop, kernel_trace, peers  # noqa: E402
 from bench.moe_bench import (FP8_MATH, MODELS, Model, measure_ceilings, quantized, random_experts,  # noqa: E402
-                              routed_inputs, timeit)
+                              routed_inputs, timeit, touched_experts)
 from jax_moe import ffi, kernels  # noqa: E402
 from jax_moe.backends import cutlass  # noqa: E402
 from jax_moe.backends.cutlass_gemm import grouped_gemm  # noqa: E402
@@ -70,7 +70,7 @@ def gemm_floors(m: Model, t: int, bw: float, peak: float, scheme: str = "bf16") 
     """Floors (us) of GEMM1 and GEMM2 alone: touched experts' weights and the rows in (bf16, or
     one byte each for ``fp8``) and out (bf16) over the bandwidth, or the FLOPs over the peak (twice
     the bf16 peak for ``fp8``), whichever is larger."""
-    touched = m.e * (1 - (1 - m.k / m.e) ** t)
+    touched = touched_experts(m, t)
     rows = t * m.k
     b = 1 if scheme in FP8_MATH else 2  # bytes per weight and input element
     peak = peak * (2 if scheme in FP8_MATH else 1)
