@@ -1,6 +1,8 @@
 """Cases the CUTLASS backend's test files share (test_cutlass_backend.py, test_cutlass_fp8.py,
 test_cutlass_batched.py): devices, tolerances, and the random grouped-GEMM and MoE problems of each kind."""
 
+import re
+
 import numpy as np
 
 import jax
@@ -44,6 +46,38 @@ def fp8_gemm_problem(rng, counts, n, k):
     row = jnp.asarray(rng.uniform(0.5, 2.0, m) / 64, jnp.float32)
     col = jnp.asarray(rng.uniform(0.5, 2.0, (e, n)) / np.sqrt(k), jnp.float32)
     return a, b, group_offsets(counts), row, col
+
+
+# The FP8 scale forms the fused GEMMs take as they are (no broadcast before the kernel): a_scale's
+# and b_scale's shapes, M rows, E experts, N output columns.
+SCALE_FORMS = {
+    "per tensor, per expert": lambda m, e, n: ((), (e,)),
+    "per tensor, per tensor": lambda m, e, n: ((1,), ()),
+    "per row, per expert": lambda m, e, n: ((m,), (e,)),
+    "per tensor, per channel": lambda m, e, n: ((), (e, n, 1)),
+}
+
+
+def scales_in_form(rng, form: str, m: int, e: int, n: int, k: int):
+    """(a_scale, b_scale) of ``form`` (a key of SCALE_FORMS; random positive values, none equal), and
+    the same scales whole: row [M], col [E, N] float32 (for the definitions)."""
+    a_shape, b_shape = SCALE_FORMS[form](m, e, n)
+    a_scale = jnp.asarray(rng.uniform(0.5, 2.0, a_shape) / 64, jnp.float32)
+    b_scale = jnp.asarray(rng.uniform(0.5, 2.0, b_shape) / np.sqrt(k), jnp.float32)
+    row = jnp.broadcast_to(jnp.reshape(a_scale, (-1,)), (m,))
+    col = jnp.reshape(b_scale, (e, n)) if len(b_shape) >= 2 else jnp.broadcast_to(jnp.reshape(b_scale, (-1, 1)), (e, n))
+    return a_scale, b_scale, row, col
+
+
+def scale_broadcasts(fn, *args) -> list[str]:
+    """The float32 broadcasts of more than one element in ``fn``'s compiled HLO for ``args`` (a
+    scale broadcast to a vector before the kernel would be one)."""
+    found = []
+    for line in fn.lower(*args).compile().as_text().splitlines():
+        m = re.search(r"= f32\[([0-9,]*)\]\S* broadcast\(", line)
+        if m and int(np.prod([int(d) for d in m.group(1).split(",") if d] or [1])) > 1:
+            found.append(line.strip())
+    return found
 
 
 def fp8_loop_reference(a, b, offsets, row, col) -> np.ndarray:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax_moe import fused_experts, oracle
 from jax_moe.backends import cutlass as cb
 from jax_moe.backends import xla
+from jax_moe.backends.cutlass_gemm import full_scales, kernel_scales
 from jax_moe.config import MoEConfig
 from jax_moe.quant.scheme import QuantConfig
 
@@ -22,11 +23,13 @@ from cutlass_cases import (
     FP8_GEMM_TOL,
     FP8_REL_TOL,
     H100,
+    SCALE_FORMS,
     fp8_gemm_problem as _fp8_gemm_problem,
     fp8_loop_reference as _fp8_loop_reference,
     fp8_moe_problem as _fp8_moe_problem,
     fp8_quantize as _fp8_quantize,
     gptoss_problem as _gptoss_problem,
+    scales_in_form,
     simulate_module as _simulate_module,
     small_cfg as _cfg,
 )
@@ -34,6 +37,22 @@ from helpers import jit_call as _jit, rel_err, skip_unless_available
 
 
 # ----------------------------------------------------------------------------- FP8 on CPU
+
+@pytest.mark.parametrize("form", sorted(SCALE_FORMS))
+def test_the_fused_kernels_take_one_scale_forms_as_one_scale(rng, form):
+    """The act and scatter GEMMs' scale operands: a per-tensor a_scale stays one scale ([1]), a
+    per-expert b_scale one per expert ([E, 1]), a per-tensor one [1, 1]; vectors stay vectors
+    ([M], [E, N]). Broadcast whole, they are the scales of every row and column."""
+    m, e, n = 37, 4, 64
+    a_scale, b_scale, row, col = scales_in_form(rng, form, m, e, n, 128)
+    k_row, k_col = kernel_scales(a_scale, b_scale, (m,), e, n)
+    per_row, per_expert = a_scale.size > 1, b_scale.ndim == 1
+    assert k_row.shape == ((m,) if per_row else (1,))
+    assert k_col.shape == ((e, n) if b_scale.ndim >= 2 else (e, 1) if per_expert else (1, 1))
+    full_row, full_col = full_scales(k_row, k_col, (m,), e, n)
+    np.testing.assert_array_equal(full_row, row)
+    np.testing.assert_array_equal(full_col, col)
+
 
 def test_fp8_shape_rule_for_every_scale_form():
     a = jax.ShapeDtypeStruct((37, 128), F8)

@@ -21,7 +21,18 @@ from jax_moe.backends.cutlass_scatter_gemm import (
     scatters,
 )
 
-from cutlass_cases import FP8_REL_TOL, REL_TOL, fp8_gemm_problem, gemm_problem, gptoss_problem, moe_problem, small_cfg
+from cutlass_cases import (
+    FP8_REL_TOL,
+    REL_TOL,
+    SCALE_FORMS,
+    fp8_gemm_problem,
+    gemm_problem,
+    gptoss_problem,
+    moe_problem,
+    scale_broadcasts,
+    scales_in_form,
+    small_cfg,
+)
 from helpers import np_moe, poison_memory, rel_err, skip_unless_available
 
 T = 37  # tokens
@@ -338,6 +349,25 @@ def test_fp8_kernel_matches_the_definition(rng, tile):
     poison_memory(jax.eval_shape(fn, a, b, off, slots, w, row, col))
     got = fn(a, b, off, slots, w, row, col)
     assert rel_err(got, definition(a, b, off, slots, w, row=row, col=col)) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", sorted(SCALE_FORMS))
+@pytest.mark.parametrize("tile", ["coop_128x256", "pingpong_64x128"])
+def test_fp8_kernel_takes_each_scale_in_its_own_form(rng, tile, form):
+    """Per-tensor and per-expert scales reach the kernel as they are given, not broadcast to a
+    vector per row or per column first, and the result is the definition's with the scales
+    broadcast."""
+    skip_unless_available(cb)
+    counts = rng.integers(0, 200, 24)
+    a, b, off, _, _ = fp8_gemm_problem(rng, counts, 200, 256)
+    a_scale, b_scale, row, col = scales_in_form(rng, form, a.shape[0], 24, 200, 256)
+    slots, w = routing_rows(rng, a.shape[0], t=500)
+    fn = jax.jit(lambda a, b, o, s, w, r, c: grouped_gemm_scatter(a, b, o, s, w, a_scale=r, b_scale=c, tile=tile))
+    poison_memory(jax.eval_shape(fn, a, b, off, slots, w, a_scale, b_scale))
+    got = fn(a, b, off, slots, w, a_scale, b_scale)
+    assert rel_err(got, definition(a, b, off, slots, w, row=row, col=col)) < REL_TOL
+    assert scale_broadcasts(fn, a, b, off, slots, w, a_scale, b_scale) == []
 
 
 @pytest.mark.gpu

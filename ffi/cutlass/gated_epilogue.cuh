@@ -45,6 +45,7 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
     StrideD dD = nullptr;                     // per group: d's leading dimension (d_cols = N/2)
     const float** ptr_row_scale = nullptr;    // FP8 per group: its rows' scales
     const float** ptr_col_scale = nullptr;    // FP8 per group: its expert's [N] column scales
+    int row_scale_step = 1, col_scale_step = 1;  // FP8: 0 where a group's pointer is one scale for all
     const float* bias = nullptr;              // [E, N] float32 (w13's rows), or nullptr
     const float* out_scale = nullptr;         // [1] float32, FP8 output only: d = fp8(v / out_scale)
     int activation = kActSilu;                // kAct* (moe_prepare_finalize.h)
@@ -109,12 +110,13 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
         CUTLASS_PRAGMA_UNROLL
         for (int half = 0; half < 2; ++half) {
           m[half] = get<0>(tc(make_coord(make_coord(0, half, 0), mi, ni)));
-          if constexpr (kScaled) rs[half] = m[half] < m_size ? __ldg(row_scale + m[half]) : 0.0f;
+          if constexpr (kScaled)
+            rs[half] = m[half] < m_size ? __ldg(row_scale + m[half] * params_.row_scale_step) : 0.0f;
         }
         CUTLASS_PRAGMA_UNROLL
         for (int g0 = 0; g0 < kGroups; g0 += 8) {
           float2 cs[8], bs[8];  // this lane's column pair in groups g0 .. g0 + 7: scales, bias
-          LoadColumnPairs<8, kScaled>(tc, mi, ni, g0, n_size, col_scale, bias, cs, bs);
+          LoadColumnPairs<8, kScaled>(tc, mi, ni, g0, n_size, col_scale, params_.col_scale_step, bias, cs, bs);
           CUTLASS_PRAGMA_UNROLL
           for (int half = 0; half < 2; ++half) {
             // v[j]: this lane's output of group g0 + j (columns 2q, 2q+1 of the group's 8), in the

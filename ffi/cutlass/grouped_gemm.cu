@@ -117,18 +117,27 @@ std::optional<ffi::Error> CheckOperands(int kind, ffi::AnyBuffer a, ffi::AnyBuff
 
 // Checks the FP8 kinds' dequantization scales against a checked call (CheckOperands) and sets them:
 // row_scale [M] float32 ([E, C] batched), one per row of a; col_scale [E, N] float32, one per output
-// channel of each expert.
+// channel of each expert. With compact (the act and scatter kinds), also the one-scale forms of
+// grouped_gemm.h: row_scale [1], col_scale [E, 1] or [1, 1].
 std::optional<ffi::Error> CheckScales(int kind, ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::F32> col_scale,
-                                      GroupedGemmCall& call) {
+                                      GroupedGemmCall& call, bool compact = false) {
   const auto rd = row_scale.dimensions(), cd = col_scale.dimensions();
-  if (!call.batched && (rd.size() != 1 || rd[0] != call.m))
-    return InvalidArgument(Name(kind) + "row_scale must be [M] float32 (one scale per row of a)");
-  if (call.batched && (rd.size() != 2 || rd[0] != call.groups || rd[1] != call.capacity))
-    return InvalidArgument(Name(kind) + "row_scale must be [E, C] float32 (one scale per row of batched a)");
-  if (cd.size() != 2 || cd[0] != call.groups || cd[1] != call.n)
-    return InvalidArgument(Name(kind) + "col_scale must be [E, N] float32 (one scale per output channel)");
+  const bool per_row = call.batched ? rd.size() == 2 && rd[0] == call.groups && rd[1] == call.capacity
+                                    : rd.size() == 1 && rd[0] == call.m;
+  const bool one_row = compact && rd.size() == 1 && rd[0] == 1;
+  if (!per_row && !one_row)
+    return InvalidArgument(Name(kind) + "row_scale must be " + (call.batched ? "[E, C]" : "[M]") +
+                           " float32 (one scale per row of a)" + (compact ? " or [1] (one for every row)" : ""));
+  const bool cols_ok = cd.size() == 2 && (cd[0] == call.groups || (compact && cd[0] == 1)) &&
+                       (cd[1] == call.n || (compact && cd[1] == 1));
+  if (!cols_ok || (cd[0] == 1 && call.groups != 1 && cd[1] != 1))
+    return InvalidArgument(Name(kind) + "col_scale must be [E, N] float32 (one scale per output channel)" +
+                           (compact ? ", [E, 1] (one per expert) or [1, 1] (one for every expert)" : ""));
   call.row_scale = row_scale.typed_data();
   call.col_scale = col_scale.typed_data();
+  call.row_scale_step = per_row ? 1 : 0;
+  call.col_scale_step = cd[1] == call.n ? 1 : 0;
+  call.col_scale_group_step = cd[0] == call.groups ? cd[1] : 0;
   return std::nullopt;
 }
 
@@ -197,7 +206,7 @@ ffi::Error GroupedGemmActCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
   if (activation != kActSilu && activation != kActGelu && activation != kActSwigluOai)
     return InvalidArgument(n_ + "activation must be 0 (silu), 1 (gelu) or 2 (swigluoai)");
   if (IsFp8Kind(kind)) {
-    if (auto err = CheckScales(kind, row_scale, col_scale, call)) return std::move(*err);
+    if (auto err = CheckScales(kind, row_scale, col_scale, call, true)) return std::move(*err);
     if (out_scale.element_count() != 1)
       return InvalidArgument(n_ + "out_scale must have 1 element (d's static FP8 scale) with FP8 a");
     call.out_scale = out_scale.typed_data();
@@ -233,7 +242,7 @@ ffi::Error GroupedGemmScatterCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::An
   if (wd.size() != 2 || wd[0] != d->dimensions()[0] || wd[1] < 1)
     return InvalidArgument(n_ + "weights must be [T, k] float32 with d's T rows (each slot's routing weight)");
   if (IsFp8Kind(kind)) {
-    if (auto err = CheckScales(kind, row_scale, col_scale, call)) return std::move(*err);
+    if (auto err = CheckScales(kind, row_scale, col_scale, call, true)) return std::move(*err);
   } else if (row_scale.element_count() != 0 || col_scale.element_count() != 0) {
     return InvalidArgument(n_ + "row_scale and col_scale must be [0] with bf16 a (no scales)");
   }

@@ -45,7 +45,7 @@
 // jax_moe_cutlass_grouped_gemm_act (GEMM1 with the gated activation in its epilogue; ffi/cutlass/gated_epilogue.cuh):
 //   a [M, K], b [E, N, K] with N = 2I whose rows alternate gate and up (row 2i gate i, 2i+1 up i),
 //   offsets [E+1] as above, and
-//   row_scale [M] float32, col_scale [E, N] float32   FP8 a and b (as the fp8 target); [0] for bf16
+//   row_scale, col_scale  FP8 a and b: the compact scales below; [0] for bf16
 //   bias [E, N] float32   each expert's GEMM1 bias in b's row order, or [0]: none
 //   out_scale [1] float32 FP8 a and b: d's static quantization scale; [0] for bf16
 // -> d [M, I]            h = a[r] @ b[e]^T (times the scales, plus the bias, in float32), then
@@ -68,7 +68,7 @@
 //                         goes to output row t = s / k with weight weights[t, j]; s outside [0, T * k):
 //                         the row is dropped
 //   weights [T, k] float32  the routing weights (T = d's rows)
-//   row_scale [M] float32, col_scale [E, N] float32   FP8 a and b (as the fp8 target); [0] for bf16
+//   row_scale, col_scale  FP8 a and b: the compact scales below; [0] for bf16
 //   bias [E, N] float32   each expert's GEMM2 bias, or [0]: none
 // -> d [T, N] bf16       d[t] = sum over the rows r with slots[r] / k = t of
 //                        weights[slots[r]] * (a[r] @ b[e]^T (times the scales) + bias[e]), computed in float32
@@ -78,6 +78,13 @@
 //    workspace [W] uint8 as above (one more array: each group's first row)
 //   attrs tile, transposed (1: bf16 b [E, K, N]; 0: b [E, N, K]). Standard format only. N a multiple of
 //   8 (16-byte rows of d).
+//
+// The compact scales (the act and scatter targets' FP8 kinds): each scale in the form it has, so that no
+// broadcast runs before the GEMM:
+//   row_scale [M] float32 (per row; [E, C] batched) or [1] (one for every row: per tensor)
+//   col_scale [E, N] float32 (per output channel), [E, 1] (per expert) or [1, 1] (per tensor)
+// and the scale of d[r, n] is row_scale[r or 0] * col_scale[e or 0, n or 0]. The fp8 target's epilogue
+// visitor tree reads whole vectors: it takes [M] (or [E, C]) and [E, N] only.
 //
 // attr tile: a CutlassTile below. E >= 1. K must be a multiple of CutlassAlignK(kind) (16-byte TMA rows of
 // a and b), N a multiple of kCutlassAlignN (16-byte bf16 rows of d). Offsets are clamped to [0, M] on

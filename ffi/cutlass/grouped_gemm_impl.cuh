@@ -11,7 +11,8 @@
 // whose two broadcast vectors are per group too (arrays of pointers, like A, B and D): row_scale + lo
 // (the group's rows) and col_scale + g * N (the group's expert).
 // The act kinds: the gated activation of gated_epilogue.cuh (no shared memory, direct stores), d of
-// N / 2 columns; its FP8 kind takes the same two pointer arrays of scales.
+// N / 2 columns; its FP8 kind takes the same two pointer arrays of scales, of the compact scales
+// (grouped_gemm.h): a one-scale form's pointer stays put, and the epilogue reads it with a step of 0.
 // The scatter kinds: the weighted scatter-add of scatter_epilogue.cuh into d [T, N] (zeroed by the
 // handler first), one more per-group array (each group's first row: its rows' slots and scales).
 #pragma once
@@ -39,8 +40,11 @@ struct GroupedGemmCall {
   const void* a;            // [m, k] bf16 or e4m3 (batched: [groups, capacity, k], m = groups * capacity)
   const void* b;            // [groups, n, k], a's type (dgrad: [groups, k, n]; wgrad: [m, n])
   const int32_t* offsets;   // standard: offsets [groups + 1]; batched: counts [groups]; int32, device
-  const float* row_scale;   // [m] (fp8; nullptr for bf16)
-  const float* col_scale;   // [groups, n] (fp8; nullptr for bf16)
+  const float* row_scale;   // [m], or [1] (row_scale_step 0) (fp8; nullptr for bf16)
+  const float* col_scale;   // [groups, n], [groups, 1] or [1, 1] (fp8; nullptr for bf16)
+  int64_t row_scale_step;   // 1: a scale per row of a; 0: one for every row
+  int64_t col_scale_group_step;  // col_scale's elements from one expert to the next: n, 1 or 0
+  int64_t col_scale_step;   // 1: a scale per column; 0: one per expert
   void* d;                  // [m, d_cols] bf16, or e4m3 for kGemmFp8Act (wgrad: [groups, k, n])
   int64_t d_cols;           // d's row length: n, or n / 2 for the act kinds (16-byte multiple of rows)
   const float* bias;        // act kinds: [groups, n] float32 GEMM1 bias, or nullptr
@@ -265,6 +269,10 @@ struct GroupedGemm {
       }
       if constexpr (kScatter) ep.row_lo = arr.row_lo;
       if (call != nullptr) {
+        if constexpr (kScaled) {
+          ep.row_scale_step = static_cast<int>(call->row_scale_step);
+          ep.col_scale_step = static_cast<int>(call->col_scale_step);
+        }
         ep.bias = call->bias;
         if constexpr (kAct) {
           ep.out_scale = call->out_scale;
@@ -307,7 +315,8 @@ struct GroupedGemm {
 // rows [lo, hi) (GroupRows); the blocks after them (zero_blocks > 0, forward and dgrad kinds only)
 // zero d's unowned rows (ZeroUnownedRows), so each GEMM is two launches (this, then CUTLASS's).
 // Group g's entries per kind:
-//   forward, dgrad: rows [lo, hi) of a and d (and row_scale), expert g's weights (and col_scale row);
+//   forward, dgrad: rows [lo, hi) of a and d (and row_scale's, or its one scale), expert g's weights
+//                   (and col_scale's row of expert g, or its one row);
 //                   problem (hi - lo, n, k); b is [E, N, K] (forward) or [E, K, N] (IsNContiguousB)
 //   scatter:        as forward, but d whole (the epilogue adds each row into d[slot / k]) and lo kept
 //   wgrad:          rows [lo, hi) of u (a, [M, k]) and v (b, [M, n]), expert g's d [k, n]; problem
@@ -317,7 +326,7 @@ template <int Kind, class G>
 __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, int64_t groups, int64_t m,
                                 bool batched, int64_t capacity, int n, int k, int64_t d_cols, const typename G::Element* a,
                                 const typename G::Element* b, typename G::ElementD* d, const float* row_scale,
-                                const float* col_scale) {
+                                int64_t row_scale_step, const float* col_scale, int64_t col_scale_group_step) {
   const int64_t fill_blocks = (groups + blockDim.x - 1) / blockDim.x;
   if (static_cast<int64_t>(blockIdx.x) >= fill_blocks) {
     if constexpr (Kind != kGemmBf16Wgrad && !IsScatterKind(Kind))
@@ -347,8 +356,8 @@ __global__ void FillGroupArrays(typename G::Arrays arr, const int32_t* offsets, 
     arr.sb[g] = LeadingStride<typename G::StrideB>(IsNContiguousB(Kind) ? n64 : k64);
   }
   if constexpr (G::kScaled) {
-    arr.prow[g] = row_scale + lo;
-    arr.pcol[g] = col_scale + g * n64;
+    arr.prow[g] = row_scale + lo * row_scale_step;
+    arr.pcol[g] = col_scale + g * col_scale_group_step;
   }
   if constexpr (G::kScatter) arr.row_lo[g] = lo;
   arr.sd[g] = LeadingStride<typename G::StrideD>(Kind == kGemmBf16Wgrad ? n64 : d_cols);
@@ -376,7 +385,8 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
       Kind != kGemmBf16Wgrad && !G::kScatter && c.zero_unowned ? (c.m < c.sm_count ? c.m : c.sm_count) : 0;
   FillGroupArrays<Kind, G><<<static_cast<unsigned>(fill_blocks + zero_blocks), kThreads, 0, c.stream>>>(
       arr, c.offsets, c.groups, c.m, c.batched, c.capacity, static_cast<int>(c.n), static_cast<int>(c.k), c.d_cols,
-      static_cast<const E*>(c.a), static_cast<const E*>(c.b), static_cast<D*>(c.d), c.row_scale, c.col_scale);
+      static_cast<const E*>(c.a), static_cast<const E*>(c.b), static_cast<D*>(c.d), c.row_scale, c.row_scale_step,
+      c.col_scale, c.col_scale_group_step);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   typename G::Gemm gemm;

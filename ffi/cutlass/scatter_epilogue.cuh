@@ -63,6 +63,7 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
     int64_t k = 1;                          // slots per token
     const float** ptr_row_scale = nullptr;  // FP8 per group: its rows' scales
     const float** ptr_col_scale = nullptr;  // FP8 per group: its expert's [N] column scales
+    int row_scale_step = 1, col_scale_step = 1;  // FP8: 0 where a group's pointer is one scale for all
     const float* bias = nullptr;            // [E, N] float32 GEMM2 bias, or nullptr
     int64_t num_tokens = 0;                 // T: d's rows
   };
@@ -120,7 +121,7 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
       const bool in = s >= 0 && s < num_slots;
       const float w = in ? __ldg(params_.weights + s) : 0.0f;
       float f = w;
-      if constexpr (kScaled) f *= in ? __ldg(row_scale + m) : 0.0f;
+      if constexpr (kScaled) f *= in ? __ldg(row_scale + m * params_.row_scale_step) : 0.0f;
       rows[i] = ScatterRow{in ? static_cast<int32_t>(s / k) : -1, w, f, 0};
     }
   }
@@ -153,7 +154,8 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
         CUTLASS_PRAGMA_UNROLL
         for (int g0 = 0; g0 < kGroups; g0 += 4) {
           float2 cs[4], bs[4];  // this lane's column pair in groups g0 .. g0 + 3: scales, bias
-          LoadColumnPairs<4, kScaled>(tc, mi, ni, g0, n_size, col_scale, kBias ? bias : nullptr, cs, bs);
+          LoadColumnPairs<4, kScaled>(tc, mi, ni, g0, n_size, col_scale, params_.col_scale_step, kBias ? bias : nullptr,
+                                      cs, bs);
           CUTLASS_PRAGMA_UNROLL
           for (int half = 0; half < 2; ++half) {
             uint32_t w[4];  // w[j]: this lane's pair of group g0 + j, weighted, packed to bf16x2

@@ -44,6 +44,8 @@ from jax_moe.backends.cutlass_gemm import (
     _resolve_tile,
     _register,
     _row_col_scales,
+    full_scales,
+    kernel_scales,
     owned_rows,
     row_experts,
     workspace_size,
@@ -220,7 +222,8 @@ def grouped_gemm_act(a: jax.Array, b: jax.Array, offsets: jax.Array, activation:
     order, or None.
 
     - bfloat16 a and b -> d [M, I] bfloat16; 2I a multiple of 16.
-    - float8_e4m3fn a and b with ``a_scale``/``b_scale`` as :func:`grouped_gemm` takes them, and
+    - float8_e4m3fn a and b with ``a_scale``/``b_scale`` as :func:`grouped_gemm` takes them (handed
+      to the kernel in their own forms, :func:`~jax_moe.backends.cutlass_gemm.kernel_scales`), and
       ``out_scale`` ([] float32) -> d [M, I] float8_e4m3fn = fp8(act / out_scale); 2I a multiple of 32.
 
     - ``transposed=True``: b [E, K, 2I] bfloat16, N contiguous (column 2i gate i, 2i+1 up i): the
@@ -238,7 +241,7 @@ def grouped_gemm_act(a: jax.Array, b: jax.Array, offsets: jax.Array, activation:
         return jnp.zeros((0, n // 2), out_dt)
     cfg = _cfg(stored, activation, alpha, limit)
     if kind == "fp8_act":
-        row, col = _row_col_scales(a_scale, b_scale, (m,), e, n)
+        row, col = kernel_scales(a_scale, b_scale, (m,), e, n)
         out = jnp.reshape(jnp.asarray(out_scale, jnp.float32), (1,))
     else:
         row = col = out = jnp.zeros((0,), jnp.float32)
@@ -248,6 +251,8 @@ def grouped_gemm_act(a: jax.Array, b: jax.Array, offsets: jax.Array, activation:
         scaled = kind == "fp8_act"
         if transposed:
             b = transpose_experts(b)
+        if scaled:
+            row, col = full_scales(row, col, (m,), e, n)
         return _act_reference(a, b, offsets, row if scaled else None, col if scaled else None,
                               None if bias is None else bias_in, out[0] if scaled else None, cfg)
 

@@ -248,12 +248,28 @@ def _resolve_tile(tile, rows: int, e: int, *, n: int | None = None, k: int | Non
     return tile
 
 
+def kernel_scales(a_scale, b_scale, rows: tuple[int, ...], e: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """The fused GEMMs' (act, scatter) FP8 scale operands, in the compact forms their kernels read, so
+    that no broadcast runs before the GEMM: row ``rows`` float32 ([M] per row) or [1] (per tensor);
+    col [E, N] (per channel), [E, 1] (per expert) or [1, 1] (per tensor). From any form
+    :func:`grouped_gemm` accepts."""
+    row = jnp.reshape(a_scale, (-1,))
+    if row.shape[0] != 1:
+        row = row.reshape(rows)
+    col = jnp.reshape(b_scale, (1, 1) if b_scale.ndim == 0 else (e, 1) if b_scale.ndim == 1 else (e, n))
+    return row, col
+
+
+def full_scales(row, col, rows: tuple[int, ...], e: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """:func:`kernel_scales`' operands broadcast whole: row ``rows`` ([M], or [E, C] batched) and col
+    [E, N] float32 (the plain FP8 GEMM's epilogue and the jnp references read whole vectors)."""
+    return jnp.broadcast_to(jnp.reshape(row, (-1,)), (int(np.prod(rows)),)).reshape(rows), jnp.broadcast_to(col, (e, n))
+
+
 def _row_col_scales(a_scale, b_scale, rows: tuple[int, ...], e: int, n: int):
-    """The kernel's scale operands: row ``rows`` ([M], or [E, C] batched) and col [E, N] float32,
-    broadcast from any accepted form."""
-    row = jnp.broadcast_to(jnp.reshape(a_scale, (-1,)), (int(np.prod(rows)),)).reshape(rows)
-    b = jnp.reshape(b_scale, (-1, n) if b_scale.ndim >= 2 else (-1, 1))
-    return row, jnp.broadcast_to(b, (e, n))
+    """The plain kernel's scale operands: row ``rows`` ([M], or [E, C] batched) and col [E, N]
+    float32, broadcast from any accepted form."""
+    return full_scales(*kernel_scales(a_scale, b_scale, rows, e, n), rows, e, n)
 
 
 def grouped_gemm_shape(a, b, offsets, *, a_scale=None, b_scale=None) -> jax.ShapeDtypeStruct:

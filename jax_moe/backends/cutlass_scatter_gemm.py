@@ -42,6 +42,8 @@ from jax_moe.backends.cutlass_gemm import (
     _register,
     _resolve_tile,
     _row_col_scales,
+    full_scales,
+    kernel_scales,
     check_offsets,
     dtype_name,
     owned_rows,
@@ -194,7 +196,8 @@ def grouped_gemm_scatter(a: jax.Array, b: jax.Array, offsets: jax.Array, slots: 
     - bfloat16 a and b [E, N, K] (K contiguous: the weights as stored), or with ``transposed=True``
       b [E, K, N] (N contiguous: the prepared layout).
     - float8_e4m3fn a and b [E, N, K] with ``a_scale``/``b_scale`` as
-      :func:`~jax_moe.backends.cutlass_gemm.grouped_gemm` takes them.
+      :func:`~jax_moe.backends.cutlass_gemm.grouped_gemm` takes them (handed to the kernel in their
+      own forms, :func:`~jax_moe.backends.cutlass_gemm.kernel_scales`).
 
     Returns d [T, N] bfloat16, N a multiple of 8. The adds are bf16 atomics in no fixed
     order (see the module note). ``tile``: ``"auto"`` (the pick for kind ``"bf16_scatter"``,
@@ -210,13 +213,15 @@ def grouped_gemm_scatter(a: jax.Array, b: jax.Array, offsets: jax.Array, slots: 
         return jnp.zeros((0, n), jnp.bfloat16)
     scaled = kind == "fp8_scatter"
     if scaled:
-        row, col = _row_col_scales(a_scale, b_scale, (m,), e, n)
+        row, col = kernel_scales(a_scale, b_scale, (m,), e, n)
     else:
         row = col = jnp.zeros((0,), jnp.float32)
     bias_in = jnp.zeros((0,), jnp.float32) if bias is None else bias
 
     def default(a, b, offsets, slots, weights, row, col, bias_in):
         bs = transpose_experts(b) if transposed else b
+        if scaled:
+            row, col = full_scales(row, col, (m,), e, n)
         return _scatter_reference(a, bs, offsets, slots, weights, row if scaled else None, col if scaled else None,
                                   None if bias is None else bias_in)
 
