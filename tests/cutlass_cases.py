@@ -4,6 +4,7 @@ test_cutlass_batched.py): devices, tolerances, and the random grouped-GEMM and M
 import re
 
 import numpy as np
+import pytest
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,18 @@ SCALE_FORMS = {
     "per row, per expert": lambda m, e, n: ((m,), (e,)),
     "per tensor, per channel": lambda m, e, n: ((), (e, n, 1)),
 }
+
+
+# Every scale form, on one cooperative and one pingpong tile: the fused kernels' scale-form tests.
+each_scale_form = pytest.mark.parametrize(
+    "tile, form", [(tile, form) for tile in ("coop_128x256", "pingpong_64x128") for form in sorted(SCALE_FORMS)])
+
+
+def fp8_problem_in_form(rng, form: str, n: int, k: int, e: int = 24):
+    """fp8_gemm_problem's a, b and offsets for ``e`` experts of 0..200 rows, then scales_in_form's
+    four scales of ``form``."""
+    a, b, off, _, _ = fp8_gemm_problem(rng, rng.integers(0, 200, e), n, k)
+    return (a, b, off, *scales_in_form(rng, form, a.shape[0], e, n, k))
 
 
 def scales_in_form(rng, form: str, m: int, e: int, n: int, k: int):

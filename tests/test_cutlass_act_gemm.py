@@ -23,18 +23,8 @@ from jax_moe.backends.cutlass_act_gemm import (
 from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
 from jax_moe.quant.scheme import QuantConfig
 
-from cutlass_cases import (
-    F8,
-    FP8_REL_TOL,
-    REL_TOL,
-    SCALE_FORMS,
-    fp8_gemm_problem,
-    gemm_problem,
-    gptoss_problem,
-    scale_broadcasts,
-    scales_in_form,
-    small_cfg,
-)
+from cutlass_cases import F8, FP8_REL_TOL, REL_TOL, fp8_gemm_problem, gemm_problem, gptoss_problem, small_cfg
+from cutlass_cases import each_scale_form, fp8_problem_in_form, scale_broadcasts
 from helpers import poison_memory, rel_err, skip_unless_available
 
 ALPHA, LIMIT = 1.5, 4.0  # swigluoai's constants, not the defaults
@@ -290,16 +280,12 @@ def test_fp8_kernel_matches_the_definition(rng, tile):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", sorted(SCALE_FORMS))
-@pytest.mark.parametrize("tile", ["coop_128x256", "pingpong_64x128"])
+@each_scale_form
 def test_fp8_kernel_takes_each_scale_in_its_own_form(rng, tile, form):
-    """Per-tensor and per-expert scales reach the kernel as they are given, not broadcast to a
-    vector per row or per column first, and the result is the definition's with the scales
-    broadcast."""
+    """GEMM1 with its activation on the scales as given: a per-tensor or per-expert scale reaches
+    the kernel as one scale, never broadcast to a vector first; the FP8 output is the definition's."""
     skip_unless_available(cb)
-    counts = rng.integers(0, 200, 24)
-    a, b, off, _, _ = fp8_case(rng, counts, n=480, k=256)
-    a_scale, b_scale, row, col = scales_in_form(rng, form, a.shape[0], 24, 480, 256)
+    a, b, off, a_scale, b_scale, row, col = fp8_problem_in_form(rng, form, n=480, k=256)
     want = definition(a, b, off, "silu", row=row, col=col)
     out_scale = calibrated(want)
     fn = jax.jit(lambda a, b, o, r, c, s: grouped_gemm_act(a, b, o, "silu", a_scale=r, b_scale=c, out_scale=s,

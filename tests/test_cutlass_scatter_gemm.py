@@ -21,18 +21,8 @@ from jax_moe.backends.cutlass_scatter_gemm import (
     scatters,
 )
 
-from cutlass_cases import (
-    FP8_REL_TOL,
-    REL_TOL,
-    SCALE_FORMS,
-    fp8_gemm_problem,
-    gemm_problem,
-    gptoss_problem,
-    moe_problem,
-    scale_broadcasts,
-    scales_in_form,
-    small_cfg,
-)
+from cutlass_cases import FP8_REL_TOL, REL_TOL, fp8_gemm_problem, gemm_problem, gptoss_problem, moe_problem, small_cfg
+from cutlass_cases import each_scale_form, fp8_problem_in_form, scale_broadcasts
 from helpers import np_moe, poison_memory, rel_err, skip_unless_available
 
 T = 37  # tokens
@@ -352,16 +342,12 @@ def test_fp8_kernel_matches_the_definition(rng, tile):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", sorted(SCALE_FORMS))
-@pytest.mark.parametrize("tile", ["coop_128x256", "pingpong_64x128"])
+@each_scale_form
 def test_fp8_kernel_takes_each_scale_in_its_own_form(rng, tile, form):
-    """Per-tensor and per-expert scales reach the kernel as they are given, not broadcast to a
-    vector per row or per column first, and the result is the definition's with the scales
-    broadcast."""
+    """GEMM2 with its scatter on the scales as given: a per-tensor or per-expert scale reaches the
+    kernel as one scale, never broadcast to a vector first; the sums are the definition's."""
     skip_unless_available(cb)
-    counts = rng.integers(0, 200, 24)
-    a, b, off, _, _ = fp8_gemm_problem(rng, counts, 200, 256)
-    a_scale, b_scale, row, col = scales_in_form(rng, form, a.shape[0], 24, 200, 256)
+    a, b, off, a_scale, b_scale, row, col = fp8_problem_in_form(rng, form, n=200, k=256)
     slots, w = routing_rows(rng, a.shape[0], t=500)
     fn = jax.jit(lambda a, b, o, s, w, r, c: grouped_gemm_scatter(a, b, o, s, w, a_scale=r, b_scale=c, tile=tile))
     poison_memory(jax.eval_shape(fn, a, b, off, slots, w, a_scale, b_scale))
