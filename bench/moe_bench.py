@@ -479,6 +479,8 @@ def main(argv=None):
     print("#", title)
     print(f"# cutlass tiles: {tile_cache_status()}")
     print(f"# cutlass finalize: {finalize_status()}")
+    if os.environ.get("XLA_FLAGS"):  # command buffers and the like change the per-call figures
+        print(f"# XLA_FLAGS={os.environ['XLA_FLAGS']}")
     rows: list = []
     loop_rows: list = []
     here = os.path.dirname(__file__)

@@ -301,6 +301,8 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     print(f"# {dev.device_kind}, jax {jax.__version__}, {args.scheme}, method {args.method}; "
           f"measured {bw / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s bf16; microseconds per forward")
+    if os.environ.get("XLA_FLAGS"):  # command buffers and the like change the span and per-call figures
+        print(f"# XLA_FLAGS={os.environ['XLA_FLAGS']}")
     print(header(), flush=True)
     rows = []
     kfile = open(args.kernels, "w") if args.kernels else None  # noqa: SIM115
