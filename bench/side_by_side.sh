@@ -4,6 +4,8 @@
 # side by side, then runs the bench command in each, alternating base and new, ROUNDS times, and
 # prints the table of the two (bench/side_by_side.py).
 #   bench/side_by_side.sh ROUNDS -- python3 bench/stage_breakdown.py --scheme fp8 --no-peer --models qwen3
+#   bench/side_by_side.sh 2 -- env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 bench/stage_breakdown.py \
+#       --scheme bf16 fp8 --no-peer --models qwen3 --tokens 1 4096      # both schemes, command buffers off
 # The command runs in each tree's copy with that tree's build on PYTHONPATH, and gets
 # `--json <side>_<round>.json` appended (kept in /tmp/side_by_side/rounds, and packed to
 # $OUT/rounds.tgz). $OUT also gets gpu.txt, runs.log (the runs' output), table.md and, where a build
@@ -17,6 +19,15 @@ rounds="${1:?usage: bench/side_by_side.sh ROUNDS -- COMMAND...}"; shift
 [ "${1:-}" = "--" ] && shift
 [ $# -gt 0 ] || { echo "side_by_side.sh: no bench command given" >&2; exit 2; }
 [ -d .base ] || { echo "side_by_side.sh: no .base/ (python bench/side_by_side.py prepare REV, then carry .base)" >&2; exit 2; }
+# Both sides run the command in their own tree: a file it names must be in both, or the base's runs
+# fail after the builds (minutes of device time) with nothing to compare.
+for arg in "$@"; do
+  case "$arg" in /*) continue ;; esac
+  if [ -f "$arg" ] && [ ! -f ".base/$arg" ]; then
+    echo "side_by_side.sh: $arg is not in .base/ (the base's tree): commit it and prepare the base again" >&2
+    exit 2
+  fi
+done
 out="${OUT:-/tmp/side_by_side_out}"; mkdir -p "$out"
 work=/tmp/side_by_side; rm -rf "$work"; mkdir -p "$work/new" "$work/base" "$work/rounds"
 t0=$(date +%s)

@@ -4,6 +4,7 @@
     python bench/stage_breakdown.py --models qwen3 deepseek --tokens 64 16384 --kernels $OUT/kernels.txt
     python bench/stage_breakdown.py --method alone                  # each stage jitted alone (any platform)
     python bench/stage_breakdown.py --scheme fp8 --models qwen3 --tokens 4096   # FP8 per-tensor W8A8
+    python bench/stage_breakdown.py --scheme bf16 fp8 --no-peer --models qwen3  # a table per scheme
     python bench/stage_breakdown.py --models qwen3 --tokens 4096 --loop 8     # + per layer inside a loop
 
 Stages (the ``cutlass`` backend's pipeline, :mod:`jax_moe.backends.cutlass`): ``route``
@@ -280,36 +281,38 @@ def main(argv=None) -> int:
     p.add_argument("--method", choices=("trace", "alone"), default="trace" if on_gpu else "alone")
     p.add_argument("--calls", type=int, default=3, help="forwards traced per implementation (median)")
     p.add_argument("--no-peer", action="store_true", help="leave the tokamax peer out")
-    p.add_argument("--scheme", choices=("bf16", "fp8"), default="bf16",
-                   help="expert weight format: fp8 is W8A8 per-tensor (trace method only; no peer)")
+    p.add_argument("--scheme", nargs="+", choices=("bf16", "fp8"), default=["bf16"],
+                   help="expert weight formats, a table each: fp8 is W8A8 per-tensor (trace method only; no peer)")
     p.add_argument("--kernels", default=None, help="write each forward's kernel list to this file")
     p.add_argument("--loop", type=int, default=0, metavar="N",
                    help="also trace each forward inside a jitted loop of N layers: device time per layer")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
-    if args.scheme != "bf16" and args.method != "trace":
-        p.error(f"--scheme {args.scheme} needs --method trace (the stages alone are bf16's)")
+    quantized = [scheme for scheme in args.scheme if scheme != "bf16"]
+    if quantized and args.method != "trace":
+        p.error(f"--scheme {quantized[0]} needs --method trace (the stages alone are bf16's)")
     if args.loop and args.method != "trace":
         p.error("--loop needs --method trace (the loop's kernels come from a profiler trace)")
 
-    peer = args.scheme == "bf16" and not args.no_peer and peers.available()[0]
-    if args.scheme != "bf16" and not args.no_peer:
-        print(f"# tokamax: not run (a bf16 MoE; this breakdown is {args.scheme})")
-    elif not args.no_peer and not peer:
+    peer_ok = not args.no_peer and peers.available()[0]
+    if not args.no_peer and not peer_ok:
         print(f"# tokamax: not run ({peers.available()[1]})")
     bw, peak = measure_ceilings()
     dev = jax.devices()[0]
-    print(f"# {dev.device_kind}, jax {jax.__version__}, {args.scheme}, method {args.method}; "
-          f"measured {bw / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s bf16; microseconds per forward")
-    if os.environ.get("XLA_FLAGS"):  # command buffers and the like change the span and per-call figures
-        print(f"# XLA_FLAGS={os.environ['XLA_FLAGS']}")
-    print(header(), flush=True)
     rows = []
     kfile = open(args.kernels, "w") if args.kernels else None  # noqa: SIM115
     try:
-        for key in args.models:
-            rows += run(MODELS[key], args.tokens, args.method, args.calls, peer, bw, peak, kfile, args.scheme,
-                        args.loop)
+        for scheme in args.scheme:  # a table each; the rows' impl names say the scheme ("cutlass fp8")
+            if scheme != "bf16" and not args.no_peer:
+                print(f"# tokamax: not run (a bf16 MoE; this table is {scheme})")
+            print(f"# {dev.device_kind}, jax {jax.__version__}, {scheme}, method {args.method}; "
+                  f"measured {bw / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s bf16; microseconds per forward")
+            if os.environ.get("XLA_FLAGS"):  # command buffers and the like change the span and per-call figures
+                print(f"# XLA_FLAGS={os.environ['XLA_FLAGS']}")
+            print(header(), flush=True)
+            for key in args.models:
+                rows += run(MODELS[key], args.tokens, args.method, args.calls, peer_ok and scheme == "bf16", bw,
+                            peak, kfile, scheme, args.loop)
     finally:
         if kfile:
             kfile.close()

@@ -1,5 +1,6 @@
 """bench/moe_bench.py runs every scheme it offers (on CPU: the tiny demo model, pure JAX)."""
 
+import json
 import os
 
 import jax
@@ -204,6 +205,25 @@ def test_stage_breakdown_of_the_fp8_forward(monkeypatch, capsys):
         stages = [float(v) for v in cells]
         assert sum(stages) > 0 and all(v >= 0 for v in stages)
     assert "# tokamax: not run (a bf16 MoE" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU demo")
+def test_stage_breakdown_gives_a_table_per_scheme(monkeypatch, tmp_path, capsys):
+    """--scheme bf16 fp8: one run, a table per scheme, and the JSON rows of both, told apart by
+    their impl; a scheme other than bf16 needs the trace method."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import stage_breakdown
+
+    out_json = tmp_path / "rows.json"
+    argv = ["--tokens", "3", "--method", "trace", "--no-peer", "--scheme", "bf16", "fp8", "--json", str(out_json)]
+    assert stage_breakdown.main(argv) == 0
+    out = capsys.readouterr().out
+    assert [line.split(", ")[2] for line in out.splitlines() if line.startswith("# ") and "method" in line] == [
+        "bf16", "fp8"]
+    assert [r["impl"] for r in json.loads(out_json.read_text())] == ["cutlass", "cutlass fp8"]
+    with pytest.raises(SystemExit):
+        stage_breakdown.main(["--tokens", "3", "--method", "alone", "--scheme", "bf16", "fp8"])
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU demo")

@@ -79,3 +79,16 @@ def test_prepare_writes_the_revisions_tree_and_names_its_commit(side_by_side, tm
     assert not (dest / "stale").exists()
     with pytest.raises(subprocess.CalledProcessError):
         side_by_side.prepare("no-such-rev", str(dest), repo=str(repo))
+
+
+def test_the_device_script_refuses_a_command_file_the_base_lacks(tmp_path):
+    """bench/side_by_side.sh stops before any build when the bench command names a file of the
+    working tree that .base/ does not hold: the base's runs could only fail."""
+    tree = tmp_path / "tree"
+    (tree / "bench").mkdir(parents=True)
+    (tree / ".base" / "bench").mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "bench", "side_by_side.sh"), tree / "bench")
+    (tree / "bench" / "new_probe.py").write_text("")
+    run = subprocess.run(["bash", "bench/side_by_side.sh", "1", "--", "python3", "bench/new_probe.py"], cwd=tree,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "bench/new_probe.py is not in .base/" in run.stderr
