@@ -138,6 +138,13 @@ def measure_ceilings() -> tuple[float, float]:
     return bw, 2 * m**3 / (t * 1e-3)
 
 
+def print_xla_flags() -> None:
+    """A header line with ``XLA_FLAGS`` where it is set: command buffers and the like change the span
+    and per-call figures."""
+    if os.environ.get("XLA_FLAGS"):
+        print(f"# XLA_FLAGS={os.environ['XLA_FLAGS']}")
+
+
 def touched_experts(m: Model, t: int) -> float:
     """Experts with at least one of T=t tokens' rows, expected under uniform top-k routing."""
     return m.e * (1 - (1 - m.k / m.e) ** t)
@@ -479,8 +486,7 @@ def main(argv=None):
     print("#", title)
     print(f"# cutlass tiles: {tile_cache_status()}")
     print(f"# cutlass finalize: {finalize_status()}")
-    if os.environ.get("XLA_FLAGS"):  # command buffers and the like change the per-call figures
-        print(f"# XLA_FLAGS={os.environ['XLA_FLAGS']}")
+    print_xla_flags()
     rows: list = []
     loop_rows: list = []
     here = os.path.dirname(__file__)

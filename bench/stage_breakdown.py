@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import in_loop, kernel_trace, peers  # noqa: E402
 from bench.moe_bench import (FP8_MATH, MODELS, Model, measure_ceilings, quantized, random_experts,  # noqa: E402
-                              routed_inputs, timeit, touched_experts)
+                              print_xla_flags, routed_inputs, timeit, touched_experts)
 from jax_moe import ffi, kernels  # noqa: E402
 from jax_moe.backends import cutlass  # noqa: E402
 from jax_moe.backends.cutlass_gemm import grouped_gemm  # noqa: E402
@@ -288,9 +288,9 @@ def main(argv=None) -> int:
                    help="also trace each forward inside a jitted loop of N layers: device time per layer")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
-    quantized = [scheme for scheme in args.scheme if scheme != "bf16"]
-    if quantized and args.method != "trace":
-        p.error(f"--scheme {quantized[0]} needs --method trace (the stages alone are bf16's)")
+    not_bf16 = [scheme for scheme in args.scheme if scheme != "bf16"]  # (not `quantized`: moe_bench's function)
+    if not_bf16 and args.method != "trace":
+        p.error(f"--scheme {not_bf16[0]} needs --method trace (the stages alone are bf16's)")
     if args.loop and args.method != "trace":
         p.error("--loop needs --method trace (the loop's kernels come from a profiler trace)")
 
@@ -307,8 +307,7 @@ def main(argv=None) -> int:
                 print(f"# tokamax: not run (a bf16 MoE; this table is {scheme})")
             print(f"# {dev.device_kind}, jax {jax.__version__}, {scheme}, method {args.method}; "
                   f"measured {bw / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s bf16; microseconds per forward")
-            if os.environ.get("XLA_FLAGS"):  # command buffers and the like change the span and per-call figures
-                print(f"# XLA_FLAGS={os.environ['XLA_FLAGS']}")
+            print_xla_flags()
             print(header(), flush=True)
             for key in args.models:
                 rows += run(MODELS[key], args.tokens, args.method, args.calls, peer_ok and scheme == "bf16", bw,
