@@ -92,3 +92,19 @@ def test_the_device_script_refuses_a_command_file_the_base_lacks(tmp_path):
     run = subprocess.run(["bash", "bench/side_by_side.sh", "1", "--", "python3", "bench/new_probe.py"], cwd=tree,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "bench/new_probe.py is not in .base/" in run.stderr
+
+
+def test_the_device_script_reuses_builds_only_where_both_are_there(tmp_path):
+    """REUSE=1 runs a second bench command in the last command's two builds; where the machine went
+    back and they are gone, it says so and stops, rather than timing nothing."""
+    tree = tmp_path / "tree"
+    (tree / "bench").mkdir(parents=True)
+    (tree / ".base").mkdir()
+    shutil.copy(os.path.join(ROOT, "bench", "side_by_side.sh"), tree / "bench")
+    work = tmp_path / "work"
+    (work / "base" / "site" / "jax_moe").mkdir(parents=True)  # the base's build, but not the new one's
+    env = {**os.environ, "REUSE": "1", "WORK": str(work), "OUT": str(tmp_path / "out")}
+    run = subprocess.run(["bash", "bench/side_by_side.sh", "1", "--", "true"], cwd=tree, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and f"{work}/new holds no build" in run.stderr
+    assert (work / "base" / "site" / "jax_moe").is_dir(), "a refused reuse deletes nothing"
