@@ -160,6 +160,18 @@ def span_ns(kernels: Sequence[Kernel]) -> float:
     return max(k.start_ns + k.duration_ns for k in kernels) - min(k.start_ns for k in kernels)
 
 
+def timeline(kernels: Sequence[Kernel]) -> list[tuple[float, float, float, str]]:
+    """One call's kernels in start order as (start us from the first kernel's start, idle us before
+    it: the gap since every earlier kernel ended, its microseconds, name): where span exceeds busy."""
+    rows, t0, end = [], None, None
+    for k in sorted(kernels, key=lambda k: k.start_ns):
+        t0 = k.start_ns if t0 is None else t0
+        idle = 0.0 if end is None else max(0.0, k.start_ns - end)
+        rows.append(((k.start_ns - t0) / 1e3, idle / 1e3, k.duration_ns / 1e3, k.name))
+        end = k.start_ns + k.duration_ns if end is None else max(end, k.start_ns + k.duration_ns)
+    return rows
+
+
 def kernel_table(kernels: Sequence[Kernel], calls: int) -> list[tuple[str, str, float, float]]:
     """(stage kind, name, launches per call, microseconds per call) per distinct kernel name,
     longest first."""

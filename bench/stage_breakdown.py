@@ -148,6 +148,7 @@ def traced_stages(impls: dict, logits, top_k: int, calls: int) -> dict[str, dict
             "busy": statistics.median(sum(k.duration_ns for k in g) for g in fwd) / 1e3,
             "span": statistics.median(kernel_trace.span_ns(g) for g in fwd) / 1e3,
             "list": kernel_trace.kernel_table([k for g in fwd for k in g], calls),
+            "timeline": kernel_trace.timeline(sorted(fwd, key=kernel_trace.span_ns)[len(fwd) // 2]),
         }
     return result
 
@@ -255,6 +256,9 @@ def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: fl
                                        f"busy {row['busy']:.1f} us, span {row['span']:.1f} us\n")
                     for kind, kname, launches, us in traced[name]["list"]:
                         kernels_file.write(f"{us:10.1f} us  x{launches:<5g} {kind:9s} {kname[:200]}\n")
+                    kernels_file.write("the forward of median span, in order: start us, idle us before, us, name\n")
+                    for start, idle, us, kname in traced[name]["timeline"]:
+                        kernels_file.write(f"{start:10.1f} {idle:8.1f} {us:8.1f}  {kname[:120]}\n")
                     kernels_file.flush()
             elif name == "cutlass":
                 row["stages"] = alone_stages(m, x, w13, w2, w, ids, logits)

@@ -137,6 +137,16 @@ def test_kernels_are_attributed_to_stages_by_name_and_position(monkeypatch):
     assert [[k.name for k in g] for g in calls] == [["a", "b"], ["c"]]
 
 
+def test_a_calls_timeline_shows_where_its_span_exceeds_its_busy_time(monkeypatch):
+    """Each kernel's start from the call's first, and the idle time before it: since every earlier
+    kernel ended, so an overlapping kernel waits for nothing."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.kernel_trace import Kernel, timeline
+
+    ks = [Kernel("b", 12_000, 1_000), Kernel("a", 10_000, 5_000), Kernel("c", 45_000, 2_000)]
+    assert timeline(ks) == [(0.0, 0.0, 5.0, "a"), (2.0, 0.0, 1.0, "b"), (35.0, 30.0, 2.0, "c")]
+
+
 @pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU demo")
 @pytest.mark.parametrize("method", ["alone", pytest.param("trace", marks=pytest.mark.slow)])
 def test_stage_breakdown_prints_a_row_per_token_count(monkeypatch, method, tmp_path, capsys):
