@@ -67,18 +67,31 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     // One uniform branch, then one activation's unrolled code: all three inline per element made
     // the 128x256 tile's epilogue too large for the instruction cache (measured 2x slower).
-    switch (params_.activation) {
-      case kActGelu:
-        return Store<kActGelu>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl, acc, tiled_mma, thread_idx);
-      case kActSwigluOai:
-        return Store<kActSwigluOai>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl, acc, tiled_mma, thread_idx);
-      default:
-        return Store<kActSilu>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl, acc, tiled_mma, thread_idx);
+    // An expert with one scale for all its columns has it folded into the rows' scales: no column loads.
+    if (kScaled && params_.col_scale_step != 0) {
+      return StoreAct<kScaled>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl, acc, tiled_mma, thread_idx);
     }
+    return StoreAct<false>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl, acc, tiled_mma, thread_idx);
   }
 
  private:
-  template <int kAct, class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
+  template <bool kCols, class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
+            class FrgLayout, class TiledMma>
+  CUTLASS_DEVICE void StoreAct(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
+                               BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
+                               TiledMma tiled_mma, int thread_idx) {
+    switch (params_.activation) {
+      case kActGelu:
+        return Store<kActGelu, kCols>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl, acc, tiled_mma, thread_idx);
+      case kActSwigluOai:
+        return Store<kActSwigluOai, kCols>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl, acc, tiled_mma,
+                                           thread_idx);
+      default:
+        return Store<kActSilu, kCols>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl, acc, tiled_mma, thread_idx);
+    }
+  }
+
+  template <int kAct, bool kCols, class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
             class FrgLayout, class TiledMma>
   CUTLASS_DEVICE void Store(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
                             BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
@@ -94,6 +107,8 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
     const float alpha = params_.alpha, limit = params_.limit;
     float inv_out = 1.0f;
     if constexpr (sizeof(Out) == 1) inv_out = 1.0f / *params_.out_scale;
+    float expert_scale = 1.0f;  // the expert's one column scale, folded into the rows' (kCols false)
+    if constexpr (kScaled && !kCols) expert_scale = __ldg(col_scale);
     const int lane = static_cast<int>(threadIdx.x & 31), q = lane & 3;
     // The transposes' last byte permutes, fixed per lane: QuadTransposeBf16's two, QuadTransposeFp8's one.
     const uint32_t sel_lo = q == 0 ? 0x5410u : q == 1 ? 0x1054u : q == 2 ? 0x7632u : 0x3276u;
@@ -111,12 +126,12 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
         for (int half = 0; half < 2; ++half) {
           m[half] = get<0>(tc(make_coord(make_coord(0, half, 0), mi, ni)));
           if constexpr (kScaled)
-            rs[half] = m[half] < m_size ? __ldg(row_scale + m[half] * params_.row_scale_step) : 0.0f;
+            rs[half] = m[half] < m_size ? __ldg(row_scale + m[half] * params_.row_scale_step) * expert_scale : 0.0f;
         }
         CUTLASS_PRAGMA_UNROLL
         for (int g0 = 0; g0 < kGroups; g0 += 8) {
           float2 cs[8], bs[8];  // this lane's column pair in groups g0 .. g0 + 7: scales, bias
-          LoadColumnPairs<8, kScaled>(tc, mi, ni, g0, n_size, col_scale, params_.col_scale_step, bias, cs, bs);
+          LoadColumnPairs<8, kCols>(tc, mi, ni, g0, n_size, col_scale, bias, cs, bs);
           CUTLASS_PRAGMA_UNROLL
           for (int half = 0; half < 2; ++half) {
             // v[j]: this lane's output of group g0 + j (columns 2q, 2q+1 of the group's 8), in the

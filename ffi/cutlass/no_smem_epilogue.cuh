@@ -116,24 +116,23 @@ CUTLASS_DEVICE auto ReadTileOperands(Params const& p, ProblemShapeMNKL const& pr
                                          p.bias != nullptr ? p.bias + int64_t(l) * n_size : nullptr};
 }
 
-// The column dequantization scales (kScaled: FP8) and the bias of this lane's column pair in the kN
-// accumulator groups g0 .. g0 + kN - 1 of (mi, ni), loaded together ahead of the rows that use them
-// (the bias with 8-byte loads: a pair's first column is even); ones and zeros where there are none or
-// the pair is past n_size. tc: the thread's partition of the tile's (m, n) coordinates; col_scale and
-// bias: the expert's [N] vectors, or nullptr; col_step: 1, or 0 where col_scale is the expert's one
-// scale (two 4-byte loads of a step apart, not a branch: a branch here costs the 128x256 tile
-// registers it does not have).
-template <int kN, bool kScaled, class Coords>
+// The column dequantization scales (kCols: FP8 with a scale per column) and the bias of this lane's
+// column pair in the kN accumulator groups g0 .. g0 + kN - 1 of (mi, ni), loaded together with 8-byte
+// loads (a pair's first column is even) ahead of the rows that use them; ones and zeros where there
+// are none or the pair is past n_size. tc: the thread's partition of the tile's (m, n) coordinates;
+// col_scale and bias: the expert's [N] vectors, or nullptr. Where the expert has one scale for all
+// its columns (col_scale_step 0), the epilogues fold it into their row factors instead (kCols false).
+template <int kN, bool kCols, class Coords>
 CUTLASS_DEVICE void LoadColumnPairs(Coords const& tc, int mi, int ni, int g0, int n_size, const float* col_scale,
-                                    int col_step, const float* bias, float2 (&cs)[kN], float2 (&bs)[kN]) {
+                                    const float* bias, float2 (&cs)[kN], float2 (&bs)[kN]) {
   using namespace cute;
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < kN; ++j) {
     const int n = get<1>(tc(make_coord(make_coord(0, 0, g0 + j), mi, ni)));
     const bool ok = n < n_size;
     cs[j] = make_float2(1.0f, 1.0f);
-    if constexpr (kScaled) {
-      if (ok) cs[j] = make_float2(__ldg(col_scale + n * col_step), __ldg(col_scale + (n + 1) * col_step));
+    if constexpr (kCols) {
+      if (ok) cs[j] = __ldg(reinterpret_cast<const float2*>(col_scale + n));
     }
     bs[j] = bias != nullptr && ok ? __ldg(reinterpret_cast<const float2*>(bias + n)) : make_float2(0.0f, 0.0f);
   }

@@ -91,13 +91,17 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
     // The tile's columns (d, scales, bias) are read here; its rows come read ahead, in rows (FillRows).
     const auto op = ReadTileOperands<__nv_bfloat16, kScaled>(params_, problem_shape_mnkl, blk_shape_mnk,
                                                              blk_coord_mnkl, tiled_mma, thread_idx);
-    // Two bodies, so that a layer without a bias (most) carries neither its loads nor its registers.
+    // A body per case, so that a layer without a bias (most) carries neither its loads nor its
+    // registers, and an expert with one scale (folded into the rows' factors by FillRows) no column loads.
     const ScatterRow* rows = reinterpret_cast<const ScatterRow*>(smem);
     const int m0 = TileFirstRow(blk_coord_mnkl);
+    const bool cols = kScaled && params_.col_scale_step != 0;
     if (op.bias == nullptr) {
-      AddRows<false>(acc, op.tc, rows, m0, op.n_size, op.d, op.ld, op.col_scale, nullptr);
+      if (cols) AddRows<false, kScaled>(acc, op.tc, rows, m0, op.n_size, op.d, op.ld, op.col_scale, nullptr);
+      else AddRows<false, false>(acc, op.tc, rows, m0, op.n_size, op.d, op.ld, op.col_scale, nullptr);
     } else {
-      AddRows<true>(acc, op.tc, rows, m0, op.n_size, op.d, op.ld, op.col_scale, op.bias);
+      if (cols) AddRows<true, kScaled>(acc, op.tc, rows, m0, op.n_size, op.d, op.ld, op.col_scale, op.bias);
+      else AddRows<true, false>(acc, op.tc, rows, m0, op.n_size, op.d, op.ld, op.col_scale, op.bias);
     }
   }
 
@@ -113,7 +117,11 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
     const int64_t lo = params_.row_lo[l];
     const int32_t* slots = params_.slots + lo;
     const float* row_scale = nullptr;
-    if constexpr (kScaled) row_scale = params_.ptr_row_scale[l];
+    float expert_scale = 1.0f;  // the expert's one column scale, where it has one (col_scale_step 0)
+    if constexpr (kScaled) {
+      row_scale = params_.ptr_row_scale[l];
+      if (params_.col_scale_step == 0) expert_scale = __ldg(params_.ptr_col_scale[l]);
+    }
     const int64_t num_slots = params_.num_tokens * params_.k, k = params_.k;
     for (int i = lane; i < kTileM; i += cutlass::NumThreadsPerWarp) {
       const int m = m0 + i;
@@ -121,7 +129,7 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
       const bool in = s >= 0 && s < num_slots;
       const float w = in ? __ldg(params_.weights + s) : 0.0f;
       float f = w;
-      if constexpr (kScaled) f *= in ? __ldg(row_scale + m * params_.row_scale_step) : 0.0f;
+      if constexpr (kScaled) f *= in ? __ldg(row_scale + m * params_.row_scale_step) * expert_scale : 0.0f;
       rows[i] = ScatterRow{in ? static_cast<int32_t>(s / k) : -1, w, f, 0};
     }
   }
@@ -129,7 +137,7 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
  private:
   // The tile's weighted rows added into d (the file's comment): kBias, whether bias is there; rows, the
   // tile's rows read ahead (FillRows), its first row m0.
-  template <bool kBias, class FrgEngine, class FrgLayout, class Coords>
+  template <bool kBias, bool kCols, class FrgEngine, class FrgLayout, class Coords>
   CUTLASS_DEVICE void AddRows(cute::Tensor<FrgEngine, FrgLayout> const& acc, Coords const& tc,
                               const ScatterRow* rows, int m0, int n_size, __nv_bfloat16* d, int64_t ld,
                               const float* col_scale, const float* bias) const {
@@ -154,8 +162,7 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
         CUTLASS_PRAGMA_UNROLL
         for (int g0 = 0; g0 < kGroups; g0 += 4) {
           float2 cs[4], bs[4];  // this lane's column pair in groups g0 .. g0 + 3: scales, bias
-          LoadColumnPairs<4, kScaled>(tc, mi, ni, g0, n_size, col_scale, params_.col_scale_step, kBias ? bias : nullptr,
-                                      cs, bs);
+          LoadColumnPairs<4, kCols>(tc, mi, ni, g0, n_size, col_scale, kBias ? bias : nullptr, cs, bs);
           CUTLASS_PRAGMA_UNROLL
           for (int half = 0; half < 2; ++half) {
             uint32_t w[4];  // w[j]: this lane's pair of group g0 + j, weighted, packed to bf16x2
@@ -164,7 +171,7 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
               // (acc (* col scale * row scale) + bias) * w, as acc * (col scale) * factor + bias * w
               float v0 = acc(make_coord(make_coord(0, half, g0 + j), mi, ni));
               float v1 = acc(make_coord(make_coord(1, half, g0 + j), mi, ni));
-              if constexpr (kScaled) v0 *= cs[j].x, v1 *= cs[j].y;
+              if constexpr (kCols) v0 *= cs[j].x, v1 *= cs[j].y;
               v0 *= rf[half], v1 *= rf[half];
               if constexpr (kBias) v0 += bs[j].x * rw[half], v1 += bs[j].y * rw[half];
               w[j] = Pack(v0, v1);
