@@ -319,6 +319,32 @@ def test_fp8_grouped_gemm_scale_forms_256_experts_mostly_empty_and_unowned_rows(
     assert (out[m:] == 0).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("col_shape,compact", [((1, 64), True), ((4, 1), False), ((1, 1), False), ((4, 32), True)],
+                         ids=["one-row-of-channels", "per-expert-to-plain", "one-to-plain", "half-the-channels"])
+def test_the_handlers_refuse_a_column_scale_form_they_do_not_take(col_shape, compact):
+    """The FFI handlers' own check, before any launch: the plain FP8 GEMM takes [E, N] column scales
+    only; the fused ones also [E, 1] and [1, 1], never one row of channels shared by several experts."""
+    skip_unless_available(cb)
+    m, e, n, k = 8, 4, 64, 128
+    a, b = jnp.ones((m, k), F8), jnp.ones((e, n, k), F8)
+    off = jnp.asarray([0, 2, 4, 6, 8], jnp.int32)
+    row, col = jnp.ones((m,), jnp.float32), jnp.ones(col_shape, jnp.float32)
+    kind = "fp8_scatter" if compact else "fp8"
+    ws = jax.ShapeDtypeStruct((cb.workspace_size(e, "coop_128x128", kind),), jnp.uint8)
+    if compact:
+        target, outs = "jax_moe_cutlass_grouped_gemm_scatter", (jax.ShapeDtypeStruct((m // 2, n), jnp.bfloat16), ws)
+        args = (a, b, off, jnp.arange(m, dtype=jnp.int32), jnp.ones((m // 2, 2), jnp.float32), row, col,
+                jnp.zeros((0,), jnp.float32))
+        attrs = dict(transposed=np.int64(0))
+    else:
+        target, outs = "jax_moe_cutlass_grouped_gemm_fp8", (jax.ShapeDtypeStruct((m, n), jnp.bfloat16), ws)
+        args, attrs = (a, b, off, row, col), {}
+    call = jax.ffi.ffi_call(target, outs)
+    with pytest.raises(Exception, match=r"col_scale must be \[E, N\] float32"):
+        jax.block_until_ready(call(*args, tile=np.int64(cb.TILES["coop_128x128"]), **attrs))
+
+
 FP8_MOE_CASES = [(t, e, k, mode) for mode in FP8_MODES for t in (1, 37, 1000) for e, k in ((8, 2), (256, 8))]
 
 

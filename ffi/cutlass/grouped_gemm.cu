@@ -128,16 +128,19 @@ std::optional<ffi::Error> CheckScales(int kind, ffi::Buffer<ffi::F32> row_scale,
   if (!per_row && !one_row)
     return InvalidArgument(Name(kind) + "row_scale must be " + (call.batched ? "[E, C]" : "[M]") +
                            " float32 (one scale per row of a)" + (compact ? " or [1] (one for every row)" : ""));
-  const bool cols_ok = cd.size() == 2 && (cd[0] == call.groups || (compact && cd[0] == 1)) &&
-                       (cd[1] == call.n || (compact && cd[1] == 1));
-  if (!cols_ok || (cd[0] == 1 && call.groups != 1 && cd[1] != 1))
+  // The column forms, the first that matches taken (with one group and N = 1 they coincide).
+  const bool two_d = cd.size() == 2;
+  const bool per_channel = two_d && cd[0] == call.groups && cd[1] == call.n;
+  const bool per_expert = compact && two_d && cd[0] == call.groups && cd[1] == 1;
+  const bool one_col = compact && two_d && cd[0] == 1 && cd[1] == 1;
+  if (!per_channel && !per_expert && !one_col)
     return InvalidArgument(Name(kind) + "col_scale must be [E, N] float32 (one scale per output channel)" +
                            (compact ? ", [E, 1] (one per expert) or [1, 1] (one for every expert)" : ""));
   call.row_scale = row_scale.typed_data();
   call.col_scale = col_scale.typed_data();
   call.row_scale_step = per_row ? 1 : 0;
-  call.col_scale_step = cd[1] == call.n ? 1 : 0;
-  call.col_scale_group_step = cd[0] == call.groups ? cd[1] : 0;
+  call.col_scale_step = per_channel ? 1 : 0;
+  call.col_scale_group_step = per_channel ? call.n : per_expert ? 1 : 0;
   return std::nullopt;
 }
 
