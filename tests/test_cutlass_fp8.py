@@ -326,6 +326,8 @@ def test_the_handlers_refuse_a_column_scale_form_they_do_not_take(col_shape, com
     """The FFI handlers' own check, before any launch: the plain FP8 GEMM takes [E, N] column scales
     only; the fused ones also [E, 1] and [1, 1], never one row of channels shared by several experts."""
     skip_unless_available(cb)
+    from jax_moe.backends import cutlass_gemm
+    assert cutlass_gemm._register(), "the FFI targets are registered where the module loads"
     m, e, n, k = 8, 4, 64, 128
     a, b = jnp.ones((m, k), F8), jnp.ones((e, n, k), F8)
     off = jnp.asarray([0, 2, 4, 6, 8], jnp.int32)
