@@ -83,8 +83,9 @@
 // broadcast runs before the GEMM:
 //   row_scale [M] float32 (per row; [E, C] batched) or [1] (one for every row: per tensor)
 //   col_scale [E, N] float32 (per output channel), [E, 1] (per expert) or [1, 1] (per tensor)
-// and the scale of d[r, n] is row_scale[r or 0] * col_scale[e or 0, n or 0]. The fp8 target's epilogue
-// visitor tree reads whole vectors: it takes [M] (or [E, C]) and [E, N] only.
+// and the scale of d[r, n] is row_scale[r or 0] * col_scale[e or 0, n or 0]. An expert's one column
+// scale is folded into its rows' factors, so those epilogues load no column scales. The fp8 target's
+// epilogue visitor tree reads whole vectors: it takes [M] (or [E, C]) and [E, N] only.
 //
 // attr tile: a CutlassTile below. E >= 1. K must be a multiple of CutlassAlignK(kind) (16-byte TMA rows of
 // a and b), N a multiple of kCutlassAlignN (16-byte bf16 rows of d). Offsets are clamped to [0, M] on
