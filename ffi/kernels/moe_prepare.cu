@@ -105,6 +105,36 @@ struct GatedActRow {
 // Vectors each lane loads before it stores any: a row's loads in flight per lane.
 constexpr int kLaneVectors = 8;
 
+// The quantization scale of a row of `vectors` V-vectors (load(c, v) gives vector c in float32), per Quant:
+// per token, from the warp's amax over the row's finite values (kLaneVectors loads in flight per lane); or
+// the static one. Returns (dequantization scale, its inverse): (0, 1) without quantization; every lane
+// gets them.
+template <int V, int Quant, typename Load>
+__device__ __forceinline__ float2 RowQuantScale(int64_t vectors, int lane, const float* static_scale, Load&& load) {
+  if constexpr (Quant == kQuantPerToken) {
+    float amax = 0.0f;
+    for (int64_t c0 = lane; c0 < vectors; c0 += 32 * kLaneVectors) {
+      float v[kLaneVectors][V];
+#pragma unroll
+      for (int u = 0; u < kLaneVectors; ++u)
+        if (c0 + 32 * u < vectors) load(c0 + 32 * u, v[u]);
+#pragma unroll
+      for (int u = 0; u < kLaneVectors; ++u)
+        if (c0 + 32 * u < vectors) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) amax = fmaxf(amax, FiniteAbs(v[u][i]));
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float scale = AmaxToScale(amax);
+    return make_float2(scale, 1.0f / scale);
+  } else if constexpr (Quant == kQuantStatic) {
+    return make_float2(*static_scale, 1.0f / *static_scale);
+  }
+  return make_float2(0.0f, 1.0f);
+}
+
 // A warp per row b of Op (kWarpsPerBlock to a block), written to row r = Op::Dest(b) of out
 // [rows, cols] (skipped where r is outside [0, rows)); Op produces the row's float32 values V at a
 // time, and lane l takes the row's vectors l, l + 32, ... . The row's setup (its slot, destination and
@@ -129,28 +159,9 @@ __global__ void RowWarpKernel(Op op, int64_t rows, int64_t cols, const int32_t* 
     if (Quant == kQuantPerToken && lane == 0) scales[r] = kFp8MinScale;
     return;
   }
-  float inv = 1.0f, scale = 0.0f;
-  if constexpr (Quant == kQuantPerToken) {
-    float amax = 0.0f;
-    for (int64_t c0 = lane; c0 < vectors; c0 += 32 * kLaneVectors) {
-      float v[kLaneVectors][V];
-#pragma unroll
-      for (int u = 0; u < kLaneVectors; ++u)
-        if (c0 + 32 * u < vectors) o.Load((c0 + 32 * u) * V, v[u]);
-#pragma unroll
-      for (int u = 0; u < kLaneVectors; ++u)
-        if (c0 + 32 * u < vectors) {
-#pragma unroll
-          for (int i = 0; i < V; ++i) amax = fmaxf(amax, FiniteAbs(v[u][i]));
-        }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    scale = AmaxToScale(amax);
-    inv = 1.0f / scale;
-  } else if constexpr (Quant == kQuantStatic) {
-    inv = 1.0f / *static_scale;
-  }
+  const float2 q = RowQuantScale<V, Quant>(vectors, lane, static_scale,
+                                           [&](int64_t c, float(&v)[V]) { o.Load(c * V, v); });
+  const float scale = q.x, inv = q.y;
   for (int64_t c0 = lane; c0 < vectors; c0 += 32 * kLaneVectors) {
     float v[kLaneVectors][V];
 #pragma unroll
@@ -183,28 +194,9 @@ __global__ void PermuteTokenKernel(TokenRows<In, V> op, const int32_t* valid_row
   const int64_t valid = ValidRows(valid_rows, rows);
   const int32_t* dest = op.inverse + t * op.top_k;
   const In* src = op.x + t * cols;
-  float inv = 1.0f, scale = 0.0f;
-  if constexpr (Quant == kQuantPerToken) {
-    float amax = 0.0f;
-    for (int64_t c0 = lane; c0 < vectors; c0 += 32 * kLaneVectors) {
-      float v[kLaneVectors][V];
-#pragma unroll
-      for (int u = 0; u < kLaneVectors; ++u)
-        if (c0 + 32 * u < vectors) LoadF32<In, V>(src + (c0 + 32 * u) * V, v[u]);
-#pragma unroll
-      for (int u = 0; u < kLaneVectors; ++u)
-        if (c0 + 32 * u < vectors) {
-#pragma unroll
-          for (int i = 0; i < V; ++i) amax = fmaxf(amax, FiniteAbs(v[u][i]));
-        }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    scale = AmaxToScale(amax);
-    inv = 1.0f / scale;
-  } else if constexpr (Quant == kQuantStatic) {
-    inv = 1.0f / *static_scale;
-  }
+  const float2 q = RowQuantScale<V, Quant>(vectors, lane, static_scale,
+                                           [&](int64_t c, float(&v)[V]) { LoadF32<In, V>(src + c * V, v); });
+  const float scale = q.x, inv = q.y;
   for (int64_t c0 = lane; c0 < vectors; c0 += 32 * kLaneVectors) {
     float v[kLaneVectors][V];
 #pragma unroll
