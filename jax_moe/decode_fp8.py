@@ -33,24 +33,30 @@ from jax_moe.quant.fp8 import quantize_fp8_static
 from jax_moe.quant.rounding import round_to
 
 ALIGN = 16  # H and I: 16-byte rows of FP8
-MAX_H = 48 * 1024  # x's quantized row lives in a block's shared memory
+MAX_SHARED = 48 * 1024  # bytes: x's quantized row (H) and a token's activations (k * I) live in shared memory
 
 
-def serves(quant, h: int, i: int) -> bool:
+def serves(quant, h: int, i: int, k: int) -> bool:
     """Whether an FP8 layer's ``quant`` (a :class:`~jax_moe.quant.scheme.QuantConfig`) and sizes take
     this path: FP8 weights scaled per tensor, expert or channel, per-tensor activations with a static
-    GEMM2 input scale (``a2_scale``; ``a13_scale`` static or dynamic), H and I multiples of 16."""
+    GEMM2 input scale (``a2_scale``; ``a13_scale`` static or dynamic), H and I multiples of 16, H and
+    k * I at most :data:`MAX_SHARED`."""
     return (quant is not None and quant.scheme == "fp8" and quant.act == "fp8_per_tensor"
-            and quant.a2_scale is not None and h % ALIGN == 0 and i % ALIGN == 0 and h <= MAX_H)
+            and quant.a2_scale is not None and _fits(h, i, k))
+
+
+def _fits(h: int, i: int, k: int) -> bool:
+    return h % ALIGN == 0 and i % ALIGN == 0 and h <= MAX_SHARED and k * i <= MAX_SHARED
 
 
 def _check(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, a13_scale, a2_scale, w13_scale, w2_scale) -> None:
     check_layer(x, w13, w2, topk_weights, topk_ids, cfg)
     check_dtype("w13", w13, ("float8_e4m3fn",))
     check_dtype("w2", w2, ("float8_e4m3fn",))
-    e, h, i = w13.shape[0], x.shape[1], w2.shape[2]
-    if h % ALIGN or i % ALIGN or h > MAX_H:
-        raise ValueError(f"decode_moe_fp8 needs H and I multiples of {ALIGN} and H <= {MAX_H}, got H = {h}, I = {i}")
+    e, h, i, k = w13.shape[0], x.shape[1], w2.shape[2], topk_ids.shape[1]
+    if not _fits(h, i, k):
+        raise ValueError(f"decode_moe_fp8 needs H and I multiples of {ALIGN}, H and k * I at most {MAX_SHARED}; "
+                         f"got H = {h}, I = {i}, k = {k}")
     for name, s in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
         if s is None or jnp.size(s) != 1:
             raise ValueError(f"{name} must be one float32 scale (per tensor), got "
@@ -114,7 +120,7 @@ def decode_moe_fp8(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: ja
     activation scales, [] or [1] float32; ``w13_scale``, ``w2_scale``: the weights' dequantization
     scales, [] (per tensor), [E] (per expert) or [E, N] / [E, N, 1] (per channel, N = 2I and H);
     w13_bias [E, 2I] / w2_bias [E, H] float or None; ``cfg.activation`` silu, gelu or swigluoai.
-    H and I multiples of 16, H at most 49152. Returns [T, H] in ``out_dtype`` (default x's dtype).
+    H and I multiples of 16, H and k * I at most 49152. Returns [T, H] in ``out_dtype`` (default x's dtype).
     """
     _check(x, w13, w2, topk_weights, topk_ids, cfg, a13_scale, a2_scale, w13_scale, w2_scale)
     t, h = x.shape

@@ -78,18 +78,19 @@ def test_slots_of_other_ranks_contribute_nothing(rng):
     assert np.all(np.asarray(out) == 0)
 
 
-@pytest.mark.parametrize("act, a2, h, i, serves", [
-    ("fp8_per_tensor", 0.1, 256, 128, True),
-    ("fp8_per_tensor", None, 256, 128, False),   # a dynamic GEMM2 input scale needs the whole activation first
-    ("fp8_per_token", None, 256, 128, False),
-    ("fp8_per_tensor", 0.1, 200, 128, False),    # H not a multiple of 16
-    ("fp8_per_tensor", 0.1, 256, 120, False),    # I neither
-    ("fp8_per_tensor", 0.1, 65536, 128, False),  # x's row past the shared memory
+@pytest.mark.parametrize("act, a2, h, i, k, serves", [
+    ("fp8_per_tensor", 0.1, 256, 128, 8, True),
+    ("fp8_per_tensor", None, 256, 128, 8, False),   # a dynamic GEMM2 input scale needs the whole activation first
+    ("fp8_per_token", None, 256, 128, 8, False),
+    ("fp8_per_tensor", 0.1, 200, 128, 8, False),    # H not a multiple of 16
+    ("fp8_per_tensor", 0.1, 256, 120, 8, False),    # I neither
+    ("fp8_per_tensor", 0.1, 65536, 128, 8, False),  # x's row past the shared memory
+    ("fp8_per_tensor", 0.1, 256, 4096, 16, False),  # a token's activations past it
 ])
-def test_which_fp8_layers_take_it(act, a2, h, i, serves):
+def test_which_fp8_layers_take_it(act, a2, h, i, k, serves):
     quant = QuantConfig("fp8", jnp.float32(1), jnp.float32(1), act=act, a2_scale=a2)
-    assert decode_fp8.serves(quant, h, i) == serves
-    assert not decode_fp8.serves(None, h, i)
+    assert decode_fp8.serves(quant, h, i, k) == serves
+    assert not decode_fp8.serves(None, h, i, k)
 
 
 @pytest.mark.parametrize("t, takes", [(1, True), (2, True), (64, False)])

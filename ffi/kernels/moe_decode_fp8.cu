@@ -22,7 +22,7 @@ namespace jax_moe {
 namespace {
 
 constexpr int kWarps = 8;   // warps per block: one output element each
-constexpr int kUnroll = 4;  // 16-byte loads in flight per lane and row
+constexpr int kSlotRows = 4;  // GEMM2: the slots whose rows a warp sums at once
 
 // The 16 FP8 values of a 16-byte vector as float32 (exact: E4M3 -> half -> float).
 __device__ __forceinline__ void Fp8x16ToF32(const uint4& v, float (&out)[16]) {
@@ -40,34 +40,54 @@ __device__ __forceinline__ void Fp8x16ToF32(const uint4& v, float (&out)[16]) {
   }
 }
 
-// Dot product of two FP8 rows of length n (n % 16 == 0, both 16-byte aligned), summed over the warp (every
-// lane gets it), float32 products and sums.
-__device__ __forceinline__ float WarpDotFp8(const Fp8* row, const Fp8* v, int64_t n) {
-  const uint4* r4 = reinterpret_cast<const uint4*>(row);
-  const uint4* v4 = reinterpret_cast<const uint4*>(v);
+// kRows dot products at once, rows[r] . v[r], for FP8 rows of length n (n % 16 == 0, 16-byte aligned; rows
+// in global memory, every pointer valid, v in shared memory), each summed over the warp (every lane gets
+// them), float32 products and sums. The weights come in batches of kRows * kUnroll 16-byte loads per
+// lane, the next batch loaded before this one is used, so that the compiler cannot put each load next to
+// its use: a whole batch is in flight at once. The loads are unconditional (a vector past the end
+// re-reads the last one), the products past the end masked to zero.
+template <int kRows, int kUnroll>
+__device__ __forceinline__ void WarpDotsFp8(const Fp8* const (&rows)[kRows], const Fp8* const (&v)[kRows], int64_t n,
+                                            float (&sums)[kRows]) {
+  struct Batch {
+    uint4 w[kRows][kUnroll];
+  };
   const int64_t vecs = n / 16;
   const int lane = threadIdx.x & 31;
-  float acc = 0.0f;
+  const auto load = [&](int64_t c0, Batch& b) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t c = c0 + 32 * u < vecs ? c0 + 32 * u : vecs - 1;
+        b.w[r][u] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
+      }
+  };
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) sums[r] = 0.0f;
+  Batch cur, next;
+  load(lane, cur);
   for (int64_t c0 = lane; c0 < vecs; c0 += 32 * kUnroll) {
-    uint4 rv[kUnroll], vv[kUnroll];
+    load(c0 + 32 * kUnroll, next);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t c = c0 + 32 * u;
-      rv[u] = c < vecs ? __ldg(r4 + c) : make_uint4(0, 0, 0, 0);
-      vv[u] = c < vecs ? v4[c] : make_uint4(0, 0, 0, 0);
-    }
+      if (c >= vecs) continue;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float a[16], b[16];
-      Fp8x16ToF32(rv[u], a);
-      Fp8x16ToF32(vv[u], b);
+      for (int r = 0; r < kRows; ++r) {
+        float a[16], b[16];
+        Fp8x16ToF32(cur.w[r][u], a);
+        Fp8x16ToF32(reinterpret_cast<const uint4*>(v[r])[c], b);
 #pragma unroll
-      for (int q = 0; q < 16; ++q) acc = fmaf(a[q], b[q], acc);
+        for (int q = 0; q < 16; ++q) sums[r] = fmaf(a[q], b[q], sums[r]);
+      }
     }
+    cur = next;
   }
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  return acc;
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], off);
 }
 
 __device__ __forceinline__ float RoundBf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
@@ -118,11 +138,13 @@ __global__ void ExpertGemvActFp8(const In* x, const int32_t* ids, const Fp8* w13
   const int64_t g_row = layout == kLayoutInterleaved ? 2 * col : col;
   const int64_t u_row = layout == kLayoutInterleaved ? 2 * col + 1 : s.i + col;
   const Fp8* w = w13 + int64_t(e) * 2 * s.i * s.h;
-  const float g_dot = WarpDotFp8(w + g_row * s.h, xq, s.h);
-  const float u_dot = WarpDotFp8(w + u_row * s.h, xq, s.h);
+  const Fp8* const rows[2] = {w + g_row * s.h, w + u_row * s.h};
+  const Fp8* const vs[2] = {xq, xq};
+  float dots[2];
+  WarpDotsFp8<2, 4>(rows, vs, s.h, dots);  // gate and up: 8 loads in flight per lane
   if (lane0) {
-    float gate = g_dot * (scale1 * c13.At(e, g_row));
-    float up = u_dot * (scale1 * c13.At(e, u_row));
+    float gate = dots[0] * (scale1 * c13.At(e, g_row));
+    float up = dots[1] * (scale1 * c13.At(e, u_row));
     if (b13 != nullptr) {
       gate += b13[int64_t(e) * 2 * s.i + g_row];
       up += b13[int64_t(e) * 2 * s.i + u_row];
@@ -131,24 +153,42 @@ __global__ void ExpertGemvActFp8(const In* x, const int32_t* ids, const Fp8* w13
   }
 }
 
-// GEMM2 + weighted reduce: block (x: kWarps columns h, y: token); each warp sums its column over the
-// token's k slots in slot order.
+// GEMM2 + weighted reduce: block (x: kWarps columns h, y: token). The block copies the token's k activation
+// rows into shared memory (k * I bytes); each warp sums its column over the k slots, kSlotRows slots'
+// weight rows streamed together, and adds them up in slot order.
 template <typename Out>
 __global__ void ExpertGemvReduceFp8(const Fp8* a, const int32_t* ids, const float* weights, const Fp8* w2,
                                     const float* s2, ColScale c2, const float* b2, DecodeShape s, Out* out) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  Fp8* at = reinterpret_cast<Fp8*>(smem);  // the token's k activation rows, [k, I]
   const int64_t t = blockIdx.y;
   const int64_t col = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const uint4* src = reinterpret_cast<const uint4*>(a + t * s.k * s.i);
+  for (int64_t c = threadIdx.x; c < s.k * s.i / 16; c += blockDim.x) reinterpret_cast<uint4*>(at)[c] = src[c];
+  __syncthreads();
   if (col >= s.h) return;
   const float scale2 = *s2;
   float acc = 0.0f;
-  for (int64_t j = 0; j < s.k; ++j) {
-    const int64_t slot = t * s.k + j;
-    const int e = ExpertOf(ids, slot, static_cast<int>(s.experts));
-    if (e < 0) continue;
-    const float dot = WarpDotFp8(w2 + (int64_t(e) * s.h + col) * s.i, a + slot * s.i, s.i);
-    float y = RoundBf16(dot * (scale2 * c2.At(e, col)));
-    if (b2 != nullptr) y += b2[int64_t(e) * s.h + col];
-    acc += weights[slot] * y;
+  for (int64_t j0 = 0; j0 < s.k; j0 += kSlotRows) {  // kSlotRows slots' rows streamed together
+    const Fp8* rows[kSlotRows];
+    const Fp8* vs[kSlotRows];
+    int es[kSlotRows];
+#pragma unroll
+    for (int r = 0; r < kSlotRows; ++r) {
+      es[r] = j0 + r < s.k ? ExpertOf(ids, t * s.k + j0 + r, static_cast<int>(s.experts)) : -1;
+      // a slot with no expert streams expert 0's row and drops its sum (the loads stay unconditional)
+      rows[r] = w2 + (int64_t(es[r] >= 0 ? es[r] : 0) * s.h + col) * s.i;
+      vs[r] = at + (j0 + r < s.k ? j0 + r : 0) * s.i;
+    }
+    float dots[kSlotRows];
+    WarpDotsFp8<kSlotRows, 2>(rows, vs, s.i, dots);
+#pragma unroll
+    for (int r = 0; r < kSlotRows; ++r) {  // in slot order
+      if (es[r] < 0) continue;
+      float y = RoundBf16(dots[r] * (scale2 * c2.At(es[r], col)));
+      if (b2 != nullptr) y += b2[int64_t(es[r]) * s.h + col];
+      acc += weights[t * s.k + j0 + r] * y;
+    }
   }
   if ((threadIdx.x & 31) == 0) out[t * s.h + col] = FromF32<Out>(acc);
 }
@@ -205,7 +245,9 @@ ffi::Error DecodeMoeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
     return InvalidArgument(n + "activation must be 0 (silu), 1 (gelu) or 2 (swigluoai)");
   if (layout != kLayoutConcat && layout != kLayoutInterleaved)
     return InvalidArgument(n + "layout must be 0 (concat) or 1 (interleaved)");
-  if (h > 48 * 1024) return InvalidArgument(n + "H must be at most 49152 (x's quantized row in shared memory)");
+  if (h > 48 * 1024 || k * i > 48 * 1024)
+    return InvalidArgument(n + "H and k * I must be at most 49152 (x's quantized row and a token's activations "
+                               "in shared memory)");
   if (t == 0 || k == 0 || t * k > 65535 || t > 65535)
     return t * k == 0 ? ffi::Error::Success() : InvalidArgument(n + "at most 65535 slots");
   const DecodeShape s{t, k, h, i, e};
@@ -228,7 +270,7 @@ ffi::Error DecodeMoeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   if (status.failure()) return status;
   return WithFloatType(out_type, "decode_moe_fp8: out", [&](auto tag) -> ffi::Error {
     using Out = typename decltype(tag)::type;
-    ExpertGemvReduceFp8<Out><<<dim3((h + kWarps - 1) / kWarps, t), 32 * kWarps, 0, stream>>>(
+    ExpertGemvReduceFp8<Out><<<dim3((h + kWarps - 1) / kWarps, t), 32 * kWarps, k * i, stream>>>(
         a, ids, topk_weights.typed_data(), w2s, s2, c2, b2, s, static_cast<Out*>(out->untyped_data()));
     JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return ffi::Error::Success();

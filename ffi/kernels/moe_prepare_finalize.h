@@ -43,7 +43,7 @@
 //                          (scratch). attrs: activation, layout, alpha, limit. decode_moe on W8A8 weights
 //                          (moe_decode_fp8.cu): x quantized with a13_scale, GEMM1 dequantized with it and
 //                          w13_scale, the activation quantized with a2_scale, GEMM2 dequantized with it and
-//                          w2_scale; H and I multiples of 16, H at most 49152.
+//                          w2_scale; H and I multiples of 16, H and k * I at most 49152.
 #pragma once
 
 #include <cfloat>

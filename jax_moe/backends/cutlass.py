@@ -331,7 +331,7 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
         return decode.decode_moe(x, w13, w2, topk_weights, topk_ids.astype(jnp.int32), cfg, w13_bias=w13_bias,
                                  w2_bias=w2_bias, out_dtype=x.dtype, transposed=transposed)
     if (quant is not None and tile in (None, "auto") and not apply_router_weight_on_input
-            and decode.serves(t, k, e, cfg) and decode_fp8.serves(quant, h, w2.shape[2])):
+            and decode.serves(t, k, e, cfg) and decode_fp8.serves(quant, h, w2.shape[2], k)):
         return decode_fp8.decode_moe_fp8(x, w13, w2, topk_weights, topk_ids.astype(jnp.int32), cfg,
                                          a13_scale=_per_tensor_scale(quant.a13_scale, x),
                                          a2_scale=_per_tensor_scale(quant.a2_scale, None), w13_scale=quant.w13_scale,
