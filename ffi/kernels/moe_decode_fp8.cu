@@ -16,12 +16,16 @@
 #include <optional>
 #include <string>
 
-#include "moe_device.cuh"
+#include "moe_decode_common.cuh"
 
 namespace jax_moe {
 namespace {
 
-constexpr int kWarps = 8;   // warps per block: one output element each
+using decode::DecodeShape;
+using decode::ExpertOf;
+using decode::kWarps;
+using decode::RoundBf16;
+
 constexpr int kSlotRows = 4;  // GEMM2: the slots whose rows a warp sums at once
 
 // The 16 FP8 values of a 16-byte vector as float32 (exact: E4M3 -> half -> float).
@@ -89,17 +93,6 @@ __device__ __forceinline__ void WarpDotsFp8(const Fp8* const (&rows)[kRows], con
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], off);
 }
-
-__device__ __forceinline__ float RoundBf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-
-__device__ __forceinline__ int ExpertOf(const int32_t* ids, int64_t slot, int experts) {
-  const int32_t e = ids[slot];
-  return (e >= 0 && e < experts) ? e : -1;
-}
-
-struct DecodeShape {
-  int64_t t, k, h, i, experts;
-};
 
 // A weight scale in its compact form: c[e * group_step + n * col_step] (steps n and 1, 1 and 0, or 0 and 0).
 struct ColScale {
@@ -234,23 +227,16 @@ ffi::Error DecodeMoeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   if (auto err = ReadColScale("w2_scale", w2_scale, e, h, c2)) return std::move(*err);
   if (act->element_type() != ffi::DataType::F8E4M3FN || act->element_count() != static_cast<size_t>(t * k * i))
     return InvalidArgument(n + "act must be [T*k, I] float8_e4m3fn");
+  const DecodeShape s{t, k, h, i, e};
+  if (auto err = decode::CheckOutputBiasesAndActivation(n, s, out, w13_bias, w2_bias, activation, layout))
+    return std::move(*err);
   const auto out_type = out->element_type();
-  if (out->element_count() != static_cast<size_t>(t * h) ||
-      (out_type != ffi::DataType::BF16 && out_type != ffi::DataType::F16 && out_type != ffi::DataType::F32))
-    return InvalidArgument(n + "out must be [T, H] bfloat16, float16 or float32");
   const size_t nb13 = w13_bias.element_count(), nb2 = w2_bias.element_count();
-  if ((nb13 != 0 && nb13 != static_cast<size_t>(e * 2 * i)) || (nb2 != 0 && nb2 != static_cast<size_t>(e * h)))
-    return InvalidArgument(n + "w13_bias must be [E, 2I] and w2_bias [E, H] float32, or empty");
-  if (activation != kActSilu && activation != kActGelu && activation != kActSwigluOai)
-    return InvalidArgument(n + "activation must be 0 (silu), 1 (gelu) or 2 (swigluoai)");
-  if (layout != kLayoutConcat && layout != kLayoutInterleaved)
-    return InvalidArgument(n + "layout must be 0 (concat) or 1 (interleaved)");
   if (h > 48 * 1024 || k * i > 48 * 1024)
     return InvalidArgument(n + "H and k * I must be at most 49152 (x's quantized row and a token's activations "
                                "in shared memory)");
   if (t == 0 || k == 0 || t * k > 65535 || t > 65535)
     return t * k == 0 ? ffi::Error::Success() : InvalidArgument(n + "at most 65535 slots");
-  const DecodeShape s{t, k, h, i, e};
   const int32_t* ids = topk_ids.typed_data();
   const auto* w13s = static_cast<const Fp8*>(w13.untyped_data());
   const auto* w2s = static_cast<const Fp8*>(w2.untyped_data());
