@@ -22,10 +22,7 @@
 namespace jax_moe {
 namespace {
 
-using decode::DecodeShape;
-using decode::ExpertOf;
-using decode::kWarps;
-using decode::RoundBf16;
+using namespace decode;  // NOLINT: the decode paths' shared helpers (moe_decode_common.cuh)
 
 constexpr int kUnroll = 4;  // 16-byte loads in flight per lane and row
 

@@ -21,10 +21,7 @@
 namespace jax_moe {
 namespace {
 
-using decode::DecodeShape;
-using decode::ExpertOf;
-using decode::kWarps;
-using decode::RoundBf16;
+using namespace decode;  // NOLINT: the decode paths' shared helpers (moe_decode_common.cuh)
 
 constexpr int kSlotRows = 4;  // GEMM2: the slots whose rows a warp sums at once
 
