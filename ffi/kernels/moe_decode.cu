@@ -27,48 +27,21 @@ using namespace decode;  // NOLINT: the decode paths' shared helpers (moe_decode
 constexpr int kUnroll = 4;  // 16-byte loads in flight per lane and row
 
 // Dot product of a bf16 row of length n (n % 8 == 0) with a bf16 vector, summed over the warp (every
-// lane gets it), float32 accumulation. Row and vector come in batches of kUnroll 16-byte loads per lane,
-// the next batch loaded before this one is used, so that the compiler cannot put each load next to its
-// use: a whole batch is in flight at once. The loads are unconditional (a vector past the end re-reads
-// the last one), the products past the end skipped.
+// lane gets it), float32 accumulation; row and vector streamed together (StreamRows).
 __device__ __forceinline__ float WarpDot(const __nv_bfloat16* row, const __nv_bfloat16* v, int64_t n) {
-  struct Batch {
-    uint4 r[kUnroll], v[kUnroll];
-  };
-  const uint4* r4 = reinterpret_cast<const uint4*>(row);
-  const uint4* v4 = reinterpret_cast<const uint4*>(v);
-  const int64_t vecs = n / 8;
-  const int lane = threadIdx.x & 31;
-  const auto load = [&](int64_t c0, Batch& b) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t c = c0 + 32 * u < vecs ? c0 + 32 * u : vecs - 1;
-      b.r[u] = __ldg(r4 + c);
-      b.v[u] = __ldg(v4 + c);
-    }
-  };
+  const uint4* const rows[2] = {reinterpret_cast<const uint4*>(row), reinterpret_cast<const uint4*>(v)};
   float acc = 0.0f;
-  Batch cur, next;
-  load(lane, cur);
-  for (int64_t c0 = lane; c0 < vecs; c0 += 32 * kUnroll) {
-    load(c0 + 32 * kUnroll, next);
+  StreamRows<2, kUnroll>(rows, n / 8, [&](int64_t, const uint4(&vals)[2]) {
+    const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&vals[0]);
+    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&vals[1]);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (c0 + 32 * u >= vecs) continue;
-      const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&cur.r[u]);
-      const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&cur.v[u]);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 fa = __bfloat1622float2(a[q]), fb = __bfloat1622float2(b[q]);
-        acc = fmaf(fa.x, fb.x, acc);
-        acc = fmaf(fa.y, fb.y, acc);
-      }
+    for (int q = 0; q < 4; ++q) {
+      const float2 fa = __bfloat1622float2(a[q]), fb = __bfloat1622float2(b[q]);
+      acc = fmaf(fa.x, fb.x, acc);
+      acc = fmaf(fa.y, fb.y, acc);
     }
-    cur = next;
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  return acc;
+  });
+  return WarpSum(acc);
 }
 
 __global__ void ExpertGemvAct(const __nv_bfloat16* x, const int32_t* ids, const __nv_bfloat16* w13, const float* b13,

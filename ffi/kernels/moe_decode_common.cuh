@@ -25,6 +25,44 @@ __device__ __forceinline__ int ExpertOf(const int32_t* ids, int64_t slot, int ex
 
 __device__ __forceinline__ float RoundBf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
+// Streams kRows rows of 16-byte vectors through a warp: lane l takes vectors c = l, l + 32, ... below
+// vecs of every row, and use(c, vals) gets vals[r], vector c of row r. The vectors come in batches of
+// kUnroll per row and lane, the next batch loaded before this one is used, so that the compiler cannot
+// put each load next to its use: a whole batch is in flight at once (predicated loads were each issued
+// just before their use, one at a time). The loads are unconditional: a vector past the end re-reads
+// the last one, and is not passed to use.
+template <int kRows, int kUnroll, typename Use>
+__device__ __forceinline__ void StreamRows(const uint4* const (&rows)[kRows], int64_t vecs, Use&& use) {
+  struct Batch {
+    uint4 v[kUnroll][kRows];
+  };
+  const int lane = threadIdx.x & 31;
+  const auto load = [&](int64_t c0, Batch& b) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = c0 + 32 * u < vecs ? c0 + 32 * u : vecs - 1;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) b.v[u][r] = __ldg(rows[r] + c);
+    }
+  };
+  Batch cur, next;
+  load(lane, cur);
+  for (int64_t c0 = lane; c0 < vecs; c0 += 32 * kUnroll) {
+    load(c0 + 32 * kUnroll, next);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (c0 + 32 * u < vecs) use(c0 + 32 * u, cur.v[u]);
+    cur = next;
+  }
+}
+
+// x summed over the warp: every lane gets it.
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
 // The output, the optional biases and the activation attributes of a decode call of shape s; n names the
 // handler in the error.
 inline std::optional<ffi::Error> CheckOutputBiasesAndActivation(const std::string& n, const DecodeShape& s,

@@ -42,53 +42,29 @@ __device__ __forceinline__ void Fp8x16ToF32(const uint4& v, float (&out)[16]) {
 }
 
 // kRows dot products at once, rows[r] . v[r], for FP8 rows of length n (n % 16 == 0, 16-byte aligned; rows
-// in global memory, every pointer valid, v in shared memory), each summed over the warp (every lane gets
-// them), float32 products and sums. The weights come in batches of kRows * kUnroll 16-byte loads per
-// lane, the next batch loaded before this one is used, so that the compiler cannot put each load next to
-// its use: a whole batch is in flight at once. The loads are unconditional (a vector past the end
-// re-reads the last one), the products past the end masked to zero.
+// in global memory, streamed together by StreamRows, kUnroll 16-byte loads of each per lane in flight;
+// v in shared memory), each summed over the warp (every lane gets them); float32 products and sums.
 template <int kRows, int kUnroll>
 __device__ __forceinline__ void WarpDotsFp8(const Fp8* const (&rows)[kRows], const Fp8* const (&v)[kRows], int64_t n,
                                             float (&sums)[kRows]) {
-  struct Batch {
-    uint4 w[kRows][kUnroll];
-  };
-  const int64_t vecs = n / 16;
-  const int lane = threadIdx.x & 31;
-  const auto load = [&](int64_t c0, Batch& b) {
+  const uint4* rows4[kRows];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t c = c0 + 32 * u < vecs ? c0 + 32 * u : vecs - 1;
-        b.w[r][u] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c);
-      }
-  };
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) sums[r] = 0.0f;
-  Batch cur, next;
-  load(lane, cur);
-  for (int64_t c0 = lane; c0 < vecs; c0 += 32 * kUnroll) {
-    load(c0 + 32 * kUnroll, next);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t c = c0 + 32 * u;
-      if (c >= vecs) continue;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        float a[16], b[16];
-        Fp8x16ToF32(cur.w[r][u], a);
-        Fp8x16ToF32(reinterpret_cast<const uint4*>(v[r])[c], b);
-#pragma unroll
-        for (int q = 0; q < 16; ++q) sums[r] = fmaf(a[q], b[q], sums[r]);
-      }
-    }
-    cur = next;
+  for (int r = 0; r < kRows; ++r) {
+    rows4[r] = reinterpret_cast<const uint4*>(rows[r]);
+    sums[r] = 0.0f;
   }
+  StreamRows<kRows, kUnroll>(rows4, n / 16, [&](int64_t c, const uint4(&vals)[kRows]) {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
+    for (int r = 0; r < kRows; ++r) {
+      float a[16], b[16];
+      Fp8x16ToF32(vals[r], a);
+      Fp8x16ToF32(reinterpret_cast<const uint4*>(v[r])[c], b);
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], off);
+      for (int q = 0; q < 16; ++q) sums[r] = fmaf(a[q], b[q], sums[r]);
+    }
+  });
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) sums[r] = WarpSum(sums[r]);
 }
 
 // A weight scale in its compact form: c[e * group_step + n * col_step] (steps n and 1, 1 and 0, or 0 and 0).
