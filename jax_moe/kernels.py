@@ -9,7 +9,7 @@ One forward of a grouped-GEMM backend, rows in expert-sorted order (:mod:`jax_mo
     valid = sort.offsets[-1]                                 # rows of local experts (EP: ids of -1 sort last)
     ps1, ps2 = problem_sizes(sort.counts, H, I)              # [E, 3] int32 each
     a1, s1 = permute_rows(x, sort.sorted_slots, k, valid_rows=valid, quant="fp8_per_token",
-                          inverse=sort.inverse)              # by token: x read once, not k times
+                          inverse=sort.inverse)              # slot order: x read once, not k times
     h = grouped_gemm(a1, w13, ps1)                           # [T*k, 2I]
     a2, s2 = act_and_mul(h, "silu", valid_rows=valid, quant="fp8_per_token")
     y = grouped_gemm(a2, w2, ps2)                            # [T*k, H]
@@ -237,9 +237,10 @@ def permute_rows(x: jax.Array, sorted_slots: jax.Array, top_k: int, *, valid_row
     ``"fp8_static"`` with ``scale`` ([] float32, dequantization scale) -> (rows, scale).
 
     ``inverse`` ([T*k] int32, the same sort's: ``sorted_slots[inverse[s]] == s``; None: gather
-    order): the CUDA kernel runs a warp per token t, reading ``x[t]`` once (and, for per-token FP8,
-    its amax once) and writing it to the rows ``inverse[t * top_k + j]`` of its k slots, so x
-    crosses the memory system once instead of k times. Same result as without it;
+    order): the CUDA kernel writes ``x[s // top_k]`` to row ``inverse[s]`` in slot order, so that
+    the k slots of a token read its row once from DRAM instead of k times; from 1024 tokens on it
+    runs a warp per token, which reads ``x[t]`` (and, for per-token FP8, its amax) once and writes
+    it to its k slots' rows. Same result as without it;
     ``sorted_slots`` is then not read. It must be the
     sort's own (a permutation of [0, T*k)): the kernel skips a position outside [0, T*k), and a
     row that no slot maps to is left unwritten.

@@ -1,6 +1,7 @@
 // CUDA handlers of permute_rows and act_and_mul (contracts in moe_prepare_finalize.h, references in
-// jax_moe/kernels.py). Both run a warp per output row, but permute_rows with an inverse, which runs a
-// warp per token: it reads the token's row once and writes it to its k slots' sorted rows. The row's values are produced in float32 (a
+// jax_moe/kernels.py). Both run a warp per output row (permute_rows with an inverse: a warp per slot,
+// written to the slot's sorted row, or, for many tokens, a warp per token that reads the token's row
+// once and writes it to its k slots' rows). The row's values are produced in float32 (a
 // gathered input row, or act(gate) * up with the row's expert bias added first), optionally quantized
 // to FP8 E4M3 as jax_moe/quant/fp8.py does (infinities to NaN, an amax over the finite values) with a
 // per-row scale (amax pass, then a second pass that re-reads the row from cache) or a given static
@@ -27,6 +28,23 @@ struct GatherRow {
     const int64_t slot = slots[r];
     if (slot < 0 || slot >= num_slots) return false;
     src = x + (slot / top_k) * cols;
+    return true;
+  }
+  __device__ void Load(int64_t c, float (&v)[V]) const { LoadF32<In, V>(src + c, v); }
+};
+
+// Block s = slot s reads x[s / top_k] and writes it to row inverse[s]: in slot order, the k blocks
+// of a token read its row together (from L2 after the first) instead of k times from DRAM.
+template <typename In, int V>
+struct SlotRow {
+  const In* x;
+  const int32_t* inverse;
+  int64_t cols, top_k;
+  const In* src;
+
+  __device__ int64_t Dest(int64_t s) const { return inverse[s]; }
+  __device__ bool Begin(int64_t s) {
+    src = x + (s / top_k) * cols;
     return true;
   }
   __device__ void Load(int64_t c, float (&v)[V]) const { LoadF32<In, V>(src + c, v); }
@@ -232,6 +250,12 @@ __global__ void PermuteTokenKernel(TokenRows<In, V> op, const int32_t* valid_row
   }
 }
 
+// The fewest tokens for which permute_rows with an inverse runs a warp per token. Below, a warp per
+// slot: at T = 64 a warp per token, writing its k rows alone, was 1.4-3x slower than a warp per slot
+// (H200; DeepSeek-V3's FP8 permute 7.0 -> 21.6 us), and at T = 4096 0.62-1.01x (Qwen3-30B's FP8
+// permute 40.4 -> 25.0 us), as a token's row then crosses the L2 once, not k times.
+constexpr int64_t kPermuteByTokenMinTokens = 1024;
+
 // Warps (rows) per block of RowWarpKernel. On an H100, a warp per row with its 8 loads in flight (and
 // FP8 converted in pairs) took the FP8 permute of Qwen3-30B's T=4096 from 57 to 43 us in the forward,
 // and GPT-OSS's bf16 one at T=16384 from 192 to 173 us; 2048-column bf16 rows were already at the
@@ -328,10 +352,14 @@ ffi::Error PermuteRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
     float* sc = quant == kQuantPerToken ? scales->typed_data() : nullptr;
     const int32_t* inv = inverse_count != 0 ? inverse.typed_data() : nullptr;
     const In* src = static_cast<const In*>(x.untyped_data());
-    auto launch = [&](auto vec) -> ffi::Error {  // a warp per token with an inverse, else per row
+    // With an inverse: a warp per token where there are tokens enough to fill the GPU, else per slot.
+    auto launch = [&](auto vec) -> ffi::Error {
       constexpr int V = decltype(vec)::value;
-      if (inv != nullptr)
+      if (inv != nullptr && t >= kPermuteByTokenMinTokens)
         return DispatchQuant<V>(stream, TokenRows<In, V>{src, inv, t, h, top_k}, quant, n, h,
+                                valid_rows.typed_data(), s, out, sc);
+      if (inv != nullptr)
+        return DispatchQuant<V>(stream, SlotRow<In, V>{src, inv, h, top_k, nullptr}, quant, n, h,
                                 valid_rows.typed_data(), s, out, sc);
       return DispatchQuant<V>(stream, GatherRow<In, V>{src, slots, h, n, top_k, nullptr}, quant, n, h,
                               valid_rows.typed_data(), s, out, sc);

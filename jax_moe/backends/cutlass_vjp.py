@@ -3,7 +3,7 @@
 Forward (:func:`forward`), rows in expert-sorted order (:mod:`jax_moe.kernels`)::
 
     sort = sort_by_expert(topk_ids, E)                         # jax_moe.ffi
-    a1 = permute_rows(x, sort.sorted_slots, k, inverse)        # [R, H]   R = T*k, written by token
+    a1 = permute_rows(x, sort.sorted_slots, k, inverse)        # [R, H]   R = T*k, written in slot order
     h1 = grouped_gemm(a1, w13, sort.offsets)                   # [R, 2I]  (I for relu2)
     a2 = act_and_mul(h1, bias=b13, offsets)                    # [R, I]   act(h1 + b13[e(row)])
     y = grouped_gemm(a2, w2, sort.offsets)                     # [R, H]
