@@ -97,7 +97,7 @@ __global__ void ExpertGemvActFp8(const In* x, const int32_t* ids, const Fp8* w13
     LoadF32<In, 8>(xt + 8 * c, v);
 #pragma unroll
     for (int q = 0; q < 8; ++q) v[q] = ScaleForFp8(v[q], inv1);
-    *reinterpret_cast<uint2*>(xq + 8 * c) = make_uint2(PackWord<Fp8>(v), PackWord<Fp8>(v + 4));
+    StoreF32<Fp8, 8>(xq + 8 * c, v);
   }
   __syncthreads();
   if (col >= s.i) return;

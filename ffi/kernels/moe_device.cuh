@@ -69,8 +69,8 @@ __device__ __forceinline__ void LoadF32(const T* p, float (&out)[V]) {
   for (int i = 0; i < V; ++i) out[i] = ToF32(in.v[i]);
 }
 
-// 4 / sizeof(T) values from float32 in one 32-bit word, the first in the low bits (converted in pairs
-// where the type has a pair conversion: one instruction per pair).
+// 4 / sizeof(T) values from float32 in one 32-bit word, the first in the low bits (converted in pairs:
+// one instruction per pair, float32 aside).
 template <typename T>
 __device__ __forceinline__ uint32_t PackWord(const float* v) {
   if constexpr (std::is_same_v<T, Fp8>) {
@@ -87,33 +87,47 @@ __device__ __forceinline__ uint32_t PackWord(const float* v) {
   }
 }
 
-// vals as V values of T at p, in global memory (V * sizeof(T) bytes, aligned to that size, or to 16
-// bytes past it), in the widest stores: the values are packed into 32-bit words and stored with vector
-// instructions, since nvcc split a store of a struct of bf16 values (kept in registers across a loop)
-// into a 2-byte store per element, and a store of the packed words into 4-byte ones.
 template <typename T, int V>
 __device__ __forceinline__ void StoreF32(T* p, const float (&vals)[V]) {
-  constexpr int kBytes = sizeof(T) * V;
-  if constexpr (kBytes % 4 != 0) {  // under a word (one or two 1-2 byte values)
-    Vec<T, V> o;
+  Vec<T, V> o;
+  if constexpr (std::is_same_v<T, Fp8> && V % 2 == 0) {  // pairs converted together
+#pragma unroll
+    for (int i = 0; i < V; i += 2) {
+      const uint32_t pair = PackFp8x2(vals[i], vals[i + 1]);
+      o.v[i].bits = static_cast<uint8_t>(pair);
+      o.v[i + 1].bits = static_cast<uint8_t>(pair >> 8);
+    }
+  } else {
 #pragma unroll
     for (int i = 0; i < V; ++i) o.v[i] = FromF32<T>(vals[i]);
-    *reinterpret_cast<Vec<T, V>*>(p) = o;
+  }
+  *reinterpret_cast<Vec<T, V>*>(p) = o;
+}
+
+// StoreF32 to global memory with the values packed into 32-bit words, stored by vector instructions
+// where they fill 8 or 16 bytes (p aligned to the store). Where a row's values
+// stay in registers across several stores (PermuteTokenKernel writes them to k rows), nvcc split
+// StoreF32's store into a 2-byte store per bf16 value, and a plain store of packed words into 4-byte
+// ones; the bf16 permute ran 6.8x slower.
+template <typename T, int V>
+__device__ __forceinline__ void StoreF32Words(T* p, const float (&vals)[V]) {
+  constexpr int kBytes = sizeof(T) * V, kWords = kBytes / 4, kPerWord = 4 / sizeof(T);
+  if constexpr (kBytes % 4 != 0) {  // a value or two under a word (the scalar path): one store either way
+    StoreF32<T, V>(p, vals);
+  } else if constexpr (kWords == 1) {
+    *reinterpret_cast<uint32_t*>(p) = PackWord<T>(vals);
   } else {
-    constexpr int kWords = kBytes / 4, kPerWord = 4 / sizeof(T);
     uint32_t w[kWords];
 #pragma unroll
     for (int q = 0; q < kWords; ++q) w[q] = PackWord<T>(vals + q * kPerWord);
     if constexpr (kWords % 4 == 0) {
 #pragma unroll
       for (int q = 0; q < kWords; q += 4)
-        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(reinterpret_cast<char*>(p) + 4 * q), "r"(w[q]),
-                     "r"(w[q + 1]), "r"(w[q + 2]), "r"(w[q + 3]) : "memory");
-    } else if constexpr (kWords == 2) {
-      asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(w[0]), "r"(w[1]) : "memory");
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(reinterpret_cast<char*>(p) + 4 * q),
+                     "r"(w[q]), "r"(w[q + 1]), "r"(w[q + 2]), "r"(w[q + 3]) : "memory");
     } else {
-#pragma unroll
-      for (int q = 0; q < kWords; ++q) reinterpret_cast<uint32_t*>(p)[q] = w[q];
+      static_assert(kWords == 2);
+      asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(w[0]), "r"(w[1]) : "memory");
     }
   }
 }

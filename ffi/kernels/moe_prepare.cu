@@ -233,12 +233,12 @@ __global__ void PermuteTokenKernel(TokenRows<In, V> op, const int32_t* valid_row
       if (r < valid) {
 #pragma unroll
         for (int u = 0; u < kLaneVectors; ++u)
-          if (c0 + 32 * u < vectors) StoreF32<Out, V>(dst + (c0 + 32 * u) * V, v[u]);
+          if (c0 + 32 * u < vectors) StoreF32Words<Out, V>(dst + (c0 + 32 * u) * V, v[u]);
       } else {
         const float zero[V] = {};
 #pragma unroll
         for (int u = 0; u < kLaneVectors; ++u)
-          if (c0 + 32 * u < vectors) StoreF32<Out, V>(dst + (c0 + 32 * u) * V, zero);
+          if (c0 + 32 * u < vectors) StoreF32Words<Out, V>(dst + (c0 + 32 * u) * V, zero);
       }
     }
   }
