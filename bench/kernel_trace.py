@@ -32,7 +32,7 @@ STAGES = ("route", "sort", "permute", "gemm1", "act", "gemm2", "finalize", "setu
 # name pattern -> stage, first match wins; "gemm" becomes gemm1 or gemm2 by position
 STAGE_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"ChunkRanks|ScanBuckets|ScanChunks|ScanExperts|\bPlace\b|5Place|SortSmall|WarpRanks", "sort"),
-    (r"GatherRow|SlotRow", "permute"),  # gather order, or slot order (permute_rows(inverse=))
+    (r"GatherRow|SlotRow|PermuteToken", "permute"),  # gather order, or by slot or token (permute_rows(inverse=))
     (r"GatedActRow", "act"),
     (r"UnpermuteReduce", "finalize"),
     (r"FillGroupArrays|ZeroUnownedRows|ZeroUnusedBatchedRows|ZeroEmptyGroups", "setup"),

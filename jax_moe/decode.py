@@ -43,7 +43,9 @@ def serves(t: int, k: int, num_experts: int, cfg: MoEConfig) -> bool:
     return cfg.gated and 0 < slots <= MAX_SLOTS and 2 * slots <= num_experts
 
 
-def _check(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, transposed: bool = False) -> None:
+def check_layer(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, transposed: bool = False) -> None:
+    """ValueErrors naming what a decode call's arguments need: their ranks, the ids' and weights'
+    dtypes, expert weights whose shapes agree with x, a gated activation."""
     check_rank("x", x, 2, "[T, H]")
     check_rank("topk_ids", topk_ids, 2, "[T, k]")
     check_dtype("topk_ids", topk_ids, ("int32",))
@@ -72,7 +74,7 @@ def decode_moe_reference(x, w13, w2, topk_weights, topk_ids, cfg: MoEConfig, *, 
     """jnp reference of :func:`decode_moe` (same arguments, both weight layouts, same result), written
     from the definition in the module note: each slot's expert weights gathered, bf16 products with
     float32 sums. Transposed weights are swapped back to the stored layout first."""
-    _check(x, w13, w2, topk_weights, topk_ids, cfg, transposed)
+    check_layer(x, w13, w2, topk_weights, topk_ids, cfg, transposed)
     if transposed:
         w13, w2 = transpose_experts(w13), transpose_experts(w2)
     return _reference(x.astype(jnp.bfloat16), w13, w2, topk_weights.astype(jnp.float32), topk_ids, cfg,
@@ -109,7 +111,7 @@ def decode_moe(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Ar
     [E, I, H] = swapaxes(w2, 1, 2), both bf16; biases as above. Returns [T, H] in ``out_dtype``
     (default x's dtype). Any T works; :func:`serves` says where it is the faster path.
     """
-    _check(x, w13, w2, topk_weights, topk_ids, cfg, transposed)
+    check_layer(x, w13, w2, topk_weights, topk_ids, cfg, transposed)
     t, h = x.shape
     k, i = topk_ids.shape[1], w2.shape[1 if transposed else 2]
     out_dt = jnp.dtype(out_dtype or x.dtype)

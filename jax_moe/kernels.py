@@ -189,7 +189,7 @@ def problem_sizes(counts: jax.Array, hidden_size: int, intermediate_size: int, *
 
 def permute_rows_reference(x, sorted_slots, top_k: int, *, valid_rows=None, quant=None, scale=None, inverse=None):
     """jnp reference of :func:`permute_rows` (same arguments and results); with ``inverse`` the rows
-    are scattered in slot order, as the CUDA kernel writes them."""
+    are scattered to their slots' rows, as the CUDA kernel writes them."""
     n = _check_permute(x, sorted_slots, top_k, inverse)
     mode, scale = _quant_args(quant, scale)
     return _permute_ref(x, sorted_slots, inverse, _valid_rows(valid_rows, n), top_k, mode, scale)
@@ -237,9 +237,11 @@ def permute_rows(x: jax.Array, sorted_slots: jax.Array, top_k: int, *, valid_row
     ``"fp8_static"`` with ``scale`` ([] float32, dequantization scale) -> (rows, scale).
 
     ``inverse`` ([T*k] int32, the same sort's: ``sorted_slots[inverse[s]] == s``; None: gather
-    order): the CUDA kernel runs in slot order, writing ``x[s // top_k]`` to row ``inverse[s]``, so
-    that the k slots of a token read its row once from DRAM instead of k times (a win where x does
-    not fit in L2). Same result as without it; ``sorted_slots`` is then not read. It must be the
+    order): the CUDA kernel writes ``x[s // top_k]`` to row ``inverse[s]`` in slot order, so that
+    the k slots of a token read its row once from DRAM instead of k times; from 1024 tokens on it
+    runs a warp per token, which reads ``x[t]`` (and, for per-token FP8, its amax) once and writes
+    it to its k slots' rows. Same result as without it;
+    ``sorted_slots`` is then not read. It must be the
     sort's own (a permutation of [0, T*k)): the kernel skips a position outside [0, T*k), and a
     row that no slot maps to is left unwritten.
     """

@@ -118,8 +118,10 @@ def test_kernels_are_attributed_to_stages_by_name_and_position(monkeypatch):
     peer = ["sort_fusion", "gather_fusion", "ragged_dot_sm90", "loop_silu_fusion", "ragged_dot_sm90", "reduce"]
     got = attribute([Kernel(n, 10.0 * j, 1.0) for j, n in enumerate(peer)])
     assert (got["sort"], got["gemm1"], got["act"], got["gemm2"], got["finalize"]) == (2, 1, 1, 1, 1)
-    slot_order = [n.replace("GatherRow", "SlotRow") for n in names]  # permute_rows(inverse=)
-    assert attribute([Kernel(n, 10.0 * j, 1.0 + j) for j, n in enumerate(slot_order)], routed=True) == got_ours
+    for inverse in ("void jax_moe::RowWarpKernel<SlotRow>", "void jax_moe::PermuteTokenKernel<Fp8, 8, 2>"):
+        by_slot_or_token = [n.replace("void jax_moe::RowWarpKernel<GatherRow>", inverse) for n in names]
+        assert attribute([Kernel(n, 10.0 * j, 1.0 + j) for j, n in enumerate(by_slot_or_token)],
+                         routed=True) == got_ours  # permute_rows(inverse=)
     fused = [n for n in names if "GatedActRow" not in n]  # the activation in GEMM1's epilogue
     got = attribute([Kernel(n, 10.0 * j, 1.0) for j, n in enumerate(fused)], routed=True)
     assert (got["gemm1"], got["act"], got["gemm2"]) == (1, 0, 1)

@@ -81,13 +81,15 @@ def test_cuda_permute_rows(rng, t, k, e, h, i, minus_one, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,k,e,h", [(1, 1, 4, 128), (257, 1, 8, 203), (37, 7, 16, 256), (4096, 8, 128, 2048)],
-                         ids=["rows-1", "rows-257-scalar", "rows-259", "qwen3-rows-32768"])
+@pytest.mark.parametrize("t,k,e,h", [(1, 1, 4, 128), (257, 1, 8, 203), (37, 7, 16, 256), (1024, 3, 16, 264),
+                                     (4096, 8, 128, 2048)],
+                         ids=["rows-1", "rows-257-scalar", "rows-259", "tokens-1024", "qwen3-rows-32768"])
 @pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_cuda_permute_rows_in_slot_order(rng, t, k, e, h, minus_one, dtype):
-    """With the sort's inverse the kernel runs one warp per slot, in slot order: its rows and scales
-    are the gather-order kernel's, byte for byte, on freshly poisoned outputs, and the reference's."""
+def test_cuda_permute_rows_with_the_inverse(rng, t, k, e, h, minus_one, dtype):
+    """With the sort's inverse the kernel runs a warp per slot, or from 1024 tokens on a warp per
+    token writing its row to its k slots' rows: either way its rows and scales are the gather-order
+    kernel's, byte for byte, on freshly poisoned outputs, and the reference's."""
     need_native("cuda")
     sort, _, valid = gpu_case(rng, t, k, e, minus_one)
     x = normal(rng, (t, h), dtype, 3.0)
@@ -96,11 +98,11 @@ def test_cuda_permute_rows_in_slot_order(rng, t, k, e, h, minus_one, dtype):
     def permute(x, slots, v, inverse):
         return permute_three_ways(kernels.permute_rows, x, slots, k, v, inverse=inverse)
 
-    slot_order = run_twice(permute, x, sort.sorted_slots, v, sort.inverse, target="jax_moe_permute_rows")
+    by_token = run_twice(permute, x, sort.sorted_slots, v, sort.inverse, target="jax_moe_permute_rows")
     gather_order = run_twice(lambda x, s, v: permute(x, s, v, None), x, sort.sorted_slots, v,
                              target="jax_moe_permute_rows")
-    assert_same_bytes(slot_order, gather_order)
-    rows, (q, s), (qs, ss) = slot_order
+    assert_same_bytes(by_token, gather_order)
+    rows, (q, s), (qs, ss) = by_token
     ref_rows, ref_tok, ref_static = permute_three_ways(kernels.permute_rows_reference, x, sort.sorted_slots, k, v,
                                                        inverse=sort.inverse)
     assert_same_bytes(rows, ref_rows)

@@ -45,7 +45,8 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
     StrideD dD = nullptr;                     // per group: d's leading dimension (d_cols = N/2)
     const float** ptr_row_scale = nullptr;    // FP8 per group: its rows' scales
     const float** ptr_col_scale = nullptr;    // FP8 per group: its expert's [N] column scales
-    int row_scale_step = 1, col_scale_step = 1;  // FP8: 0 where a group's pointer is one scale for all
+    int row_scale_step = 1;                   // FP8: 0 where a group's row pointer is one scale for all rows
+    bool per_channel_cols = true;             // FP8: a scale per column; false: the expert's one scale, folded into the rows
     const float* bias = nullptr;              // [E, N] float32 (w13's rows), or nullptr
     const float* out_scale = nullptr;         // [1] float32, FP8 output only: d = fp8(v / out_scale)
     int activation = kActSilu;                // kAct* (moe_prepare_finalize.h)
@@ -68,7 +69,7 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
     // One uniform branch, then one activation's unrolled code: all three inline per element made
     // the 128x256 tile's epilogue too large for the instruction cache (measured 2x slower).
     // An expert with one scale for all its columns has it folded into the rows' scales: no column loads.
-    if (kScaled && params_.col_scale_step != 0) {
+    if (kScaled && params_.per_channel_cols) {
       return StoreAct<kScaled>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl, acc, tiled_mma, thread_idx);
     }
     return StoreAct<false>(problem_shape_mnkl, blk_shape_mnk, blk_coord_mnkl, acc, tiled_mma, thread_idx);

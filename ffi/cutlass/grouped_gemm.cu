@@ -139,7 +139,7 @@ std::optional<ffi::Error> CheckScales(int kind, ffi::Buffer<ffi::F32> row_scale,
   call.row_scale = row_scale.typed_data();
   call.col_scale = col_scale.typed_data();
   call.row_scale_step = per_row ? 1 : 0;
-  call.col_scale_step = per_channel ? 1 : 0;
+  call.per_channel_cols = per_channel;
   call.col_scale_group_step = per_channel ? call.n : per_expert ? 1 : 0;
   return std::nullopt;
 }

@@ -44,7 +44,7 @@ struct GroupedGemmCall {
   const float* col_scale;   // [groups, n], [groups, 1] or [1, 1] (fp8; nullptr for bf16)
   int64_t row_scale_step;   // 1: a scale per row of a; 0: one for every row
   int64_t col_scale_group_step;  // col_scale's elements from one expert to the next: n, 1 or 0
-  int64_t col_scale_step;   // 1: a scale per column; 0: one per expert
+  bool per_channel_cols;    // true: col_scale has a scale per column; false: one per expert (or tensor)
   void* d;                  // [m, d_cols] bf16, or e4m3 for kGemmFp8Act (wgrad: [groups, k, n])
   int64_t d_cols;           // d's row length: n, or n / 2 for the act kinds (16-byte multiple of rows)
   const float* bias;        // act kinds: [groups, n] float32 GEMM1 bias, or nullptr
@@ -271,7 +271,7 @@ struct GroupedGemm {
       if (call != nullptr) {
         if constexpr (kScaled) {
           ep.row_scale_step = static_cast<int>(call->row_scale_step);
-          ep.col_scale_step = static_cast<int>(call->col_scale_step);
+          ep.per_channel_cols = call->per_channel_cols;
         }
         ep.bias = call->bias;
         if constexpr (kAct) {

@@ -121,7 +121,7 @@ CUTLASS_DEVICE auto ReadTileOperands(Params const& p, ProblemShapeMNKL const& pr
 // loads (a pair's first column is even) ahead of the rows that use them; ones and zeros where there
 // are none or the pair is past n_size. tc: the thread's partition of the tile's (m, n) coordinates;
 // col_scale and bias: the expert's [N] vectors, or nullptr. Where the expert has one scale for all
-// its columns (col_scale_step 0), the epilogues fold it into their row factors instead (kCols false).
+// its columns (per_channel_cols false), the epilogues fold it into their row factors instead (kCols false).
 template <int kN, bool kCols, class Coords>
 CUTLASS_DEVICE void LoadColumnPairs(Coords const& tc, int mi, int ni, int g0, int n_size, const float* col_scale,
                                     const float* bias, float2 (&cs)[kN], float2 (&bs)[kN]) {

@@ -63,7 +63,8 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
     int64_t k = 1;                          // slots per token
     const float** ptr_row_scale = nullptr;  // FP8 per group: its rows' scales
     const float** ptr_col_scale = nullptr;  // FP8 per group: its expert's [N] column scales
-    int row_scale_step = 1, col_scale_step = 1;  // FP8: 0 where a group's pointer is one scale for all
+    int row_scale_step = 1;                 // FP8: 0 where a group's row pointer is one scale for all rows
+    bool per_channel_cols = true;           // FP8: a scale per column; false: the expert's one scale, folded into the rows
     const float* bias = nullptr;            // [E, N] float32 GEMM2 bias, or nullptr
     int64_t num_tokens = 0;                 // T: d's rows
   };
@@ -95,7 +96,7 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
     // registers, and an expert with one scale (folded into the rows' factors by FillRows) no column loads.
     const ScatterRow* rows = reinterpret_cast<const ScatterRow*>(smem);
     const int m0 = TileFirstRow(blk_coord_mnkl);
-    const bool cols = kScaled && params_.col_scale_step != 0;
+    const bool cols = kScaled && params_.per_channel_cols;
     if (op.bias == nullptr) {
       if (cols) AddRows<false, kScaled>(acc, op.tc, rows, m0, op.n_size, op.d, op.ld, op.col_scale, nullptr);
       else AddRows<false, false>(acc, op.tc, rows, m0, op.n_size, op.d, op.ld, op.col_scale, nullptr);
@@ -117,10 +118,10 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
     const int64_t lo = params_.row_lo[l];
     const int32_t* slots = params_.slots + lo;
     const float* row_scale = nullptr;
-    float expert_scale = 1.0f;  // the expert's one column scale, where it has one (col_scale_step 0)
+    float expert_scale = 1.0f;  // the expert's one column scale, where it has one (per_channel_cols false)
     if constexpr (kScaled) {
       row_scale = params_.ptr_row_scale[l];
-      if (params_.col_scale_step == 0) expert_scale = __ldg(params_.ptr_col_scale[l]);
+      if (!params_.per_channel_cols) expert_scale = __ldg(params_.ptr_col_scale[l]);
     }
     const int64_t num_slots = params_.num_tokens * params_.k, k = params_.k;
     for (int i = lane; i < kTileM; i += cutlass::NumThreadsPerWarp) {

@@ -23,6 +23,7 @@ NB_MODULE(_jax_moe_cuda, m) {
                                      {"jax_moe_act_and_mul", &JaxMoeActAndMulCuda},
                                      {"jax_moe_unpermute_reduce", &JaxMoeUnpermuteReduceCuda},
                                      {"jax_moe_decode_moe", &JaxMoeDecodeMoeCuda},
+                                     {"jax_moe_decode_moe_fp8", &JaxMoeDecodeMoeFp8Cuda},
                                      {"jax_moe_top_k", &JaxMoeTopKCuda},
                                      {"jax_moe_route", &JaxMoeRouteCuda}});
   });

@@ -17,62 +17,32 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "moe_device.cuh"
+#include "moe_decode_common.cuh"
 
 namespace jax_moe {
 namespace {
 
-constexpr int kWarps = 8;   // warps per block: one output element each
+using namespace decode;  // NOLINT: the decode paths' shared helpers (moe_decode_common.cuh)
+
 constexpr int kUnroll = 4;  // 16-byte loads in flight per lane and row
 
 // Dot product of a bf16 row of length n (n % 8 == 0) with a bf16 vector, summed over the warp (every
-// lane gets it), float32 accumulation.
+// lane gets it), float32 accumulation; row and vector streamed together (StreamRows).
 __device__ __forceinline__ float WarpDot(const __nv_bfloat16* row, const __nv_bfloat16* v, int64_t n) {
-  const uint4* r4 = reinterpret_cast<const uint4*>(row);
-  const uint4* v4 = reinterpret_cast<const uint4*>(v);
-  const int64_t vecs = n / 8;
-  const int lane = threadIdx.x & 31;
+  const uint4* const rows[2] = {reinterpret_cast<const uint4*>(row), reinterpret_cast<const uint4*>(v)};
   float acc = 0.0f;
-  for (int64_t c0 = lane; c0 < vecs; c0 += 32 * kUnroll) {
-    uint4 rv[kUnroll], vv[kUnroll];
+  StreamRows<2, kUnroll>(rows, n / 8, [&](int64_t, const uint4(&vals)[2]) {
+    const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&vals[0]);
+    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&vals[1]);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t c = c0 + 32 * u;
-      if (c < vecs) {
-        rv[u] = __ldg(r4 + c);
-        vv[u] = __ldg(v4 + c);
-      } else {
-        rv[u] = make_uint4(0, 0, 0, 0);
-        vv[u] = make_uint4(0, 0, 0, 0);
-      }
+    for (int q = 0; q < 4; ++q) {
+      const float2 fa = __bfloat1622float2(a[q]), fb = __bfloat1622float2(b[q]);
+      acc = fmaf(fa.x, fb.x, acc);
+      acc = fmaf(fa.y, fb.y, acc);
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&rv[u]);
-      const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&vv[u]);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 fa = __bfloat1622float2(a[q]), fb = __bfloat1622float2(b[q]);
-        acc = fmaf(fa.x, fb.x, acc);
-        acc = fmaf(fa.y, fb.y, acc);
-      }
-    }
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  return acc;
+  });
+  return WarpSum(acc);
 }
-
-__device__ __forceinline__ float RoundBf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-
-__device__ __forceinline__ int ExpertOf(const int32_t* ids, int64_t slot, int experts) {
-  const int32_t e = ids[slot];
-  return (e >= 0 && e < experts) ? e : -1;
-}
-
-struct DecodeShape {
-  int64_t t, k, h, i, experts;
-};
 
 __global__ void ExpertGemvAct(const __nv_bfloat16* x, const int32_t* ids, const __nv_bfloat16* w13, const float* b13,
                               DecodeShape s, int activation, int layout, float alpha, float limit,
@@ -305,20 +275,12 @@ ffi::Error DecodeMoeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     if (dt != ffi::DataType::BF16) return InvalidArgument(n + "x, w13 and w2 must be bfloat16");
   if (act->element_type() != ffi::DataType::BF16 || act->element_count() != static_cast<size_t>(t * k * i))
     return InvalidArgument(n + "act must be [T*k, I] bfloat16");
-  const auto out_type = out->element_type();
-  if (out->element_count() != static_cast<size_t>(t * h) ||
-      (out_type != ffi::DataType::BF16 && out_type != ffi::DataType::F16 && out_type != ffi::DataType::F32))
-    return InvalidArgument(n + "out must be [T, H] bfloat16, float16 or float32");
+  const DecodeShape s{t, k, h, i, e};
+  if (auto err = decode::CheckOutputBiasesAndActivation(n, s, out, w13_bias, w2_bias, activation, layout))
+    return std::move(*err);
   const size_t nb13 = w13_bias.element_count(), nb2 = w2_bias.element_count();
-  if ((nb13 != 0 && nb13 != static_cast<size_t>(e * 2 * i)) || (nb2 != 0 && nb2 != static_cast<size_t>(e * h)))
-    return InvalidArgument(n + "w13_bias must be [E, 2I] and w2_bias [E, H] float32, or empty");
-  if (activation != kActSilu && activation != kActGelu && activation != kActSwigluOai)
-    return InvalidArgument(n + "activation must be 0 (silu), 1 (gelu) or 2 (swigluoai)");
-  if (layout != kLayoutConcat && layout != kLayoutInterleaved)
-    return InvalidArgument(n + "layout must be 0 (concat) or 1 (interleaved)");
   if (t == 0 || k == 0 || t * k > 65535 || t > 65535)
     return t * k == 0 ? ffi::Error::Success() : InvalidArgument(n + "at most 65535 slots");
-  const DecodeShape s{t, k, h, i, e};
   const auto* xs = static_cast<const __nv_bfloat16*>(x.untyped_data());
   const auto* w13s = static_cast<const __nv_bfloat16*>(w13.untyped_data());
   const auto* w2s = static_cast<const __nv_bfloat16*>(w2.untyped_data());

@@ -1,6 +1,7 @@
 // CUDA handlers of permute_rows and act_and_mul (contracts in moe_prepare_finalize.h, references in
 // jax_moe/kernels.py). Both run a warp per output row (permute_rows with an inverse: a warp per slot,
-// in slot order, written to the slot's sorted row). The row's values are produced in float32 (a
+// written to the slot's sorted row, or, for many tokens, a warp per token that reads the token's row
+// once and writes it to its k slots' rows). The row's values are produced in float32 (a
 // gathered input row, or act(gate) * up with the row's expert bias added first), optionally quantized
 // to FP8 E4M3 as jax_moe/quant/fp8.py does (infinities to NaN, an amax over the finite values) with a
 // per-row scale (amax pass, then a second pass that re-reads the row from cache) or a given static
@@ -47,6 +48,14 @@ struct SlotRow {
     return true;
   }
   __device__ void Load(int64_t c, float (&v)[V]) const { LoadF32<In, V>(src + c, v); }
+};
+
+// Token t's row x[t], for PermuteTokenKernel: the rows it goes to are inverse[t*k .. t*k + k).
+template <typename In, int V>
+struct TokenRows {
+  const In* x;
+  const int32_t* inverse;
+  int64_t tokens, cols, top_k;
 };
 
 // Row r = act(gate) * up of h[r] + bias[expert of r] (bias optional), in float32. Gate and up are
@@ -114,6 +123,36 @@ struct GatedActRow {
 // Vectors each lane loads before it stores any: a row's loads in flight per lane.
 constexpr int kLaneVectors = 8;
 
+// The quantization scale of a row of `vectors` V-vectors (load(c, v) gives vector c in float32), per Quant:
+// per token, from the warp's amax over the row's finite values (kLaneVectors loads in flight per lane); or
+// the static one. Returns (dequantization scale, its inverse): (0, 1) without quantization; every lane
+// gets them.
+template <int V, int Quant, typename Load>
+__device__ __forceinline__ float2 RowQuantScale(int64_t vectors, int lane, const float* static_scale, Load&& load) {
+  if constexpr (Quant == kQuantPerToken) {
+    float amax = 0.0f;
+    for (int64_t c0 = lane; c0 < vectors; c0 += 32 * kLaneVectors) {
+      float v[kLaneVectors][V];
+#pragma unroll
+      for (int u = 0; u < kLaneVectors; ++u)
+        if (c0 + 32 * u < vectors) load(c0 + 32 * u, v[u]);
+#pragma unroll
+      for (int u = 0; u < kLaneVectors; ++u)
+        if (c0 + 32 * u < vectors) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) amax = fmaxf(amax, FiniteAbs(v[u][i]));
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float scale = AmaxToScale(amax);
+    return make_float2(scale, 1.0f / scale);
+  } else if constexpr (Quant == kQuantStatic) {
+    return make_float2(*static_scale, 1.0f / *static_scale);
+  }
+  return make_float2(0.0f, 1.0f);
+}
+
 // A warp per row b of Op (kWarpsPerBlock to a block), written to row r = Op::Dest(b) of out
 // [rows, cols] (skipped where r is outside [0, rows)); Op produces the row's float32 values V at a
 // time, and lane l takes the row's vectors l, l + 32, ... . The row's setup (its slot, destination and
@@ -138,28 +177,9 @@ __global__ void RowWarpKernel(Op op, int64_t rows, int64_t cols, const int32_t* 
     if (Quant == kQuantPerToken && lane == 0) scales[r] = kFp8MinScale;
     return;
   }
-  float inv = 1.0f, scale = 0.0f;
-  if constexpr (Quant == kQuantPerToken) {
-    float amax = 0.0f;
-    for (int64_t c0 = lane; c0 < vectors; c0 += 32 * kLaneVectors) {
-      float v[kLaneVectors][V];
-#pragma unroll
-      for (int u = 0; u < kLaneVectors; ++u)
-        if (c0 + 32 * u < vectors) o.Load((c0 + 32 * u) * V, v[u]);
-#pragma unroll
-      for (int u = 0; u < kLaneVectors; ++u)
-        if (c0 + 32 * u < vectors) {
-#pragma unroll
-          for (int i = 0; i < V; ++i) amax = fmaxf(amax, FiniteAbs(v[u][i]));
-        }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    scale = AmaxToScale(amax);
-    inv = 1.0f / scale;
-  } else if constexpr (Quant == kQuantStatic) {
-    inv = 1.0f / *static_scale;
-  }
+  const float2 q = RowQuantScale<V, Quant>(vectors, lane, static_scale,
+                                           [&](int64_t c, float(&v)[V]) { o.Load(c * V, v); });
+  const float scale = q.x, inv = q.y;
   for (int64_t c0 = lane; c0 < vectors; c0 += 32 * kLaneVectors) {
     float v[kLaneVectors][V];
 #pragma unroll
@@ -178,6 +198,64 @@ __global__ void RowWarpKernel(Op op, int64_t rows, int64_t cols, const int32_t* 
   if (Quant == kQuantPerToken && lane == 0) scales[r] = scale;
 }
 
+// A warp per token t of op: its row is read once (its amax too, for per-token FP8), converted, and
+// written to each of its k slots' rows inverse[t*k + j] (zeros where that row is at or past
+// valid_rows; skipped where it is outside [0, T*k)). So the token's row crosses the L2 once, not
+// once per slot, and its k rows' stores share its loads.
+template <typename Out, int V, int Quant, typename In>
+__global__ void PermuteTokenKernel(TokenRows<In, V> op, const int32_t* valid_rows, const float* static_scale,
+                                   Out* out, float* scales) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (t >= op.tokens) return;
+  const int64_t rows = op.tokens * op.top_k, cols = op.cols, vectors = cols / V;
+  const int64_t valid = ValidRows(valid_rows, rows);
+  const int32_t* dest = op.inverse + t * op.top_k;
+  const In* src = op.x + t * cols;
+  const float2 q = RowQuantScale<V, Quant>(vectors, lane, static_scale,
+                                           [&](int64_t c, float(&v)[V]) { LoadF32<In, V>(src + c * V, v); });
+  const float scale = q.x, inv = q.y;
+  for (int64_t c0 = lane; c0 < vectors; c0 += 32 * kLaneVectors) {
+    float v[kLaneVectors][V];
+#pragma unroll
+    for (int u = 0; u < kLaneVectors; ++u)
+      if (c0 + 32 * u < vectors) {
+        LoadF32<In, V>(src + (c0 + 32 * u) * V, v[u]);
+        if constexpr (Quant != kQuantNone) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) v[u][i] = ScaleForFp8(v[u][i], inv);
+        }
+      }
+    for (int64_t j = 0; j < op.top_k; ++j) {
+      const int64_t r = dest[j];  // uniform over the warp
+      if (r < 0 || r >= rows) continue;
+      Out* dst = out + r * cols;
+      if (r < valid) {
+#pragma unroll
+        for (int u = 0; u < kLaneVectors; ++u)
+          if (c0 + 32 * u < vectors) StoreF32Words<Out, V>(dst + (c0 + 32 * u) * V, v[u]);
+      } else {
+        const float zero[V] = {};
+#pragma unroll
+        for (int u = 0; u < kLaneVectors; ++u)
+          if (c0 + 32 * u < vectors) StoreF32Words<Out, V>(dst + (c0 + 32 * u) * V, zero);
+      }
+    }
+  }
+  if constexpr (Quant == kQuantPerToken) {
+    for (int64_t j = lane; j < op.top_k; j += 32) {
+      const int64_t r = dest[j];
+      if (r >= 0 && r < rows) scales[r] = r < valid ? scale : kFp8MinScale;
+    }
+  }
+}
+
+// The fewest tokens for which permute_rows with an inverse runs a warp per token. Below, a warp per
+// slot: at T = 64 a warp per token, writing its k rows alone, was 1.4-3x slower than a warp per slot
+// (H200; DeepSeek-V3's FP8 permute 7.0 -> 21.6 us), and at T = 4096 0.62-1.01x (Qwen3-30B's FP8
+// permute 40.4 -> 25.0 us), as a token's row then crosses the L2 once, not k times.
+constexpr int64_t kPermuteByTokenMinTokens = 1024;
+
 // Warps (rows) per block of RowWarpKernel. On an H100, a warp per row with its 8 loads in flight (and
 // FP8 converted in pairs) took the FP8 permute of Qwen3-30B's T=4096 from 57 to 43 us in the forward,
 // and GPT-OSS's bf16 one at T=16384 from 192 to 173 us; 2048-column bf16 rows were already at the
@@ -191,6 +269,18 @@ ffi::Error LaunchRows(cudaStream_t stream, const Op& op, int64_t rows, int64_t c
   const auto blocks = static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
   RowWarpKernel<Out, V, Quant, Op>
       <<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(op, rows, cols, valid_rows, static_scale, out, scales);
+  JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return ffi::Error::Success();
+}
+
+// TokenRows: a warp per token (rows, T*k, is the rows written).
+template <typename Out, int V, int Quant, typename In>
+ffi::Error LaunchRows(cudaStream_t stream, const TokenRows<In, V>& op, int64_t rows, int64_t cols,
+                      const int32_t* valid_rows, const float* static_scale, Out* out, float* scales) {
+  if (op.tokens == 0 || rows == 0 || cols == 0) return ffi::Error::Success();
+  const auto blocks = static_cast<unsigned>((op.tokens + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  PermuteTokenKernel<Out, V, Quant, In>
+      <<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(op, valid_rows, static_scale, out, scales);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
 }
@@ -262,8 +352,12 @@ ffi::Error PermuteRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
     float* sc = quant == kQuantPerToken ? scales->typed_data() : nullptr;
     const int32_t* inv = inverse_count != 0 ? inverse.typed_data() : nullptr;
     const In* src = static_cast<const In*>(x.untyped_data());
-    auto launch = [&](auto vec) -> ffi::Error {  // a warp per slot with an inverse, else per row
+    // With an inverse: a warp per token where there are tokens enough to fill the GPU, else per slot.
+    auto launch = [&](auto vec) -> ffi::Error {
       constexpr int V = decltype(vec)::value;
+      if (inv != nullptr && t >= kPermuteByTokenMinTokens)
+        return DispatchQuant<V>(stream, TokenRows<In, V>{src, inv, t, h, top_k}, quant, n, h,
+                                valid_rows.typed_data(), s, out, sc);
       if (inv != nullptr)
         return DispatchQuant<V>(stream, SlotRow<In, V>{src, inv, h, top_k, nullptr}, quant, n, h,
                                 valid_rows.typed_data(), s, out, sc);

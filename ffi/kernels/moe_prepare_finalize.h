@@ -10,7 +10,7 @@
 //                          attrs: top_k, quant (kQuant*). Row r = x[sorted_slots[r] / k]; rows >= valid_rows
 //                          are zero (their per-token scale is kFp8MinScale). With an inverse (sort_by_expert's:
 //                          a permutation of [0, T*k) with sorted_slots[inverse[s]] == s) the rows are written
-//                          in slot order instead, row inverse[s] = x[s / k], sorted_slots unread; same result.
+//                          by token instead, x[t] to rows inverse[t*k .. t*k + k), sorted_slots unread; same result.
 // jax_moe_act_and_mul      h [M, 2I] bf16/f16/f32, valid_rows [1] i32, scale [1] f32 or [0],
 //                          bias [E, 2I] f32 or [0], offsets [E+1] i32 or [0] (both or neither)
 //                       -> out [M, I] (bf16/f16/f32, or f8e4m3fn), scales [M] f32 or [0].
@@ -35,6 +35,15 @@
 //                          per slot, GEMM1 + activation from the slot's expert id, then GEMM2 + the weighted
 //                          reduce per token; slots with ids outside [0, E) contribute zero. H and I are
 //                          multiples of 8; both layouts give the same function (same roundings).
+// jax_moe_decode_moe_fp8  x [T, H] bf16/f16/f32, topk_ids [T, k] i32, topk_weights [T, k] f32,
+//                          w13 [E, 2I, H] f8e4m3fn, w2 [E, H, I] f8e4m3fn, a13_scale [1] f32, a2_scale [1] f32
+//                          (per-tensor activation scales), w13_scale [E, 2I], [E, 1] or [1, 1] f32, w2_scale
+//                          [E, H], [E, 1] or [1, 1] f32 (per channel, expert or tensor), w13_bias [E, 2I] f32 or
+//                          [0], w2_bias [E, H] f32 or [0] -> out [T, H] bf16/f16/f32, act [T*k, I] f8e4m3fn
+//                          (scratch). attrs: activation, layout, alpha, limit. decode_moe on W8A8 weights
+//                          (moe_decode_fp8.cu): x quantized with a13_scale, GEMM1 dequantized with it and
+//                          w13_scale, the activation quantized with a2_scale, GEMM2 dequantized with it and
+//                          w2_scale; H and I multiples of 16, H and k * I at most 49152.
 #pragma once
 
 #include <cfloat>
@@ -56,3 +65,4 @@ extern "C" XLA_FFI_Error* JaxMoePermuteRowsCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeActAndMulCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeUnpermuteReduceCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeDecodeMoeCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeDecodeMoeFp8Cuda(XLA_FFI_CallFrame* call_frame);

@@ -10,9 +10,10 @@ One forward, every stage a custom call on the expert-sorted rows (:mod:`jax_moe.
     out = unpermute_reduce(y, sort.inverse, topk_weights, valid_rows=valid,
                            bias=w2_bias, offsets=sort.offsets)      # [T, H]
 
-Decode (at most :data:`jax_moe.decode.MAX_SLOTS` slots, at most one per two experts, bf16, a
-gated activation, the tile left to the pick): :func:`jax_moe.decode.decode_moe` instead, the same
-function in two launches with no sort.
+Decode (at most :data:`jax_moe.decode.MAX_SLOTS` slots, at most one per two experts, a gated
+activation, the tile left to the pick): :func:`jax_moe.decode.decode_moe` instead on bf16 weights,
+:func:`jax_moe.decode_fp8.decode_moe_fp8` on FP8 ones with per-tensor activation scales
+(:func:`jax_moe.decode_fp8.serves`), the same function in two launches with no sort.
 
 Interleaved gate/up rows (``gate_up_layout="interleaved"``: GPT-OSS as stored, or any gated layer
 whose w13 was interleaved at load: :func:`prepare`, as ``MoEBlock.prepare()`` calls it,
@@ -81,7 +82,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_moe import decode, ffi, kernels
+from jax_moe import decode, decode_fp8, ffi, kernels
 from jax_moe.backends import cutlass_vjp
 from jax_moe.backends.cutlass_act_gemm import forward_gemm1, gemm1_with_activation
 from jax_moe.backends.cutlass_prepared import Prepared, apply_prepared, prepare  # noqa: F401  (MoEBlock.prepare())
@@ -329,6 +330,13 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     if quant is None and tile in (None, "auto") and not apply_router_weight_on_input and decode.serves(t, k, e, cfg):
         return decode.decode_moe(x, w13, w2, topk_weights, topk_ids.astype(jnp.int32), cfg, w13_bias=w13_bias,
                                  w2_bias=w2_bias, out_dtype=x.dtype, transposed=transposed)
+    if (quant is not None and tile in (None, "auto") and not apply_router_weight_on_input
+            and decode.serves(t, k, e, cfg) and decode_fp8.serves(quant, h, w2.shape[2], k)):
+        return decode_fp8.decode_moe_fp8(x, w13, w2, topk_weights, topk_ids.astype(jnp.int32), cfg,
+                                         a13_scale=_per_tensor_scale(quant.a13_scale, x),
+                                         a2_scale=_per_tensor_scale(quant.a2_scale, None), w13_scale=quant.w13_scale,
+                                         w2_scale=quant.w2_scale, w13_bias=w13_bias, w2_bias=w2_bias,
+                                         out_dtype=x.dtype)
     if quant is None:
         return cutlass_vjp.forward(x, w13, w2, topk_weights, topk_ids, cfg, tile=tile, residuals="recompute",
                                    w13_bias=w13_bias, w2_bias=w2_bias, transposed=transposed,

@@ -1,0 +1,89 @@
+// What the decode paths' kernels and handlers share (moe_decode.cu on bf16 weights, moe_decode_fp8.cu on
+// FP8 ones): the call's sizes, a slot's expert, the grouped path's bf16 rounding of GEMM outputs, and the
+// checks of the operands both handlers take alike.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "moe_device.cuh"
+
+namespace jax_moe {
+namespace decode {
+
+constexpr int kWarps = 8;  // warps per block of a GEMV kernel: one output element each
+
+struct DecodeShape {
+  int64_t t, k, h, i, experts;
+};
+
+// The expert of a slot, or -1 where its id is outside [0, experts) (an expert of another rank).
+__device__ __forceinline__ int ExpertOf(const int32_t* ids, int64_t slot, int experts) {
+  const int32_t e = ids[slot];
+  return (e >= 0 && e < experts) ? e : -1;
+}
+
+__device__ __forceinline__ float RoundBf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// Streams kRows rows of 16-byte vectors through a warp: lane l takes vectors c = l, l + 32, ... below
+// vecs of every row, and use(c, vals) gets vals[r], vector c of row r. The vectors come in batches of
+// kUnroll per row and lane, the next batch loaded before this one is used, so that the compiler cannot
+// put each load next to its use: a whole batch is in flight at once (predicated loads were each issued
+// just before their use, one at a time). The loads are unconditional: a vector past the end re-reads
+// the last one, and is not passed to use.
+template <int kRows, int kUnroll, typename Use>
+__device__ __forceinline__ void StreamRows(const uint4* const (&rows)[kRows], int64_t vecs, Use&& use) {
+  struct Batch {
+    uint4 v[kUnroll][kRows];
+  };
+  const int lane = threadIdx.x & 31;
+  const auto load = [&](int64_t c0, Batch& b) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = c0 + 32 * u < vecs ? c0 + 32 * u : vecs - 1;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) b.v[u][r] = __ldg(rows[r] + c);
+    }
+  };
+  Batch cur, next;
+  load(lane, cur);
+  for (int64_t c0 = lane; c0 < vecs; c0 += 32 * kUnroll) {
+    load(c0 + 32 * kUnroll, next);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (c0 + 32 * u < vecs) use(c0 + 32 * u, cur.v[u]);
+    cur = next;
+  }
+}
+
+// x summed over the warp: every lane gets it.
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// The output, the optional biases and the activation attributes of a decode call of shape s; n names the
+// handler in the error.
+inline std::optional<ffi::Error> CheckOutputBiasesAndActivation(const std::string& n, const DecodeShape& s,
+                                                                ffi::Result<ffi::AnyBuffer>& out,
+                                                                ffi::Buffer<ffi::F32>& w13_bias,
+                                                                ffi::Buffer<ffi::F32>& w2_bias, int64_t activation,
+                                                                int64_t layout) {
+  const auto out_type = out->element_type();
+  if (out->element_count() != static_cast<size_t>(s.t * s.h) ||
+      (out_type != ffi::DataType::BF16 && out_type != ffi::DataType::F16 && out_type != ffi::DataType::F32))
+    return InvalidArgument(n + "out must be [T, H] bfloat16, float16 or float32");
+  const size_t nb13 = w13_bias.element_count(), nb2 = w2_bias.element_count();
+  if ((nb13 != 0 && nb13 != static_cast<size_t>(s.experts * 2 * s.i)) ||
+      (nb2 != 0 && nb2 != static_cast<size_t>(s.experts * s.h)))
+    return InvalidArgument(n + "w13_bias must be [E, 2I] and w2_bias [E, H] float32, or empty");
+  if (activation != kActSilu && activation != kActGelu && activation != kActSwigluOai)
+    return InvalidArgument(n + "activation must be 0 (silu), 1 (gelu) or 2 (swigluoai)");
+  if (layout != kLayoutConcat && layout != kLayoutInterleaved)
+    return InvalidArgument(n + "layout must be 0 (concat) or 1 (interleaved)");
+  return std::nullopt;
+}
+
+}  // namespace decode
+}  // namespace jax_moe

@@ -1,0 +1,245 @@
+// CUDA handler of decode_moe_fp8 (contract in moe_prepare_finalize.h, reference in jax_moe/decode_fp8.py):
+// the decode path on FP8 E4M3 weights with per-tensor activation scales (W8A8), in two launches with no
+// sort, no permute and no group arrays. Each slot's expert is read from topk_ids and its weights stream
+// once per slot, a warp per output element reading its K-contiguous row (16 weights per 16-byte load):
+//   1. GEMM1 + activation, per slot s = t*k + j (expert e) and output i of I:
+//        xq = fp8(x[t] / s1)                          (each block quantizes its token's row into shared memory)
+//        gate = (w13[e][g(i)] . xq) * s1 * c13(e, g(i)) + b13[e][g(i)], up likewise at u(i)
+//        a[s, i] = fp8(act(gate, up) / s2)            (0 where e is outside [0, E))
+//   2. GEMM2 + weighted reduce, per token t and column h of H:
+//        out[t, h] = sum_j w[t, j] * (bf16((w2[e_j][h] . a[t*k + j]) * s2 * c2(e_j, h)) + b2[e_j][h])
+// c13 and c2 are the weight scales in their compact forms: [E, N] (per channel), [E, 1] (per expert) or
+// [1, 1] (per tensor). The products of two FP8 values are exact in float32, and the sums are float32: the
+// grouped FP8 path's arithmetic (GEMM1's epilogue: the activation on float32, quantized with s2; GEMM2's
+// rows rounded to bf16, the bias and the weighted sum in float32), up to the order of the sums.
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "moe_decode_common.cuh"
+
+namespace jax_moe {
+namespace {
+
+using namespace decode;  // NOLINT: the decode paths' shared helpers (moe_decode_common.cuh)
+
+constexpr int kSlotRows = 4;  // GEMM2: the slots whose rows a warp sums at once
+
+// The 16 FP8 values of a 16-byte vector as float32 (exact: E4M3 -> half -> float).
+__device__ __forceinline__ void Fp8x16ToF32(const uint4& v, float (&out)[16]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(words[q] >> (16 * p));
+      const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
+      const float2 f = __half22float2(h);
+      out[4 * q + 2 * p] = f.x;
+      out[4 * q + 2 * p + 1] = f.y;
+    }
+  }
+}
+
+// kRows dot products at once, rows[r] . v[r], for FP8 rows of length n (n % 16 == 0, 16-byte aligned; rows
+// in global memory, streamed together by StreamRows, kUnroll 16-byte loads of each per lane in flight;
+// v in shared memory), each summed over the warp (every lane gets them); float32 products and sums.
+template <int kRows, int kUnroll>
+__device__ __forceinline__ void WarpDotsFp8(const Fp8* const (&rows)[kRows], const Fp8* const (&v)[kRows], int64_t n,
+                                            float (&sums)[kRows]) {
+  const uint4* rows4[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    rows4[r] = reinterpret_cast<const uint4*>(rows[r]);
+    sums[r] = 0.0f;
+  }
+  StreamRows<kRows, kUnroll>(rows4, n / 16, [&](int64_t c, const uint4(&vals)[kRows]) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float a[16], b[16];
+      Fp8x16ToF32(vals[r], a);
+      Fp8x16ToF32(reinterpret_cast<const uint4*>(v[r])[c], b);
+#pragma unroll
+      for (int q = 0; q < 16; ++q) sums[r] = fmaf(a[q], b[q], sums[r]);
+    }
+  });
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) sums[r] = WarpSum(sums[r]);
+}
+
+// A weight scale in its compact form: c[e * group_step + n * col_step] (steps n and 1, 1 and 0, or 0 and 0).
+struct ColScale {
+  const float* c;
+  int64_t group_step, col_step;
+  __device__ float At(int e, int64_t n) const { return __ldg(c + e * group_step + n * col_step); }
+};
+
+// GEMM1 + activation: block (x: kWarps outputs i, y: slot). The block quantizes its token's row of x into
+// shared memory (h bytes), then each warp takes one output: its gate and up rows of w13[e].
+template <typename In>
+__global__ void ExpertGemvActFp8(const In* x, const int32_t* ids, const Fp8* w13, const float* s1, const float* s2,
+                                 ColScale c13, const float* b13, DecodeShape s, int activation, int layout,
+                                 float alpha, float limit, Fp8* a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  Fp8* xq = reinterpret_cast<Fp8*>(smem);
+  const int64_t slot = blockIdx.y;
+  const int64_t col = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int e = ExpertOf(ids, slot, static_cast<int>(s.experts));  // uniform over the block
+  const bool lane0 = (threadIdx.x & 31) == 0;
+  if (e < 0) {
+    if (lane0 && col < s.i) a[slot * s.i + col] = Fp8{0};
+    return;
+  }
+  const float scale1 = *s1, inv1 = 1.0f / scale1;
+  const In* xt = x + (slot / s.k) * s.h;
+  for (int64_t c = threadIdx.x; c < s.h / 8; c += blockDim.x) {  // 8 values of x per thread and step
+    float v[8];
+    LoadF32<In, 8>(xt + 8 * c, v);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) v[q] = ScaleForFp8(v[q], inv1);
+    StoreF32<Fp8, 8>(xq + 8 * c, v);
+  }
+  __syncthreads();
+  if (col >= s.i) return;
+  const int64_t g_row = layout == kLayoutInterleaved ? 2 * col : col;
+  const int64_t u_row = layout == kLayoutInterleaved ? 2 * col + 1 : s.i + col;
+  const Fp8* w = w13 + int64_t(e) * 2 * s.i * s.h;
+  const Fp8* const rows[2] = {w + g_row * s.h, w + u_row * s.h};
+  const Fp8* const vs[2] = {xq, xq};
+  float dots[2];
+  WarpDotsFp8<2, 4>(rows, vs, s.h, dots);  // gate and up: 8 loads in flight per lane
+  if (lane0) {
+    float gate = dots[0] * (scale1 * c13.At(e, g_row));
+    float up = dots[1] * (scale1 * c13.At(e, u_row));
+    if (b13 != nullptr) {
+      gate += b13[int64_t(e) * 2 * s.i + g_row];
+      up += b13[int64_t(e) * 2 * s.i + u_row];
+    }
+    a[slot * s.i + col] = FromF32<Fp8>(ScaleForFp8(GatedAct(activation, gate, up, alpha, limit), 1.0f / *s2));
+  }
+}
+
+// GEMM2 + weighted reduce: block (x: kWarps columns h, y: token). The block copies the token's k activation
+// rows into shared memory (k * I bytes); each warp sums its column over the k slots, kSlotRows slots'
+// weight rows streamed together, and adds them up in slot order.
+template <typename Out>
+__global__ void ExpertGemvReduceFp8(const Fp8* a, const int32_t* ids, const float* weights, const Fp8* w2,
+                                    const float* s2, ColScale c2, const float* b2, DecodeShape s, Out* out) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  Fp8* at = reinterpret_cast<Fp8*>(smem);  // the token's k activation rows, [k, I]
+  const int64_t t = blockIdx.y;
+  const int64_t col = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const uint4* src = reinterpret_cast<const uint4*>(a + t * s.k * s.i);
+  for (int64_t c = threadIdx.x; c < s.k * s.i / 16; c += blockDim.x) reinterpret_cast<uint4*>(at)[c] = src[c];
+  __syncthreads();
+  if (col >= s.h) return;
+  const float scale2 = *s2;
+  float acc = 0.0f;
+  for (int64_t j0 = 0; j0 < s.k; j0 += kSlotRows) {  // kSlotRows slots' rows streamed together
+    const Fp8* rows[kSlotRows];
+    const Fp8* vs[kSlotRows];
+    int es[kSlotRows];
+#pragma unroll
+    for (int r = 0; r < kSlotRows; ++r) {
+      es[r] = j0 + r < s.k ? ExpertOf(ids, t * s.k + j0 + r, static_cast<int>(s.experts)) : -1;
+      // a slot with no expert streams expert 0's row and drops its sum (the loads stay unconditional)
+      rows[r] = w2 + (int64_t(es[r] >= 0 ? es[r] : 0) * s.h + col) * s.i;
+      vs[r] = at + (j0 + r < s.k ? j0 + r : 0) * s.i;
+    }
+    float dots[kSlotRows];
+    WarpDotsFp8<kSlotRows, 2>(rows, vs, s.i, dots);
+#pragma unroll
+    for (int r = 0; r < kSlotRows; ++r) {  // in slot order
+      if (es[r] < 0) continue;
+      float y = RoundBf16(dots[r] * (scale2 * c2.At(es[r], col)));
+      if (b2 != nullptr) y += b2[int64_t(es[r]) * s.h + col];
+      acc += weights[t * s.k + j0 + r] * y;
+    }
+  }
+  if ((threadIdx.x & 31) == 0) out[t * s.h + col] = FromF32<Out>(acc);
+}
+
+// A weight scale's compact form for n columns of e experts, or an error naming it.
+std::optional<ffi::Error> ReadColScale(const std::string& name, ffi::Buffer<ffi::F32>& scale, int64_t e, int64_t n,
+                                       ColScale& out) {
+  const auto d = scale.dimensions();
+  const bool two_d = d.size() == 2;
+  const bool per_channel = two_d && d[0] == e && d[1] == n;
+  const bool per_expert = two_d && d[0] == e && d[1] == 1;
+  const bool one = two_d && d[0] == 1 && d[1] == 1;
+  if (!per_channel && !per_expert && !one)
+    return InvalidArgument("decode_moe_fp8: " + name + " must be [E, " + std::to_string(n) +
+                           "] float32 (per channel), [E, 1] (per expert) or [1, 1] (per tensor)");
+  out = ColScale{scale.typed_data(), per_channel ? n : per_expert ? 1 : 0, per_channel ? 1 : 0};
+  return std::nullopt;
+}
+
+ffi::Error DecodeMoeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
+                            ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer w13, ffi::AnyBuffer w2,
+                            ffi::Buffer<ffi::F32> a13_scale, ffi::Buffer<ffi::F32> a2_scale,
+                            ffi::Buffer<ffi::F32> w13_scale, ffi::Buffer<ffi::F32> w2_scale,
+                            ffi::Buffer<ffi::F32> w13_bias, ffi::Buffer<ffi::F32> w2_bias,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> act, int64_t activation,
+                            int64_t layout, float alpha, float limit) {
+  const std::string n = "decode_moe_fp8: ";
+  const auto xd = x.dimensions(), id = topk_ids.dimensions(), d13 = w13.dimensions(), d2 = w2.dimensions();
+  if (xd.size() != 2 || id.size() != 2 || d13.size() != 3 || d2.size() != 3)
+    return InvalidArgument(n + "x [T, H], topk_ids [T, k], w13 [E, 2I, H] and w2 [E, H, I] have the wrong ranks");
+  const int64_t t = xd[0], h = xd[1], k = id[1], e = d13[0], i = d2[2];
+  if (id[0] != t || topk_weights.element_count() != static_cast<size_t>(t * k))
+    return InvalidArgument(n + "topk_ids and topk_weights must be [T, k]");
+  if (d13[1] != 2 * i || d13[2] != h || d2[0] != e || d2[1] != h)
+    return InvalidArgument(n + "w13 [E, 2I, H] and w2 [E, H, I] must agree, with x's H");
+  if (h % 16 || i % 16) return InvalidArgument(n + "H and I must be multiples of 16 (16-byte FP8 rows)");
+  if (w13.element_type() != ffi::DataType::F8E4M3FN || w2.element_type() != ffi::DataType::F8E4M3FN)
+    return InvalidArgument(n + "w13 and w2 must be float8_e4m3fn");
+  if (a13_scale.element_count() != 1 || a2_scale.element_count() != 1)
+    return InvalidArgument(n + "a13_scale and a2_scale must be [1] float32 (per-tensor activation scales)");
+  ColScale c13{}, c2{};
+  if (auto err = ReadColScale("w13_scale", w13_scale, e, 2 * i, c13)) return std::move(*err);
+  if (auto err = ReadColScale("w2_scale", w2_scale, e, h, c2)) return std::move(*err);
+  if (act->element_type() != ffi::DataType::F8E4M3FN || act->element_count() != static_cast<size_t>(t * k * i))
+    return InvalidArgument(n + "act must be [T*k, I] float8_e4m3fn");
+  const DecodeShape s{t, k, h, i, e};
+  if (auto err = decode::CheckOutputBiasesAndActivation(n, s, out, w13_bias, w2_bias, activation, layout))
+    return std::move(*err);
+  const auto out_type = out->element_type();
+  const size_t nb13 = w13_bias.element_count(), nb2 = w2_bias.element_count();
+  if (h > 48 * 1024 || k * i > 48 * 1024)
+    return InvalidArgument(n + "H and k * I must be at most 49152 (x's quantized row and a token's activations "
+                               "in shared memory)");
+  if (t == 0 || k == 0 || t * k > 65535 || t > 65535)
+    return t * k == 0 ? ffi::Error::Success() : InvalidArgument(n + "at most 65535 slots");
+  const int32_t* ids = topk_ids.typed_data();
+  const auto* w13s = static_cast<const Fp8*>(w13.untyped_data());
+  const auto* w2s = static_cast<const Fp8*>(w2.untyped_data());
+  const float* b13 = nb13 ? w13_bias.typed_data() : nullptr;
+  const float* b2 = nb2 ? w2_bias.typed_data() : nullptr;
+  const float *s1 = a13_scale.typed_data(), *s2 = a2_scale.typed_data();
+  auto* a = static_cast<Fp8*>(act->untyped_data());
+  const int fn = static_cast<int>(activation), lay = static_cast<int>(layout);
+  auto status = WithFloatType(x.element_type(), "decode_moe_fp8: x", [&](auto tag) -> ffi::Error {
+    using In = typename decltype(tag)::type;
+    if (!Aligned(x.untyped_data(), 8 * sizeof(In))) return InvalidArgument(n + "x must be 16-byte aligned");
+    ExpertGemvActFp8<In><<<dim3((i + kWarps - 1) / kWarps, t * k), 32 * kWarps, h, stream>>>(
+        static_cast<const In*>(x.untyped_data()), ids, w13s, s1, s2, c13, b13, s, fn, lay, alpha, limit, a);
+    JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return ffi::Error::Success();
+  });
+  if (status.failure()) return status;
+  return WithFloatType(out_type, "decode_moe_fp8: out", [&](auto tag) -> ffi::Error {
+    using Out = typename decltype(tag)::type;
+    ExpertGemvReduceFp8<Out><<<dim3((h + kWarps - 1) / kWarps, t), 32 * kWarps, k * i, stream>>>(
+        a, ids, topk_weights.typed_data(), w2s, s2, c2, b2, s, static_cast<Out*>(out->untyped_data()));
+    JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace jax_moe
+
+// x, topk_ids, topk_weights, w13, w2, a13_scale, a2_scale, w13_scale, w2_scale, w13_bias, w2_bias -> out, act;
+// attributes activation, layout, alpha, limit (common/binding.h).
+JAX_MOE_DEFINE_CUDA_HANDLER(JaxMoeDecodeMoeFp8Cuda, jax_moe::DecodeMoeFp8Cuda, "activation", "layout", "alpha",
+                            "limit");
