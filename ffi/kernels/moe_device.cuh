@@ -104,11 +104,11 @@ __device__ __forceinline__ void StoreF32(T* p, const float (&vals)[V]) {
   *reinterpret_cast<Vec<T, V>*>(p) = o;
 }
 
-// StoreF32 to global memory with the values packed into 32-bit words, stored by vector instructions
-// where they fill 8 or 16 bytes (p aligned to the store). Where a row's values
-// stay in registers across several stores (PermuteTokenKernel writes them to k rows), nvcc split
-// StoreF32's store into a 2-byte store per bf16 value, and a plain store of packed words into 4-byte
-// ones; the bf16 permute ran 6.8x slower.
+// StoreF32 to global memory, the values packed into 32-bit words and stored by vector instructions
+// where they fill 8 or 16 bytes (p aligned to the store). Where a row's values stay in registers
+// across several stores (PermuteTokenKernel writes them to k rows), nvcc split StoreF32's store into
+// a 2-byte store per bf16 value, and a plain store of packed words into 4-byte ones: the bf16 permute
+// ran 6.8x slower.
 template <typename T, int V>
 __device__ __forceinline__ void StoreF32Words(T* p, const float (&vals)[V]) {
   constexpr int kBytes = sizeof(T) * V, kWords = kBytes / 4, kPerWord = 4 / sizeof(T);
