@@ -158,7 +158,7 @@ def test_cuda_kernels_at_model_sizes(rng, sizes):
     GEMMs instead, which their own tests bound: they sit 1-2% from this reference.)"""
     need_native("cuda")
     e, k = sizes[:2]
-    ts = [t for t in (1, 2) if decode.serves(t, k, e, MoEConfig(e, k, 16, 16, "silu"))]
+    ts = [t for t in (1, 2) if decode.serves(t, k, e, MoEConfig(*sizes[:6]))]
     assert ts, "no T of this layer takes the decode path"
     for t in ts:
         cfg, x, q13, q2, w, ids, b, quant = _layer(rng, None, t, "per_expert", sizes=sizes)

@@ -327,11 +327,11 @@ def apply(x, w13, w2, topk_weights, topk_ids, cfg, *, quant=None, w13_bias=None,
     e, k = w13.shape[0], topk_ids.shape[1]
     if t == 0:
         return jnp.zeros((0, h), x.dtype)
-    if quant is None and tile in (None, "auto") and not apply_router_weight_on_input and decode.serves(t, k, e, cfg):
+    decoding = tile in (None, "auto") and not apply_router_weight_on_input and decode.serves(t, k, e, cfg)
+    if decoding and quant is None:
         return decode.decode_moe(x, w13, w2, topk_weights, topk_ids.astype(jnp.int32), cfg, w13_bias=w13_bias,
                                  w2_bias=w2_bias, out_dtype=x.dtype, transposed=transposed)
-    if (quant is not None and tile in (None, "auto") and not apply_router_weight_on_input
-            and decode.serves(t, k, e, cfg) and decode_fp8.serves(quant, h, w2.shape[2], k)):
+    if decoding and decode_fp8.serves(quant, h, w2.shape[2], k):
         return decode_fp8.decode_moe_fp8(x, w13, w2, topk_weights, topk_ids.astype(jnp.int32), cfg,
                                          a13_scale=_per_tensor_scale(quant.a13_scale, x),
                                          a2_scale=_per_tensor_scale(quant.a2_scale, None), w13_scale=quant.w13_scale,
