@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include "../common/binding.h"
+#include "../common/col_scale.h"
 #include "../common/errors.h"
 #include "../kernels/moe_prepare_finalize.h"
 #include "grouped_gemm.h"
@@ -128,19 +129,15 @@ std::optional<ffi::Error> CheckScales(int kind, ffi::Buffer<ffi::F32> row_scale,
   if (!per_row && !one_row)
     return InvalidArgument(Name(kind) + "row_scale must be " + (call.batched ? "[E, C]" : "[M]") +
                            " float32 (one scale per row of a)" + (compact ? " or [1] (one for every row)" : ""));
-  // The column forms, the first that matches taken (with one group and N = 1 they coincide).
-  const bool two_d = cd.size() == 2;
-  const bool per_channel = two_d && cd[0] == call.groups && cd[1] == call.n;
-  const bool per_expert = compact && two_d && cd[0] == call.groups && cd[1] == 1;
-  const bool one_col = compact && two_d && cd[0] == 1 && cd[1] == 1;
-  if (!per_channel && !per_expert && !one_col)
+  const ColScaleForm form = ColScaleFormOf(cd, call.groups, call.n);
+  if (form == ColScaleForm::kNone || (!compact && form != ColScaleForm::kPerChannel))
     return InvalidArgument(Name(kind) + "col_scale must be [E, N] float32 (one scale per output channel)" +
                            (compact ? ", [E, 1] (one per expert) or [1, 1] (one for every expert)" : ""));
   call.row_scale = row_scale.typed_data();
   call.col_scale = col_scale.typed_data();
   call.row_scale_step = per_row ? 1 : 0;
-  call.per_channel_cols = per_channel;
-  call.col_scale_group_step = per_channel ? call.n : per_expert ? 1 : 0;
+  call.per_channel_cols = form == ColScaleForm::kPerChannel;
+  call.col_scale_group_step = ColScaleExpertStep(form, call.n);
   return std::nullopt;
 }
 

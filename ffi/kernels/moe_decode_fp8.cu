@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 
+#include "../common/col_scale.h"
 #include "moe_decode_common.cuh"
 
 namespace jax_moe {
@@ -162,15 +163,11 @@ __global__ void ExpertGemvReduceFp8(const Fp8* a, const int32_t* ids, const floa
 // A weight scale's compact form for n columns of e experts, or an error naming it.
 std::optional<ffi::Error> ReadColScale(const std::string& name, ffi::Buffer<ffi::F32>& scale, int64_t e, int64_t n,
                                        ColScale& out) {
-  const auto d = scale.dimensions();
-  const bool two_d = d.size() == 2;
-  const bool per_channel = two_d && d[0] == e && d[1] == n;
-  const bool per_expert = two_d && d[0] == e && d[1] == 1;
-  const bool one = two_d && d[0] == 1 && d[1] == 1;
-  if (!per_channel && !per_expert && !one)
+  const ColScaleForm form = ColScaleFormOf(scale.dimensions(), e, n);
+  if (form == ColScaleForm::kNone)
     return InvalidArgument("decode_moe_fp8: " + name + " must be [E, " + std::to_string(n) +
                            "] float32 (per channel), [E, 1] (per expert) or [1, 1] (per tensor)");
-  out = ColScale{scale.typed_data(), per_channel ? n : per_expert ? 1 : 0, per_channel ? 1 : 0};
+  out = ColScale{scale.typed_data(), ColScaleExpertStep(form, n), form == ColScaleForm::kPerChannel ? 1 : 0};
   return std::nullopt;
 }
 
@@ -201,15 +198,14 @@ ffi::Error DecodeMoeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   if (act->element_type() != ffi::DataType::F8E4M3FN || act->element_count() != static_cast<size_t>(t * k * i))
     return InvalidArgument(n + "act must be [T*k, I] float8_e4m3fn");
   const DecodeShape s{t, k, h, i, e};
-  if (auto err = decode::CheckOutputBiasesAndActivation(n, s, out, w13_bias, w2_bias, activation, layout))
+  if (auto err = decode::CheckSharedOperands(n, s, out, w13_bias, w2_bias, activation, layout))
     return std::move(*err);
   const auto out_type = out->element_type();
   const size_t nb13 = w13_bias.element_count(), nb2 = w2_bias.element_count();
   if (h > 48 * 1024 || k * i > 48 * 1024)
     return InvalidArgument(n + "H and k * I must be at most 49152 (x's quantized row and a token's activations "
                                "in shared memory)");
-  if (t == 0 || k == 0 || t * k > 65535 || t > 65535)
-    return t * k == 0 ? ffi::Error::Success() : InvalidArgument(n + "at most 65535 slots");
+  if (t * k == 0) return ffi::Error::Success();
   const int32_t* ids = topk_ids.typed_data();
   const auto* w13s = static_cast<const Fp8*>(w13.untyped_data());
   const auto* w2s = static_cast<const Fp8*>(w2.untyped_data());
