@@ -63,13 +63,14 @@ __device__ __forceinline__ float WarpSum(float x) {
   return x;
 }
 
-// The output, the optional biases and the activation attributes of a decode call of shape s; n names the
-// handler in the error.
-inline std::optional<ffi::Error> CheckOutputBiasesAndActivation(const std::string& n, const DecodeShape& s,
-                                                                ffi::Result<ffi::AnyBuffer>& out,
-                                                                ffi::Buffer<ffi::F32>& w13_bias,
-                                                                ffi::Buffer<ffi::F32>& w2_bias, int64_t activation,
-                                                                int64_t layout) {
+// The checks both decode handlers make alike, of a call of shape s: at most 65535 slots and tokens (a
+// grid's y), the output, the optional biases and the activation attributes; n names the handler in the
+// error.
+inline std::optional<ffi::Error> CheckSharedOperands(const std::string& n, const DecodeShape& s,
+                                                     ffi::Result<ffi::AnyBuffer>& out, ffi::Buffer<ffi::F32>& w13_bias,
+                                                     ffi::Buffer<ffi::F32>& w2_bias, int64_t activation,
+                                                     int64_t layout) {
+  if (s.t * s.k > 65535 || s.t > 65535) return InvalidArgument(n + "at most 65535 slots");
   const auto out_type = out->element_type();
   if (out->element_count() != static_cast<size_t>(s.t * s.h) ||
       (out_type != ffi::DataType::BF16 && out_type != ffi::DataType::F16 && out_type != ffi::DataType::F32))
