@@ -238,10 +238,10 @@ def permute_rows(x: jax.Array, sorted_slots: jax.Array, top_k: int, *, valid_row
 
     ``inverse`` ([T*k] int32, the same sort's: ``sorted_slots[inverse[s]] == s``; None: gather
     order): the CUDA kernel writes ``x[s // top_k]`` to row ``inverse[s]`` in slot order, so that
-    the k slots of a token read its row once from DRAM instead of k times; from 1024 tokens on, for
-    FP8 rows and unquantized rows of at most 4 KiB, it runs a warp per token, which reads ``x[t]``
-    (and, for per-token FP8, its amax) once and writes it to its k slots' rows. Same result as
-    without it; ``sorted_slots`` is then not read. It must be the
+    the k slots of a token read its row once from DRAM instead of k times; from 1024 tokens on it
+    runs a warp per token, which reads ``x[t]`` (and, for per-token FP8, its amax) once and writes
+    it to its k slots' rows. Same result as without it;
+    ``sorted_slots`` is then not read. It must be the
     sort's own (a permutation of [0, T*k)): the kernel skips a position outside [0, T*k), and a
     row that no slot maps to is left unwritten.
     """

@@ -87,10 +87,9 @@ def test_cuda_permute_rows(rng, t, k, e, h, i, minus_one, dtype):
 @pytest.mark.parametrize("minus_one", [False, True], ids=["ids-in-range", "some-ids-minus-1"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_cuda_permute_rows_with_the_inverse(rng, t, k, e, h, minus_one, dtype):
-    """With the sort's inverse the kernel runs a warp per slot, or from 1024 tokens on (FP8 rows, and
-    unquantized rows of at most 4 KiB; the float32 Qwen3 rows stay by slot) a warp per token writing
-    its row to its k slots' rows: either way its rows and scales are the gather-order kernel's, byte
-    for byte, on freshly poisoned outputs, and the reference's."""
+    """With the sort's inverse the kernel runs a warp per slot, or from 1024 tokens on a warp per
+    token writing its row to its k slots' rows: either way its rows and scales are the gather-order
+    kernel's, byte for byte, on freshly poisoned outputs, and the reference's."""
     need_native("cuda")
     sort, _, valid = gpu_case(rng, t, k, e, minus_one)
     x = normal(rng, (t, h), dtype, 3.0)

@@ -256,22 +256,10 @@ __global__ void PermuteTokenKernel(TokenRows<In, V> op, const int32_t* valid_row
 // The fewest tokens for which permute_rows with an inverse runs a warp per token. Below, a warp per
 // slot: at T = 64 a warp per token, writing its k rows alone, was 1.4-3x slower than a warp per slot
 // (H200; DeepSeek-V3's FP8 permute 7.0 -> 21.6 us), and at T = 4096 0.62-1.01x (Qwen3-30B's FP8
-// permute 40.4 -> 25.0 us), as a token's row then crosses the L2 once, not k times.
+// permute 40.4 -> 25.0 us), as a token's row then crosses the L2 once, not k times. Wide unquantized
+// rows gain least, and no width limit paid: DeepSeek-V3's and GPT-OSS's bf16 rows (14 and 5.6 KiB) by
+// token took 0.92-1.09x and 0.96-1.01x the time of a warp per slot from T = 1024 to 4096.
 constexpr int64_t kPermuteByTokenMinTokens = 1024;
-
-// The widest unquantized row (bytes) permuted by token: one batch of the warp's loads (32 lanes of
-// kLaneVectors 16-byte vectors), read once and stored k times. Wider rows take their batches in turn,
-// and, unquantized, read no fewer bytes than they write, so the L2 reads a warp per token saves are
-// worth little there: DeepSeek-V3's bf16 rows (14 KiB) permuted by token took 0.90-1.07x the time of a
-// warp per slot (H200, T = 1024 to 4096), Qwen3-30B's (4 KiB) 0.84-0.97x. FP8 rows, which read two
-// bytes for each they write, are permuted by token at any width (0.60-0.89x).
-constexpr int64_t kPermuteByTokenMaxPlainRowBytes = 32 * kLaneVectors * 16;
-
-// Whether permute_rows with an inverse runs a warp per token (else a warp per slot): T tokens of rows
-// of row_bytes, quantized or not.
-constexpr bool PermuteByToken(int64_t t, int64_t row_bytes, bool quantized) {
-  return t >= kPermuteByTokenMinTokens && (quantized || row_bytes <= kPermuteByTokenMaxPlainRowBytes);
-}
 
 // Warps (rows) per block of RowWarpKernel. On an H100, a warp per row with its 8 loads in flight (and
 // FP8 converted in pairs) took the FP8 permute of Qwen3-30B's T=4096 from 57 to 43 us in the forward,
@@ -369,13 +357,10 @@ ffi::Error PermuteRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
     float* sc = quant == kQuantPerToken ? scales->typed_data() : nullptr;
     const int32_t* inv = inverse_count != 0 ? inverse.typed_data() : nullptr;
     const In* src = static_cast<const In*>(x.untyped_data());
-    // With an inverse: a warp per token where there are tokens enough to fill the GPU and the row gains
-    // from being read once (PermuteByToken), else per slot.
-    const bool by_token =
-        inv != nullptr && PermuteByToken(t, h * static_cast<int64_t>(sizeof(In)), quant != kQuantNone);
+    // With an inverse: a warp per token where there are tokens enough to fill the GPU, else per slot.
     auto launch = [&](auto vec) -> ffi::Error {
       constexpr int V = decltype(vec)::value;
-      if (by_token)
+      if (inv != nullptr && t >= kPermuteByTokenMinTokens)
         return DispatchQuant<V>(stream, TokenRows<In, V>{src, inv, t, h, top_k}, quant, n, h,
                                 valid_rows.typed_data(), s, out, sc);
       if (inv != nullptr)

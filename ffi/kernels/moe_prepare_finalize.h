@@ -10,9 +10,8 @@
 //                          attrs: top_k, quant (kQuant*). Row r = x[sorted_slots[r] / k]; rows >= valid_rows
 //                          are zero (their per-token scale is kFp8MinScale). With an inverse (sort_by_expert's:
 //                          a permutation of [0, T*k) with sorted_slots[inverse[s]] == s) the rows are written
-//                          in slot order instead, row inverse[s] = x[s / k] (from 1024 tokens, for FP8 rows and
-//                          unquantized rows of at most 4 KiB, by token: x[t] to rows inverse[t*k .. t*k + k)),
-//                          sorted_slots unread; same result.
+//                          in slot order instead, row inverse[s] = x[s / k] (from 1024 tokens by token: x[t] to
+//                          rows inverse[t*k .. t*k + k)), sorted_slots unread; same result.
 // jax_moe_act_and_mul      h [M, 2I] bf16/f16/f32, valid_rows [1] i32, scale [1] f32 or [0],
 //                          bias [E, 2I] f32 or [0], offsets [E+1] i32 or [0] (both or neither)
 //                       -> out [M, I] (bf16/f16/f32, or f8e4m3fn), scales [M] f32 or [0].
