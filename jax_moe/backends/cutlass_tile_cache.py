@@ -10,7 +10,9 @@ only on the GPU model it was measured on (its ``"device"``, ``jax.Device.device_
 another, the tiles that ship decide.
 
 Caches also ship with the package, one per GPU model, in ``jax_moe/backends/tuned_tiles/``
-(:func:`shipped`): ``bench/tune_models.py`` tunes popular models' layer shapes into them. They are
+(:func:`shipped`): ``bench/tune_models.py`` tunes popular models' layer shapes into them, and a few
+points come from longer runs of two tiles side by side, where the tuner's one confirmation trial
+could not tell them apart (``bench/RESULTS.md`` names them, with their figures). They are
 read after the user's cache and before the table measured for the bench's models, on their own
 GPU model only; ``JAX_MOE_SHIPPED_TILES=off`` sets them aside. The file::
 
