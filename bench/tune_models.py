@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="token counts to tune (a tuned tile answers up to twice or half its rows per expert)")
     p.add_argument("--finalize", choices=("gather", "scatter"), default=None,
                    help="scatter: tune GEMM2 with its scatter epilogue (its own tile keys), as the autotuner's flag")
+    p.add_argument("--min-gain", type=float, default=None, help="the autotuner's --min-gain (default: its own)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="the autotuner's --rounds: rounds of each forward's confirmation, its median ratio deciding")
     p.add_argument("--out", help="the cache file; tiles already there are kept (default: this GPU model's "
                    "shipped file, jax_moe/backends/tuned_tiles/)")
     p.add_argument("--list", action="store_true", help="print the layers and exit")
@@ -92,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                "--tokens", *map(str, args.tokens), "--out", out]
         if args.finalize is not None:
             cmd += ["--finalize", args.finalize]
+        if args.min_gain is not None:
+            cmd += ["--min-gain", str(args.min_gain)]
+        if args.rounds != 1:
+            cmd += ["--rounds", str(args.rounds)]
         print(f"## {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         rc = subprocess.call(cmd)

@@ -25,10 +25,13 @@ the next of ``routings`` random softmax top-k routings). A tile replaces today's
 the forward is faster by more than ``min_gain``; then the forward with every chosen tile is timed
 against today's once more, and where it is not faster by more than ``min_gain`` too (two trials'
 gains inside the timer's spread, measured at 4-7% per trial on an H200), today's picks are kept
-for that token count. What is written is the tile per GEMM at that token count's rows per expert;
-other token counts take the nearest point on a log scale, up to twice as many or half as many rows
-per expert as any tuned (beyond that, the shipped tiles and the heuristic decide: tune the token
-counts you serve). Token counts on the decode path (a few slots, no grouped GEMM) have nothing to
+for that token count. With ``rounds`` (``--rounds``) above one, that confirmation alternates today's
+forward and the tuned one that many times and keeps the tiles where the median of the rounds'
+ratios beats ``min_gain``: alternation lays a drift of the GPU's clock on both sides, so a smaller
+``min_gain`` can go with it. What is written is the tile per GEMM at that token count's rows per
+expert; other token counts take the nearest point on a log scale, up to twice as many or half as
+many rows per expert as any tuned (beyond that, the shipped tiles and the heuristic decide: tune
+the token counts you serve). Token counts on the decode path (a few slots, no grouped GEMM) have nothing to
 tune. Training's backward GEMMs keep the shipped picks.
 ``bench/tune_models.py`` runs this over popular layers' shapes to write the shipped tiles.
 """
@@ -39,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 from collections.abc import Callable, Sequence
 
 import jax
@@ -80,9 +84,10 @@ class TunedGemm:
 
 @dataclasses.dataclass(frozen=True)
 class TunedForward:
-    """The whole forward at one token count (ms per call): on today's picks (the faster of two
-    timings, before and after the trials) and on every GEMM's fastest tile; ``kept``: whether
-    those tiles were kept (the forward on them faster by more than ``min_gain``)."""
+    """The whole forward at one token count (ms per call): on today's picks and on every GEMM's
+    fastest tile (with one confirmation round: today's the faster of two timings, before and after
+    the trials; with more: each side's median over the rounds); ``kept``: whether those tiles were
+    kept (the forward on them faster by more than ``min_gain``)."""
 
     tokens: int
     default_ms: float
@@ -141,9 +146,30 @@ def _timed(forward: Forward, weights, x, routes, tiles: dict[str, str], timer: T
     return ms, trial.picks
 
 
+def _confirm(base_ms: float, time_today: Callable[[], float], time_tuned: Callable[[], float], rounds: int,
+             min_gain: float) -> tuple[float, float, bool]:
+    """Today's forward ms, the tuned forward's, and whether the tuned tiles are faster by more than
+    ``min_gain``. One round: the tuned forward once, against the faster of today's ``base_ms``
+    (timed before the trials) and one timing after. More rounds: today's and the tuned forward
+    timed alternately, back to back, so that a drift of the GPU's clock falls on both; kept where
+    the median of the rounds' ratios (today's over the tuned) exceeds 1 + ``min_gain``; the ms
+    reported are each side's median."""
+    if rounds == 1:
+        tuned_ms = time_tuned()
+        default_ms = min(base_ms, time_today())
+        return default_ms, tuned_ms, tuned_ms * (1 + min_gain) < default_ms
+    today, tuned = [], []
+    for _ in range(rounds):
+        today.append(time_today())
+        tuned.append(time_tuned())
+    ratio = statistics.median(a / b for a, b in zip(today, tuned, strict=True))
+    return statistics.median(today), statistics.median(tuned), ratio > 1 + min_gain
+
+
 def tune_forward(forward: Forward, weights, cfg: MoEConfig, tokens: Sequence[int] = DEFAULT_TOKENS, *,
                  path: str | os.PathLike | None = None, min_gain: float = MIN_GAIN, routings: int = 3,
-                 dtype=jnp.bfloat16, timer: Timer | None = None, log: Callable[[str], None] | None = print) -> Report:
+                 rounds: int = 1, dtype=jnp.bfloat16, timer: Timer | None = None,
+                 log: Callable[[str], None] | None = print) -> Report:
     """:func:`tune` on any forward ``forward(weights, x, topk_weights, topk_ids)`` of layer ``cfg``
     whose grouped GEMMs pick their tiles through :func:`jax_moe.backends.cutlass_tiles.pick_tile`
     (``weights``: a pytree, an argument of the jitted program, not a constant folded into it)."""
@@ -153,6 +179,8 @@ def tune_forward(forward: Forward, weights, cfg: MoEConfig, tokens: Sequence[int
         raise ValueError(f"min_gain must be >= 0, got {min_gain}")
     if routings < 1:
         raise ValueError(f"routings must be >= 1, got {routings}")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
     bad = [t for t in tokens if not isinstance(t, int) or t < 1]
     if bad or not tokens:
         raise ValueError(f"tokens must be positive token counts, got {list(tokens)}")
@@ -184,9 +212,10 @@ def tune_forward(forward: Forward, weights, cfg: MoEConfig, tokens: Sequence[int
         chosen = {key: choose(cells[key], picks[key], min_gain) for key in today}
         default_ms = tuned_ms = base_ms
         if chosen != picks:  # the forward on every chosen tile, and on today's once more, must confirm
-            tuned_ms, _ = _timed(forward, weights, x, routes, chosen, timer)
-            default_ms = min(base_ms, _timed(forward, weights, x, routes, {}, timer)[0])
-            if tuned_ms * (1 + min_gain) >= default_ms:
+            default_ms, tuned_ms, confirmed = _confirm(
+                base_ms, lambda: _timed(forward, weights, x, routes, {}, timer)[0],
+                lambda: _timed(forward, weights, x, routes, chosen, timer)[0], rounds, min_gain)
+            if not confirmed:
                 chosen = picks
         for key, (r, tile) in today.items():
             g = TunedGemm(t, key, r, tile, chosen[key], cells[key])
@@ -204,12 +233,14 @@ def tune_forward(forward: Forward, weights, cfg: MoEConfig, tokens: Sequence[int
 
 
 def tune(block, tokens: Sequence[int] = DEFAULT_TOKENS, *, path: str | os.PathLike | None = None,
-         min_gain: float = MIN_GAIN, routings: int = 3, timer: Timer | None = None,
+         min_gain: float = MIN_GAIN, routings: int = 3, rounds: int = 1, timer: Timer | None = None,
          log: Callable[[str], None] | None = print) -> Report:
     """Times ``block``'s routed experts (a :class:`jax_moe.MoEBlock`, as it will run: quantized
     and prepared or not) with each grouped GEMM on each cutlass tile, at each of ``tokens``
     tokens, on this GPU; keeps a tile only where the forward is faster than today's pick by more
-    than ``min_gain``; writes the tiles to ``path`` (JSON; tiles of other GEMMs already there are
+    than ``min_gain``, in the whole forward's confirmation too (``rounds`` > 1: that many rounds of
+    today's and the tuned forward back to back, their median ratio deciding: the way to keep gains
+    smaller than one timing's spread, with a smaller ``min_gain``); writes the tiles to ``path`` (JSON; tiles of other GEMMs already there are
     kept; None: not written). Returns the :class:`Report` (``report.markdown()`` prints it).
 
     Raises ValueError when the block's experts do not run on the ``cutlass`` backend (tiles are
@@ -231,7 +262,7 @@ def tune(block, tokens: Sequence[int] = DEFAULT_TOKENS, *, path: str | os.PathLi
         return nnx.merge(graphdef, w)._run_experts(x, topk_weights, topk_ids)
 
     return tune_forward(forward, state, block.config, tokens, path=path, min_gain=min_gain, routings=routings,
-                        dtype=block.dtype, timer=timer, log=log)
+                        rounds=rounds, dtype=block.dtype, timer=timer, log=log)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -287,6 +318,9 @@ def main(argv: Sequence[str] | None = None) -> Report:
     p.add_argument("--scheme", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS))
     p.add_argument("--min-gain", type=float, default=MIN_GAIN)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of the whole forward's confirmation, today's tiles and the tuned ones back to "
+                        "back (more than 1: their median ratio decides; pair it with a smaller --min-gain)")
     p.add_argument("--finalize", choices=("gather", "scatter"), default=None,
                    help="how the tuned forward sums each token's rows (sets JAX_MOE_CUTLASS_FINALIZE in this "
                         "process; default: what finalize='auto' takes here, the scatter unless the environment "
@@ -313,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> Report:
           f"{cfg.activation} {args.scheme}, T={args.tokens}"
           f"{'' if args.finalize is None else f', finalize={args.finalize}'}")
     try:
-        report = tune(random_block(cfg, args.scheme), args.tokens, path=args.out, min_gain=args.min_gain)
+        report = tune(random_block(cfg, args.scheme), args.tokens, path=args.out, min_gain=args.min_gain,
+                      rounds=args.rounds)
     except ValueError as err:  # what cannot be tuned here, said without a traceback
         p.exit(2, f"{p.prog}: {err}\n")
     print(report.markdown())

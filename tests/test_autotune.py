@@ -99,6 +99,48 @@ def test_gains_the_whole_forward_does_not_confirm_are_not_kept(tmp_path):
     assert all(t != "pingpong_64x256" for pts in tc.load(tmp_path / "t.json", ct.TILES).gemms.values() for _, t in pts)
 
 
+def test_confirmation_rounds_alternate_the_two_forwards_and_keep_a_gain_their_median_ratio_shows(tmp_path):
+    """rounds=3: after the trials, today's forward and the tuned one are timed back to back three
+    times (1 + 8 trials + 6 timings); a 2% gain clears min_gain=1%, and the ms reported are medians."""
+    timer, calls = synthetic_timer({("gemm1", "pingpong_64x256"): 0.02}), []
+
+    def counted(fn, inputs, vary):
+        calls.append(1)
+        return timer(fn, inputs, vary)
+
+    report = autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), min_gain=0.01, rounds=3,
+                                   timer=counted, log=None)
+    (fwd,) = report.forwards
+    assert len(calls) == 1 + 2 * (len(ct.TILES) - 1) + 2 * 3
+    assert fwd.kept and fwd.default_ms == pytest.approx(1.0) and fwd.tuned_ms == pytest.approx(0.98)
+    assert {g.key: g.chosen for g in report.gemms}[GEMM1] == "pingpong_64x256"
+
+
+def clocked(ms: float, calls):
+    """A forward of ``ms`` on a GPU that slows by 0.5% with each timing (``calls`` counts them all)."""
+    return lambda: ms * (1 + 0.005 * next(calls))
+
+
+def test_a_drift_over_the_rounds_falls_on_both_forwards():
+    calls = iter(range(100))
+    default_ms, tuned_ms, kept = autotune._confirm(1.0, clocked(1.0, calls), clocked(0.97, calls), 3, 0.01)
+    assert kept  # each round's pair, back to back, still shows the 3%
+    assert default_ms == pytest.approx(1.01) and tuned_ms == pytest.approx(0.97 * 1.015)
+
+
+def test_one_lucky_round_of_three_does_not_make_a_gain():
+    today, tuned = iter([1.0, 1.0, 1.0]), iter([0.90, 1.0, 1.0])
+    _, _, kept = autotune._confirm(1.0, lambda: next(today), lambda: next(tuned), 3, 0.01)
+    assert not kept  # the median ratio is 1.0 (a mean would have said 3.7%)
+
+
+def test_one_round_sets_the_tuned_forward_against_todays_faster_timing():
+    """One round (the default): today's is the faster of its timing before the trials and one after."""
+    default_ms, tuned_ms, kept = autotune._confirm(0.95, lambda: 1.0, lambda: 0.96, 1, 0.01)
+    assert (default_ms, tuned_ms, kept) == (0.95, 0.96, False)
+    assert autotune._confirm(1.0, lambda: 1.0, lambda: 0.95, 1, 0.03)[2]
+
+
 def test_later_traces_on_the_same_gpu_model_read_the_tuned_tiles_first(tmp_path, monkeypatch):
     path = tmp_path / "tiles.json"
     cache = tc.TileCache(device_kind())
@@ -292,6 +334,8 @@ def test_tune_refuses_what_it_cannot_tune(monkeypatch):
         autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (0,), log=None)
     with pytest.raises(ValueError, match="min_gain"):
         autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), min_gain=-1, log=None)
+    with pytest.raises(ValueError, match="rounds must be a positive int, got 0"):
+        autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), rounds=0, log=None)
     monkeypatch.setenv(ct.TILE_ENV, "coop_128x128")
     with pytest.raises(ValueError, match=ct.TILE_ENV):
         autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), log=None)
@@ -392,6 +436,21 @@ def test_the_command_line_tunes_the_scattering_forward_when_asked(tmp_path, monk
     with pytest.raises(SystemExit):
         autotune.main(["--shape", "16", "256", "128", "4", "--finalize", "scatter", "--out", str(tmp_path / "t.json")])
     assert seen == ["scatter"]
+
+
+def test_the_command_line_passes_its_rounds_and_min_gain_to_the_tuner(tmp_path, monkeypatch):
+    seen = {}
+
+    def tune(block, tokens, **kw):
+        seen.update(kw)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(autotune, "tune", tune)
+    monkeypatch.setattr(autotune, "random_block", lambda cfg, scheme: None)
+    with pytest.raises(SystemExit):
+        autotune.main(["--shape", "16", "256", "128", "4", "--rounds", "3", "--min-gain", "0.01",
+                       "--out", str(tmp_path / "t.json")])
+    assert seen["rounds"] == 3 and seen["min_gain"] == 0.01
 
 
 @pytest.mark.gpu

@@ -304,6 +304,15 @@ def test_tune_models_hands_finalize_to_each_tuner(tune_models, monkeypatch):
     assert "--finalize" not in calls[1]
 
 
+def test_tune_models_hands_rounds_and_min_gain_to_each_tuner_only_when_given(tune_models, monkeypatch):
+    calls = []
+    monkeypatch.setattr(tune_models.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    assert tune_models.main(["--models", "olmoe", "--rounds", "3", "--min-gain", "0.01", "--out", "t.json"]) == 0
+    assert calls[0][-4:] == ["--min-gain", "0.01", "--rounds", "3"]
+    assert tune_models.main(["--models", "olmoe", "--out", "t.json"]) == 0
+    assert "--rounds" not in calls[1] and "--min-gain" not in calls[1]
+
+
 def test_tune_models_leaves_the_bench_models_to_the_measured_table_on_its_gpu_model(tune_models, monkeypatch):
     from jax_moe import device
     from jax_moe.backends.cutlass_tiles import MEASURED_ON
