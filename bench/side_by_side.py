@@ -14,8 +14,9 @@ does the device's part; this module prepares the baseline and reads the rounds b
 The bench command must take ``--json FILE`` and write :mod:`bench.stage_breakdown`'s rows (a list
 of objects with ``model``, ``T``, ``impl``, ``busy`` and ``stages``, microseconds of device time).
 Rounds are files ``base_<round>.json`` and ``new_<round>.json``; the table gives, per row and
-stage, the medians over rounds and ``new / base`` with its range over the rounds (each round's new
-against the same round's base).
+stage (and per layer in the loop, where the rows carry ``--loop`` figures), the medians over rounds
+and ``new / base`` with its range over the rounds (each round's new against the same round's base).
+``bench/tile_rounds.py`` writes such rounds for two tiles of one GEMM in one tree.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from collections.abc import Sequence
 
 BASE_DIR = ".base"
 SIDES = ("base", "new")
-# the rows' quantities compared, in the table's order (those that are zero on both sides are left out)
-QUANTITIES = ("busy", "gemm1", "gemm2", "permute", "act", "finalize", "sort", "route", "setup", "glue")
+# the rows' quantities compared, in the table's order (those that are zero on both sides are left out);
+# "loop busy" and "loop gemm": per layer in the loop of ``stage_breakdown --loop N``
+QUANTITIES = ("busy", "gemm1", "gemm2", "permute", "act", "finalize", "sort", "route", "setup", "glue", "loop busy",
+              "loop gemm")
 
 
 def prepare(rev: str, dest: str = BASE_DIR, repo: str = ".") -> str:
@@ -51,8 +54,15 @@ def prepare(rev: str, dest: str = BASE_DIR, repo: str = ".") -> str:
     return commit
 
 
-def _quantity(row: dict, name: str) -> float:
-    return float(row["busy"]) if name == "busy" else float(row.get("stages", {}).get(name, 0.0))
+def _quantity(row: dict, name: str) -> float | None:
+    """A row's figure (us); None for a loop figure where the run had no loop or its trace was not
+    attributed."""
+    if name == "busy":
+        return float(row["busy"])
+    if name.startswith("loop "):
+        loop = row.get("loop")
+        return None if not loop else float(loop[name.removeprefix("loop ")])
+    return float(row.get("stages", {}).get(name, 0.0))
 
 
 def read_rounds(folder: str) -> dict[str, dict[int, list[dict]]]:
@@ -66,10 +76,11 @@ def read_rounds(folder: str) -> dict[str, dict[int, list[dict]]]:
     return out
 
 
-def table(rounds: dict[str, dict[int, list[dict]]]) -> list[str]:
+def table(rounds: dict[str, dict[int, list[dict]]], sides: str = "the base, then the new tree") -> list[str]:
     """Markdown lines: per (model, T, impl) and quantity, the base and new medians over rounds (us),
     new / base of the medians, and the range of the rounds' own new / base. Rounds present on one side
-    only, and rows missing from a round, are left out of the ratios."""
+    only, rows missing from a round, and loop figures missing from one side of a round, are left out.
+    ``sides`` says in the last line what each round ran."""
     paired = sorted(set(rounds["base"]) & set(rounds["new"]))
     if not paired:
         raise ValueError("no round has both a base and a new file")
@@ -85,7 +96,9 @@ def table(rounds: dict[str, dict[int, list[dict]]]) -> list[str]:
     for k in keys:
         present = [n for n in paired if all(k in by_round[s][n] for s in SIDES)]
         for q in QUANTITIES:
-            vals = {s: [_quantity(by_round[s][n][k], q) for n in present] for s in SIDES}
+            pairs = [tuple(_quantity(by_round[s][n][k], q) for s in SIDES) for n in present]
+            pairs = [p for p in pairs if None not in p]  # the rounds with the figure on both sides
+            vals = {s: [p[i] for p in pairs] for i, s in enumerate(SIDES)}
             if not any(vals["base"]) and not any(vals["new"]):
                 continue
             base, new = statistics.median(vals["base"]), statistics.median(vals["new"])
@@ -93,7 +106,7 @@ def table(rounds: dict[str, dict[int, list[dict]]]) -> list[str]:
             ratio = f"{new / base:.3f}" if base else "n/a"
             spread = f"{min(per):.3f} - {max(per):.3f}" if base and all(per) else "n/a"
             lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {q} | {base:.1f} | {new:.1f} | {ratio} | {spread} |")
-    lines.append(f"\n{len(paired)} round(s); each round ran the base, then the new tree, on one GPU.")
+    lines.append(f"\n{len(paired)} round(s); each round ran {sides}, on one GPU.")
     return lines
 
 

@@ -40,6 +40,20 @@ def test_the_table_gives_medians_their_ratio_and_the_rounds_range(side_by_side, 
     assert "3 round(s)" in lines[-1]
 
 
+def test_the_loops_figures_per_layer_are_compared_where_the_rows_have_them(side_by_side, tmp_path):
+    for rnd, (b, n) in enumerate([(414.0, 408.0), (413.8, 407.9)], start=1):
+        base, new = _row("Qwen3", 4096, b, gemm2=161.0), _row("Qwen3", 4096, n, gemm2=156.8)
+        base["loop"], new["loop"] = {"layers": 8, "busy": b, "span": b + 30, "gemm": b - 43}, None
+        if rnd == 2:
+            new["loop"] = {"layers": 8, "busy": n, "span": n + 30, "gemm": n - 43}
+        _write(tmp_path, "base", rnd, [base])
+        _write(tmp_path, "new", rnd, [new])
+    lines = side_by_side.table(side_by_side.read_rounds(str(tmp_path)))
+    loop = next(line for line in lines if "| loop busy |" in line)
+    assert loop == "| Qwen3 | 4096 | cutlass fp8 | loop busy | 413.8 | 407.9 | 0.986 | 0.986 - 0.986 |"  # round 2 only
+    assert any("| loop gemm |" in line for line in lines)
+
+
 def test_rounds_and_rows_on_one_side_only_are_left_out(side_by_side, tmp_path):
     _write(tmp_path, "base", 1, [_row("Qwen3", 64, 10.0, gemm2=5.0), _row("Qwen3", 4096, 100.0, gemm2=50.0)])
     _write(tmp_path, "new", 1, [_row("Qwen3", 4096, 80.0, gemm2=40.0)])
