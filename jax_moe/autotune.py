@@ -31,8 +31,8 @@ ratios beats ``min_gain``: alternation lays a drift of the GPU's clock on both s
 ``min_gain`` can go with it. What is written is the tile per GEMM at that token count's rows per
 expert; other token counts take the nearest point on a log scale, up to twice as many or half as
 many rows per expert as any tuned (beyond that, the shipped tiles and the heuristic decide: tune
-the token counts you serve). Token counts on the decode path (a few slots, no grouped GEMM) have nothing to
-tune. Training's backward GEMMs keep the shipped picks.
+the token counts you serve). Token counts on the decode path (a few slots, no grouped GEMM) have
+nothing to tune. Training's backward GEMMs keep the shipped picks.
 ``bench/tune_models.py`` runs this over popular layers' shapes to write the shipped tiles.
 """
 
@@ -240,8 +240,8 @@ def tune(block, tokens: Sequence[int] = DEFAULT_TOKENS, *, path: str | os.PathLi
     tokens, on this GPU; keeps a tile only where the forward is faster than today's pick by more
     than ``min_gain``, in the whole forward's confirmation too (``rounds`` > 1: that many rounds of
     today's and the tuned forward back to back, their median ratio deciding: the way to keep gains
-    smaller than one timing's spread, with a smaller ``min_gain``); writes the tiles to ``path`` (JSON; tiles of other GEMMs already there are
-    kept; None: not written). Returns the :class:`Report` (``report.markdown()`` prints it).
+    smaller than one timing's spread, with a smaller ``min_gain``); writes the tiles to ``path``
+    (JSON; tiles of other GEMMs already there are kept; None: not written). Returns the :class:`Report` (``report.markdown()`` prints it).
 
     Raises ValueError when the block's experts do not run on the ``cutlass`` backend (tiles are
     its), when ``JAX_MOE_CUTLASS_TILE`` forces a tile, or when ``path`` holds another GPU's tiles."""
