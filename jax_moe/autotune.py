@@ -241,7 +241,8 @@ def tune(block, tokens: Sequence[int] = DEFAULT_TOKENS, *, path: str | os.PathLi
     than ``min_gain``, in the whole forward's confirmation too (``rounds`` > 1: that many rounds of
     today's and the tuned forward back to back, their median ratio deciding: the way to keep gains
     smaller than one timing's spread, with a smaller ``min_gain``); writes the tiles to ``path``
-    (JSON; tiles of other GEMMs already there are kept; None: not written). Returns the :class:`Report` (``report.markdown()`` prints it).
+    (JSON; tiles of other GEMMs already there are kept; None: not written). Returns the
+    :class:`Report` (``report.markdown()`` prints it).
 
     Raises ValueError when the block's experts do not run on the ``cutlass`` backend (tiles are
     its), when ``JAX_MOE_CUTLASS_TILE`` forces a tile, or when ``path`` holds another GPU's tiles."""
