@@ -11,11 +11,11 @@ the first tile, ``new_<round>.json`` for the second), and their table is printed
         python3 bench/stage_breakdown.py --scheme fp8 --no-peer --models qwen3 --tokens 4096 --loop 8
 
 The GEMM is keyed as the tile caches key it, ``kind/E/N/K``
-(:func:`jax_moe.backends.cutlass_tile_cache.gemm_key`; ``python -m jax_moe.autotune`` prints the
-keys a forward traces). ``rows`` is the point's rows per expert: the point answers from half to
-twice that, so pass the command's own T * k / E. The command must take ``--json FILE`` and write
-:mod:`bench.stage_breakdown`'s rows. Tiles that win go into ``jax_moe/backends/tuned_tiles/`` with
-the figures they won by.
+(:func:`jax_moe.backends.cutlass_tile_cache.gemm_key`), as in the shipped files of
+``jax_moe/backends/tuned_tiles/`` and in the autotuner's log lines. ``rows`` is the point's rows
+per expert: the point answers from half to twice that, so pass the command's own T * k / E. The
+command must take ``--json FILE`` and write :mod:`bench.stage_breakdown`'s rows. Tiles that win go
+into ``jax_moe/backends/tuned_tiles/`` with the figures they won by.
 """
 
 from __future__ import annotations
