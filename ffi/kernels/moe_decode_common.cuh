@@ -56,13 +56,6 @@ __device__ __forceinline__ void StreamRows(const uint4* const (&rows)[kRows], in
   }
 }
 
-// x summed over the warp: every lane gets it.
-__device__ __forceinline__ float WarpSum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
-
 // The checks both decode handlers make alike, of a call of shape s: at most 65535 slots and tokens (a
 // grid's y), the output, the optional biases and the activation attributes; n names the handler in the
 // error.

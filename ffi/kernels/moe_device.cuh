@@ -56,6 +56,20 @@ __device__ __forceinline__ uint32_t PackFp8x2(float lo, float hi) {
   return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
 }
 
+// x summed over the warp: every lane gets it.
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// The warp's largest x: every lane gets it. fmaxf drops a NaN unless every lane holds one.
+__device__ __forceinline__ float WarpMax(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
 // V consecutive elements, loaded or stored as one access (the caller checks the alignment).
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Vec {

@@ -143,8 +143,7 @@ __device__ __forceinline__ float2 RowQuantScale(int64_t vectors, int lane, const
           for (int i = 0; i < V; ++i) amax = fmaxf(amax, FiniteAbs(v[u][i]));
         }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    amax = WarpMax(amax);
     const float scale = AmaxToScale(amax);
     return make_float2(scale, 1.0f / scale);
   } else if constexpr (Quant == kQuantStatic) {

@@ -12,6 +12,7 @@
 
 #include "../common/binding.h"
 #include "../common/errors.h"
+#include "moe_device.cuh"
 #include "route.h"
 #include "warp_order.cuh"
 
@@ -28,27 +29,15 @@ struct RouteParams {
   float scale;
 };
 
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-
-// fmaxf drops NaN; a NaN logit still makes its row's softmax NaN through expf(NaN - max).
-__device__ __forceinline__ float WarpMaxF(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
-}
-
 __device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // log(sigmoid(x)) without underflow: min(x, 0) - log1p(exp(-|x|)).
 __device__ __forceinline__ float LogSigmoid(float x) { return fminf(x, 0.0f) - log1pf(expf(-fabsf(x))); }
 
 // The softmax over lanes 0..k-1 of v (other lanes' v ignored), on those lanes.
+// WarpMax drops a NaN, but a NaN logit still makes its row's softmax NaN through expf(NaN - max).
 __device__ __forceinline__ float LaneSoftmax(float v, bool mine) {
-  const float m = WarpMaxF(mine ? v : -INFINITY);
+  const float m = WarpMax(mine ? v : -INFINITY);
   const float ex = mine ? expf(v - m) : 0.0f;
   return ex / WarpSum(ex);
 }
@@ -78,7 +67,7 @@ __global__ void RouteRows(const float* logits, const float* bias, int64_t rows, 
     float m = -INFINITY;
 #pragma unroll
     for (int i = 0; i < P; ++i) m = fmaxf(m, l[i]);
-    row_max = WarpMaxF(m);
+    row_max = WarpMax(m);
     float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < P; ++i) s += ((valid >> i) & 1u) ? expf(l[i] - row_max) : 0.0f;
