@@ -1,5 +1,5 @@
-"""bench/tile_rounds.py: two tiles of one grouped GEMM timed in alternating rounds, each run reading
-a one-point tile cache, and the rounds' table."""
+"""bench/tile_rounds.py: two tiles of one grouped GEMM (each run reading a one-point tile cache), or
+two whole tile caches, timed in alternating rounds, and the rounds' table."""
 
 import json
 import os
@@ -74,3 +74,57 @@ def test_a_run_past_its_timeout_leaves_its_round_out(tile_rounds, tmp_path):
     lines = tile_rounds.run_rounds(GEMM, 256, ["coop_128x256", "pingpong_64x256"], 3, ["bench"], str(tmp_path),
                                    "NVIDIA H200", runner=flaky)
     assert len(runs) == 6 and lines[-1].lstrip().startswith("2 round(s)")
+
+
+def cache_file(path, device: str, tile: str) -> str:
+    cache = tc.TileCache(device)
+    cache.record(GEMM, 256, tile, {})
+    cache.save(path)
+    return str(path)
+
+
+def test_two_whole_caches_run_in_turn_and_shipped_names_the_shipped_tiles_alone(tile_rounds, tmp_path, monkeypatch):
+    monkeypatch.setenv(tc.CACHE_ENV, "/somewhere/else.json")  # the caller's own cache is never read
+    seen = []
+
+    def bench(cmd, env, timeout, check):
+        path = env.get(tc.CACHE_ENV)
+        seen.append(path)
+        gemm2 = 161.0 if path is None else 156.8  # the shipped tiles, then the tuned file
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump([{"model": "Qwen3-30B-A3B", "T": 4096, "impl": "cutlass fp8", "busy": 250 + gemm2,
+                        "stages": {"gemm2": gemm2}}], f)
+
+    tuned = cache_file(tmp_path / "tuned.json", "NVIDIA H200", "pingpong_64x256")
+    lines = tile_rounds.run_caches(["shipped", tuned], 2, ["bench"], str(tmp_path / "rounds"), "NVIDIA H200",
+                                   runner=bench)
+    assert seen == [None, tuned] * 2
+    assert "| Qwen3-30B-A3B | 4096 | cutlass fp8 | gemm2 | 161.0 | 156.8 | 0.974 | 0.974 - 0.974 |" in lines
+    assert "each round ran the shipped tiles, then tuned.json" in lines[-1]
+
+
+def test_a_cache_that_would_not_be_read_is_refused_before_any_run(tile_rounds, tmp_path):
+    runs = []
+    bench = fake_bench({}, runs)
+    other = cache_file(tmp_path / "h100.json", "NVIDIA H100 80GB HBM3", "pingpong_64x256")
+    with pytest.raises(ValueError, match="holds tiles of NVIDIA H100 80GB HBM3, not this NVIDIA H200"):
+        tile_rounds.run_caches(["shipped", other], 2, ["b"], str(tmp_path), "NVIDIA H200", runner=bench)
+    with pytest.raises(ValueError, match="missing.json"):
+        tile_rounds.run_caches(["shipped", str(tmp_path / "missing.json")], 2, ["b"], str(tmp_path), "NVIDIA H200",
+                               runner=bench)
+    with pytest.raises(ValueError, match="two different tile caches"):
+        tile_rounds.run_caches(["shipped", "shipped"], 2, ["b"], str(tmp_path), "NVIDIA H200", runner=bench)
+    assert runs == []
+
+
+def test_the_command_line_takes_one_form_or_the_other(tile_rounds, capsys):
+    cmd = ["--", "bench"]
+    for argv in (["--caches", "shipped", "t.json", GEMM, "256", "coop_128x256", "pingpong_64x256"],  # both
+                 [GEMM, "256", "coop_128x256"],  # a tile short
+                 [GEMM, "many", "coop_128x256", "pingpong_64x256"],  # rows not a number
+                 [GEMM, "256", "coop_128x256", "no_such_tile"]):
+        with pytest.raises(SystemExit) as exit_:
+            tile_rounds.main(argv + cmd)
+        assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "not both" in err and "GEMM ROWS TILE TILE" in err and "must be a number" in err and "no_such_tile" in err
