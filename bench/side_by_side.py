@@ -16,7 +16,7 @@ of objects with ``model``, ``T``, ``impl``, ``busy`` and ``stages``, microsecond
 Rounds are files ``base_<round>.json`` and ``new_<round>.json``; the table gives, per row and
 stage (and per layer in the loop, where the rows carry ``--loop`` figures), the medians over rounds
 and ``new / base`` with its range over the rounds (each round's new against the same round's base).
-``bench/tile_rounds.py`` writes such rounds for two tiles of one GEMM in one tree.
+``bench/tile_rounds.py`` writes such rounds for two tiles of one GEMM, or two tile caches, in one tree.
 """
 
 from __future__ import annotations
