@@ -106,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         if rc:
             failed.append(name)
     print(f"## tiles in {out}")
+    bench_models = [m for m in models if m in BENCH_MODELS]
+    if args.out and bench_models:  # a 1-3% pick can tie or lose in a model's loop of layers: time it there
+        print(f"## confirm them layer after layer: python3 bench/tile_rounds.py --caches shipped {out} --rounds 2 -- "
+              f"python3 bench/stage_breakdown.py --scheme {args.scheme} --no-peer --models {' '.join(bench_models)} "
+              f"--tokens {' '.join(map(str, args.tokens))} --loop 8")
     if failed:
         print(f"## failed: {' '.join(failed)}")
     return 1 if failed else 0

@@ -313,6 +313,18 @@ def test_tune_models_hands_rounds_and_min_gain_to_each_tuner_only_when_given(tun
     assert "--rounds" not in calls[1] and "--min-gain" not in calls[1]
 
 
+def test_tune_models_says_how_to_confirm_the_bench_models_tiles_in_a_loop(tune_models, monkeypatch, capsys):
+    monkeypatch.setattr(tune_models.subprocess, "call", lambda cmd: 0)
+    assert tune_models.main(["--models", "qwen3", "olmoe", "--scheme", "fp8", "--tokens", "1024", "4096",
+                             "--out", "t.json"]) == 0
+    hint = [line for line in capsys.readouterr().out.splitlines() if "tile_rounds.py" in line]
+    assert hint == ["## confirm them layer after layer: python3 bench/tile_rounds.py --caches shipped t.json --rounds 2 "
+                    "-- python3 bench/stage_breakdown.py --scheme fp8 --no-peer --models qwen3 --tokens 1024 4096 "
+                    "--loop 8"]
+    assert tune_models.main(["--models", "olmoe", "--out", "t.json"]) == 0  # stage_breakdown has no such model
+    assert "tile_rounds.py" not in capsys.readouterr().out
+
+
 def test_tune_models_leaves_the_bench_models_to_the_measured_table_on_its_gpu_model(tune_models, monkeypatch):
     from jax_moe import device
     from jax_moe.backends.cutlass_tiles import MEASURED_ON
