@@ -318,9 +318,9 @@ def test_tune_models_says_how_to_confirm_the_bench_models_tiles_in_a_loop(tune_m
     assert tune_models.main(["--models", "qwen3", "olmoe", "--scheme", "fp8", "--tokens", "1024", "4096",
                              "--out", "t.json"]) == 0
     hint = [line for line in capsys.readouterr().out.splitlines() if "tile_rounds.py" in line]
-    assert hint == ["## confirm them layer after layer: python3 bench/tile_rounds.py --caches shipped t.json --rounds 2 "
-                    "-- python3 bench/stage_breakdown.py --scheme fp8 --no-peer --models qwen3 --tokens 1024 4096 "
-                    "--loop 8"]
+    assert hint == ["## confirm them layer after layer: python3 bench/tile_rounds.py --caches shipped t.json "
+                    "--rounds 2 -- python3 bench/stage_breakdown.py --scheme fp8 --no-peer --models qwen3 "
+                    "--tokens 1024 4096 --loop 8"]
     assert tune_models.main(["--models", "olmoe", "--out", "t.json"]) == 0  # stage_breakdown has no such model
     assert "tile_rounds.py" not in capsys.readouterr().out
 
