@@ -1,5 +1,5 @@
-// Device helpers shared by the MoE row kernels: element types, float conversions, vector access,
-// and FP8 E4M3 quantization with jax_moe/quant/fp8.py's exact arithmetic.
+// Device helpers shared by the MoE row kernels: element types, float conversions, warp sums and
+// maxima, vector access, and FP8 E4M3 quantization with jax_moe/quant/fp8.py's exact arithmetic.
 #pragma once
 
 #include <cuda_bf16.h>
