@@ -108,7 +108,8 @@ enum CutlassTile : int {
   kTileCoop128x256 = 2,     // 128x256, cooperative, 2x1 cluster: large prefill and training batches
   kTilePingpong64x256 = 3,  // 64x256, pingpong: weight streaming with half the tiles of 64x128
   kTilePingpong64x128K2 = 4,  // 64x128, pingpong, a K tile of 256 bytes (128 bf16, 256 fp8): longer row reads
-  kNumCutlassTiles = 5,
+  kTileCoop128x256C1 = 5,  // 128x256, cooperative, no cluster: M tiles not rounded up to pairs per expert
+  kNumCutlassTiles = 6,
 };
 
 // Operand types: one FFI target each.

@@ -147,8 +147,9 @@ ffi::Error Run(const GroupedGemmCall& call);
   M(KIND, kTilePingpong64x128)                 \
   M(KIND, kTileCoop128x256)                    \
   M(KIND, kTilePingpong64x256)                 \
-  M(KIND, kTilePingpong64x128K2)
-static_assert(kNumCutlassTiles == 5, "one entry per tile in JAX_MOE_FOR_EACH_CUTLASS_TILE");
+  M(KIND, kTilePingpong64x128K2)               \
+  M(KIND, kTileCoop128x256C1)
+static_assert(kNumCutlassTiles == 6, "one entry per tile in JAX_MOE_FOR_EACH_CUTLASS_TILE");
 
 #define JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, TILE)                   \
   template <>                                                      \

@@ -154,5 +154,7 @@ template <>
 struct TileSchedule<kTilePingpong64x256> : Schedule<_64, _256, Shape<_1, _1, _1>, true> {};
 template <>  // 256 bytes of each row per stage: two 128-byte swizzle atoms side by side
 struct TileSchedule<kTilePingpong64x128K2> : Schedule<_64, _128, Shape<_1, _1, _1>, true, 256> {};
+template <>  // no cluster: the grouped scheduler rounds each expert's M tiles up to whole clusters
+struct TileSchedule<kTileCoop128x256C1> : Schedule<_128, _256, Shape<_1, _1, _1>, false> {};
 
 }  // namespace jax_moe::cutlass_gg

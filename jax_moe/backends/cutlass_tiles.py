@@ -66,7 +66,7 @@ from jax_moe.device import device_kind
 # tile name -> CutlassTile in ffi/cutlass/grouped_gemm.h (one CUTLASS instantiation per kind; the K
 # tile is 128 bytes, 64 for bf16 and 128 for fp8, except pingpong_64x128_k256's 256 bytes)
 TILES: dict[str, int] = {"coop_128x128": 0, "pingpong_64x128": 1, "coop_128x256": 2, "pingpong_64x256": 3,
-                         "pingpong_64x128_k256": 4}
+                         "pingpong_64x128_k256": 4, "coop_128x256_c1": 5}
 TILE_ENV = "JAX_MOE_CUTLASS_TILE"
 DECODE_ROWS_PER_EXPERT = 64  # below this many rows per expert on average: the 64-row pingpong tile
 WIDE_ROWS_PER_EXPERT = 128  # from this many: the 128x256 tile with a 2x1 cluster
