@@ -295,6 +295,30 @@ def test_the_tuner_starts_from_the_shipped_tiles_not_the_users(tmp_path, monkeyp
     assert trial.picks == [(GEMM1, 4.0, ct.heuristic_tile(4)), (GEMM2, 4.0, "coop_128x256")]
 
 
+def test_on_an_h200_a_shipped_clustered_pick_runs_unclustered_below_1536_rows_per_expert(tmp_path, monkeypatch):
+    """The 2x1 cluster rounds each expert's row tiles up to pairs. The shipped picks were tuned before
+    the unclustered tile was built; the user's cache and the tuner's trials timed both and are kept."""
+    h200 = "NVIDIA H200"
+    monkeypatch.setattr(tc, "SHIPPED_DIR", str(tmp_path))
+    monkeypatch.setattr(ct, "device_kind", lambda device=None: h200)
+    ship(tmp_path, h200, GEMM1, {128.0: "coop_128x256", 2048.0: "coop_128x256"})
+    assert ct.pick_tile(128 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_128x256_c1"
+    assert ct.pick_tile(2048 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_128x256"
+    with ct.tuning() as trial:
+        ct.pick_tile(128 * E, E, n=N, k=K, kind="bf16_kn_act")
+    assert trial.picks == [(GEMM1, 128.0, "coop_128x256_c1")]  # today's tile, as it runs
+    with ct.tuning({GEMM1: "coop_128x256"}) as trial:
+        ct.pick_tile(128 * E, E, n=N, k=K, kind="bf16_kn_act")
+    assert trial.picks == [(GEMM1, 128.0, "coop_128x256")]  # a trial's tile, as named
+    users = tmp_path / "users" / "tiles.json"
+    users.parent.mkdir()
+    cache = tc.TileCache(h200)
+    cache.record(GEMM1, 128.0, "coop_128x256", {"coop_128x256": 0.5, "coop_128x256_c1": 0.6})
+    cache.save(users)
+    autotune.use(users)
+    assert ct.pick_tile(128 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_128x256"
+
+
 def test_a_malformed_or_doubled_shipped_cache_is_an_error_naming_it(tmp_path, monkeypatch):
     monkeypatch.setattr(tc, "SHIPPED_DIR", str(tmp_path))
     (tmp_path / "broken.json").write_text("{not json")

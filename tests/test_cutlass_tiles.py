@@ -30,11 +30,30 @@ def test_every_tile_named_anywhere_is_built():
                                      (127, "coop_128x128"), (128, "coop_128x256"), (4096, "coop_128x256")])
 def test_bf16_heuristic_by_rows_per_expert(r, tile):
     assert ct.heuristic_tile(r) == tile
-    assert ct.heuristic_tile(r, "fp8", H200) == tile  # FP8 on an H200: not measured otherwise
+    assert ct.heuristic_tile(r, "fp8") == tile
+
+
+@pytest.mark.parametrize("r, tile", [(63, "pingpong_64x128"), (64, "coop_128x128"), (127, "coop_128x128"),
+                                     (128, "coop_128x256_c1"), (1535, "coop_128x256_c1"), (1536, "coop_128x256"),
+                                     (4096, "coop_128x256")])
+def test_an_h200_runs_the_wide_tile_without_its_cluster_below_1536_rows_per_expert(r, tile, monkeypatch):
+    """The 2x1 cluster rounds each expert's row tiles up to pairs: most costly at few rows per expert."""
+    assert ct.heuristic_tile(r, "fp8", H200) == tile
+    monkeypatch.setattr(ct, "device_kind", lambda device=None: H200)
+    assert ct.pick_tile(int(r * 16), 16, n=64, k=32, kind="fp8") == tile  # a shape in no table
+    assert ct.heuristic_tile(r, "fp8", H100) == ("coop_128x256" if r >= 128 else tile)  # not measured on an H100
+
+
+def test_a_tables_clustered_pick_runs_unclustered_on_an_h200_only(monkeypatch):
+    monkeypatch.setitem(ct.MEASURED, ("fp8", 16, 256, 512), ((256.0, "coop_128x256"),))
+    assert ct.pick_tile(16 * 256, 16, n=256, k=512, kind="fp8") == "coop_128x256"  # an H100: as measured
+    monkeypatch.setattr(ct, "device_kind", lambda device=None: H200)
+    assert ct.pick_tile(16 * 256, 16, n=256, k=512, kind="fp8") == "coop_128x256_c1"
+    assert ct.pick_tile(16 * 2048, 16, n=256, k=512, kind="fp8") == "coop_128x256"  # few pairs padded
 
 
 @pytest.mark.parametrize("r, tile", [(63, "pingpong_64x128"), (64, "pingpong_64x256"), (128, "pingpong_64x256"),
-                                     (384, "pingpong_64x256"), (448, "coop_128x256"), (4096, "coop_128x256")])
+                                     (384, "pingpong_64x256"), (448, "coop_128x256_c1"), (4096, "coop_128x256")])
 def test_an_h200_takes_the_wide_pingpong_tile_for_bf16_from_64_to_448_rows_per_expert(r, tile, monkeypatch):
     for kind in ("bf16", "bf16_kn", "bf16_kn_act"):
         assert ct.heuristic_tile(r, kind, H200) == tile

@@ -72,6 +72,8 @@ FUSED_ACT_ENV = "JAX_MOE_CUTLASS_FUSED_ACT"
 # stores, it was 0.78-1.04x.) coop_128x128 fused is 1.06-1.12x its unfused pair at 64 rows per
 # expert, where the heuristic uses it, and 0.64-0.80x on DeepSeek-V3 from 128, where neither the
 # heuristic nor the table's fp8_act rows (GEMM1 and the activation timed as one) pick it.
+# coop_128x256_c1, the same tile without its cluster, fuses as coop_128x256 does: its H200 picks
+# were timed fused.
 _BF16_FUSED = ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256", "coop_128x256",  # either b layout
                "coop_128x256_c1")
 _FP8_FUSED = ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256", "coop_128x128", "coop_128x256",

@@ -1,6 +1,6 @@
 """Which CUTLASS tile the cutlass backend's grouped GEMMs run with, chosen at trace time.
 
-The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:data:`TILES`):
+The SM90 grouped GEMM (``ffi/cutlass``) is built in six tile configurations (:data:`TILES`):
 
 - ``pingpong_64x128``: 64-row tiles, two consumer warpgroups on alternating tiles. Few rows per
   expert (decode, small batches): the weights stream, and a 64-row tile wastes least.
@@ -15,6 +15,14 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
 - ``coop_128x256``: 128x256 tiles on a 2x1 cluster (two CTAs share the weight tile by TMA
   multicast). Many rows per expert (prefill, training), bf16 and FP8 (the FP8 kernels accumulate
   without promotion into a second register accumulator, which would not fit at this tile).
+- ``coop_128x256_c1``: the same tile on no cluster. The grouped scheduler rounds each expert's
+  row tiles up to whole clusters, so on the 2x1 cluster an expert of ~128 rows runs two 128-row
+  tiles; on random routing the cluster multiplies 1.35 times the rows this tile does at 128 rows
+  per expert, 1.11 at 512, 1.03 at 2048. Without the cluster each tile reads its weight tile
+  through L2 on its own. On an H200 it is 2-12% faster than the clustered tile from 128 to 1024
+  rows per expert (GPT-OSS-120B, DeepSeek-V3, Qwen3-30B-A3B, bf16 and FP8, whole layers in a
+  loop), and level on Mixtral-8x7B at 1024 and 4096 rows (1.000 and 1.015, within its rounds'
+  spread), where the clustered tile stays.
 
 :func:`pick_tile` chooses per GEMM from the average rows per expert (``rows / E``):
 
@@ -44,6 +52,9 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in five tile configurations (:d
    :data:`DECODE_ROWS_PER_EXPERT`, 128x256 from :data:`WIDE_ROWS_PER_EXPERT`, 128x128 between;
    on an H200, bf16's ``pingpong_64x256`` from 64 to 448 rows per expert
    (:data:`WIDE_PINGPONG_ROWS`).
+5. On an H200, a ``coop_128x256`` pick of steps 2-4 runs as ``coop_128x256_c1`` below 1536 rows
+   per expert (:data:`NO_CLUSTER_BELOW_ROWS`, :func:`unclustered`); the user's cache and the
+   autotuner's trials, which time both tiles, are taken as they are.
 
 Everything here is static (shapes and a dict): the choice costs nothing at run time and the
 program stays one CUDA graph. Inside :func:`tuning` (the autotuner's trials) the user's cache is
@@ -77,6 +88,13 @@ MIN_GAIN = 0.03  # a measured tile replaces the heuristic's only where it is thi
 # four 0.96-0.99x); at 512 rows it won half; on an H100 it won no such band (the figures of the
 # shipped caches in tuned_tiles/).
 WIDE_PINGPONG_ROWS: dict[str, tuple[float, float]] = {"NVIDIA H200": (64.0, 448.0)}
+# GPU model -> rows per expert below which coop_128x256 runs as coop_128x256_c1 (unclustered()). On
+# an H200, with every clustered pick of the shipped cache from 128 to 1024 rows per expert moved,
+# whole layers in a loop of 8 were 2-8% faster for GPT-OSS-120B, DeepSeek-V3 and Qwen3-30B-A3B at
+# 16384 tokens, bf16 and FP8, and 8% for GPT-OSS-120B bf16 at 4096 (bench/RESULTS.md, sixteenth
+# session); Mixtral-8x7B was level at 1024 rows per expert and stays clustered at 4096. Not
+# measured on an H100.
+NO_CLUSTER_BELOW_ROWS: dict[str, float] = {"NVIDIA H200": 1536.0}
 
 # (kind, E, N, K) -> ((rows per expert, tile), ...) in increasing rows per expert.
 # Written by `python bench/tile_sweep.py --update-table` (the lines between the markers).
@@ -359,15 +377,28 @@ def heuristic_tile(rows_per_expert: float, kind: str = "bf16", device: str | Non
     table, on GPU model ``device`` (None: JAX's default device's): pingpong below
     :data:`DECODE_ROWS_PER_EXPERT`, 128x256 from :data:`WIDE_ROWS_PER_EXPERT`, 128x128 between
     (bf16 and FP8 alike: both kinds measured so on an H100, bench/sweeps); except that a bf16
-    GEMM on a GPU model of :data:`WIDE_PINGPONG_ROWS` takes ``pingpong_64x256`` in its band."""
-    band = WIDE_PINGPONG_ROWS.get(device_kind() if device is None else device)
+    GEMM on a GPU model of :data:`WIDE_PINGPONG_ROWS` takes ``pingpong_64x256`` in its band, and
+    on a GPU model of :data:`NO_CLUSTER_BELOW_ROWS` the 128x256 tile runs without its cluster
+    below that many rows."""
+    device = device_kind() if device is None else device
+    band = WIDE_PINGPONG_ROWS.get(device)
     if band is not None and kind.startswith("bf16") and band[0] <= rows_per_expert < band[1]:
         return "pingpong_64x256"
     if rows_per_expert < DECODE_ROWS_PER_EXPERT:
         return "pingpong_64x128"
     if rows_per_expert >= WIDE_ROWS_PER_EXPERT:
-        return "coop_128x256"
+        return unclustered("coop_128x256", rows_per_expert, device)
     return "coop_128x128"
+
+
+def unclustered(tile: str, rows_per_expert: float, device: str) -> str:
+    """``coop_128x256_c1`` for ``coop_128x256`` below :data:`NO_CLUSTER_BELOW_ROWS` rows per expert on
+    GPU model ``device``; any other tile as it is. Applied to the heuristic's, the table's and the
+    shipped caches' picks (tuned with the clustered tile before the unclustered one was built), not
+    to the user's cache or the autotuner's trials, which time both."""
+    if tile == "coop_128x256" and rows_per_expert < NO_CLUSTER_BELOW_ROWS.get(device, 0.0):
+        return "coop_128x256_c1"
+    return tile
 
 
 def measured_tile(kind: str, groups: int, n: int, k: int, rows_per_expert: float) -> str | None:
@@ -381,11 +412,18 @@ def tuned_tile(key: str, rows_per_expert: float, *, user: bool = True, device: s
     active tile cache's (the user's; ``user=False`` skips it), else the cache shipped for GPU model
     ``device`` (None: JAX's default device's); None where neither was measured on that GPU model
     or holds this GEMM within reach of ``rows_per_expert``."""
-    device = device_kind() if device is None else device
-    for cache in (cutlass_tile_cache.active(TILES) if user else None, cutlass_tile_cache.shipped(device, TILES)):
+    found = _tuned(key, rows_per_expert, user, device_kind() if device is None else device)
+    return found[0] if found is not None else None
+
+
+def _tuned(key: str, rows_per_expert: float, user: bool, device: str) -> tuple[str, bool] | None:
+    """:func:`tuned_tile`'s tile and whether the user's cache gave it."""
+    sources = ((cutlass_tile_cache.active(TILES) if user else None, True),
+               (cutlass_tile_cache.shipped(device, TILES), False))
+    for cache, users in sources:
         tile = cache.tile_for(key, rows_per_expert) if cache is not None and cache.device == device else None
         if tile is not None:
-            return tile
+            return tile, users
     return None
 
 
@@ -440,12 +478,14 @@ def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None
     tile = trial.tiles.get(key) if trial is not None else None
     plain = kind.removesuffix("_act").removesuffix("_scatter")
     if tile is None:
-        tile = tuned_tile(key, r, user=trial is None, device=device)
-    if tile is None and plain != kind:  # the plain GEMM's tuned tile (tuned where it ran without the fusion)
-        tile = tuned_tile(gemm_key(plain, num_groups, n, k), r, user=trial is None, device=device)
-    if tile is None:
-        tile = (measured_tile(kind, num_groups, n, k, r) or measured_tile(plain, num_groups, n, k, r)
-                or heuristic_tile(r, kind, device))
+        found = _tuned(key, r, trial is None, device)
+        if found is None and plain != kind:  # the plain GEMM's tuned tile (tuned where it ran without the fusion)
+            found = _tuned(gemm_key(plain, num_groups, n, k), r, trial is None, device)
+        if found is None:
+            found = (measured_tile(kind, num_groups, n, k, r) or measured_tile(plain, num_groups, n, k, r)
+                     or heuristic_tile(r, kind, device)), False
+        tile, users = found
+        tile = tile if users else unclustered(tile, r, device)
     if trial is not None:
         trial.picks.append((key, r, tile))
     return tile
