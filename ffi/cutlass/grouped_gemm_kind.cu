@@ -2,7 +2,7 @@
 // the CutlassGemmKind JAX_MOE_CUTLASS_KIND, in one object file. cmake/cutlass_gemm.cmake compiles this
 // file once per kind with JAX_MOE_CUTLASS_KIND defined; the kinds compile in parallel. A kind's tiles
 // share one TU because most of a TU's time is fixed (the CUTLASS/CuTe headers through cudafe++, cicc
-// and the host compiler): all five tiles of one kind cost about twice one tile's time, not five times
+// and the host compiler): five tiles of one kind cost about twice one tile's time, not five times
 // (the numbers are in cmake/cutlass_gemm.cmake).
 #define JAX_MOE_CUTLASS_IMPL
 #include "grouped_gemm_impl.cuh"
