@@ -19,10 +19,10 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in six tile configurations (:da
   row tiles up to whole clusters, so on the 2x1 cluster an expert of ~128 rows runs two 128-row
   tiles; on random routing the cluster multiplies 1.35 times the rows this tile does at 128 rows
   per expert, 1.11 at 512, 1.03 at 2048. Without the cluster each tile reads its weight tile
-  through L2 on its own. On an H200 it is 2-12% faster than the clustered tile from 128 to 1024
-  rows per expert (GPT-OSS-120B, DeepSeek-V3, Qwen3-30B-A3B, bf16 and FP8, whole layers in a
-  loop), and level on Mixtral-8x7B at 1024 and 4096 rows (1.000 and 1.015, within its rounds'
-  spread), where the clustered tile stays.
+  through L2 on its own. On an H200, from 128 to 1024 rows per expert, whole layers in a loop ran
+  2-8% faster on it than on the clustered tile (GPT-OSS-120B, DeepSeek-V3, Qwen3-30B-A3B, bf16
+  and FP8; one GEMM up to 12%). On Mixtral-8x7B they were level at 1024 and 4096 rows (1.000 and
+  1.015, within the spread of the rounds); from 1536 rows the clustered tile stays.
 
 :func:`pick_tile` chooses per GEMM from the average rows per expert (``rows / E``):
 
