@@ -411,20 +411,16 @@ def tuned_tile(key: str, rows_per_expert: float, *, user: bool = True, device: s
     """The tuned tile for GEMM ``key`` (:func:`gemm_key`) at the nearest rows per expert: the
     active tile cache's (the user's; ``user=False`` skips it), else the cache shipped for GPU model
     ``device`` (None: JAX's default device's); None where neither was measured on that GPU model
-    or holds this GEMM within reach of ``rows_per_expert``."""
-    found = _tuned(key, rows_per_expert, user, device_kind() if device is None else device)
-    return found[0] if found is not None else None
-
-
-def _tuned(key: str, rows_per_expert: float, user: bool, device: str) -> tuple[str, bool] | None:
-    """:func:`tuned_tile`'s tile and whether the user's cache gave it."""
-    sources = ((cutlass_tile_cache.active(TILES) if user else None, True),
-               (cutlass_tile_cache.shipped(device, TILES), False))
-    for cache, users in sources:
-        tile = cache.tile_for(key, rows_per_expert) if cache is not None and cache.device == device else None
-        if tile is not None:
-            return tile, users
-    return None
+    or holds this GEMM within reach of ``rows_per_expert``. The shipped cache's tile comes as it
+    runs (:func:`unclustered`), the user's as tuned."""
+    device = device_kind() if device is None else device
+    users = cutlass_tile_cache.active(TILES) if user else None
+    tile = users.tile_for(key, rows_per_expert) if users is not None and users.device == device else None
+    if tile is not None:
+        return tile
+    shipped = cutlass_tile_cache.shipped(device, TILES)
+    tile = shipped.tile_for(key, rows_per_expert) if shipped is not None and shipped.device == device else None
+    return None if tile is None else unclustered(tile, rows_per_expert, device)
 
 
 @dataclasses.dataclass
@@ -478,14 +474,12 @@ def pick_tile(rows: int, num_groups: int, *, n: int | None = None, k: int | None
     tile = trial.tiles.get(key) if trial is not None else None
     plain = kind.removesuffix("_act").removesuffix("_scatter")
     if tile is None:
-        found = _tuned(key, r, trial is None, device)
-        if found is None and plain != kind:  # the plain GEMM's tuned tile (tuned where it ran without the fusion)
-            found = _tuned(gemm_key(plain, num_groups, n, k), r, trial is None, device)
-        if found is None:
-            found = (measured_tile(kind, num_groups, n, k, r) or measured_tile(plain, num_groups, n, k, r)
-                     or heuristic_tile(r, kind, device)), False
-        tile, users = found
-        tile = tile if users else unclustered(tile, r, device)
+        tile = tuned_tile(key, r, user=trial is None, device=device)
+    if tile is None and plain != kind:  # the plain GEMM's tuned tile (tuned where it ran without the fusion)
+        tile = tuned_tile(gemm_key(plain, num_groups, n, k), r, user=trial is None, device=device)
+    if tile is None:
+        measured = measured_tile(kind, num_groups, n, k, r) or measured_tile(plain, num_groups, n, k, r)
+        tile = unclustered(measured, r, device) if measured else heuristic_tile(r, kind, device)
     if trial is not None:
         trial.picks.append((key, r, tile))
     return tile
