@@ -96,8 +96,7 @@ __global__ void ExpertGemvActFp8(const In* x, const int32_t* ids, const Fp8* w13
   for (int64_t c = threadIdx.x; c < s.h / 8; c += blockDim.x) {  // 8 values of x per thread and step
     float v[8];
     LoadF32<In, 8>(xt + 8 * c, v);
-#pragma unroll
-    for (int q = 0; q < 8; ++q) v[q] = ScaleForFp8(v[q], inv1);
+    ScaleForFp8(v, inv1);
     StoreF32<Fp8, 8>(xq + 8 * c, v);
   }
   __syncthreads();

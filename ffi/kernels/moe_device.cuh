@@ -47,6 +47,12 @@ __device__ __forceinline__ Fp8 FromF32<Fp8>(float v) {
 // ScaleForFp8 is v * inv with +-inf made NaN, in two instructions: v * 0 is NaN for an infinity or a
 // NaN, and a zero of v's sign otherwise, which the fused add leaves v * inv exactly (inv > 0).
 __device__ __forceinline__ float ScaleForFp8(float v, float inv) { return fmaf(v, inv, v * 0.0f); }
+// The same over a vector of V values, in place.
+template <int V>
+__device__ __forceinline__ void ScaleForFp8(float (&v)[V], float inv) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) v[i] = ScaleForFp8(v[i], inv);
+}
 __device__ __forceinline__ float FiniteAbs(float v) {
   const float a = fabsf(v);
   return a < INFINITY ? a : 0.0f;  // false for NaN too

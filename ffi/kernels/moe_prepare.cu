@@ -155,10 +155,7 @@ __device__ __forceinline__ float2 RowQuantScale(int64_t vectors, int lane, const
 // A vector's V values scaled for FP8 by inv (ScaleForFp8) where Quant quantizes, unchanged where not.
 template <int V, int Quant>
 __device__ __forceinline__ void ScaleForQuant(float (&v)[V], float inv) {
-  if constexpr (Quant != kQuantNone) {
-#pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = ScaleForFp8(v[i], inv);
-  }
+  if constexpr (Quant != kQuantNone) ScaleForFp8(v, inv);
 }
 
 // A warp per row b of Op (kWarpsPerBlock to a block), written to row r = Op::Dest(b) of out
