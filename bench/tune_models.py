@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="scatter: tune GEMM2 with its scatter epilogue (its own tile keys), as the autotuner's flag")
     p.add_argument("--min-gain", type=float, default=None, help="the autotuner's --min-gain (default: its own)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="the autotuner's --rounds: rounds of each forward's confirmation, its median ratio deciding")
+                   help="the autotuner's --rounds: rounds of each GEMM's run-off between its two closest tiles and "
+                        "of each forward's confirmation, their median ratios deciding")
     p.add_argument("--out", help="the cache file; tiles already there are kept (default: this GPU model's "
                    "shipped file, jax_moe/backends/tuned_tiles/)")
     p.add_argument("--list", action="store_true", help="print the layers and exit")

@@ -100,8 +100,9 @@ def test_gains_the_whole_forward_does_not_confirm_are_not_kept(tmp_path):
 
 
 def test_confirmation_rounds_alternate_the_two_forwards_and_keep_a_gain_their_median_ratio_shows(tmp_path):
-    """rounds=3: after the trials, today's forward and the tuned one are timed back to back three
-    times (1 + 8 trials + 6 timings); a 2% gain clears min_gain=1%, and the ms reported are medians."""
+    """rounds=3: after the trials, each GEMM's pick runs off against its closest tile (3 pairs of
+    timings each), then today's forward and the tuned one are timed back to back three times; a 2%
+    gain clears min_gain=1%, and the ms reported are medians."""
     timer, calls = synthetic_timer({("gemm1", "pingpong_64x256"): 0.02}), []
 
     def counted(fn, inputs, vary):
@@ -111,9 +112,69 @@ def test_confirmation_rounds_alternate_the_two_forwards_and_keep_a_gain_their_me
     report = autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), min_gain=0.01, rounds=3,
                                    timer=counted, log=None)
     (fwd,) = report.forwards
-    assert len(calls) == 1 + 2 * (len(ct.TILES) - 1) + 2 * 3
+    assert len(calls) == 1 + 2 * (len(ct.TILES) - 1) + 2 * (2 * 3) + 2 * 3
     assert fwd.kept and fwd.default_ms == pytest.approx(1.0) and fwd.tuned_ms == pytest.approx(0.98)
     assert {g.key: g.chosen for g in report.gemms}[GEMM1] == "pingpong_64x256"
+
+
+def trial_then_rounds(first: dict, later: dict, calls: list):
+    """A timer whose first timing of each (gemm, tile) forward reads ``first``'s ms off a 1.0 ms
+    forward and every later one ``later``'s: one trial off by more than a gap the rounds show."""
+    names, seen = {i: name for name, i in TILE_IDS.items()}, set()
+
+    def timer(fn, inputs, vary):
+        code = int(jax.block_until_ready(fn(*inputs[0]))[0, 0])
+        on = (("gemm1", names[code // 100]), ("gemm2", names[code % 100]))
+        calls.append(on)
+        ms = 1.0
+        for cell in on:
+            ms -= (later if cell in seen else first).get(cell, 0.0)
+            seen.add(cell)
+        return ms
+
+    return timer
+
+
+def test_a_tile_whose_one_trial_read_slower_wins_the_run_off_its_rounds_show(tmp_path):
+    """GEMM1 on pingpong_64x256, the second fastest in the trials, timed 2.7% slower than today's
+    pick once and 5% faster every time after (as a trial inside the timer's spread can): with
+    rounds it runs off against today's pick and is kept; with one round the trial decides and
+    today's pick stays."""
+    today = ct.pick_tile(64 * CFG.top_k, E, n=N, k=K, kind="bf16_kn_act")
+    first = {("gemm1", tile): -0.10 for tile in ct.TILES if tile not in (today, "pingpong_64x256")}
+    first[("gemm1", "pingpong_64x256")] = -0.027
+    later = {("gemm1", "pingpong_64x256"): 0.05}
+    for rounds, kept in ((3, "pingpong_64x256"), (1, None)):
+        report = autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), min_gain=0.01, rounds=rounds,
+                                       timer=trial_then_rounds(first, later, []), log=None)
+        g1 = {g.key: g for g in report.gemms}[GEMM1]
+        assert g1.chosen == (kept or g1.default) and g1.default != "pingpong_64x256"
+        if kept:  # the figures kept are the rounds' medians
+            assert g1.cell["pingpong_64x256"] == pytest.approx(0.95) and g1.cell[g1.default] == pytest.approx(1.0)
+            assert report.forwards[0].kept
+
+
+def test_a_lucky_trial_loses_the_run_off_and_needs_no_confirmation(tmp_path):
+    """GEMM1 on pingpong_64x256 timed 4% faster once and level after: the run-off keeps today's
+    pick, so no whole-forward confirmation runs."""
+    calls = []
+    report = autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), min_gain=0.01, rounds=3,
+                                   timer=trial_then_rounds({("gemm1", "pingpong_64x256"): 0.04}, {}, calls),
+                                   log=None)
+    assert all(g.chosen == g.default for g in report.gemms) and not report.forwards[0].kept
+    assert len(calls) == 1 + 2 * (len(ct.TILES) - 1) + 2 * (2 * 3)  # trials and two run-offs, nothing after
+
+
+def test_a_gap_wider_than_one_trials_spread_is_taken_from_the_trials():
+    """Beyond RUNOFF_WITHIN either way no run-off is timed: the trial decides."""
+    timed = []
+    time_on = lambda tile: timed.append(tile) or 1.0  # noqa: E731
+    slower = {"a": 1.0, "b": 1.0 + autotune.RUNOFF_WITHIN + 0.01}
+    faster = {"a": 1.0, "b": 1.0 - autotune.RUNOFF_WITHIN - 0.01}
+    assert autotune._runoff(dict(slower), "a", time_on, 3, 0.01) == ("a", False)
+    assert autotune._runoff(dict(faster), "a", time_on, 3, 0.01) == ("b", False)
+    assert not timed
+    assert autotune._runoff({"a": 1.0, "b": 1.02}, "a", time_on, 3, 0.01) == ("a", True) and len(timed) == 6
 
 
 def clocked(ms: float, calls):
