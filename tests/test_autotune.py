@@ -135,7 +135,7 @@ def trial_then_rounds(first: dict, later: dict, calls: list):
     return timer
 
 
-def test_a_tile_whose_one_trial_read_slower_wins_the_run_off_its_rounds_show(tmp_path):
+def test_a_tile_whose_one_trial_read_slower_wins_the_run_off_its_rounds_show():
     """GEMM1 on pingpong_64x256, the second fastest in the trials, timed 2.7% slower than today's
     pick once and 5% faster every time after (as a trial inside the timer's spread can): with
     rounds it runs off against today's pick and is kept; with one round the trial decides and
@@ -154,7 +154,7 @@ def test_a_tile_whose_one_trial_read_slower_wins_the_run_off_its_rounds_show(tmp
             assert report.forwards[0].kept
 
 
-def test_a_lucky_trial_loses_the_run_off_and_needs_no_confirmation(tmp_path):
+def test_a_lucky_trial_loses_the_run_off_and_needs_no_confirmation():
     """GEMM1 on pingpong_64x256 timed 4% faster once and level after: the run-off keeps today's
     pick, so no whole-forward confirmation runs."""
     calls = []
