@@ -418,8 +418,8 @@ def tuned_tile(key: str, rows_per_expert: float, *, user: bool = True, device: s
     tile = users.tile_for(key, rows_per_expert) if users is not None and users.device == device else None
     if tile is not None:
         return tile
-    shipped = cutlass_tile_cache.shipped(device, TILES)
-    tile = shipped.tile_for(key, rows_per_expert) if shipped is not None and shipped.device == device else None
+    shipped = cutlass_tile_cache.shipped(device, TILES)  # keyed by its own GPU model: device's or None
+    tile = shipped.tile_for(key, rows_per_expert) if shipped is not None else None
     return None if tile is None else unclustered(tile, rows_per_expert, device)
 
 
