@@ -142,16 +142,16 @@ def _routed(cfg: MoEConfig, t: int, routings: int, dtype) -> tuple[jax.Array, li
     return x, routes
 
 
-def _timed(forward: Forward, weights, x, routes, tiles: dict[str, str], timer: Timer) -> tuple[float, list]:
-    """ms per call of the forward traced with ``tiles`` forced (:func:`cutlass_tiles.tuning`), and
-    its picks. RuntimeError if a forced GEMM was not traced with its tile (a cached trace)."""
+def _timed(forward: Forward, weights, x, routes, tiles: dict[str, str], timer: Timer) -> float:
+    """ms per call of the forward traced with ``tiles`` forced (:func:`cutlass_tiles.tuning`).
+    RuntimeError if a forced GEMM was not traced with its tile (a cached trace)."""
     with tuning(tiles) as trial:
         fn = jax.jit(lambda w, v, route: forward(w, v, *route))
         ms = timer(fn, [(weights, x, r) for r in routes], 2)
     used = {key: tile for key, _, tile in trial.picks}
     if any(used.get(key) != tile for key, tile in tiles.items()):
         raise RuntimeError(f"the forward was not traced with the tiles tried ({tiles}; traced: {used})")
-    return ms, trial.picks
+    return ms
 
 
 def _confirm(base_ms: float, time_today: Callable[[], float], time_tuned: Callable[[], float], rounds: int,
@@ -183,10 +183,8 @@ def _runoff(cell: dict[str, float], default: str, time_on: Callable[[str], float
     median ratio beats ``min_gain``; both entries of ``cell`` become the rounds' medians. A gap wider
     than that is taken from the trials. Returns the tile and whether the two ran off."""
     others = [t for t in cell if t != default]
-    if rounds == 1 or not others:
-        return choose(cell, default, min_gain), False
-    other = min(others, key=cell.get)
-    if abs(cell[other] / cell[default] - 1) > RUNOFF_WITHIN:
+    other = min(others, key=cell.get) if others else None
+    if rounds == 1 or other is None or abs(cell[other] / cell[default] - 1) > RUNOFF_WITHIN:
         return choose(cell, default, min_gain), False
     today_ms, other_ms, wins = _confirm(cell[default], lambda: time_on(default), lambda: time_on(other), rounds,
                                         min_gain)
@@ -229,26 +227,28 @@ def tune_forward(forward: Forward, weights, cfg: MoEConfig, tokens: Sequence[int
         if not today:
             say(f"# T={t}: no grouped GEMM (the decode path): nothing to tune")
             continue
-        base_ms, _ = _timed(forward, weights, x, routes, {}, timer)
+
+        def forward_ms(tiles: dict[str, str], x=x, routes=routes) -> float:  # today's picks but ``tiles``
+            return _timed(forward, weights, x, routes, tiles, timer)
+
+        base_ms = forward_ms({})
         cells = {}
         for key, (r, tile) in today.items():
             cells[key] = {tile: base_ms}
             for other in TILES:
                 if other != tile:
-                    cells[key][other], _ = _timed(forward, weights, x, routes, {key: other}, timer)
+                    cells[key][other] = forward_ms({key: other})
         picks = {key: tile for key, (_, tile) in today.items()}
         chosen, ran_off = {}, set()
         for key in today:
-            chosen[key], ran = _runoff(cells[key], picks[key],
-                                       lambda tile, key=key: _timed(forward, weights, x, routes, {key: tile}, timer)[0],
-                                       rounds, min_gain)
+            chosen[key], ran = _runoff(cells[key], picks[key], lambda tile, key=key: forward_ms({key: tile}), rounds,
+                                       min_gain)
             if ran:
                 ran_off.add(key)
         default_ms = tuned_ms = base_ms
         if chosen != picks:  # the forward on every chosen tile, and on today's once more, must confirm
-            default_ms, tuned_ms, confirmed = _confirm(
-                base_ms, lambda: _timed(forward, weights, x, routes, {}, timer)[0],
-                lambda: _timed(forward, weights, x, routes, chosen, timer)[0], rounds, min_gain)
+            default_ms, tuned_ms, confirmed = _confirm(base_ms, lambda: forward_ms({}), lambda: forward_ms(chosen),
+                                                       rounds, min_gain)
             if not confirmed:
                 chosen = picks
         for key, (r, tile) in today.items():
