@@ -64,8 +64,28 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def exclusive(kernels: Sequence[Kernel]) -> list[tuple[Kernel, float]]:
+    """Each kernel, in start order, with the nanoseconds it adds to the time at least one kernel runs:
+    its duration less its overlap with the kernels that started before it. Kernels of one stream run
+    one after another, and get their durations. A kernel that starts while an earlier one still runs
+    (on another stream, or a programmatic dependent launch waiting for its primary) counts from that
+    kernel's end. The values sum to :func:`busy_ns`."""
+    out, end = [], None
+    for k in sorted(kernels, key=lambda k: k.start_ns):
+        k_end = k.start_ns + k.duration_ns
+        out.append((k, k.duration_ns if end is None else max(0.0, k_end - max(k.start_ns, end))))
+        end = k_end if end is None else max(end, k_end)
+    return out
+
+
+def busy_ns(kernels: Sequence[Kernel]) -> float:
+    """The time at least one of the kernels runs (the union of their intervals)."""
+    return sum(ns for _, ns in exclusive(kernels))
+
+
 def attribute(kernels: Sequence[Kernel], routed: bool = False) -> dict[str, float]:
-    """Nanoseconds of one forward's kernels per stage of :data:`STAGES` (see the module note).
+    """Nanoseconds of one forward's kernels per stage of :data:`STAGES` (see the module note), each
+    kernel's :func:`exclusive` time, so that the stages sum to :func:`busy_ns`.
 
     Kernels that no pattern names (XLA fusions, copies) go by position. In a forward of jax_moe's
     kernels: before the sort they are ``route`` if the call began with the routing (``routed``),
@@ -76,7 +96,7 @@ def attribute(kernels: Sequence[Kernel], routed: bool = False) -> dict[str, floa
     ours = any(kind_of(k.name) in ("sort", "permute", "act", "finalize") for k in kernels)
     seen_sort = seen_act = False
     gemms = 0
-    for k in sorted(kernels, key=lambda k: k.start_ns):
+    for k, ns in exclusive(kernels):
         kind = kind_of(k.name)
         if kind == "gemm":
             gemms += 1
@@ -89,7 +109,7 @@ def attribute(kernels: Sequence[Kernel], routed: bool = False) -> dict[str, floa
             stage = "route" if (routed and not seen_sort) else "glue"
         else:
             stage = (("route" if routed else "sort"), "act", "finalize")[min(gemms, 2)]
-        out[stage] += k.duration_ns
+        out[stage] += ns
     return out
 
 

@@ -18,7 +18,8 @@ Methods:
 - ``trace`` (GPU): the routing call and the forwards (``cutlass`` on the weights of
   ``cutlass.prepare``, as ``MoEBlock.prepare()`` leaves them) run under one ``jax.profiler`` trace; each
   kernel's device time is attributed to a stage by its name and position
-  (:mod:`bench.kernel_trace`). Also reported: kernels per forward, their summed busy time, the span
+  (:mod:`bench.kernel_trace`). Also reported: kernels per forward, their busy time (the union of their
+  intervals, where kernels overlap: :func:`bench.kernel_trace.exclusive`), the span
   from the first kernel's start to the last one's end (span - busy = launch gaps) and the per-call
   wall time with dispatch. ``--kernels FILE`` writes each forward's kernel list (name, launches,
   microseconds). The tokamax peer (:mod:`bench.peers`, where importable) is traced the same way:
@@ -135,7 +136,7 @@ def traced_stages(impls: dict, logits, top_k: int, calls: int) -> dict[str, dict
     groups = kernel_trace.trace_calls(order)
     if groups is None:
         return None
-    route_us = statistics.median(sum(k.duration_ns for k in g) for g in groups[:calls]) / 1e3
+    route_us = statistics.median(kernel_trace.busy_ns(g) for g in groups[:calls]) / 1e3
     result = {}
     for j, name in enumerate(impls):
         fwd = groups[calls * (j + 1): calls * (j + 2)]
@@ -145,7 +146,7 @@ def traced_stages(impls: dict, logits, top_k: int, calls: int) -> dict[str, dict
         result[name] = {
             "stages": stages,
             "kernels": statistics.median(len(g) for g in fwd),
-            "busy": statistics.median(sum(k.duration_ns for k in g) for g in fwd) / 1e3,
+            "busy": statistics.median(kernel_trace.busy_ns(g) for g in fwd) / 1e3,
             "span": statistics.median(kernel_trace.span_ns(g) for g in fwd) / 1e3,
             "list": kernel_trace.kernel_table([k for g in fwd for k in g], calls),
             "timeline": kernel_trace.timeline(sorted(fwd, key=kernel_trace.span_ns)[len(fwd) // 2]),
@@ -169,10 +170,10 @@ def traced_loop(fn, args: tuple, num_experts: int, top_k: int, layers: int, call
         return statistics.median(values) / layers / 1e3
 
     return {"layers": layers,
-            "busy": per_layer(sum(k.duration_ns for k in g) for g in groups),
+            "busy": per_layer(kernel_trace.busy_ns(g) for g in groups),
             "span": per_layer(kernel_trace.span_ns(g) for g in groups),
-            "gemm": per_layer(sum(k.duration_ns for k in g if kernel_trace.kind_of(k.name) == "gemm")
-                              for g in groups)}
+            "gemm": per_layer(sum(ns for k, ns in kernel_trace.exclusive(g)
+                                  if kernel_trace.kind_of(k.name) == "gemm") for g in groups)}
 
 
 def loop_header() -> str:

@@ -139,6 +139,23 @@ def test_kernels_are_attributed_to_stages_by_name_and_position(monkeypatch):
     assert [[k.name for k in g] for g in calls] == [["a", "b"], ["c"]]
 
 
+def test_busy_time_counts_overlapping_kernels_once(monkeypatch):
+    """A kernel that starts while an earlier one runs (a programmatic dependent waiting for its
+    primary) adds only the time past that kernel's end; the stages then sum to the busy time."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.kernel_trace import Kernel, attribute, busy_ns, exclusive
+
+    gemv1, gemv2 = Kernel("ExpertGemvActFp8<bf16>", 0, 10_000), Kernel("ExpertGemvReduceFp8<bf16>", 7_000, 8_000)
+    after, inside = Kernel("loop_add_fusion", 20_000, 1_000), Kernel("copy", 1_000, 2_000)
+    assert [ns for _, ns in exclusive([gemv2, after, gemv1])] == [10_000, 5_000, 1_000]
+    assert [ns for _, ns in exclusive([gemv1, inside, gemv2])] == [10_000, 0.0, 5_000]
+    assert busy_ns([gemv1, gemv2, after]) == 16_000
+    got = attribute([gemv1, gemv2])
+    assert (got["gemm1"], got["gemm2"]) == (10_000, 5_000)
+    sequential = [Kernel("a", 0, 3), Kernel("b", 5, 4)]  # one stream: the durations as they are
+    assert busy_ns(sequential) == 7
+
+
 def test_a_calls_timeline_shows_where_its_span_exceeds_its_busy_time(monkeypatch):
     """Each kernel's start from the call's first, and the idle time before it: since every earlier
     kernel ended, so an overlapping kernel waits for nothing."""
