@@ -23,7 +23,7 @@ import glob
 import re
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 
@@ -64,18 +64,23 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def _after(kernels: Sequence[Kernel]) -> Iterator[tuple[Kernel, float | None]]:
+    """Each kernel in start order, with the latest end of the kernels before it (None for the first)."""
+    end = None
+    for k in sorted(kernels, key=lambda k: k.start_ns):
+        yield k, end
+        k_end = k.start_ns + k.duration_ns
+        end = k_end if end is None else max(end, k_end)
+
+
 def exclusive(kernels: Sequence[Kernel]) -> list[tuple[Kernel, float]]:
     """Each kernel, in start order, with the nanoseconds it adds to the time at least one kernel runs:
     its duration less its overlap with the kernels that started before it. Kernels of one stream run
     one after another, and get their durations. A kernel that starts while an earlier one still runs
     (on another stream, or a programmatic dependent launch waiting for its primary) counts from that
     kernel's end. The values sum to :func:`busy_ns`."""
-    out, end = [], None
-    for k in sorted(kernels, key=lambda k: k.start_ns):
-        k_end = k.start_ns + k.duration_ns
-        out.append((k, k.duration_ns if end is None else max(0.0, k_end - max(k.start_ns, end))))
-        end = k_end if end is None else max(end, k_end)
-    return out
+    return [(k, k.duration_ns if end is None else max(0.0, k.start_ns + k.duration_ns - max(k.start_ns, end)))
+            for k, end in _after(kernels)]
 
 
 def busy_ns(kernels: Sequence[Kernel]) -> float:
@@ -142,14 +147,12 @@ def read_kernels(path: str) -> list[Kernel]:
 
 
 def split_calls(kernels: Sequence[Kernel], min_gap_ns: float) -> list[list[Kernel]]:
-    """Kernels grouped into calls: a new group after an idle gap longer than ``min_gap_ns``."""
+    """Kernels grouped into calls, in start order: a new group after an idle gap longer than ``min_gap_ns``."""
     groups: list[list[Kernel]] = []
-    end = None
-    for k in kernels:
+    for k, end in _after(kernels):
         if end is None or k.start_ns - end > min_gap_ns:
             groups.append([])
         groups[-1].append(k)
-        end = k.start_ns + k.duration_ns if end is None else max(end, k.start_ns + k.duration_ns)
     return groups
 
 
@@ -183,12 +186,11 @@ def span_ns(kernels: Sequence[Kernel]) -> float:
 def timeline(kernels: Sequence[Kernel]) -> list[tuple[float, float, float, str]]:
     """One call's kernels in start order as (start us from the first kernel's start, idle us before
     it: the gap since every earlier kernel ended, its microseconds, name): where span exceeds busy."""
-    rows, t0, end = [], None, None
-    for k in sorted(kernels, key=lambda k: k.start_ns):
+    rows, t0 = [], None
+    for k, end in _after(kernels):
         t0 = k.start_ns if t0 is None else t0
         idle = 0.0 if end is None else max(0.0, k.start_ns - end)
         rows.append(((k.start_ns - t0) / 1e3, idle / 1e3, k.duration_ns / 1e3, k.name))
-        end = k.start_ns + k.duration_ns if end is None else max(end, k.start_ns + k.duration_ns)
     return rows
 
 
