@@ -86,6 +86,13 @@ import numpy as np, jax, jax.numpy as jnp
 from jax_moe import fused_experts
 from jax_moe.quant.scheme import quantize_weights
 rng = np.random.default_rng({seed})
+
+
+def weights(e, h, i, dtype=jnp.float32):  # fresh [E, 2I, H] and [E, H, I] weights, unit-scale outputs
+    return (jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), dtype),
+            jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), dtype))
+
+
 {cases_code}
 for t, k, w13, w2, opt in cases:
     kw = opt if isinstance(opt, dict) else dict(quant=opt)
@@ -110,7 +117,8 @@ def command_buffer_check():
     inputs, three rounds per case, against ``backend="xla"`` within relative error ``tol``.
     ``cases_code`` is Python that defines ``cases``, a list of ``(T, k, w13, w2, quant)``, where
     ``quant`` may also be a dict of ``fused_experts`` keyword arguments (it may use
-    ``rng``, ``np``, ``jnp`` and ``quantize_weights``). Returns the number of cases run."""
+    ``rng``, ``np``, ``jnp``, ``quantize_weights`` and ``weights(e, h, i, dtype=jnp.float32)``, fresh
+    ``[E, 2I, H]`` and ``[E, H, I]`` weights). Returns the number of cases run."""
     import subprocess
     import sys
     import textwrap

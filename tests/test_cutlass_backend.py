@@ -391,15 +391,10 @@ def test_backend_activations_tiles_and_ep_ids(rng, activation):
 
 CUTLASS_COMMAND_BUFFER_CASES = {  # scheme -> (cases_code for the conftest fixture, tolerance)
     "bf16": ("""
-        def weights(e, h, i):
-            return (jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16),
-                    jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16))
-        cases = [(77, 4, *weights(16, 512, 256), None), (3, 8, *weights(64, 256, 128), None)]
+        cases = [(77, 4, *weights(16, 512, 256, jnp.bfloat16), None),
+                 (3, 8, *weights(64, 256, 128, jnp.bfloat16), None)]
     """, REL_TOL),
     "fp8": ("""
-        def weights(e, h, i):
-            return (jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.float32),
-                    jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.float32))
         cases = [(t, k, *quantize_weights("fp8", *weights(e, h, i), **opts)) for t, e, k, h, i, opts in (
             (77, 16, 4, 512, 256, dict(a13_scale=0.01, a2_scale=0.005)),              # static per tensor
             (3, 64, 8, 256, 128, dict(weight_scale="per_tensor")),                      # dynamic per tensor

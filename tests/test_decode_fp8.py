@@ -176,9 +176,6 @@ def test_under_command_buffers(command_buffer_check):
     included), fresh inputs each round, the decode path at T = 1 and 2 matches the xla backend."""
     need_native("cuda")
     assert command_buffer_check("cutlass", """
-        def weights(e, h, i):
-            return (jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.float32),
-                    jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.float32))
         cases = [(t, 8, *quantize_weights("fp8", *weights(128, 256, 128), a13_scale=0.01, a2_scale=0.005))
                  for t in (1, 2)]
     """, FP8_TOL) == 2
