@@ -13,10 +13,12 @@
 # includes 90a; otherwise the module is skipped with a status line and jax_moe.backends.cutlass says why.
 # Only sm_90a code is generated for these TUs, whatever else the other CUDA targets build for.
 # Instantiations: every (kind, tile) of ffi/cutlass/grouped_gemm.h (CutlassGemmKind x CutlassTile), one
-# object file per kind (the kind count is read from that header): ffi/cutlass/grouped_gemm_kind.cu
-# compiled with JAX_MOE_CUTLASS_KIND, holding all of that kind's tiles; the kinds compile in parallel.
+# object file per range of consecutive kinds (the kind count is read from that header):
+# ffi/cutlass/grouped_gemm_kind.cu compiled with JAX_MOE_CUTLASS_KIND_FIRST and _LAST, holding all of
+# those kinds' tiles; the ranges compile in parallel. A range is one kind where the cores allow a job
+# per kind, and up to three kinds where they do not (below).
 #
-# Why a kind per TU, not a (kind, tile) per TU: most of a TU's time is a fixed cost of the CUTLASS/CuTe
+# Why whole kinds per TU, not a (kind, tile) per TU: most of a TU's time is a fixed cost of the CUTLASS/CuTe
 # headers (cudafe++ 6-10 s, cicc's parse, the host compile 5 s), paid once per TU. nvcc 13.0, one TU
 # alone on an idle 2-core machine, wall: kind 0 (bf16) one tile 32-41 s each, its five tiles in five
 # TUs 179 s, the same five in one TU 74 s (cicc 52 s where one tile's is 18-24 s; peak memory 6.1 GB
@@ -101,14 +103,48 @@ else()
     jax_moe_header_count(_n_tiles kNumCutlassTiles)
     add_library(jax_moe_cutlass_kernels STATIC ffi/cutlass/grouped_gemm.cu ffi/cutlass/grouped_gemm_grad.cu)
     set(_cutlass_targets jax_moe_cutlass_kernels)
-    math(EXPR _last_kind "${_n_kinds} - 1")
-    foreach(_kind RANGE ${_last_kind})
-      set(_t jax_moe_cutlass_gemm_k${_kind})
+    # The kinds' TUs. With a job for each kind (many cores), a TU per kind: the build takes as long as
+    # the slowest kind. With fewer jobs, consecutive kinds share a TU (at most three, and at least one
+    # TU per job), which pays the headers' fixed cost once for them. On the 2-core machine (nvcc 13.0,
+    # two compiles at a time) kind 4 took 126 s alone, 57 s with one tile, and kinds 4 and 6 in one TU
+    # 184 s, where the two apart take about 250 s (peak memory 4.7 GB against 3.7 GB).
+    # JAX_MOE_CUTLASS_TUS sets the count.
+    set(JAX_MOE_CUTLASS_TUS "" CACHE STRING "TUs for the CUTLASS kinds (empty: from the cores and memory)")
+    if(JAX_MOE_CUTLASS_TUS)
+      set(_n_tus ${JAX_MOE_CUTLASS_TUS})
+    elseif(_jobs LESS _n_kinds)
+      math(EXPR _n_tus "(${_n_kinds} + 2) / 3")
+      if(_n_tus LESS _jobs)
+        set(_n_tus ${_jobs})
+      endif()
+    else()
+      set(_n_tus ${_n_kinds})
+    endif()
+    if(_n_tus LESS 1 OR _n_tus GREATER _n_kinds)
+      message(FATAL_ERROR "jax_moe: JAX_MOE_CUTLASS_TUS=${JAX_MOE_CUTLASS_TUS}: needs 1 to ${_n_kinds} (the kinds)")
+    endif()
+    # TU u holds kinds first..last, consecutive; the last (n_kinds % n_tus) TUs hold one kind more, as the
+    # first kinds (bf16, FP8, dgrad, wgrad) are the slowest to compile.
+    math(EXPR _per "${_n_kinds} / ${_n_tus}")
+    math(EXPR _fuller_from "${_n_tus} - ${_n_kinds} % ${_n_tus}")
+    set(_first 0)
+    math(EXPR _last_tu "${_n_tus} - 1")
+    foreach(_u RANGE ${_last_tu})
+      set(_size ${_per})
+      if(NOT _u LESS _fuller_from)
+        math(EXPR _size "${_per} + 1")
+      endif()
+      math(EXPR _last "${_first} + ${_size} - 1")
+      set(_t jax_moe_cutlass_gemm_k${_first})
+      if(_last GREATER _first)
+        set(_t jax_moe_cutlass_gemm_k${_first}_${_last})
+      endif()
       add_library(${_t} OBJECT ffi/cutlass/grouped_gemm_kind.cu)
-      target_compile_definitions(${_t} PRIVATE JAX_MOE_CUTLASS_KIND=${_kind})
+      target_compile_definitions(${_t} PRIVATE JAX_MOE_CUTLASS_KIND_FIRST=${_first} JAX_MOE_CUTLASS_KIND_LAST=${_last})
       set_target_properties(${_t} PROPERTIES JOB_POOL_COMPILE jax_moe_cutlass_tus)
       target_sources(jax_moe_cutlass_kernels PRIVATE $<TARGET_OBJECTS:${_t}>)
       list(APPEND _cutlass_targets ${_t})
+      math(EXPR _first "${_last} + 1")
     endforeach()
     foreach(_t IN LISTS _cutlass_targets)
       set_target_properties(${_t} PROPERTIES CUDA_ARCHITECTURES OFF CUDA_STANDARD 17 POSITION_INDEPENDENT_CODE ON)
@@ -123,6 +159,6 @@ else()
     target_link_libraries(_jax_moe_cutlass PRIVATE jax_moe_cutlass_kernels CUDA::cudart_static)
     install(TARGETS _jax_moe_cutlass LIBRARY DESTINATION jax_moe)
     set(JAX_MOE_CUTLASS_STATUS
-        "cutlass grouped gemms: ${_n_kinds} kinds x ${_n_tiles} tiles, a TU per kind (sm_90a, ${_jobs} at a time; headers ${_cutlass_inc})")
+        "cutlass grouped gemms: ${_n_kinds} kinds x ${_n_tiles} tiles in ${_n_tus} TUs (sm_90a, ${_jobs} at a time; headers ${_cutlass_inc})")
   endif()
 endif()
