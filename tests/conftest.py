@@ -60,7 +60,14 @@ def pytest_xdist_auto_num_workers(config):
     return min(cores, GPU_WORKERS) if HAS_GPU else cores
 
 
+# Modules whose tests take tens of seconds each on two CPU cores (hypothesis on meshes of 8 devices,
+# a second process): they start first, so that under pytest-xdist no worker is still on one of them
+# after the others have run out of tests.
+LONG_MODULES_FIRST = ("test_properties.py", "test_multiprocess.py", "test_parallel.py", "test_train_bench.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in LONG_MODULES_FIRST)  # stable: the rest keep their order
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (jax.devices() has none)")
