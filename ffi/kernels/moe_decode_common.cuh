@@ -25,6 +25,39 @@ __device__ __forceinline__ int ExpertOf(const int32_t* ids, int64_t slot, int ex
 
 __device__ __forceinline__ float RoundBf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
+// One lane's batch of a warp's row stream: kUnroll 16-byte vectors of each of kRows rows.
+template <int kRows, int kUnroll>
+struct RowBatch {
+  uint4 v[kUnroll][kRows];
+};
+
+// A lane's batch at vectors c0, c0 + 32, ... (kUnroll of each row; past the end, the last vector again).
+template <int kRows, int kUnroll>
+__device__ __forceinline__ void LoadRowBatch(const uint4* const (&rows)[kRows], int64_t vecs, int64_t c0,
+                                             RowBatch<kRows, kUnroll>& b) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t c = c0 + 32 * u < vecs ? c0 + 32 * u : vecs - 1;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) b.v[u][r] = __ldg(rows[r] + c);
+  }
+}
+
+// StreamRows with its first batch (LoadRowBatch at the lane's own index) loaded by the caller, who may
+// issue it before work the loads need not wait for.
+template <int kRows, int kUnroll, typename Use>
+__device__ __forceinline__ void StreamRowsFrom(const uint4* const (&rows)[kRows], int64_t vecs,
+                                               RowBatch<kRows, kUnroll> cur, Use&& use) {
+  for (int64_t c0 = threadIdx.x & 31; c0 < vecs; c0 += 32 * kUnroll) {
+    RowBatch<kRows, kUnroll> next;
+    LoadRowBatch(rows, vecs, c0 + 32 * kUnroll, next);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (c0 + 32 * u < vecs) use(c0 + 32 * u, cur.v[u]);
+    cur = next;
+  }
+}
+
 // Streams kRows rows of 16-byte vectors through a warp: lane l takes vectors c = l, l + 32, ... below
 // vecs of every row, and use(c, vals) gets vals[r], vector c of row r. The vectors come in batches of
 // kUnroll per row and lane, the next batch loaded before this one is used, so that the compiler cannot
@@ -33,27 +66,9 @@ __device__ __forceinline__ float RoundBf16(float v) { return __bfloat162float(__
 // the last one, and is not passed to use.
 template <int kRows, int kUnroll, typename Use>
 __device__ __forceinline__ void StreamRows(const uint4* const (&rows)[kRows], int64_t vecs, Use&& use) {
-  struct Batch {
-    uint4 v[kUnroll][kRows];
-  };
-  const int lane = threadIdx.x & 31;
-  const auto load = [&](int64_t c0, Batch& b) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t c = c0 + 32 * u < vecs ? c0 + 32 * u : vecs - 1;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) b.v[u][r] = __ldg(rows[r] + c);
-    }
-  };
-  Batch cur, next;
-  load(lane, cur);
-  for (int64_t c0 = lane; c0 < vecs; c0 += 32 * kUnroll) {
-    load(c0 + 32 * kUnroll, next);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (c0 + 32 * u < vecs) use(c0 + 32 * u, cur.v[u]);
-    cur = next;
-  }
+  RowBatch<kRows, kUnroll> first;
+  LoadRowBatch(rows, vecs, threadIdx.x & 31, first);
+  StreamRowsFrom(rows, vecs, first, use);
 }
 
 // The checks both decode handlers make alike, of a call of shape s: at most 65535 slots and tokens (a
