@@ -1,8 +1,9 @@
 // The CUTLASS side of the grouped GEMM FFI targets (contract in grouped_gemm.h): one SM90
 // pointer-array grouped GEMM type per (kind, tile), the device kernel that fills its per-group argument
 // arrays from the expert offsets (or, batched, the counts: GroupRows), and the host launch. Included by
-// ffi/cutlass/grouped_gemm_kind.cu, which CMake compiles once per kind (all its tiles in one object file;
-// cmake/cutlass_gemm.cmake) so that the kinds compile in parallel; the FFI handlers (grouped_gemm.cu) see
+// ffi/cutlass/grouped_gemm_kind.cu, which CMake compiles once per range of kinds (all their tiles in one
+// object file; a kind each on many cores, cmake/cutlass_gemm.cmake) so that the ranges compile in
+// parallel; the FFI handlers (grouped_gemm.cu) see
 // only GroupedGemmCall, GroupRows and Run/WorkspaceBytes.
 //
 // Layouts, in CUTLASS's terms (grouped_gemm_traits.cuh per kind): forward A row-major [M_e, K], B
@@ -134,7 +135,7 @@ constexpr size_t kArrayAlign = 256;  // every array of the workspace starts on t
 
 inline size_t RoundUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-// Defined, a kind's tiles per TU, by JAX_MOE_INSTANTIATE_CUTLASS_GEMM below.
+// Defined, all tiles of a range of kinds per TU, by JAX_MOE_INSTANTIATE_CUTLASS_GEMM below.
 template <int Kind, int Tile>
 size_t WorkspaceBytes(int64_t groups, int sm_count);
 template <int Kind, int Tile>
