@@ -66,9 +66,18 @@ __device__ __forceinline__ void StreamRowsFrom(const uint4* const (&rows)[kRows]
 // the last one, and is not passed to use.
 template <int kRows, int kUnroll, typename Use>
 __device__ __forceinline__ void StreamRows(const uint4* const (&rows)[kRows], int64_t vecs, Use&& use) {
-  RowBatch<kRows, kUnroll> first;
-  LoadRowBatch(rows, vecs, threadIdx.x & 31, first);
-  StreamRowsFrom(rows, vecs, first, use);
+  // StreamRowsFrom's loop, written out: through StreamRowsFrom (the batch passed by value) the bf16
+  // GEMV kernels compile to other code than the measured one.
+  const int lane = threadIdx.x & 31;
+  RowBatch<kRows, kUnroll> cur, next;
+  LoadRowBatch(rows, vecs, lane, cur);
+  for (int64_t c0 = lane; c0 < vecs; c0 += 32 * kUnroll) {
+    LoadRowBatch(rows, vecs, c0 + 32 * kUnroll, next);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (c0 + 32 * u < vecs) use(c0 + 32 * u, cur.v[u]);
+    cur = next;
+  }
 }
 
 // The checks both decode handlers make alike, of a call of shape s: at most 65535 slots and tokens (a
