@@ -3,8 +3,8 @@
 * ``@pytest.mark.gpu`` tests run only where JAX sees an NVIDIA GPU; ``@pytest.mark.slow`` tests
   are left out of the everyday command (``-m "not slow"``) and run in CI;
 * the CPU platform gets 8 devices so that the parallel tests can build meshes anywhere;
-* on CPU-only machines programs compile with cheaper XLA:CPU settings (the suite is compile-bound),
-  and the long modules (:data:`LONG_MODULES_FIRST`) start first;
+* on CPU-only machines programs compile with cheaper XLA:CPU settings (the suite is compile-bound);
+* the long modules (:data:`LONG_MODULES_FIRST`) start first, so that xdist's workers end together;
 * compiled programs go to JAX's persistent compilation cache in ``JAX_MOE_TEST_CACHE`` (default
   ``<repo>/.jax_cache``; ``JAX_MOE_TEST_CACHE=off`` disables it), so a second run compiles
   almost nothing;
