@@ -43,19 +43,28 @@ __device__ __forceinline__ void LoadRowBatch(const uint4* const (&rows)[kRows], 
   }
 }
 
-// StreamRows with its first batch (LoadRowBatch at the lane's own index) loaded by the caller, who may
-// issue it before work the loads need not wait for.
+// The stream's loop (StreamRows below) from the lane's first batch in cur; next is the batch loaded
+// while cur is used.
 template <int kRows, int kUnroll, typename Use>
-__device__ __forceinline__ void StreamRowsFrom(const uint4* const (&rows)[kRows], int64_t vecs,
-                                               RowBatch<kRows, kUnroll> cur, Use&& use) {
+__device__ __forceinline__ void StreamBatches(const uint4* const (&rows)[kRows], int64_t vecs,
+                                              RowBatch<kRows, kUnroll>& cur, RowBatch<kRows, kUnroll>& next,
+                                              Use&& use) {
   for (int64_t c0 = threadIdx.x & 31; c0 < vecs; c0 += 32 * kUnroll) {
-    RowBatch<kRows, kUnroll> next;
     LoadRowBatch(rows, vecs, c0 + 32 * kUnroll, next);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (c0 + 32 * u < vecs) use(c0 + 32 * u, cur.v[u]);
     cur = next;
   }
+}
+
+// StreamRows with its first batch (LoadRowBatch at the lane's own index) loaded by the caller, who may
+// issue it before work the loads need not wait for.
+template <int kRows, int kUnroll, typename Use>
+__device__ __forceinline__ void StreamRowsFrom(const uint4* const (&rows)[kRows], int64_t vecs,
+                                               RowBatch<kRows, kUnroll> cur, Use&& use) {
+  RowBatch<kRows, kUnroll> next;
+  StreamBatches(rows, vecs, cur, next, use);
 }
 
 // Streams kRows rows of 16-byte vectors through a warp: lane l takes vectors c = l, l + 32, ... below
@@ -66,18 +75,10 @@ __device__ __forceinline__ void StreamRowsFrom(const uint4* const (&rows)[kRows]
 // the last one, and is not passed to use.
 template <int kRows, int kUnroll, typename Use>
 __device__ __forceinline__ void StreamRows(const uint4* const (&rows)[kRows], int64_t vecs, Use&& use) {
-  // StreamRowsFrom's loop, written out: through StreamRowsFrom (the batch passed by value) the bf16
-  // GEMV kernels compile to other code than the measured one.
   const int lane = threadIdx.x & 31;
   RowBatch<kRows, kUnroll> cur, next;
   LoadRowBatch(rows, vecs, lane, cur);
-  for (int64_t c0 = lane; c0 < vecs; c0 += 32 * kUnroll) {
-    LoadRowBatch(rows, vecs, c0 + 32 * kUnroll, next);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (c0 + 32 * u < vecs) use(c0 + 32 * u, cur.v[u]);
-    cur = next;
-  }
+  StreamBatches(rows, vecs, cur, next, use);
 }
 
 // The checks both decode handlers make alike, of a call of shape s: at most 65535 slots and tokens (a
