@@ -171,6 +171,24 @@ def test_cuda_kernels_at_model_sizes(rng, sizes):
 
 
 @pytest.mark.gpu
+def test_gemm1_warps_stream_several_outputs(rng):
+    """Where a slot's outputs outnumber one wave of warps, each warp of GEMM1 streams several outputs'
+    rows as one pipeline: 16 slots of I = 1040 outputs (130 groups of 8). On a GPU of 132 SMs each
+    warp takes 9 outputs and the last block of a slot 4. H = 2064 makes each row two batches of loads,
+    the second one vector long. Per-channel scales and biases, whose loads run ahead with the next
+    output's weights; slots on other ranks; poisoned memory."""
+    need_native("cuda")
+    sizes = (32, 8, 2064, 1040, "gelu", "interleaved", True)
+    cfg, x, q13, q2, w, ids, b, quant = _layer(rng, None, 2, "per_channel", minus_one=0.2, sizes=sizes)
+    s = _scales(quant, x)
+    f = jax.jit(lambda *a: decode_fp8.decode_moe_fp8(*a, cfg, **s, **b))
+    poison_memory(jax.eval_shape(f, x, q13, q2, w, ids))
+    got = f(x, q13, q2, w, ids)
+    assert rel_err(got, decode_fp8.decode_moe_fp8_reference(x, q13, q2, w, ids, cfg, **s, **b)) < KERNEL_TOL
+    assert rel_err(got, xla.apply(x, q13, q2, w, ids, cfg, quant=quant, **b)) < FP8_TOL
+
+
+@pytest.mark.gpu
 def test_under_command_buffers(command_buffer_check):
     """The two launches inside a CUDA graph: with XLA's command buffers forced on (custom calls
     included), fresh inputs each round, the decode path at T = 1 and 2 matches the xla backend."""

@@ -4,8 +4,8 @@
 // (kind, tile)'s instantiation, two launches: the setup kernel (the group arrays, and the zeroing of
 // the rows no expert owns (standard format) or of the rows past each expert's count (batched format);
 // grouped_gemm_impl.cuh), then CUTLASS's kernel. No allocation, no host sync, no device-to-host copy:
-// safe inside a CUDA graph. Also the launch helpers the backward's handlers share (grouped_gemm_grad.cu):
-// SmCount, RunKind.
+// safe inside a CUDA graph. Also the launch helper the backward's handlers share (grouped_gemm_grad.cu):
+// RunKind.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -15,6 +15,7 @@
 #include "../common/binding.h"
 #include "../common/col_scale.h"
 #include "../common/errors.h"
+#include "../common/sm_count.h"
 #include "../kernels/moe_prepare_finalize.h"
 #include "grouped_gemm.h"
 #include "grouped_gemm_impl.cuh"
@@ -259,16 +260,6 @@ ffi::Error GroupedGemmScatterCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::An
 
 }  // namespace
 
-int SmCount(int device) {
-  constexpr int kMaxDevices = 64;
-  static int cache[kMaxDevices] = {};  // 0: not asked yet (benign race: every writer stores the same value)
-  if (device >= 0 && device < kMaxDevices && cache[device] > 0) return cache[device];
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
-  if (device >= 0 && device < kMaxDevices) cache[device] = sms;
-  return sms;
-}
-
 ffi::Error RunKind(int kind, int64_t tile, const GroupedGemmCall& call) {
   GroupedGemmCall c = call;
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&c.device));
@@ -282,11 +273,7 @@ size_t CutlassGroupedGemmWorkspaceBytes(int64_t num_groups, int tile, int sm_cou
   return kBytes[kind][tile](num_groups, sm_count);
 }
 
-int CutlassCurrentSmCount() {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  return SmCount(device);
-}
+int CutlassCurrentSmCount() { return CurrentSmCount(); }
 
 }  // namespace jax_moe
 

@@ -123,10 +123,8 @@ __device__ __forceinline__ void ZeroUnownedRows(const int32_t* offsets, int64_t 
   for (int64_t i = block; i < unowned; i += blocks) zero_row(i < lo ? i : hi + (i - lo));
 }
 
-// Shared by the handler files (grouped_gemm.cu): SMs of a device (cached) and the (kind, tile)
-// instantiation's run on a checked call (one setup launch, which also zeroes the unowned rows when
-// call.zero_unowned, then the CUTLASS kernel).
-int SmCount(int device);
+// Shared by the handler files (grouped_gemm.cu): the (kind, tile) instantiation's run on a checked call
+// (one setup launch, which also zeroes the unowned rows when call.zero_unowned, then the CUTLASS kernel).
 ffi::Error RunKind(int kind, int64_t tile, const GroupedGemmCall& call);
 
 namespace cutlass_gg {

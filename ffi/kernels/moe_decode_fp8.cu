@@ -17,6 +17,7 @@
 #include <string>
 
 #include "../common/col_scale.h"
+#include "../common/sm_count.h"
 #include "moe_decode_common.cuh"
 
 namespace jax_moe {
@@ -74,35 +75,69 @@ struct ColScale {
   __device__ float At(int e, int64_t n) const { return __ldg(c + e * group_step + n * col_step); }
 };
 
-// GEMM1 + activation: block (x: kWarps outputs i, y: slot). The block quantizes its token's row of x into
-// shared memory (h bytes), then each warp takes one output: its gate and up rows of w13[e]. Where a row
-// is longer than one batch of loads (kEarlyBatchBytes), the warp issues its first batch before x is
-// quantized, so that the rest of the row streams behind it. Where one batch holds the whole row, the
-// loads wait for x: issued first, they were slower (Qwen3-30B-A3B, h = 2048, 4-8%).
+// The scales and biases of one output's gate and up rows, loaded with the output's first batch of weights.
+struct GateUpEpilogue {
+  float gate_scale, up_scale, gate_bias, up_bias;
+};
+
+// GEMM1 + activation: block (x: kWarps * cols_per_warp outputs i, y: slot). The block quantizes its
+// token's row of x into shared memory (h bytes); then warp w takes the outputs col0 + kWarps * j for
+// j < cols_per_warp (col0 = blockIdx.x * kWarps * cols_per_warp + w): their gate and up rows of w13[e],
+// streamed as one pipeline of batches across the outputs, the next batch (of this output or the next)
+// issued before this one is used. The handler sizes cols_per_warp so that the grid is one wave of
+// blocks (two per SM), so each block quantizes x once for all its outputs and no block waits for a
+// second wave. Where a row is longer than one batch of loads (kEarlyBatchBytes), the warp issues its
+// first batch before x is quantized; where one batch holds the whole row, issued first it was slower
+// (Qwen3-30B-A3B, h = 2048, 4-8%).
 template <typename In>
-__global__ void ExpertGemvActFp8(const In* x, const int32_t* ids, const Fp8* w13, const float* s1, const float* s2,
-                                 ColScale c13, const float* b13, DecodeShape s, int activation, int layout,
-                                 float alpha, float limit, Fp8* a) {
+__global__ void __launch_bounds__(32 * kWarps, 2)
+    ExpertGemvActFp8(const In* x, const int32_t* ids, const Fp8* w13, const float* s1, const float* s2,
+                     ColScale c13, const float* b13, DecodeShape s, int cols_per_warp, int activation, int layout,
+                     float alpha, float limit, Fp8* a) {
   extern __shared__ __align__(16) unsigned char smem[];
   Fp8* xq = reinterpret_cast<Fp8*>(smem);
   const int64_t slot = blockIdx.y;
-  const int64_t col = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  const int64_t col0 = int64_t(blockIdx.x) * kWarps * cols_per_warp + (threadIdx.x >> 5);
+  const int cols = col0 < s.i ? static_cast<int>(min(int64_t(cols_per_warp), (s.i - col0 + kWarps - 1) / kWarps)) : 0;
   const int e = ExpertOf(ids, slot, static_cast<int>(s.experts));  // uniform over the block
-  const bool lane0 = (threadIdx.x & 31) == 0;
   if (e < 0) {
-    if (lane0 && col < s.i) a[slot * s.i + col] = Fp8{0};
+    if (lane == 0)
+      for (int j = 0; j < cols; ++j) a[slot * s.i + col0 + kWarps * j] = Fp8{0};
     return;
   }
-  const int64_t col_in = col < s.i ? col : s.i - 1;  // a warp past the end loads a row it drops
-  const int64_t g_row = layout == kLayoutInterleaved ? 2 * col_in : col_in;
-  const int64_t u_row = layout == kLayoutInterleaved ? 2 * col_in + 1 : s.i + col_in;
   const Fp8* w = w13 + int64_t(e) * 2 * s.i * s.h;
-  const uint4* const rows[2] = {reinterpret_cast<const uint4*>(w + g_row * s.h),
-                                reinterpret_cast<const uint4*>(w + u_row * s.h)};
-  RowBatch<2, 4> first;  // gate and up: 8 loads in flight per lane
+  const int64_t vecs = s.h / 16;
+  constexpr int kUnroll = 4;  // gate and up: 8 loads in flight per lane and batch
+  const int batches = static_cast<int>((vecs + 32 * kUnroll - 1) / (32 * kUnroll));  // per row
+  // Output j's gate and up rows (g, u), its row pointers, and its epilogue's scales and biases.
+  auto rows_of = [&](int j, int64_t(&gu)[2], const uint4* (&rows)[2]) {
+    const int64_t col = col0 + kWarps * j;
+    gu[0] = layout == kLayoutInterleaved ? 2 * col : col;
+    gu[1] = layout == kLayoutInterleaved ? 2 * col + 1 : s.i + col;
+    rows[0] = reinterpret_cast<const uint4*>(w + gu[0] * s.h);
+    rows[1] = reinterpret_cast<const uint4*>(w + gu[1] * s.h);
+  };
+  auto epilogue_of = [&](const int64_t(&gu)[2]) {
+    GateUpEpilogue p{c13.At(e, gu[0]), c13.At(e, gu[1]), 0.0f, 0.0f};
+    if (b13 != nullptr) {
+      p.gate_bias = __ldg(b13 + int64_t(e) * 2 * s.i + gu[0]);
+      p.up_bias = __ldg(b13 + int64_t(e) * 2 * s.i + gu[1]);
+    }
+    return p;
+  };
+  RowBatch<2, kUnroll> cur, next;
+  GateUpEpilogue ep_cur{}, ep_next{};
+  auto load_first = [&] {
+    int64_t gu[2];
+    const uint4* rows[2];
+    rows_of(0, gu, rows);
+    LoadRowBatch(rows, vecs, lane, cur);
+    ep_cur = epilogue_of(gu);
+  };
   const bool early = s.h > kEarlyBatchBytes;  // uniform over the grid
-  if (early) LoadRowBatch(rows, s.h / 16, threadIdx.x & 31, first);
-  const float scale1 = *s1, inv1 = 1.0f / scale1;
+  if (early && cols > 0) load_first();
+  const float scale1 = *s1, inv1 = 1.0f / scale1, inv2 = 1.0f / *s2;
   const In* xt = x + (slot / s.k) * s.h;
   for (int64_t c = threadIdx.x; c < s.h / 8; c += blockDim.x) {  // 8 values of x per thread and step
     float v[8];
@@ -111,19 +146,45 @@ __global__ void ExpertGemvActFp8(const In* x, const int32_t* ids, const Fp8* w13
     StoreF32<Fp8, 8>(xq + 8 * c, v);
   }
   __syncthreads();
-  if (col >= s.i) return;
-  if (!early) LoadRowBatch(rows, s.h / 16, threadIdx.x & 31, first);
-  const Fp8* const vs[2] = {xq, xq};
-  float dots[2];
-  WarpDotsFp8<2, 4>(rows, first, vs, s.h, dots);
-  if (lane0) {
-    float gate = dots[0] * (scale1 * c13.At(e, g_row));
-    float up = dots[1] * (scale1 * c13.At(e, u_row));
-    if (b13 != nullptr) {
-      gate += b13[int64_t(e) * 2 * s.i + g_row];
-      up += b13[int64_t(e) * 2 * s.i + u_row];
+  if (cols == 0) return;
+  if (!early) load_first();
+  float sums[2] = {0.0f, 0.0f};
+  int j = 0, b = 0;  // the output and the batch of its rows in cur
+  for (int unit = 0, units = cols * batches; unit < units; ++unit) {
+    const int nj = b + 1 < batches ? j : j + 1, nb = b + 1 < batches ? b + 1 : 0;
+    if (nj < cols) {  // uniform over the warp: the next batch goes out before this one is used
+      int64_t gu[2];
+      const uint4* rows[2];
+      rows_of(nj, gu, rows);
+      LoadRowBatch(rows, vecs, lane + 32 * kUnroll * nb, next);
+      if (nb == 0) ep_next = epilogue_of(gu);
     }
-    a[slot * s.i + col] = FromF32<Fp8>(ScaleForFp8(GatedAct(activation, gate, up, alpha, limit), 1.0f / *s2));
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = lane + 32 * (kUnroll * b + u);
+      if (c < vecs) {
+        float xv[16], wv[16];
+        Fp8x16ToF32(reinterpret_cast<const uint4*>(xq)[c], xv);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          Fp8x16ToF32(cur.v[u][r], wv);
+#pragma unroll
+          for (int q = 0; q < 16; ++q) sums[r] = fmaf(wv[q], xv[q], sums[r]);
+        }
+      }
+    }
+    if (b + 1 == batches) {  // output j is summed
+      const float gate = WarpSum(sums[0]) * (scale1 * ep_cur.gate_scale) + ep_cur.gate_bias;
+      const float up = WarpSum(sums[1]) * (scale1 * ep_cur.up_scale) + ep_cur.up_bias;
+      if (lane == 0)
+        a[slot * s.i + col0 + kWarps * j] =
+            FromF32<Fp8>(ScaleForFp8(GatedAct(activation, gate, up, alpha, limit), inv2));
+      sums[0] = sums[1] = 0.0f;
+      ep_cur = ep_next;
+    }
+    cur = next;
+    j = nj;
+    b = nb;
   }
 }
 
@@ -223,11 +284,17 @@ ffi::Error DecodeMoeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   const float *s1 = a13_scale.typed_data(), *s2 = a2_scale.typed_data();
   auto* a = static_cast<Fp8*>(act->untyped_data());
   const int fn = static_cast<int>(activation), lay = static_cast<int>(layout);
+  // GEMM1's outputs per warp: the fewest that fit the grid in one wave of blocks, two per SM.
+  const int sms = CurrentSmCount();
+  if (sms <= 0) return ffi::Error(ffi::ErrorCode::kInternal, "jax_moe: cannot read the SM count");
+  const int64_t groups = (i + kWarps - 1) / kWarps;  // of kWarps outputs, per slot
+  int cols = 1;
+  while (cols < groups && t * k * ((groups + cols - 1) / cols) > 2 * int64_t(sms)) ++cols;
   auto status = WithFloatType(x.element_type(), "decode_moe_fp8: x", [&](auto tag) -> ffi::Error {
     using In = typename decltype(tag)::type;
     if (!Aligned(x.untyped_data(), 8 * sizeof(In))) return InvalidArgument(n + "x must be 16-byte aligned");
-    ExpertGemvActFp8<In><<<dim3((i + kWarps - 1) / kWarps, t * k), 32 * kWarps, h, stream>>>(
-        static_cast<const In*>(x.untyped_data()), ids, w13s, s1, s2, c13, b13, s, fn, lay, alpha, limit, a);
+    ExpertGemvActFp8<In><<<dim3((groups + cols - 1) / cols, t * k), 32 * kWarps, h, stream>>>(
+        static_cast<const In*>(x.untyped_data()), ids, w13s, s1, s2, c13, b13, s, cols, fn, lay, alpha, limit, a);
     JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return ffi::Error::Success();
   });
