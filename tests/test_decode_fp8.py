@@ -171,15 +171,16 @@ def test_cuda_kernels_at_model_sizes(rng, sizes):
 
 
 @pytest.mark.gpu
-def test_gemm1_warps_stream_several_outputs(rng):
-    """Where a slot's outputs outnumber one wave of warps, each warp of GEMM1 streams several outputs'
-    rows as one pipeline: 16 slots of I = 1040 outputs (130 groups of 8). On a GPU of 132 SMs each
-    warp takes 9 outputs and the last block of a slot 4. H = 2064 makes each row two batches of loads,
-    the second one vector long. Per-channel scales and biases, whose loads run ahead with the next
-    output's weights; slots on other ranks; poisoned memory."""
+def test_warps_stream_several_outputs(rng):
+    """Where a GEMM's outputs outnumber one wave of warps, each warp streams several outputs' rows as
+    one pipeline. 5 tokens of 8 slots, I = 1040 and H = 2064: on a GPU of 132 SMs, GEMM1's warps take
+    22 outputs each (20 in a slot's last block) and GEMM2's 5 columns (3 in a token's last block).
+    H = 2064 makes each of GEMM1's rows two batches of loads, the second one vector long.
+    Per-channel scales and biases, whose loads run ahead with the next output's weights; slots on
+    other ranks; poisoned memory."""
     need_native("cuda")
     sizes = (32, 8, 2064, 1040, "gelu", "interleaved", True)
-    cfg, x, q13, q2, w, ids, b, quant = _layer(rng, None, 2, "per_channel", minus_one=0.2, sizes=sizes)
+    cfg, x, q13, q2, w, ids, b, quant = _layer(rng, None, 5, "per_channel", minus_one=0.2, sizes=sizes)
     s = _scales(quant, x)
     f = jax.jit(lambda *a: decode_fp8.decode_moe_fp8(*a, cfg, **s, **b))
     poison_memory(jax.eval_shape(f, x, q13, q2, w, ids))

@@ -188,46 +188,126 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
   }
 }
 
-// GEMM2 + weighted reduce: block (x: kWarps columns h, y: token). The block copies the token's k activation
-// rows into shared memory (k * I bytes); each warp sums its column over the k slots, kSlotRows slots'
-// weight rows streamed together, and adds them up in slot order.
+// What one pass of GEMM2's epilogue needs for kSlotRows slots of a column: the slots' experts (-1: none),
+// the weight scales and the biases, loaded with the pass's first batch of weights.
+struct SlotsEpilogue {
+  int e[kSlotRows];
+  float scale[kSlotRows], bias[kSlotRows];
+};
+
+// GEMM2 + weighted reduce: block (x: kWarps * cols_per_warp columns h, y: token). The block copies the
+// token's k activation rows into shared memory (k * I bytes); then warp w takes the columns
+// col0 + kWarps * j for j < cols_per_warp (col0 = blockIdx.x * kWarps * cols_per_warp + w), and sums
+// each over the k slots, in passes of kSlotRows slots whose weight rows stream together. The passes of
+// all its columns are one pipeline of batches, the next batch issued before this one is used; the
+// passes' sums are added in slot order. The handler sizes cols_per_warp as GEMM1's: one wave of blocks.
 template <typename Out>
-__global__ void ExpertGemvReduceFp8(const Fp8* a, const int32_t* ids, const float* weights, const Fp8* w2,
-                                    const float* s2, ColScale c2, const float* b2, DecodeShape s, Out* out) {
+__global__ void __launch_bounds__(32 * kWarps, 2)
+    ExpertGemvReduceFp8(const Fp8* a, const int32_t* ids, const float* weights, const Fp8* w2, const float* s2,
+                        ColScale c2, const float* b2, DecodeShape s, int cols_per_warp, Out* out) {
   extern __shared__ __align__(16) unsigned char smem[];
   Fp8* at = reinterpret_cast<Fp8*>(smem);  // the token's k activation rows, [k, I]
   const int64_t t = blockIdx.y;
-  const int64_t col = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  const int64_t col0 = int64_t(blockIdx.x) * kWarps * cols_per_warp + (threadIdx.x >> 5);
+  const int cols = col0 < s.h ? static_cast<int>(min(int64_t(cols_per_warp), (s.h - col0 + kWarps - 1) / kWarps)) : 0;
   const uint4* src = reinterpret_cast<const uint4*>(a + t * s.k * s.i);
   for (int64_t c = threadIdx.x; c < s.k * s.i / 16; c += blockDim.x) reinterpret_cast<uint4*>(at)[c] = src[c];
   __syncthreads();
-  if (col >= s.h) return;
-  const float scale2 = *s2;
-  float acc = 0.0f;
-  for (int64_t j0 = 0; j0 < s.k; j0 += kSlotRows) {  // kSlotRows slots' rows streamed together
-    const uint4* rows[kSlotRows];
-    const Fp8* vs[kSlotRows];
+  if (cols == 0) return;
+  const int64_t vecs = s.i / 16;
+  constexpr int kUnroll = 2;  // kSlotRows rows: 8 loads in flight per lane and batch
+  const int batches = static_cast<int>((vecs + 32 * kUnroll - 1) / (32 * kUnroll));  // per row
+  const int passes = static_cast<int>((s.k + kSlotRows - 1) / kSlotRows);
+  // Pass p of column j: its slots' rows and epilogue. A slot with no expert streams expert 0's row and
+  // drops its sum (the loads stay unconditional).
+  auto rows_of = [&](int j, int p, const uint4* (&rows)[kSlotRows], bool with_epilogue, SlotsEpilogue& ep) {
+    const int64_t col = col0 + kWarps * j;
     int es[kSlotRows];
 #pragma unroll
-    for (int r = 0; r < kSlotRows; ++r) {
-      es[r] = j0 + r < s.k ? ExpertOf(ids, t * s.k + j0 + r, static_cast<int>(s.experts)) : -1;
-      // a slot with no expert streams expert 0's row and drops its sum (the loads stay unconditional)
-      rows[r] = reinterpret_cast<const uint4*>(w2 + (int64_t(es[r] >= 0 ? es[r] : 0) * s.h + col) * s.i);
-      vs[r] = at + (j0 + r < s.k ? j0 + r : 0) * s.i;
+    for (int r = 0; r < kSlotRows; ++r) {  // the loads unconditional, in parallel: a slot past k reads slot k - 1
+      const int64_t slot = int64_t(p) * kSlotRows + r;
+      const int e = ExpertOf(ids, t * s.k + (slot < s.k ? slot : s.k - 1), static_cast<int>(s.experts));
+      es[r] = slot < s.k ? e : -1;
     }
-    RowBatch<kSlotRows, 2> first;
-    LoadRowBatch(rows, s.i / 16, threadIdx.x & 31, first);
-    float dots[kSlotRows];
-    WarpDotsFp8<kSlotRows, 2>(rows, first, vs, s.i, dots);
 #pragma unroll
-    for (int r = 0; r < kSlotRows; ++r) {  // in slot order
-      if (es[r] < 0) continue;
-      float y = RoundBf16(dots[r] * (scale2 * c2.At(es[r], col)));
-      if (b2 != nullptr) y += b2[int64_t(es[r]) * s.h + col];
-      acc += weights[t * s.k + j0 + r] * y;
+    for (int r = 0; r < kSlotRows; ++r)
+      rows[r] = reinterpret_cast<const uint4*>(w2 + (int64_t(es[r] >= 0 ? es[r] : 0) * s.h + col) * s.i);
+    if (with_epilogue) {
+#pragma unroll
+      for (int r = 0; r < kSlotRows; ++r) {
+        const int e0 = es[r] >= 0 ? es[r] : 0;
+        ep.e[r] = es[r];
+        ep.scale[r] = c2.At(e0, col);
+        ep.bias[r] = b2 != nullptr ? __ldg(b2 + int64_t(e0) * s.h + col) : 0.0f;
+      }
     }
+  };
+  const float scale2 = *s2;
+  RowBatch<kSlotRows, kUnroll> cur, next;
+  SlotsEpilogue ep_cur, ep_next;
+  {
+    const uint4* rows[kSlotRows];
+    rows_of(0, 0, rows, true, ep_cur);
+    LoadRowBatch(rows, vecs, lane, cur);
   }
-  if ((threadIdx.x & 31) == 0) out[t * s.h + col] = FromF32<Out>(acc);
+  float sums[kSlotRows] = {}, acc = 0.0f;
+  int j = 0, p = 0, b = 0;  // the column, pass and batch in cur
+  for (int unit = 0, units = cols * passes * batches; unit < units; ++unit) {
+    int nj = j, np = p, nb = b + 1;  // the next unit
+    if (nb == batches) {
+      nb = 0;
+      if (++np == passes) np = 0, ++nj;
+    }
+    if (nj < cols) {  // uniform over the warp: the next batch goes out before this one is used
+      const uint4* rows[kSlotRows];
+      rows_of(nj, np, rows, nb == 0, ep_next);
+      LoadRowBatch(rows, vecs, lane + 32 * kUnroll * nb, next);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = lane + 32 * (kUnroll * b + u);
+      if (c < vecs) {
+#pragma unroll
+        for (int r = 0; r < kSlotRows; ++r) {
+          float wv[16], av[16];
+          Fp8x16ToF32(cur.v[u][r], wv);
+          Fp8x16ToF32(reinterpret_cast<const uint4*>(at + (p * kSlotRows + r < s.k ? p * kSlotRows + r : 0) * s.i)[c],
+                      av);
+#pragma unroll
+          for (int q = 0; q < 16; ++q) sums[r] = fmaf(wv[q], av[q], sums[r]);
+        }
+      }
+    }
+    if (b + 1 == batches) {  // pass p of column j is summed: its slots' rows added in slot order
+#pragma unroll
+      for (int r = 0; r < kSlotRows; ++r) {
+        const float dot = WarpSum(sums[r]);
+        sums[r] = 0.0f;
+        if (ep_cur.e[r] < 0) continue;
+        const float y = RoundBf16(dot * (scale2 * ep_cur.scale[r])) + ep_cur.bias[r];
+        acc += weights[t * s.k + p * kSlotRows + r] * y;
+      }
+      if (p + 1 == passes) {  // column j is summed
+        if (lane == 0) out[t * s.h + col0 + kWarps * j] = FromF32<Out>(acc);
+        acc = 0.0f;
+      }
+      ep_cur = ep_next;
+    }
+    cur = next;
+    j = nj;
+    p = np;
+    b = nb;
+  }
+}
+
+// The outputs per warp of a GEMV kernel whose rows (blockIdx.y) each have `groups` groups of kWarps
+// outputs: the fewest with which rows * blocks per row fit in one wave of blocks, two per SM
+// (__launch_bounds__(32 * kWarps, 2)).
+int OutputsPerWarp(int64_t groups, int64_t rows, int sms) {
+  int64_t cols = 1;
+  while (cols < groups && rows * ((groups + cols - 1) / cols) > 2 * int64_t(sms)) ++cols;
+  return static_cast<int>(cols);
 }
 
 // A weight scale's compact form for n columns of e experts, or an error naming it.
@@ -284,12 +364,11 @@ ffi::Error DecodeMoeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   const float *s1 = a13_scale.typed_data(), *s2 = a2_scale.typed_data();
   auto* a = static_cast<Fp8*>(act->untyped_data());
   const int fn = static_cast<int>(activation), lay = static_cast<int>(layout);
-  // GEMM1's outputs per warp: the fewest that fit the grid in one wave of blocks, two per SM.
+  // Each GEMM's outputs per warp: the fewest that fit its grid in one wave of blocks, two per SM.
   const int sms = CurrentSmCount();
   if (sms <= 0) return ffi::Error(ffi::ErrorCode::kInternal, "jax_moe: cannot read the SM count");
-  const int64_t groups = (i + kWarps - 1) / kWarps;  // of kWarps outputs, per slot
-  int cols = 1;
-  while (cols < groups && t * k * ((groups + cols - 1) / cols) > 2 * int64_t(sms)) ++cols;
+  const int64_t groups = (i + kWarps - 1) / kWarps, groups2 = (h + kWarps - 1) / kWarps;  // per slot, token
+  const int cols = OutputsPerWarp(groups, t * k, sms), cols2 = OutputsPerWarp(groups2, t, sms);
   auto status = WithFloatType(x.element_type(), "decode_moe_fp8: x", [&](auto tag) -> ffi::Error {
     using In = typename decltype(tag)::type;
     if (!Aligned(x.untyped_data(), 8 * sizeof(In))) return InvalidArgument(n + "x must be 16-byte aligned");
@@ -301,8 +380,8 @@ ffi::Error DecodeMoeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   if (status.failure()) return status;
   return WithFloatType(out_type, "decode_moe_fp8: out", [&](auto tag) -> ffi::Error {
     using Out = typename decltype(tag)::type;
-    ExpertGemvReduceFp8<Out><<<dim3((h + kWarps - 1) / kWarps, t), 32 * kWarps, k * i, stream>>>(
-        a, ids, topk_weights.typed_data(), w2s, s2, c2, b2, s, static_cast<Out*>(out->untyped_data()));
+    ExpertGemvReduceFp8<Out><<<dim3((groups2 + cols2 - 1) / cols2, t), 32 * kWarps, k * i, stream>>>(
+        a, ids, topk_weights.typed_data(), w2s, s2, c2, b2, s, cols2, static_cast<Out*>(out->untyped_data()));
     JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return ffi::Error::Success();
   });
