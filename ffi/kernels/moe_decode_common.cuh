@@ -58,15 +58,6 @@ __device__ __forceinline__ void StreamBatches(const uint4* const (&rows)[kRows],
   }
 }
 
-// StreamRows with its first batch (LoadRowBatch at the lane's own index) loaded by the caller, who may
-// issue it before work the loads need not wait for.
-template <int kRows, int kUnroll, typename Use>
-__device__ __forceinline__ void StreamRowsFrom(const uint4* const (&rows)[kRows], int64_t vecs,
-                                               RowBatch<kRows, kUnroll> cur, Use&& use) {
-  RowBatch<kRows, kUnroll> next;
-  StreamBatches(rows, vecs, cur, next, use);
-}
-
 // Streams kRows rows of 16-byte vectors through a warp: lane l takes vectors c = l, l + 32, ... below
 // vecs of every row, and use(c, vals) gets vals[r], vector c of row r. The vectors come in batches of
 // kUnroll per row and lane, the next batch loaded before this one is used, so that the compiler cannot

@@ -1,7 +1,8 @@
 // CUDA handler of decode_moe_fp8 (contract in moe_prepare_finalize.h, reference in jax_moe/decode_fp8.py):
 // the decode path on FP8 E4M3 weights with per-tensor activation scales (W8A8), in two launches with no
 // sort, no permute and no group arrays. Each slot's expert is read from topk_ids and its weights stream
-// once per slot, a warp per output element reading its K-contiguous row (16 weights per 16-byte load):
+// once per slot, each warp reading the K-contiguous rows of one or more output elements (16 weights per
+// 16-byte load), as many per warp as fit each launch in one wave of blocks (OutputsPerWarp):
 //   1. GEMM1 + activation, per slot s = t*k + j (expert e) and output i of I:
 //        xq = fp8(x[t] / s1)                          (each block quantizes its token's row into shared memory)
 //        gate = (w13[e][g(i)] . xq) * s1 * c13(e, g(i)) + b13[e][g(i)], up likewise at u(i)
@@ -42,30 +43,6 @@ __device__ __forceinline__ void Fp8x16ToF32(const uint4& v, float (&out)[16]) {
       out[4 * q + 2 * p + 1] = f.y;
     }
   }
-}
-
-// kRows dot products at once, rows[r] . v[r], for FP8 rows of length n (n % 16 == 0, 16-byte aligned; rows
-// in global memory as 16-byte vectors, streamed together by StreamRowsFrom from the lane's `first` batch
-// (LoadRowBatch at its own index, which the caller issues as early as it can), kUnroll 16-byte loads of
-// each per lane in flight; v in shared memory), each summed over the warp (every lane gets them);
-// float32 products and sums.
-template <int kRows, int kUnroll>
-__device__ __forceinline__ void WarpDotsFp8(const uint4* const (&rows)[kRows], const RowBatch<kRows, kUnroll>& first,
-                                            const Fp8* const (&v)[kRows], int64_t n, float (&sums)[kRows]) {
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) sums[r] = 0.0f;
-  StreamRowsFrom<kRows, kUnroll>(rows, n / 16, first, [&](int64_t c, const uint4(&vals)[kRows]) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      float a[16], b[16];
-      Fp8x16ToF32(vals[r], a);
-      Fp8x16ToF32(reinterpret_cast<const uint4*>(v[r])[c], b);
-#pragma unroll
-      for (int q = 0; q < 16; ++q) sums[r] = fmaf(a[q], b[q], sums[r]);
-    }
-  });
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) sums[r] = WarpSum(sums[r]);
 }
 
 // A weight scale in its compact form: c[e * group_step + n * col_step] (steps n and 1, 1 and 0, or 0 and 0).
