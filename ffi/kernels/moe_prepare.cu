@@ -286,8 +286,10 @@ ffi::Error LaunchRows(cudaStream_t stream, const TokenRows<In, V>& op, int64_t r
   return ffi::Error::Success();
 }
 
-// Launches op's rows with the quant mode (and with it the output type) fixed at compile time.
-template <int V, typename Op>
+// Launches op's rows with the quant mode (and with it the output type) fixed at compile time. Without
+// quantization the output is of type Out where the caller fixes it (permute_rows: x's type), else of
+// any float type.
+template <int V, typename Out = void, typename Op>
 ffi::Error DispatchQuant(cudaStream_t stream, const Op& op, int64_t quant, int64_t rows, int64_t cols,
                          const int32_t* valid_rows, const float* static_scale, ffi::Result<ffi::AnyBuffer>& out,
                          float* scales) {
@@ -300,11 +302,16 @@ ffi::Error DispatchQuant(cudaStream_t stream, const Op& op, int64_t quant, int64
       return LaunchRows<Fp8, V, kQuantStatic>(stream, op, rows, cols, valid_rows, static_scale,
                                                static_cast<Fp8*>(dst), scales);
     default:
-      return WithFloatType(out->element_type(), "out", [&](auto tag) {
-        using Out = typename decltype(tag)::type;
+      if constexpr (!std::is_void_v<Out>) {
         return LaunchRows<Out, V, kQuantNone>(stream, op, rows, cols, valid_rows, static_scale,
                                               static_cast<Out*>(dst), scales);
-      });
+      } else {
+        return WithFloatType(out->element_type(), "out", [&](auto tag) {
+          using O = typename decltype(tag)::type;
+          return LaunchRows<O, V, kQuantNone>(stream, op, rows, cols, valid_rows, static_scale,
+                                              static_cast<O*>(dst), scales);
+        });
+      }
   }
 }
 
@@ -357,12 +364,12 @@ ffi::Error PermuteRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
     auto launch = [&](auto vec) -> ffi::Error {
       constexpr int V = decltype(vec)::value;
       if (inv != nullptr && t >= kPermuteByTokenMinTokens)
-        return DispatchQuant<V>(stream, TokenRows<In, V>{src, inv, t, h, top_k}, quant, n, h,
+        return DispatchQuant<V, In>(stream, TokenRows<In, V>{src, inv, t, h, top_k}, quant, n, h,
                                 valid_rows.typed_data(), s, out, sc);
       if (inv != nullptr)
-        return DispatchQuant<V>(stream, SlotRow<In, V>{src, inv, h, top_k, nullptr}, quant, n, h,
+        return DispatchQuant<V, In>(stream, SlotRow<In, V>{src, inv, h, top_k, nullptr}, quant, n, h,
                                 valid_rows.typed_data(), s, out, sc);
-      return DispatchQuant<V>(stream, GatherRow<In, V>{src, slots, h, n, top_k, nullptr}, quant, n, h,
+      return DispatchQuant<V, In>(stream, GatherRow<In, V>{src, slots, h, n, top_k, nullptr}, quant, n, h,
                               valid_rows.typed_data(), s, out, sc);
     };
     if (CanVectorize(h, kVec<In>, {{src, sizeof(In)}, {out->untyped_data(), out_bytes}}))
