@@ -27,7 +27,8 @@ namespace {
 using namespace decode;  // NOLINT: the decode paths' shared helpers (moe_decode_common.cuh)
 
 constexpr int kSlotRows = 4;  // GEMM2: the slots whose rows a warp sums at once
-constexpr int64_t kEarlyBatchBytes = 32 * 4 * 16;  // GEMM1: a warp's first batch of a row (RowBatch<2, 4>)
+constexpr int kActUnroll = 4;  // GEMM1: a lane's loads per row and batch (gate and up: 8 in flight)
+constexpr int64_t kEarlyBatchBytes = 32 * kActUnroll * 16;  // GEMM1: a warp's first batch of a row
 
 // The 16 FP8 values of a 16-byte vector as float32 (exact: E4M3 -> half -> float).
 __device__ __forceinline__ void Fp8x16ToF32(const uint4& v, float (&out)[16]) {
@@ -51,6 +52,11 @@ struct ColScale {
   int64_t group_step, col_step;
   __device__ float At(int e, int64_t n) const { return __ldg(c + e * group_step + n * col_step); }
 };
+
+// How many of a warp's outputs col0 + kWarps * j (j < cols_per_warp) lie below n.
+__device__ __forceinline__ int WarpOutputs(int64_t col0, int64_t n, int cols_per_warp) {
+  return col0 < n ? static_cast<int>(min(int64_t(cols_per_warp), (n - col0 + kWarps - 1) / kWarps)) : 0;
+}
 
 // The scales and biases of one output's gate and up rows, loaded with the output's first batch of weights.
 struct GateUpEpilogue {
@@ -76,7 +82,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
   const int64_t slot = blockIdx.y;
   const int lane = threadIdx.x & 31;
   const int64_t col0 = int64_t(blockIdx.x) * kWarps * cols_per_warp + (threadIdx.x >> 5);
-  const int cols = col0 < s.i ? static_cast<int>(min(int64_t(cols_per_warp), (s.i - col0 + kWarps - 1) / kWarps)) : 0;
+  const int cols = WarpOutputs(col0, s.i, cols_per_warp);
   const int e = ExpertOf(ids, slot, static_cast<int>(s.experts));  // uniform over the block
   if (e < 0) {
     if (lane == 0)
@@ -85,7 +91,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
   }
   const Fp8* w = w13 + int64_t(e) * 2 * s.i * s.h;
   const int64_t vecs = s.h / 16;
-  constexpr int kUnroll = 4;  // gate and up: 8 loads in flight per lane and batch
+  constexpr int kUnroll = kActUnroll;
   const int batches = static_cast<int>((vecs + 32 * kUnroll - 1) / (32 * kUnroll));  // per row
   // Output j's gate and up rows (g, u), its row pointers, and its epilogue's scales and biases.
   auto rows_of = [&](int j, int64_t(&gu)[2], const uint4* (&rows)[2]) {
@@ -187,7 +193,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
   const int64_t t = blockIdx.y;
   const int lane = threadIdx.x & 31;
   const int64_t col0 = int64_t(blockIdx.x) * kWarps * cols_per_warp + (threadIdx.x >> 5);
-  const int cols = col0 < s.h ? static_cast<int>(min(int64_t(cols_per_warp), (s.h - col0 + kWarps - 1) / kWarps)) : 0;
+  const int cols = WarpOutputs(col0, s.h, cols_per_warp);
   const uint4* src = reinterpret_cast<const uint4*>(a + t * s.k * s.i);
   for (int64_t c = threadIdx.x; c < s.k * s.i / 16; c += blockDim.x) reinterpret_cast<uint4*>(at)[c] = src[c];
   __syncthreads();

@@ -365,12 +365,12 @@ ffi::Error PermuteRowsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
       constexpr int V = decltype(vec)::value;
       if (inv != nullptr && t >= kPermuteByTokenMinTokens)
         return DispatchQuant<V, In>(stream, TokenRows<In, V>{src, inv, t, h, top_k}, quant, n, h,
-                                valid_rows.typed_data(), s, out, sc);
+                                    valid_rows.typed_data(), s, out, sc);
       if (inv != nullptr)
         return DispatchQuant<V, In>(stream, SlotRow<In, V>{src, inv, h, top_k, nullptr}, quant, n, h,
-                                valid_rows.typed_data(), s, out, sc);
+                                    valid_rows.typed_data(), s, out, sc);
       return DispatchQuant<V, In>(stream, GatherRow<In, V>{src, slots, h, n, top_k, nullptr}, quant, n, h,
-                              valid_rows.typed_data(), s, out, sc);
+                                  valid_rows.typed_data(), s, out, sc);
     };
     if (CanVectorize(h, kVec<In>, {{src, sizeof(In)}, {out->untyped_data(), out_bytes}}))
       return launch(std::integral_constant<int, kVec<In>>{});
