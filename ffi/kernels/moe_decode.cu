@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/sm_count.h"
 #include "moe_decode_common.cuh"
 
 namespace jax_moe {
@@ -91,8 +92,11 @@ __global__ void ExpertGemvReduce(const __nv_bfloat16* a, const int32_t* ids, con
 
 // ---------------------------------------------------------------- transposed (N-contiguous) weights
 
-constexpr int kColWarps = 16;   // warps per block of the column kernels
-constexpr int kColUnroll = 4;   // rows per thread in flight: 16-byte loads, 32 KB per block
+constexpr int kColWarps = 16;  // warps per block of the column kernels
+// Rows per thread in flight (16-byte loads), a column kernel's depth: 4 (32 KB per block, two blocks per
+// SM), or 8 (64 KB, one block per SM: up to 128 registers a thread) where the grid has no more blocks than
+// the GPU has SMs, so that each SM has as many bytes in flight as two blocks would (ColumnDepth).
+constexpr int kColDepth = 4, kDeepColDepth = 8;
 // A column kernel takes the widest chunk (8, 4, 2 or 1 vectors of a row: wider reads stream faster) that
 // still launches this many blocks. On an H100 (132 SMs), for Qwen3-30B, GPT-OSS-120B and DeepSeek-V3 at
 // T = 1, 2: 90 blocks reading 128 bytes a row beat 180 reading 64; 64 blocks lost to 128.
@@ -103,19 +107,20 @@ constexpr int kFillBlocks = 66;
 __device__ __forceinline__ int TeamOf(int sets) { return static_cast<int>(threadIdx.x >> 5) / (kColWarps / sets); }
 
 // acc[c] += sum_r v[r] * w[r * ld + c] for c < 8, over the rows first, first + step, ... below rows; w points
-// at the thread's 8 columns of row 0 (16-byte aligned). Rows go in batches of kColUnroll, the next batch
+// at the thread's 8 columns of row 0 (16-byte aligned). Rows go in batches of kDepth, the next batch
 // loaded before this one is used, so that the compiler cannot put each load next to its use: all of a
 // batch's loads are in flight at once. The loads are unconditional (a row past the end re-reads the last
 // one), the products of rows past the end are masked to zero with no branch.
+template <int kDepth>
 __device__ __forceinline__ void RowsDot(const __nv_bfloat16* w, int64_t ld, const __nv_bfloat16* v, int64_t first,
                                         int64_t step, int64_t rows, float (&acc)[8]) {
   struct Batch {
-    uint4 w[kColUnroll];
-    __nv_bfloat16 v[kColUnroll];
+    uint4 w[kDepth];
+    __nv_bfloat16 v[kDepth];
   };
   const auto load = [&](int64_t r0, Batch& b) {
 #pragma unroll
-    for (int u = 0; u < kColUnroll; ++u) {
+    for (int u = 0; u < kDepth; ++u) {
       const int64_t r = r0 + u * step < rows ? r0 + u * step : rows - 1;
       b.w[u] = __ldg(reinterpret_cast<const uint4*>(w + r * ld));
       b.v[u] = v[r];
@@ -124,10 +129,10 @@ __device__ __forceinline__ void RowsDot(const __nv_bfloat16* w, int64_t ld, cons
   if (first >= rows) return;
   Batch cur, next;
   load(first, cur);
-  for (int64_t r0 = first; r0 < rows; r0 += step * kColUnroll) {
-    load(r0 + step * kColUnroll, next);
+  for (int64_t r0 = first; r0 < rows; r0 += step * kDepth) {
+    load(r0 + step * kDepth, next);
 #pragma unroll
-    for (int u = 0; u < kColUnroll; ++u) {
+    for (int u = 0; u < kDepth; ++u) {
       const uint32_t keep = 0u - static_cast<uint32_t>(r0 + u * step < rows);  // all ones, or zero past the end
       const uint32_t bits[4] = {cur.w[u].x & keep, cur.w[u].y & keep, cur.w[u].z & keep, cur.w[u].w & keep};
       const float x = __uint_as_float(__float_as_uint(__bfloat162float(cur.v[u])) & keep);
@@ -147,8 +152,8 @@ __device__ __forceinline__ void RowsDot(const __nv_bfloat16* w, int64_t ld, cons
 // the team's warps. Each thread passes w = W_s offset to its own 8 columns (nullptr: nothing to sum, e.g. a
 // slot of no expert or columns past the end) and v = v_s. The per-thread sums are reduced over the warp
 // (shuffles), then over the team's warps in shared memory; on return sums[s * 8 * kVecs + c] holds team
-// s's results. Every thread of the block calls it (it synchronizes the block).
-template <int kVecs>
+// s's results. Every thread of the block calls it (it synchronizes the block). kDepth: RowsDot's rows in flight.
+template <int kVecs, int kDepth>
 __device__ void BlockColumnDots(const __nv_bfloat16* w, int64_t ld, const __nv_bfloat16* v, int64_t rows, int sets,
                                 float* sums) {
   constexpr int kCols = 8 * kVecs, kGroups = 32 / kVecs;  // columns per block, row groups per warp
@@ -156,7 +161,7 @@ __device__ void BlockColumnDots(const __nv_bfloat16* w, int64_t ld, const __nv_b
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, team_warps = kColWarps / sets;
   float acc[8] = {};
   if (TeamOf(sets) < sets && w != nullptr)
-    RowsDot(w, ld, v, (warp % team_warps) * kGroups + lane / kVecs, team_warps * kGroups, rows, acc);
+    RowsDot<kDepth>(w, ld, v, (warp % team_warps) * kGroups + lane / kVecs, team_warps * kGroups, rows, acc);
 #pragma unroll
   for (int off = kVecs; off < 32; off <<= 1)
 #pragma unroll
@@ -177,7 +182,7 @@ __device__ void BlockColumnDots(const __nv_bfloat16* w, int64_t ld, const __nv_b
 // GEMM1 + activation on w13t [E, H, 2I]: block (x: chunk of 4 * kVecs outputs i, y: slot). The chunk's
 // 8 * kVecs weight columns are contiguous (interleaved: gate 2i, up 2i + 1) or the gate columns i and the
 // up columns I + i (concat, kVecs even), read by one team of all the block's warps.
-template <int kVecs>
+template <int kVecs, int kDepth>
 __global__ void ExpertColumnsAct(const __nv_bfloat16* x, const int32_t* ids, const __nv_bfloat16* w13t,
                                  const float* b13, DecodeShape s, int activation, int layout, float alpha,
                                  float limit, __nv_bfloat16* a) {
@@ -195,7 +200,7 @@ __global__ void ExpertColumnsAct(const __nv_bfloat16* x, const int32_t* ids, con
   const int64_t first_i = il ? i0 + 4 * vec : i0 + 8 * (vec % (kVecs / 2));  // the vector's first output
   const int64_t col = il ? 2 * first_i : (vec < kVecs / 2 ? first_i : s.i + first_i);
   const __nv_bfloat16* w = first_i < s.i ? w13t + int64_t(e) * s.h * 2 * s.i + col : nullptr;
-  BlockColumnDots<kVecs>(w, 2 * s.i, x + (slot / s.k) * s.h, s.h, 1, sums);
+  BlockColumnDots<kVecs, kDepth>(w, 2 * s.i, x + (slot / s.k) * s.h, s.h, 1, sums);
   if (o >= kOut || i0 + o >= s.i) return;
   const int64_t g_col = il ? 2 * (i0 + o) : i0 + o, u_col = il ? g_col + 1 : s.i + i0 + o;
   float gate = RoundBf16(sums[il ? 2 * o : o]), up = RoundBf16(sums[il ? 2 * o + 1 : kOut + o]);
@@ -208,7 +213,7 @@ __global__ void ExpertColumnsAct(const __nv_bfloat16* x, const int32_t* ids, con
 
 // GEMM2 + weighted reduce on w2t [E, I, H]: block (x: chunk of 8 * kVecs columns h, y: token). Up to
 // kColWarps slots at a time, a team of warps each; then the weighted sum over the slots in slot order.
-template <int kVecs, typename Out>
+template <int kVecs, int kDepth, typename Out>
 __global__ void ExpertColumnsReduce(const __nv_bfloat16* a, const int32_t* ids, const float* weights,
                                     const __nv_bfloat16* w2t, const float* b2, DecodeShape s, Out* out) {
   constexpr int kCols = 8 * kVecs;
@@ -221,7 +226,7 @@ __global__ void ExpertColumnsReduce(const __nv_bfloat16* a, const int32_t* ids, 
     const int64_t slot = t * s.k + j0 + team;
     const int e = team < sets && j0 + team < s.k ? ExpertOf(ids, slot, static_cast<int>(s.experts)) : -1;
     const __nv_bfloat16* w = e >= 0 && col < s.h ? w2t + int64_t(e) * s.i * s.h + col : nullptr;
-    BlockColumnDots<kVecs>(w, s.h, e >= 0 ? a + slot * s.i : a, s.i, sets, sums);
+    BlockColumnDots<kVecs, kDepth>(w, s.h, e >= 0 ? a + slot * s.i : a, s.i, sets, sums);
     if (threadIdx.x >= kCols || c >= s.h) continue;
     for (int q = 0; q < sets && j0 + q < s.k; ++q) {
       const int64_t sq = t * s.k + j0 + q;
@@ -241,6 +246,19 @@ int ChunkVecs(int64_t cols, int64_t rows, int narrowest) {
   int v = 8;
   while (v > narrowest && (cols + 8 * v - 1) / (8 * v) * rows < kFillBlocks) v /= 2;
   return v;
+}
+
+// The depth of a column kernel's grid of `blocks` blocks (kColDepth, kDeepColDepth).
+int ColumnDepth(int64_t blocks) {
+  const int sms = CurrentSmCount();
+  return sms > 0 && blocks <= sms ? kDeepColDepth : kColDepth;
+}
+
+// f(std::integral_constant<int, d>{}) for depth d = kDeepColDepth or kColDepth, known at compile time.
+template <typename F>
+void WithDepth(int depth, F&& f) {
+  if (depth == kDeepColDepth) return f(std::integral_constant<int, kDeepColDepth>{});
+  f(std::integral_constant<int, kColDepth>{});
 }
 
 // f(std::integral_constant<int, v>{}) for v = 8, 4, 2 or 1: a chunk width known at compile time.
@@ -294,9 +312,12 @@ ffi::Error DecodeMoeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   } else {
     WithVecs(ChunkVecs(2 * i, t * k, 2), [&](auto vecs) {
       constexpr int kVecs = decltype(vecs)::value;  // 2 at least: concat splits the chunk into gate and up
-      if constexpr (kVecs >= 2)
-        ExpertColumnsAct<kVecs><<<dim3((i + 4 * kVecs - 1) / (4 * kVecs), t * k), 32 * kColWarps, 0, stream>>>(
-            xs, ids, w13s, b13, s, fn, lay, alpha, limit, a);
+      const dim3 grid((i + 4 * kVecs - 1) / (4 * kVecs), t * k);
+      WithDepth(ColumnDepth(int64_t(grid.x) * grid.y), [&](auto depth) {
+        if constexpr (kVecs >= 2)
+          ExpertColumnsAct<kVecs, decltype(depth)::value><<<grid, 32 * kColWarps, 0, stream>>>(
+              xs, ids, w13s, b13, s, fn, lay, alpha, limit, a);
+      });
     });
   }
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -309,8 +330,11 @@ ffi::Error DecodeMoeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     } else {
       WithVecs(ChunkVecs(h, t, 1), [&](auto vecs) {
         constexpr int kVecs = decltype(vecs)::value;
-        ExpertColumnsReduce<kVecs, Out><<<dim3((h + 8 * kVecs - 1) / (8 * kVecs), t), 32 * kColWarps, 0, stream>>>(
-            a, ids, w, w2s, b2, s, o);
+        const dim3 grid((h + 8 * kVecs - 1) / (8 * kVecs), t);
+        WithDepth(ColumnDepth(int64_t(grid.x) * grid.y), [&](auto depth) {
+          ExpertColumnsReduce<kVecs, decltype(depth)::value, Out><<<grid, 32 * kColWarps, 0, stream>>>(
+              a, ids, w, w2s, b2, s, o);
+        });
       });
     }
     JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
