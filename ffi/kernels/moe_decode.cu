@@ -94,9 +94,12 @@ __global__ void ExpertGemvReduce(const __nv_bfloat16* a, const int32_t* ids, con
 
 constexpr int kColWarps = 16;  // warps per block of the column kernels
 // Rows per thread in flight (16-byte loads), a column kernel's depth: 4 (32 KB per block, two blocks per
-// SM), or 8 (64 KB, one block per SM: up to 128 registers a thread) where the grid has no more blocks than
-// the GPU has SMs, so that each SM has as many bytes in flight as two blocks would (ColumnDepth).
+// SM). GEMM2 takes 8 (64 KB per block, 72 registers a thread: one block per SM) where its grid has no more
+// blocks than the GPU has SMs and each thread streams at least kDeepMinRows rows (ReduceDepth).
 constexpr int kColDepth = 4, kDeepColDepth = 8;
+// On an H200 (132 SMs), depth 8 took GEMM2 from 26.0 to 22.7 us at GPT-OSS-120B's T = 1 (90 rows a
+// thread), from 65.2 to 57.9 at DeepSeek-V3's (256), and from 17.1 to 18.3 at Qwen3-30B-A3B's T = 2 (48).
+constexpr int64_t kDeepMinRows = 64;
 // A column kernel takes the widest chunk (8, 4, 2 or 1 vectors of a row: wider reads stream faster) that
 // still launches this many blocks. On an H100 (132 SMs), for Qwen3-30B, GPT-OSS-120B and DeepSeek-V3 at
 // T = 1, 2: 90 blocks reading 128 bytes a row beat 180 reading 64; 64 blocks lost to 128.
@@ -182,7 +185,7 @@ __device__ void BlockColumnDots(const __nv_bfloat16* w, int64_t ld, const __nv_b
 // GEMM1 + activation on w13t [E, H, 2I]: block (x: chunk of 4 * kVecs outputs i, y: slot). The chunk's
 // 8 * kVecs weight columns are contiguous (interleaved: gate 2i, up 2i + 1) or the gate columns i and the
 // up columns I + i (concat, kVecs even), read by one team of all the block's warps.
-template <int kVecs, int kDepth>
+template <int kVecs>
 __global__ void ExpertColumnsAct(const __nv_bfloat16* x, const int32_t* ids, const __nv_bfloat16* w13t,
                                  const float* b13, DecodeShape s, int activation, int layout, float alpha,
                                  float limit, __nv_bfloat16* a) {
@@ -200,7 +203,7 @@ __global__ void ExpertColumnsAct(const __nv_bfloat16* x, const int32_t* ids, con
   const int64_t first_i = il ? i0 + 4 * vec : i0 + 8 * (vec % (kVecs / 2));  // the vector's first output
   const int64_t col = il ? 2 * first_i : (vec < kVecs / 2 ? first_i : s.i + first_i);
   const __nv_bfloat16* w = first_i < s.i ? w13t + int64_t(e) * s.h * 2 * s.i + col : nullptr;
-  BlockColumnDots<kVecs, kDepth>(w, 2 * s.i, x + (slot / s.k) * s.h, s.h, 1, sums);
+  BlockColumnDots<kVecs, kColDepth>(w, 2 * s.i, x + (slot / s.k) * s.h, s.h, 1, sums);
   if (o >= kOut || i0 + o >= s.i) return;
   const int64_t g_col = il ? 2 * (i0 + o) : i0 + o, u_col = il ? g_col + 1 : s.i + i0 + o;
   float gate = RoundBf16(sums[il ? 2 * o : o]), up = RoundBf16(sums[il ? 2 * o + 1 : kOut + o]);
@@ -248,10 +251,12 @@ int ChunkVecs(int64_t cols, int64_t rows, int narrowest) {
   return v;
 }
 
-// The depth of a column kernel's grid of `blocks` blocks (kColDepth, kDeepColDepth).
-int ColumnDepth(int64_t blocks) {
+// GEMM2's depth (kColDepth or kDeepColDepth) for a grid of `blocks` blocks of kVecs-vector chunks over
+// `rows` rows (I) and k slots: a thread streams the rows of one of its team's row groups (BlockColumnDots).
+int ReduceDepth(int64_t blocks, int vecs, int64_t rows, int64_t k) {
+  const int64_t sets = k < kColWarps ? k : kColWarps, groups = (kColWarps / sets) * (32 / vecs);
   const int sms = CurrentSmCount();
-  return sms > 0 && blocks <= sms ? kDeepColDepth : kColDepth;
+  return sms > 0 && blocks <= sms && (rows + groups - 1) / groups >= kDeepMinRows ? kDeepColDepth : kColDepth;
 }
 
 // f(std::integral_constant<int, d>{}) for depth d = kDeepColDepth or kColDepth, known at compile time.
@@ -312,12 +317,9 @@ ffi::Error DecodeMoeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   } else {
     WithVecs(ChunkVecs(2 * i, t * k, 2), [&](auto vecs) {
       constexpr int kVecs = decltype(vecs)::value;  // 2 at least: concat splits the chunk into gate and up
-      const dim3 grid((i + 4 * kVecs - 1) / (4 * kVecs), t * k);
-      WithDepth(ColumnDepth(int64_t(grid.x) * grid.y), [&](auto depth) {
-        if constexpr (kVecs >= 2)
-          ExpertColumnsAct<kVecs, decltype(depth)::value><<<grid, 32 * kColWarps, 0, stream>>>(
-              xs, ids, w13s, b13, s, fn, lay, alpha, limit, a);
-      });
+      if constexpr (kVecs >= 2)
+        ExpertColumnsAct<kVecs><<<dim3((i + 4 * kVecs - 1) / (4 * kVecs), t * k), 32 * kColWarps, 0, stream>>>(
+            xs, ids, w13s, b13, s, fn, lay, alpha, limit, a);
     });
   }
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -331,7 +333,7 @@ ffi::Error DecodeMoeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       WithVecs(ChunkVecs(h, t, 1), [&](auto vecs) {
         constexpr int kVecs = decltype(vecs)::value;
         const dim3 grid((h + 8 * kVecs - 1) / (8 * kVecs), t);
-        WithDepth(ColumnDepth(int64_t(grid.x) * grid.y), [&](auto depth) {
+        WithDepth(ReduceDepth(int64_t(grid.x) * grid.y, kVecs, i, k), [&](auto depth) {
           ExpertColumnsReduce<kVecs, decltype(depth)::value, Out><<<grid, 32 * kColWarps, 0, stream>>>(
               a, ids, w, w2s, b2, s, o);
         });
