@@ -126,7 +126,7 @@ def test_kernels_are_attributed_to_stages_by_name_and_position(monkeypatch):
     got = attribute([Kernel(n, 10.0 * j, 1.0) for j, n in enumerate(fused)], routed=True)
     assert (got["gemm1"], got["act"], got["gemm2"]) == (1, 0, 1)
     for decode in (["ExpertGemvAct(bf16)", "void jax_moe::ExpertGemvReduce<bf16>"],  # stored weights
-                   ["void jax_moe::ExpertColumnsAct<8>", "void jax_moe::ExpertColumnsReduce<8, bf16>"]):  # transposed
+                   ["void jax_moe::ExpertColumnsAct<8>", "void jax_moe::ExpertColumnsReduce<8, 4, bf16>"]):  # transposed
         got = attribute([Kernel(n, 10.0 * j, 1.0) for j, n in enumerate(decode)])
         assert (got["gemm1"], got["gemm2"], got["sort"]) == (1, 1, 0)
     one_block = [names[0], "_ZN7jax_moe12_GLOBAL__N_19SortSmallEPKi"] + names[3:]  # the sort in one launch

@@ -101,8 +101,9 @@ constexpr int kColDepth = 4, kDeepColDepth = 8;
 // thread), from 65.2 to 57.9 at DeepSeek-V3's (256), and from 17.1 to 18.3 at Qwen3-30B-A3B's T = 2 (48).
 constexpr int64_t kDeepMinRows = 64;
 // A column kernel takes the widest chunk (8, 4, 2 or 1 vectors of a row: wider reads stream faster) that
-// still launches this many blocks. On an H100 (132 SMs), for Qwen3-30B, GPT-OSS-120B and DeepSeek-V3 at
-// T = 1, 2: 90 blocks reading 128 bytes a row beat 180 reading 64; 64 blocks lost to 128.
+// still launches this many blocks (GEMM1 may take 16: ActChunkVecs). On an H100 (132 SMs), for Qwen3-30B,
+// GPT-OSS-120B and DeepSeek-V3 at T = 1, 2: 90 blocks reading 128 bytes a row beat 180 reading 64; 64
+// blocks lost to 128.
 constexpr int kFillBlocks = 66;
 
 // The warps of a column block form `sets` teams of kColWarps / sets warps each (warp w in team
@@ -266,9 +267,18 @@ void WithDepth(int depth, F&& f) {
   f(std::integral_constant<int, kColDepth>{});
 }
 
-// f(std::integral_constant<int, v>{}) for v = 8, 4, 2 or 1: a chunk width known at compile time.
+// GEMM1's chunk width for `slots` slots: ChunkVecs', or 16 vectors (256 bytes a row) where 8 would launch
+// more than one wave of blocks (two per SM) and 16 launches one that still has a block on every SM.
+int ActChunkVecs(int64_t i, int64_t slots) {
+  const int v = ChunkVecs(2 * i, slots, 2);
+  const int64_t sms = CurrentSmCount(), blocks8 = (i + 31) / 32 * slots, blocks16 = (i + 63) / 64 * slots;
+  return v == 8 && sms > 0 && blocks8 > 2 * sms && blocks16 >= sms && blocks16 <= 2 * sms ? 16 : v;
+}
+
+// f(std::integral_constant<int, v>{}) for v = 16, 8, 4, 2 or 1: a chunk width known at compile time.
 template <typename F>
 void WithVecs(int v, F&& f) {
+  if (v == 16) return f(std::integral_constant<int, 16>{});
   if (v == 8) return f(std::integral_constant<int, 8>{});
   if (v == 4) return f(std::integral_constant<int, 4>{});
   if (v == 2) return f(std::integral_constant<int, 2>{});
@@ -315,7 +325,7 @@ ffi::Error DecodeMoeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     ExpertGemvAct<<<dim3((i + kWarps - 1) / kWarps, t * k), 32 * kWarps, 0, stream>>>(xs, ids, w13s, b13, s, fn, lay,
                                                                                       alpha, limit, a);
   } else {
-    WithVecs(ChunkVecs(2 * i, t * k, 2), [&](auto vecs) {
+    WithVecs(ActChunkVecs(i, t * k), [&](auto vecs) {
       constexpr int kVecs = decltype(vecs)::value;  // 2 at least: concat splits the chunk into gate and up
       if constexpr (kVecs >= 2)
         ExpertColumnsAct<kVecs><<<dim3((i + 4 * kVecs - 1) / (4 * kVecs), t * k), 32 * kColWarps, 0, stream>>>(
@@ -331,11 +341,12 @@ ffi::Error DecodeMoeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       ExpertGemvReduce<Out><<<dim3((h + kWarps - 1) / kWarps, t), 32 * kWarps, 0, stream>>>(a, ids, w, w2s, b2, s, o);
     } else {
       WithVecs(ChunkVecs(h, t, 1), [&](auto vecs) {
-        constexpr int kVecs = decltype(vecs)::value;
+        constexpr int kVecs = decltype(vecs)::value;  // 8 at most
         const dim3 grid((h + 8 * kVecs - 1) / (8 * kVecs), t);
         WithDepth(ReduceDepth(int64_t(grid.x) * grid.y, kVecs, i, k), [&](auto depth) {
-          ExpertColumnsReduce<kVecs, decltype(depth)::value, Out><<<grid, 32 * kColWarps, 0, stream>>>(
-              a, ids, w, w2s, b2, s, o);
+          if constexpr (kVecs <= 8)
+            ExpertColumnsReduce<kVecs, decltype(depth)::value, Out><<<grid, 32 * kColWarps, 0, stream>>>(
+                a, ids, w, w2s, b2, s, o);
         });
       });
     }
