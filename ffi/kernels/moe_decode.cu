@@ -268,7 +268,9 @@ void WithDepth(int depth, F&& f) {
 }
 
 // GEMM1's chunk width for `slots` slots: ChunkVecs', or 16 vectors (256 bytes a row) where 8 would launch
-// more than one wave of blocks (two per SM) and 16 launches one that still has a block on every SM.
+// more than one wave of blocks (two per SM) and 16 launches one that still has a block on every SM. On an
+// H200 this took GEMM1 from 40.6 to 35.8 us at GPT-OSS-120B's T = 1 (360 blocks to 180) and from 31.4 to
+// 26.8 at Qwen3-30B-A3B's T = 2 (384 to 192); DeepSeek-V3's at T = 1 (512 to 256) stayed level.
 int ActChunkVecs(int64_t i, int64_t slots) {
   const int v = ChunkVecs(2 * i, slots, 2);
   const int64_t sms = CurrentSmCount(), blocks8 = (i + 31) / 32 * slots, blocks16 = (i + 63) / 64 * slots;
