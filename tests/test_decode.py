@@ -208,11 +208,11 @@ def test_cuda_kernels_on_transposed_weights_are_the_definition(rng, name, t):
     (200, 40, 2)])                                    # the narrowest chunks: 8 outputs, 8 columns
 def test_cuda_kernels_on_transposed_weights_at_qwen3_size(rng, act, layout, h, i, t):
     """Qwen3-30B's H and I: GEMM1 in 24 chunks of 32 outputs per slot, each chunk's 2048 rows split over
-    64 row groups of 32 rows; float32 output; ids of -1 among the slots. GEMM2 keeps eight rows in flight
-    per thread where its grid has no more blocks than the GPU has SMs and each thread streams 64 rows or
-    more (I = 2056 here), and four elsewhere (the other cases; T = 5 is 160 blocks). GEMM1 reads 256 bytes
-    a row in 64-output chunks where 32-output chunks would launch more than two blocks per SM and 64-output
-    ones still fill every SM (T = 2 here)."""
+    64 row groups of 32 rows; float32 output; ids of -1 among the slots. On 132 SMs, GEMM2 keeps eight
+    rows in flight per thread where its grid has no more blocks than SMs and each thread streams 64 rows
+    or more (T = 3, I = 776 at T = 2, and I = 2056), four in the other cases. GEMM1 reads 256 bytes a row,
+    in 64-output chunks, where 32-output ones would launch more than two blocks per SM and 64-output ones
+    still fill every SM (T = 2, and I = 2056)."""
     need_native("cuda")
     e, k = 16, 8
     cfg = MoEConfig(e, k, h, i, act, layout)
