@@ -22,11 +22,14 @@ weights, so the path pays where slots rarely share an expert (:func:`serves`: at
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.activations import activate
+from jax_moe import ffi
 from jax_moe.config import FLOAT_DTYPES, MoEConfig, check_dtype, check_rank
 from jax_moe.kernels import ACTIVATIONS, LAYOUTS, _native
 from jax_moe.layouts.transposed import transpose_experts
@@ -135,3 +138,42 @@ def decode_moe(x: jax.Array, w13: jax.Array, w2: jax.Array, topk_weights: jax.Ar
     if t == 0:
         return jnp.zeros((0, h), out_dt)
     return _native(cuda, reference, xb, w, topk_ids, w13, w2, b13, b2)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLaunch:
+    """One of the decode path's two CUDA launches: ``kernel`` (its name, as a trace shows it, without
+    template arguments) on a ``grid`` of (column blocks, slots or tokens) blocks of ``threads``
+    threads. The column kernels (transposed weights) read chunks of ``vecs`` 16-byte vectors of each
+    row with ``depth`` rows in flight per thread; the GEMV kernels give each warp
+    ``outputs_per_warp`` outputs (0 where a field does not apply)."""
+
+    kernel: str
+    grid: tuple[int, int]
+    threads: int
+    vecs: int = 0
+    depth: int = 0
+    outputs_per_warp: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+def kernel_launches(t: int, k: int, h: int, i: int, *, sms: int, scheme: str = "bf16",
+                    transposed: bool = False) -> tuple[KernelLaunch, KernelLaunch]:
+    """(GEMM1, GEMM2): the launches the CUDA decode kernels make for ``t`` tokens of top-``k`` slots,
+    hidden size ``h`` and intermediate size ``i`` on a GPU of ``sms`` SMs: :func:`decode_moe`
+    (``scheme="bf16"``, weights as stored or ``transposed``) or :func:`jax_moe.decode_fp8.decode_moe_fp8`
+    (``"fp8"``, as stored). The rules are the kernels' own (``ffi/kernels/decode_launch.h``), read
+    from the CPU module, so this needs no GPU."""
+    if scheme not in ("bf16", "fp8"):
+        raise ValueError(f"scheme must be 'bf16' or 'fp8', got {scheme!r}")
+    if scheme == "fp8" and transposed:
+        raise ValueError("the FP8 decode kernels read the weights as stored: transposed must be False for 'fp8'")
+    for name, v in (("t", t), ("k", k), ("h", h), ("i", i), ("sms", sms)):
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    plan = ffi.native_module("cpu").decode_launches(t=int(t), k=int(k), h=int(h), i=int(i), fp8=scheme == "fp8",
+                                                    transposed=bool(transposed), sms=int(sms))
+    return tuple(KernelLaunch(**{**plan[g], "grid": tuple(plan[g]["grid"])}) for g in ("gemm1", "gemm2"))

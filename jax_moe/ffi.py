@@ -108,6 +108,15 @@ def has_native(kind: str) -> bool:
     return _register(kind)
 
 
+def native_module(kind: str):
+    """The loaded native module of ``kind`` (``"cpu"`` or ``"cuda"``); a RuntimeError saying why where
+    it is not built or cannot load."""
+    mod = _load(kind)
+    if mod is None:
+        raise RuntimeError(f"jax_moe: {_errors.get(kind, f'{_MODULES[kind]} is unavailable')}")
+    return mod
+
+
 def native_status() -> dict[str, str]:
     """What loaded and what did not, with reasons (for ``python -m jax_moe.info``)."""
     out = {}

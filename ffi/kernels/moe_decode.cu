@@ -92,20 +92,6 @@ __global__ void ExpertGemvReduce(const __nv_bfloat16* a, const int32_t* ids, con
 
 // ---------------------------------------------------------------- transposed (N-contiguous) weights
 
-constexpr int kColWarps = 16;  // warps per block of the column kernels
-// Rows per thread in flight (16-byte loads), a column kernel's depth: 4 (32 KB per block, two blocks per
-// SM). GEMM2 takes 8 (64 KB per block, 72 registers a thread: one block per SM) where its grid has no more
-// blocks than the GPU has SMs and each thread streams at least kDeepMinRows rows (ReduceDepth).
-constexpr int kColDepth = 4, kDeepColDepth = 8;
-// On an H200 (132 SMs), depth 8 took GEMM2 from 26.0 to 22.7 us at GPT-OSS-120B's T = 1 (90 rows a
-// thread), from 65.2 to 57.9 at DeepSeek-V3's (256), and from 17.1 to 18.3 at Qwen3-30B-A3B's T = 2 (48).
-constexpr int64_t kDeepMinRows = 64;
-// A column kernel takes the widest chunk (8, 4, 2 or 1 vectors of a row: wider reads stream faster) that
-// still launches this many blocks (GEMM1 may take 16: ActChunkVecs). On an H100 (132 SMs), for Qwen3-30B,
-// GPT-OSS-120B and DeepSeek-V3 at T = 1, 2: 90 blocks reading 128 bytes a row beat 180 reading 64; 64
-// blocks lost to 128.
-constexpr int kFillBlocks = 66;
-
 // The warps of a column block form `sets` teams of kColWarps / sets warps each (warp w in team
 // w / (kColWarps / sets); with sets not dividing kColWarps the last warps are in none, team >= sets).
 __device__ __forceinline__ int TeamOf(int sets) { return static_cast<int>(threadIdx.x >> 5) / (kColWarps / sets); }
@@ -244,37 +230,11 @@ __global__ void ExpertColumnsReduce(const __nv_bfloat16* a, const int32_t* ids, 
   if (threadIdx.x < kCols && c < s.h) out[t * s.h + c] = FromF32<Out>(acc);
 }
 
-// 16-byte vectors per row of a column kernel's chunk: the widest of 8, 4, 2, ... down to `narrowest` whose
-// grid of (cols / chunk) x rows blocks still has kFillBlocks blocks.
-int ChunkVecs(int64_t cols, int64_t rows, int narrowest) {
-  int v = 8;
-  while (v > narrowest && (cols + 8 * v - 1) / (8 * v) * rows < kFillBlocks) v /= 2;
-  return v;
-}
-
-// GEMM2's depth (kColDepth or kDeepColDepth) for a grid of `blocks` blocks of kVecs-vector chunks over
-// `rows` rows (I) and k slots: a thread streams the rows of one of its team's row groups (BlockColumnDots).
-int ReduceDepth(int64_t blocks, int vecs, int64_t rows, int64_t k) {
-  const int64_t sets = k < kColWarps ? k : kColWarps, groups = (kColWarps / sets) * (32 / vecs);
-  const int sms = CurrentSmCount();
-  return sms > 0 && blocks <= sms && (rows + groups - 1) / groups >= kDeepMinRows ? kDeepColDepth : kColDepth;
-}
-
 // f(std::integral_constant<int, d>{}) for depth d = kDeepColDepth or kColDepth, known at compile time.
 template <typename F>
 void WithDepth(int depth, F&& f) {
   if (depth == kDeepColDepth) return f(std::integral_constant<int, kDeepColDepth>{});
   f(std::integral_constant<int, kColDepth>{});
-}
-
-// GEMM1's chunk width for `slots` slots: ChunkVecs', or 16 vectors (256 bytes a row) where 8 would launch
-// more than one wave of blocks (two per SM) and 16 launches one that still has a block on every SM. On an
-// H200 this took GEMM1 from 40.6 to 35.8 us at GPT-OSS-120B's T = 1 (360 blocks to 180) and from 31.4 to
-// 26.8 at Qwen3-30B-A3B's T = 2 (384 to 192); DeepSeek-V3's at T = 1 (512 to 256) stayed level.
-int ActChunkVecs(int64_t i, int64_t slots) {
-  const int v = ChunkVecs(2 * i, slots, 2);
-  const int64_t sms = CurrentSmCount(), blocks8 = (i + 31) / 32 * slots, blocks16 = (i + 63) / 64 * slots;
-  return v == 8 && sms > 0 && blocks8 > 2 * sms && blocks16 >= sms && blocks16 <= 2 * sms ? 16 : v;
 }
 
 // f(std::integral_constant<int, v>{}) for v = 16, 8, 4, 2 or 1: a chunk width known at compile time.
@@ -323,15 +283,19 @@ ffi::Error DecodeMoeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const float* b2 = nb2 ? w2_bias.typed_data() : nullptr;
   auto* a = static_cast<__nv_bfloat16*>(act->untyped_data());
   const int fn = static_cast<int>(activation), lay = static_cast<int>(layout);
+  const DecodePlan plan = PlanDecode(t, k, h, i, /*fp8=*/false, transposed != 0, CurrentSmCount());
+  const auto dims = [](const Launch& l) {
+    return dim3(static_cast<unsigned>(l.grid.x), static_cast<unsigned>(l.grid.y));
+  };
   if (!transposed) {
-    ExpertGemvAct<<<dim3((i + kWarps - 1) / kWarps, t * k), 32 * kWarps, 0, stream>>>(xs, ids, w13s, b13, s, fn, lay,
-                                                                                      alpha, limit, a);
+    ExpertGemvAct<<<dims(plan.gemm1), plan.gemm1.threads, 0, stream>>>(xs, ids, w13s, b13, s, fn, lay, alpha, limit,
+                                                                        a);
   } else {
-    WithVecs(ActChunkVecs(i, t * k), [&](auto vecs) {
+    WithVecs(plan.gemm1.vecs, [&](auto vecs) {
       constexpr int kVecs = decltype(vecs)::value;  // 2 at least: concat splits the chunk into gate and up
       if constexpr (kVecs >= 2)
-        ExpertColumnsAct<kVecs><<<dim3((i + 4 * kVecs - 1) / (4 * kVecs), t * k), 32 * kColWarps, 0, stream>>>(
-            xs, ids, w13s, b13, s, fn, lay, alpha, limit, a);
+        ExpertColumnsAct<kVecs><<<dims(plan.gemm1), plan.gemm1.threads, 0, stream>>>(xs, ids, w13s, b13, s, fn, lay,
+                                                                                     alpha, limit, a);
     });
   }
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -340,15 +304,14 @@ ffi::Error DecodeMoeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     const float* w = topk_weights.typed_data();
     auto* o = static_cast<Out*>(out->untyped_data());
     if (!transposed) {
-      ExpertGemvReduce<Out><<<dim3((h + kWarps - 1) / kWarps, t), 32 * kWarps, 0, stream>>>(a, ids, w, w2s, b2, s, o);
+      ExpertGemvReduce<Out><<<dims(plan.gemm2), plan.gemm2.threads, 0, stream>>>(a, ids, w, w2s, b2, s, o);
     } else {
-      WithVecs(ChunkVecs(h, t, 1), [&](auto vecs) {
+      WithVecs(plan.gemm2.vecs, [&](auto vecs) {
         constexpr int kVecs = decltype(vecs)::value;  // 8 at most
-        const dim3 grid((h + 8 * kVecs - 1) / (8 * kVecs), t);
-        WithDepth(ReduceDepth(int64_t(grid.x) * grid.y, kVecs, i, k), [&](auto depth) {
+        WithDepth(plan.gemm2.depth, [&](auto depth) {
           if constexpr (kVecs <= 8)
-            ExpertColumnsReduce<kVecs, decltype(depth)::value, Out><<<grid, 32 * kColWarps, 0, stream>>>(
-                a, ids, w, w2s, b2, s, o);
+            ExpertColumnsReduce<kVecs, decltype(depth)::value, Out><<<dims(plan.gemm2), plan.gemm2.threads, 0,
+                                                                      stream>>>(a, ids, w, w2s, b2, s, o);
         });
       });
     }

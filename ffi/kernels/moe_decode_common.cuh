@@ -6,12 +6,11 @@
 #include <optional>
 #include <string>
 
+#include "decode_launch.h"
 #include "moe_device.cuh"
 
 namespace jax_moe {
 namespace decode {
-
-constexpr int kWarps = 8;  // warps per block of a GEMV kernel: one output element each
 
 struct DecodeShape {
   int64_t t, k, h, i, experts;

@@ -2,7 +2,7 @@
 // the decode path on FP8 E4M3 weights with per-tensor activation scales (W8A8), in two launches with no
 // sort, no permute and no group arrays. Each slot's expert is read from topk_ids and its weights stream
 // once per slot, each warp reading the K-contiguous rows of one or more output elements (16 weights per
-// 16-byte load), as many per warp as fit each launch in one wave of blocks (OutputsPerWarp):
+// 16-byte load), as many per warp as fit each launch in one wave of blocks (OutputsPerWarp, decode_launch.h):
 //   1. GEMM1 + activation, per slot s = t*k + j (expert e) and output i of I:
 //        xq = fp8(x[t] / s1)                          (each block quantizes its token's row into shared memory)
 //        gate = (w13[e][g(i)] . xq) * s1 * c13(e, g(i)) + b13[e][g(i)], up likewise at u(i)
@@ -284,19 +284,6 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
   }
 }
 
-// The outputs per warp of a GEMV kernel whose rows (blockIdx.y) each have `groups` groups of kWarps
-// outputs: the fewest with which rows * blocks per row fit in one wave of blocks, two per SM
-// (__launch_bounds__(32 * kWarps, 2)), where that wave fills at least 90% of the SMs' places; else one.
-// A wave that leaves SMs half used was slower than more waves of single outputs (GEMM2 at T = 1:
-// GPT-OSS-120B's 180 blocks of 264 places 18%, DeepSeek-V3's 224 4%); 240 and 256 blocks gained
-// 8-28%.
-int OutputsPerWarp(int64_t groups, int64_t rows, int sms) {
-  const int64_t places = 2 * int64_t(sms);
-  int64_t cols = 1;
-  while (cols < groups && rows * ((groups + cols - 1) / cols) > places) ++cols;
-  return 10 * rows * ((groups + cols - 1) / cols) >= 9 * places ? static_cast<int>(cols) : 1;
-}
-
 // A weight scale's compact form for n columns of e experts, or an error naming it.
 std::optional<ffi::Error> ReadColScale(const std::string& name, ffi::Buffer<ffi::F32>& scale, int64_t e, int64_t n,
                                        ColScale& out) {
@@ -354,21 +341,25 @@ ffi::Error DecodeMoeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   // Each GEMM's outputs per warp: the fewest that fit its grid in one wave of blocks, two per SM.
   const int sms = CurrentSmCount();
   if (sms <= 0) return ffi::Error(ffi::ErrorCode::kInternal, "jax_moe: cannot read the SM count");
-  const int64_t groups = (i + kWarps - 1) / kWarps, groups2 = (h + kWarps - 1) / kWarps;  // per slot, token
-  const int cols = OutputsPerWarp(groups, t * k, sms), cols2 = OutputsPerWarp(groups2, t, sms);
+  const DecodePlan plan = PlanDecode(t, k, h, i, /*fp8=*/true, /*transposed=*/false, sms);
+  const auto dims = [](const Launch& l) {
+    return dim3(static_cast<unsigned>(l.grid.x), static_cast<unsigned>(l.grid.y));
+  };
   auto status = WithFloatType(x.element_type(), "decode_moe_fp8: x", [&](auto tag) -> ffi::Error {
     using In = typename decltype(tag)::type;
     if (!Aligned(x.untyped_data(), 8 * sizeof(In))) return InvalidArgument(n + "x must be 16-byte aligned");
-    ExpertGemvActFp8<In><<<dim3((groups + cols - 1) / cols, t * k), 32 * kWarps, h, stream>>>(
-        static_cast<const In*>(x.untyped_data()), ids, w13s, s1, s2, c13, b13, s, cols, fn, lay, alpha, limit, a);
+    ExpertGemvActFp8<In><<<dims(plan.gemm1), plan.gemm1.threads, h, stream>>>(
+        static_cast<const In*>(x.untyped_data()), ids, w13s, s1, s2, c13, b13, s, plan.gemm1.outputs_per_warp, fn,
+        lay, alpha, limit, a);
     JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return ffi::Error::Success();
   });
   if (status.failure()) return status;
   return WithFloatType(out_type, "decode_moe_fp8: out", [&](auto tag) -> ffi::Error {
     using Out = typename decltype(tag)::type;
-    ExpertGemvReduceFp8<Out><<<dim3((groups2 + cols2 - 1) / cols2, t), 32 * kWarps, k * i, stream>>>(
-        a, ids, topk_weights.typed_data(), w2s, s2, c2, b2, s, cols2, static_cast<Out*>(out->untyped_data()));
+    ExpertGemvReduceFp8<Out><<<dims(plan.gemm2), plan.gemm2.threads, k * i, stream>>>(
+        a, ids, topk_weights.typed_data(), w2s, s2, c2, b2, s, plan.gemm2.outputs_per_warp,
+        static_cast<Out*>(out->untyped_data()));
     JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return ffi::Error::Success();
   });
