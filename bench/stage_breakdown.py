@@ -32,6 +32,9 @@ layers (:mod:`bench.in_loop`: each layer its own routing, its input the last lay
 gives, per layer, the kernels' busy time, the span from the loop's first kernel to its last over N,
 and the grouped GEMMs' share. This is a layer's device time as a model's layer loop runs it: no
 dispatch, and none of the loop timer's once-per-call costs (the span still holds the loop's start).
+The closing loop table reads each layer's busy time against the performance targets' floor
+(:data:`TARGET_BANDWIDTH`, :data:`TARGET_PEAK`: the same figures on every machine) and, on jax_moe's
+rows, against tokamax's at the same model and T (``x tokamax``).
 
 The GEMM columns also give each grouped GEMM's share of its own floor: ``max(touched experts'
 weight bytes / bandwidth, FLOPs / peak)`` with the ceilings measured in the same run.
@@ -57,7 +60,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import in_loop, kernel_trace, peers  # noqa: E402
 from bench.moe_bench import (FP8_MATH, MODELS, Model, measure_ceilings, quantized, random_experts,  # noqa: E402
-                              print_xla_flags, routed_inputs, timeit, touched_experts)
+                              print_xla_flags, roofline, routed_inputs, timeit, touched_experts)
 from jax_moe import ffi, kernels  # noqa: E402
 from jax_moe.backends import cutlass  # noqa: E402
 from jax_moe.backends.cutlass_gemm import grouped_gemm  # noqa: E402
@@ -65,6 +68,10 @@ from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.routing import select_experts  # noqa: E402
 
 COLUMNS = ("route", "sort", "permute", "gemm1", "act", "gemm2", "finalize", "setup", "glue")
+# The performance targets' floor of a layer: max(touched-expert bytes / 3.0 TB/s, FLOPs / 800 TFLOP/s)
+# (moe_bench.roofline; for FP8, one byte per weight and twice the peak). Fixed figures, not this run's
+# measured ceilings, so that the loop table's "floor / busy" reads the same on any machine.
+TARGET_BANDWIDTH, TARGET_PEAK = 3.0e12, 800e12
 PEER_NA = ("permute", "setup", "glue")  # columns a peer's forward has no kernels of (shown as "-")
 
 
@@ -176,16 +183,39 @@ def traced_loop(fn, args: tuple, num_experts: int, top_k: int, layers: int, call
                                   if kernel_trace.kind_of(k.name) == "gemm") for g in groups)}
 
 
+def target_floor_us(m: Model, t: int, scheme: str = "bf16") -> float:
+    """The targets' floor of one layer of ``m`` at T=t, in microseconds (:data:`TARGET_BANDWIDTH`,
+    :data:`TARGET_PEAK`)."""
+    return 1e3 * roofline(m, t, TARGET_BANDWIDTH, TARGET_PEAK, scheme)[0]
+
+
 def loop_header() -> str:
-    cols = ["model", "T", "impl", "layers", "busy us per layer", "span us per layer", "gemm us per layer"]
+    cols = ["model", "T", "impl", "layers", "busy us per layer", "span us per layer", "gemm us per layer",
+            "floor us", "floor / busy", "x tokamax"]
     return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
 
 
-def format_loop_row(row: dict) -> str:
+def format_loop_row(row: dict, peer_busy: float | None = None) -> str:
+    """A row of the loop table; ``peer_busy``: the tokamax row's busy us per layer at the same model
+    and T, for the speedup column ("-" without one, and on the peer's own row)."""
     lp = row["loop"]
     cells = [row["model"], str(row["T"]), row["impl"], str(lp["layers"])] + [
         fmt_us(lp[key]) for key in ("busy", "span", "gemm")]
+    floor = row.get("target_floor")
+    cells.append(fmt_us(floor))
+    cells.append(f"{100 * floor / lp['busy']:.0f}%" if floor and lp["busy"] else "n/a")
+    cells.append(f"{peer_busy / lp['busy']:.2f}x" if peer_busy and lp["busy"] else "-")
     return "| " + " | ".join(cells) + " |"
+
+
+def loop_table(rows: list[dict]) -> str:
+    """The loop table of the rows traced in a loop: per layer, against the targets' floor and, for
+    jax_moe's rows, against tokamax's row of the same model and T."""
+    looped = [r for r in rows if r.get("loop")]
+    peer = {(r["model"], r["T"]): r["loop"]["busy"] for r in looped if r["impl"] == "tokamax"}
+    lines = [format_loop_row(r, None if r["impl"] == "tokamax" else peer.get((r["model"], r["T"])))
+             for r in looped]
+    return loop_header() + "\n" + "\n".join(lines)
 
 
 def header() -> str:
@@ -249,6 +279,7 @@ def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: fl
         for name in impls:
             fn, args = impls[name]
             row = {"model": m.name, "T": t, "impl": name, "floors": floors,
+                   "target_floor": target_floor_us(m, t, scheme),
                    "per_call": 1e3 * timeit(fn, [args], budget_s=0.3)}
             if traced is not None:
                 row.update({key: traced[name][key] for key in ("stages", "kernels", "busy", "span")})
@@ -320,9 +351,8 @@ def main(argv=None) -> int:
     finally:
         if kfile:
             kfile.close()
-    looped = [r for r in rows if r.get("loop")]
-    if looped:
-        print("\n" + loop_header() + "\n" + "\n".join(format_loop_row(r) for r in looped))
+    if any(r.get("loop") for r in rows):
+        print("\n" + loop_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -199,8 +199,35 @@ def test_stage_breakdown_gives_the_device_time_per_layer_inside_a_loop(monkeypat
     assert row[0].startswith("| tiny") and row[1:4] == ["3", "cutlass", "2"]
     busy, span, gemm = (float(v.strip(" |")) for v in row[4:7])
     assert busy > 0 and span > 0 and gemm >= 0  # (CPU thunks nest, so busy may pass span here)
+    floor, share, speedup = (v.strip(" |") for v in row[7:10])
+    assert float(floor) > 0 and share.endswith("%") and speedup == "-"  # no peer here
     with pytest.raises(SystemExit):
         stage_breakdown.main(["--tokens", "3", "--method", "alone", "--loop", "2"])
+
+
+def test_stage_breakdown_loop_table_reads_each_layer_against_the_targets_floor_and_tokamax(monkeypatch):
+    """The loop table's floor is the performance targets' (touched-expert bytes / 3.0 TB/s against
+    FLOPs / 800 TFLOP/s, whatever this machine measures): Qwen3-30B-A3B at T=4096 is 414 us, bound by
+    its 1.24 GB of experts. jax_moe's rows are read against it and against tokamax's busy time at the
+    same model and T."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import stage_breakdown
+    from bench.moe_bench import MODELS
+
+    assert stage_breakdown.target_floor_us(MODELS["qwen3"], 4096) == pytest.approx(414, abs=1)
+    # FP8: one byte per weight, the tokens still bf16 in and out (33.5 MB)
+    assert stage_breakdown.target_floor_us(MODELS["qwen3"], 4096, "fp8") == pytest.approx(212.5, abs=0.5)
+
+    def row(impl, t, busy):
+        return {"model": "m", "T": t, "impl": impl, "target_floor": 400.0,
+                "loop": {"layers": 8, "busy": busy, "span": busy + 10, "gemm": busy - 50}}
+
+    rows = [row("cutlass", 64, 500.0), row("tokamax", 64, 1000.0), row("cutlass", 128, 800.0)]
+    lines = stage_breakdown.loop_table(rows).splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert cells[0][7:] == ["400.0", "80%", "2.00x"]
+    assert cells[1][7:] == ["400.0", "40%", "-"]     # the peer's own row
+    assert cells[2][7:] == ["400.0", "50%", "-"]     # no peer at this T
 
 
 def test_route_bench_prints_a_row_per_router_and_token_count(monkeypatch, capsys):
