@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe.activations import activate
 from jax_moe import ffi
+from jax_moe.activations import activate
 from jax_moe.config import FLOAT_DTYPES, MoEConfig, check_dtype, check_rank
 from jax_moe.kernels import ACTIVATIONS, LAYOUTS, _native
 from jax_moe.layouts.transposed import transpose_experts

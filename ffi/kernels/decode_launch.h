@@ -75,10 +75,11 @@ inline int ReduceDepth(int64_t blocks, int vecs, int64_t rows, int64_t k, int sm
 // from 31.4 to 26.8 at Qwen3-30B-A3B's T = 2 (384 to 192); DeepSeek-V3's at T = 1 (512 to 256) stayed
 // level. Six-vector chunks, for Qwen3-30B-A3B's T = 1 (256 blocks where 8 gives 192), lost: 15.4 -> 17.4 us.
 inline Launch ActColumns(int64_t i, int64_t slots, int sms) {
-  const auto blocks = [&](int v) { return ActColumnBlocks(i, v) * slots; };
-  int v = ChunkVecs([&](int w) { return ActColumnBlocks(i, w); }, slots, 2);
-  if (v == 8 && sms > 0 && blocks(8) > 2 * sms && blocks(16) >= sms && blocks(16) <= 2 * sms) v = 16;
-  return {"ExpertColumnsAct", v, kColDepth, 0, {ActColumnBlocks(i, v), slots}, 32 * kColWarps};
+  const auto columns = [&](int v) { return ActColumnBlocks(i, v); };
+  int v = ChunkVecs(columns, slots, 2);
+  const int64_t blocks8 = columns(8) * slots, blocks16 = columns(16) * slots;
+  if (v == 8 && sms > 0 && blocks8 > 2 * sms && blocks16 >= sms && blocks16 <= 2 * sms) v = 16;
+  return {"ExpertColumnsAct", v, kColDepth, 0, {columns(v), slots}, 32 * kColWarps};
 }
 
 // GEMM2 + weighted reduce on w2t [E, I, H] for `tokens` tokens of k slots.
