@@ -284,18 +284,15 @@ ffi::Error DecodeMoeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   auto* a = static_cast<__nv_bfloat16*>(act->untyped_data());
   const int fn = static_cast<int>(activation), lay = static_cast<int>(layout);
   const DecodePlan plan = PlanDecode(t, k, h, i, /*fp8=*/false, transposed != 0, CurrentSmCount());
-  const auto dims = [](const Launch& l) {
-    return dim3(static_cast<unsigned>(l.grid.x), static_cast<unsigned>(l.grid.y));
-  };
   if (!transposed) {
-    ExpertGemvAct<<<dims(plan.gemm1), plan.gemm1.threads, 0, stream>>>(xs, ids, w13s, b13, s, fn, lay, alpha, limit,
-                                                                        a);
+    ExpertGemvAct<<<GridOf(plan.gemm1), plan.gemm1.threads, 0, stream>>>(xs, ids, w13s, b13, s, fn, lay, alpha,
+                                                                          limit, a);
   } else {
     WithVecs(plan.gemm1.vecs, [&](auto vecs) {
       constexpr int kVecs = decltype(vecs)::value;  // 2 at least: concat splits the chunk into gate and up
       if constexpr (kVecs >= 2)
-        ExpertColumnsAct<kVecs><<<dims(plan.gemm1), plan.gemm1.threads, 0, stream>>>(xs, ids, w13s, b13, s, fn, lay,
-                                                                                     alpha, limit, a);
+        ExpertColumnsAct<kVecs><<<GridOf(plan.gemm1), plan.gemm1.threads, 0, stream>>>(xs, ids, w13s, b13, s, fn,
+                                                                                       lay, alpha, limit, a);
     });
   }
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -304,14 +301,14 @@ ffi::Error DecodeMoeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     const float* w = topk_weights.typed_data();
     auto* o = static_cast<Out*>(out->untyped_data());
     if (!transposed) {
-      ExpertGemvReduce<Out><<<dims(plan.gemm2), plan.gemm2.threads, 0, stream>>>(a, ids, w, w2s, b2, s, o);
+      ExpertGemvReduce<Out><<<GridOf(plan.gemm2), plan.gemm2.threads, 0, stream>>>(a, ids, w, w2s, b2, s, o);
     } else {
       WithVecs(plan.gemm2.vecs, [&](auto vecs) {
         constexpr int kVecs = decltype(vecs)::value;  // 8 at most
         WithDepth(plan.gemm2.depth, [&](auto depth) {
           if constexpr (kVecs <= 8)
-            ExpertColumnsReduce<kVecs, decltype(depth)::value, Out><<<dims(plan.gemm2), plan.gemm2.threads, 0,
-                                                                      stream>>>(a, ids, w, w2s, b2, s, o);
+            ExpertColumnsReduce<kVecs, decltype(depth)::value, Out>
+                <<<GridOf(plan.gemm2), plan.gemm2.threads, 0, stream>>>(a, ids, w, w2s, b2, s, o);
         });
       });
     }

@@ -22,6 +22,11 @@ __device__ __forceinline__ int ExpertOf(const int32_t* ids, int64_t slot, int ex
   return (e >= 0 && e < experts) ? e : -1;
 }
 
+// A launch's grid (decode_launch.h) as CUDA takes it.
+inline dim3 GridOf(const Launch& l) {
+  return dim3(static_cast<unsigned>(l.grid.x), static_cast<unsigned>(l.grid.y));
+}
+
 __device__ __forceinline__ float RoundBf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // One lane's batch of a warp's row stream: kUnroll 16-byte vectors of each of kRows rows.

@@ -342,13 +342,10 @@ ffi::Error DecodeMoeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   const int sms = CurrentSmCount();
   if (sms <= 0) return ffi::Error(ffi::ErrorCode::kInternal, "jax_moe: cannot read the SM count");
   const DecodePlan plan = PlanDecode(t, k, h, i, /*fp8=*/true, /*transposed=*/false, sms);
-  const auto dims = [](const Launch& l) {
-    return dim3(static_cast<unsigned>(l.grid.x), static_cast<unsigned>(l.grid.y));
-  };
   auto status = WithFloatType(x.element_type(), "decode_moe_fp8: x", [&](auto tag) -> ffi::Error {
     using In = typename decltype(tag)::type;
     if (!Aligned(x.untyped_data(), 8 * sizeof(In))) return InvalidArgument(n + "x must be 16-byte aligned");
-    ExpertGemvActFp8<In><<<dims(plan.gemm1), plan.gemm1.threads, h, stream>>>(
+    ExpertGemvActFp8<In><<<GridOf(plan.gemm1), plan.gemm1.threads, h, stream>>>(
         static_cast<const In*>(x.untyped_data()), ids, w13s, s1, s2, c13, b13, s, plan.gemm1.outputs_per_warp, fn,
         lay, alpha, limit, a);
     JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -357,7 +354,7 @@ ffi::Error DecodeMoeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   if (status.failure()) return status;
   return WithFloatType(out_type, "decode_moe_fp8: out", [&](auto tag) -> ffi::Error {
     using Out = typename decltype(tag)::type;
-    ExpertGemvReduceFp8<Out><<<dims(plan.gemm2), plan.gemm2.threads, k * i, stream>>>(
+    ExpertGemvReduceFp8<Out><<<GridOf(plan.gemm2), plan.gemm2.threads, k * i, stream>>>(
         a, ids, topk_weights.typed_data(), w2s, s2, c2, b2, s, plan.gemm2.outputs_per_warp,
         static_cast<Out*>(out->untyped_data()));
     JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
