@@ -34,7 +34,11 @@ and the grouped GEMMs' share. This is a layer's device time as a model's layer l
 dispatch, and none of the loop timer's once-per-call costs (the span still holds the loop's start).
 The closing loop table reads each layer's busy time against the performance targets' floor
 (:data:`TARGET_BANDWIDTH`, :data:`TARGET_PEAK`: the same figures on every machine) and, on jax_moe's
-rows, against tokamax's at the same model and T (``x tokamax``).
+rows, against tokamax's at the same model and T (``x tokamax``). Its last column is the GPU's SM
+clock (:mod:`bench.gpu_clocks`): the median while the loop was traced, then the 10th percentile
+and median while it runs back to back for a second after its trace, with the share of those
+samples at which the driver lowered the clock for its power cap. A loop that ran slower because
+the clock fell can so be told from a change in the kernels, and a sustained run's clock read.
 
 The GEMM columns also give each grouped GEMM's share of its own floor: ``max(touched experts'
 weight bytes / bandwidth, FLOPs / peak)`` with the ceilings measured in the same run.
@@ -52,13 +56,14 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench import in_loop, kernel_trace, peers  # noqa: E402
+from bench import gpu_clocks, in_loop, kernel_trace, peers  # noqa: E402
 from bench.moe_bench import (FP8_MATH, MODELS, Model, measure_ceilings, quantized, random_experts,  # noqa: E402
                               print_xla_flags, roofline, routed_inputs, timeit, touched_experts)
 from jax_moe import ffi, kernels  # noqa: E402
@@ -72,6 +77,7 @@ COLUMNS = ("route", "sort", "permute", "gemm1", "act", "gemm2", "finalize", "set
 # (moe_bench.roofline; for FP8, one byte per weight and twice the peak). Fixed figures, not this run's
 # measured ceilings, so that the loop table's "floor / busy" reads the same on any machine.
 TARGET_BANDWIDTH, TARGET_PEAK = 3.0e12, 800e12
+CLOCK_SECONDS = 1.0  # how long each loop runs back to back under the clock sampler
 PEER_NA = ("permute", "setup", "glue")  # columns a peer's forward has no kernels of (shown as "-")
 
 
@@ -161,15 +167,29 @@ def traced_stages(impls: dict, logits, top_k: int, calls: int) -> dict[str, dict
     return result
 
 
+def loop_clocks(loop, loop_args: tuple, seconds: float = CLOCK_SECONDS) -> gpu_clocks.ClockSummary | None:
+    """The GPU's SM clock while ``loop`` runs back to back for about ``seconds``
+    (:class:`bench.gpu_clocks.ClockSampler`); None off a GPU or without ``nvidia-smi``."""
+    if jax.devices()[0].platform != "gpu":
+        return None
+    with gpu_clocks.ClockSampler() as clocks:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            jax.block_until_ready(loop(*loop_args))
+    return clocks.summary
+
+
 def traced_loop(fn, args: tuple, num_experts: int, top_k: int, layers: int, calls: int = 2) -> dict | None:
     """Per layer of ``fn`` run ``layers`` times inside one jitted loop (``args`` = (x, weights,
     topk_weights, topk_ids); the loop is :func:`bench.in_loop.scaled_loop`'s): microseconds of busy
     time, of span (the loop's first kernel's start to its last one's end, over ``layers``) and of
-    grouped-GEMM time, medians over ``calls`` traced calls of the loop; None if the trace could
-    not be split into calls."""
+    grouped-GEMM time, medians over ``calls`` traced calls of the loop; the SM clock while it was
+    traced (``clocks_traced``) and while it runs back to back (``clocks``, :func:`loop_clocks`);
+    None if the trace could not be split into calls."""
     loop, loop_args = in_loop.scaled_loop(fn, *args[:2], num_experts, top_k, layers)
     jax.block_until_ready(loop(*loop_args))
-    groups = kernel_trace.trace_calls([(loop, loop_args)] * calls)
+    with gpu_clocks.ClockSampler() as traced_clocks:
+        groups = kernel_trace.trace_calls([(loop, loop_args)] * calls)
     if groups is None:
         return None
 
@@ -180,7 +200,8 @@ def traced_loop(fn, args: tuple, num_experts: int, top_k: int, layers: int, call
             "busy": per_layer(kernel_trace.busy_ns(g) for g in groups),
             "span": per_layer(kernel_trace.span_ns(g) for g in groups),
             "gemm": per_layer(sum(ns for k, ns in kernel_trace.exclusive(g)
-                                  if kernel_trace.kind_of(k.name) == "gemm") for g in groups)}
+                                  if kernel_trace.kind_of(k.name) == "gemm") for g in groups),
+            "clocks_traced": traced_clocks.summary, "clocks": loop_clocks(loop, loop_args)}
 
 
 def target_floor_us(m: Model, t: int, scheme: str = "bf16") -> float:
@@ -191,7 +212,8 @@ def target_floor_us(m: Model, t: int, scheme: str = "bf16") -> float:
 
 def loop_header() -> str:
     cols = ["model", "T", "impl", "layers", "busy us per layer", "span us per layer", "gemm us per layer",
-            "floor us", "floor / busy", "x tokamax"]
+            "floor us", "floor / busy", "x tokamax",
+            "SM MHz traced; back to back p10 / median (power-capped)"]
     return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
 
 
@@ -205,6 +227,8 @@ def format_loop_row(row: dict, peer_busy: float | None = None) -> str:
     cells.append(fmt_us(floor))
     cells.append(f"{100 * floor / lp['busy']:.0f}%" if floor and lp["busy"] else "n/a")
     cells.append(f"{peer_busy / lp['busy']:.2f}x" if peer_busy and lp["busy"] else "-")
+    traced = lp.get("clocks_traced")
+    cells.append(f"{traced['median_mhz'] if traced else '-'}; {gpu_clocks.cell(lp.get('clocks'))}")
     return "| " + " | ".join(cells) + " |"
 
 

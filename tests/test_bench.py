@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import jax
 import pytest
@@ -199,8 +200,9 @@ def test_stage_breakdown_gives_the_device_time_per_layer_inside_a_loop(monkeypat
     assert row[0].startswith("| tiny") and row[1:4] == ["3", "cutlass", "2"]
     busy, span, gemm = (float(v.strip(" |")) for v in row[4:7])
     assert busy > 0 and span > 0 and gemm >= 0  # (CPU thunks nest, so busy may pass span here)
-    floor, share, speedup = (v.strip(" |") for v in row[7:10])
+    floor, share, speedup, clocks = (v.strip(" |") for v in row[7:11])
     assert float(floor) > 0 and share.endswith("%") and speedup == "-"  # no peer here
+    assert clocks == "-; -"  # no GPU clock to sample on CPU
     with pytest.raises(SystemExit):
         stage_breakdown.main(["--tokens", "3", "--method", "alone", "--loop", "2"])
 
@@ -218,16 +220,57 @@ def test_stage_breakdown_loop_table_reads_each_layer_against_the_targets_floor_a
     # FP8: one byte per weight, the tokens still bf16 in and out (33.5 MB)
     assert stage_breakdown.target_floor_us(MODELS["qwen3"], 4096, "fp8") == pytest.approx(212.5, abs=0.5)
 
-    def row(impl, t, busy):
+    def row(impl, t, busy, traced=None, clocks=None):
         return {"model": "m", "T": t, "impl": impl, "target_floor": 400.0,
-                "loop": {"layers": 8, "busy": busy, "span": busy + 10, "gemm": busy - 50}}
+                "loop": {"layers": 8, "busy": busy, "span": busy + 10, "gemm": busy - 50,
+                         "clocks_traced": traced, "clocks": clocks}}
 
-    rows = [row("cutlass", 64, 500.0), row("tokamax", 64, 1000.0), row("cutlass", 128, 800.0)]
+    traced = {"samples": 9, "p10_mhz": 1845, "median_mhz": 1965, "max_mhz": 1980, "power_capped": 0.2}
+    capped = {"samples": 40, "p10_mhz": 1110, "median_mhz": 1380, "max_mhz": 1980, "power_capped": 1.0}
+    rows = [row("cutlass", 64, 500.0, traced, capped), row("tokamax", 64, 1000.0), row("cutlass", 128, 800.0)]
     lines = stage_breakdown.loop_table(rows).splitlines()
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
-    assert cells[0][7:] == ["400.0", "80%", "2.00x"]
-    assert cells[1][7:] == ["400.0", "40%", "-"]     # the peer's own row
-    assert cells[2][7:] == ["400.0", "50%", "-"]     # no peer at this T
+    assert cells[0][7:] == ["400.0", "80%", "2.00x", "1965; 1110 / 1380 (100%)"]
+    assert cells[1][7:] == ["400.0", "40%", "-", "-; -"]     # the peer's own row, its clocks not sampled
+    assert cells[2][7:] == ["400.0", "50%", "-", "-; -"]     # no peer at this T
+
+
+def test_the_clock_sampler_reads_the_busy_samples_clock_and_how_often_the_power_cap_lowered_it(monkeypatch):
+    """bench.gpu_clocks.summarize: nvidia-smi's ``clocks.sm, clocks_event_reasons.active`` lines.
+    Idle samples (reason bit 0x1) and lines that do not parse are left out; the share power-capped
+    counts the samples with bit 0x4 among the busy ones."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import gpu_clocks
+
+    lines = ["1980, 0x0000000000000000", "1455, 0x0000000000000004", "1845, 0x0000000000000004",
+             "345, 0x0000000000000001",  # idle between calls
+             "1965, 0x0000000000000000", "[N/A], [N/A]", "", "1980, 0x0000000000000010"]
+    s = gpu_clocks.summarize(lines)
+    assert s == {"samples": 5, "p10_mhz": 1455, "median_mhz": 1965, "max_mhz": 1980, "power_capped": 0.4}
+    assert gpu_clocks.cell(s) == "1455 / 1965 (40%)"
+    assert gpu_clocks.summarize(["345, 0x1", "garbage"]) is None and gpu_clocks.cell(None) == "-"
+
+
+def test_the_clock_sampler_summarizes_what_nvidia_smi_printed_while_the_block_ran(monkeypatch, tmp_path):
+    """ClockSampler runs nvidia-smi (here a stand-in printing two samples) for the ``with`` block's
+    length, stops it on leaving, and summarizes its output; without nvidia-smi it runs nothing and
+    has no summary."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import gpu_clocks
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "1500, 0x4"\necho "1980, 0x0"\n')
+    smi.chmod(0o755)
+    monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: str(smi))
+    with gpu_clocks.ClockSampler() as clocks:
+        time.sleep(1.0)  # the stand-in prints at once; the real one until it is stopped
+    assert clocks.summary == {"samples": 2, "p10_mhz": 1500, "median_mhz": 1740, "max_mhz": 1980,
+                              "power_capped": 0.5}
+
+    monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: None)
+    with gpu_clocks.ClockSampler() as clocks:
+        pass
+    assert clocks.summary is None
 
 
 def test_route_bench_prints_a_row_per_router_and_token_count(monkeypatch, capsys):
