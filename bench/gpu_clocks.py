@@ -70,16 +70,17 @@ def summarize(lines: list[str]) -> ClockSummary | None:
 
 class ClockSampler:
     """Samples GPU ``device``'s SM clock every :data:`INTERVAL_MS` ms while the ``with`` block
-    runs; ``summary`` is :func:`summarize`'s afterwards (None without ``nvidia-smi``)."""
+    runs; ``summary`` is :func:`summarize`'s afterwards (None without ``nvidia-smi``, or when not
+    ``enabled``: a caller not running on the GPU)."""
 
-    def __init__(self, device: int = 0, interval_ms: int = INTERVAL_MS):
-        self.device, self.interval_ms = device, interval_ms
+    def __init__(self, device: int = 0, interval_ms: int = INTERVAL_MS, enabled: bool = True):
+        self.device, self.interval_ms, self.enabled = device, interval_ms, enabled
         self.summary: ClockSummary | None = None
         self._proc: subprocess.Popen | None = None
         self._out = None
 
     def __enter__(self) -> ClockSampler:
-        smi = shutil.which("nvidia-smi")
+        smi = shutil.which("nvidia-smi") if self.enabled else None
         if smi is not None:
             self._out = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in __exit__)
             self._proc = subprocess.Popen(

@@ -167,10 +167,16 @@ def traced_stages(impls: dict, logits, top_k: int, calls: int) -> dict[str, dict
     return result
 
 
+def on_gpu() -> bool:
+    """Whether JAX runs on a GPU here (the clock sampler's condition: a CPU run on a GPU machine
+    would sample a GPU it does not use)."""
+    return jax.devices()[0].platform == "gpu"
+
+
 def loop_clocks(loop, loop_args: tuple, seconds: float = CLOCK_SECONDS) -> gpu_clocks.ClockSummary | None:
     """The GPU's SM clock while ``loop`` runs back to back for about ``seconds``
     (:class:`bench.gpu_clocks.ClockSampler`); None off a GPU or without ``nvidia-smi``."""
-    if jax.devices()[0].platform != "gpu":
+    if not on_gpu():
         return None
     with gpu_clocks.ClockSampler() as clocks:
         end = time.perf_counter() + seconds
@@ -188,7 +194,7 @@ def traced_loop(fn, args: tuple, num_experts: int, top_k: int, layers: int, call
     None if the trace could not be split into calls."""
     loop, loop_args = in_loop.scaled_loop(fn, *args[:2], num_experts, top_k, layers)
     jax.block_until_ready(loop(*loop_args))
-    with gpu_clocks.ClockSampler() as traced_clocks:
+    with gpu_clocks.ClockSampler(enabled=on_gpu()) as traced_clocks:
         groups = kernel_trace.trace_calls([(loop, loop_args)] * calls)
     if groups is None:
         return None

@@ -231,7 +231,7 @@ def test_stage_breakdown_loop_table_reads_each_layer_against_the_targets_floor_a
     lines = stage_breakdown.loop_table(rows).splitlines()
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
     assert cells[0][7:] == ["400.0", "80%", "2.00x", "1965; 1110 / 1380 (100%)"]
-    assert cells[1][7:] == ["400.0", "40%", "-", "-; -"]     # the peer's own row, its clocks not sampled
+    assert cells[1][7:] == ["400.0", "40%", "-", "-; -"]     # the peer's own row (here without clocks)
     assert cells[2][7:] == ["400.0", "50%", "-", "-; -"]     # no peer at this T
 
 
@@ -253,8 +253,8 @@ def test_the_clock_sampler_reads_the_busy_samples_clock_and_how_often_the_power_
 
 def test_the_clock_sampler_summarizes_what_nvidia_smi_printed_while_the_block_ran(monkeypatch, tmp_path):
     """ClockSampler runs nvidia-smi (here a stand-in printing two samples) for the ``with`` block's
-    length, stops it on leaving, and summarizes its output; without nvidia-smi it runs nothing and
-    has no summary."""
+    length, stops it on leaving, and summarizes its output; without nvidia-smi, or not enabled, it
+    runs nothing and has no summary."""
     monkeypatch.syspath_prepend(ROOT)
     from bench import gpu_clocks
 
@@ -270,6 +270,10 @@ def test_the_clock_sampler_summarizes_what_nvidia_smi_printed_while_the_block_ra
     monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: None)
     with gpu_clocks.ClockSampler() as clocks:
         pass
+    assert clocks.summary is None
+    monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: str(smi))
+    with gpu_clocks.ClockSampler(enabled=False) as clocks:  # a caller not on the GPU
+        time.sleep(0.2)
     assert clocks.summary is None
 
 
