@@ -339,12 +339,12 @@ def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: fl
 
 
 def main(argv=None) -> int:
-    on_gpu = jax.devices()[0].platform == "gpu"
+    gpu = on_gpu()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["qwen3", "deepseek", "gptoss", "mixtral"] if on_gpu else ["tiny"],
+    p.add_argument("--models", nargs="+", default=["qwen3", "deepseek", "gptoss", "mixtral"] if gpu else ["tiny"],
                    choices=sorted(MODELS))
-    p.add_argument("--tokens", nargs="+", type=int, default=[1, 64, 4096, 16384] if on_gpu else [1, 16])
-    p.add_argument("--method", choices=("trace", "alone"), default="trace" if on_gpu else "alone")
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 64, 4096, 16384] if gpu else [1, 16])
+    p.add_argument("--method", choices=("trace", "alone"), default="trace" if gpu else "alone")
     p.add_argument("--calls", type=int, default=3, help="forwards traced per implementation (median)")
     p.add_argument("--no-peer", action="store_true", help="leave the tokamax peer out")
     p.add_argument("--scheme", nargs="+", choices=("bf16", "fp8"), default=["bf16"],
