@@ -289,6 +289,35 @@ def test_route_bench_prints_a_row_per_router_and_token_count(monkeypatch, capsys
     assert len(rows) == 4 and all(line.endswith("x |") for line in rows)
 
 
+def test_group_count_probe_times_one_gemm_per_group_count_and_tile_after_checking_it(monkeypatch, capsys):
+    """bench/group_count_probe.py: a grouped GEMM of fixed rows split evenly, or as top-k routing
+    splits them, among more groups; a row per group count and tile, each checked against float32
+    first (on CPU: the pure-JAX reference)."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import group_count_probe as probe
+
+    assert probe.main(["--shape", "256", "64", "--rows", "512", "--groups", "1", "4", "--calls", "2",
+                       "--tiles", "pingpong_64x256", "coop_128x256_c1"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 512 |")]
+    assert [(r[3], r[4]) for r in rows] == [("1", "pingpong_64x256"), ("1", "coop_128x256_c1"),
+                                            ("4", "pingpong_64x256"), ("4", "coop_128x256_c1")]
+    assert [r[5] for r in rows] == ["8.0", "4.0", "2.0", "1.0"]  # tiles per group: 512 rows / tile rows / groups
+
+
+def test_group_count_probe_splits_rows_as_routing_does_and_refuses_what_does_not_divide(monkeypatch):
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import group_count_probe as probe
+
+    off = probe.offsets_of(4096, 128, top_k=8)
+    assert off[0] == 0 and off[-1] == 4096 and (off[1:] >= off[:-1]).all()
+    assert probe.tiles_of(off, 512, "pingpong_64x256") == 2 * sum(-(-int(c) // 64) for c in off[1:] - off[:-1])
+    assert list(probe.offsets_of(256, 4, None)) == [0, 64, 128, 192, 256]
+    with pytest.raises(ValueError, match="--rows"):
+        probe.offsets_of(100, 8, None)
+    with pytest.raises(ValueError, match="--random"):
+        probe.offsets_of(100, 8, top_k=3)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU demo")
 def test_stage_breakdown_of_the_fp8_forward(monkeypatch, capsys):
