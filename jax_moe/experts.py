@@ -75,7 +75,9 @@ def fused_experts(
     """Run the routed experts and reduce over top-k.
 
     x [T, H] float; w13 [E, 2I, H] (gate rows then up rows; [E, I, H] for ``relu2``);
-    w2 [E, H, I]; topk_weights [T, k] float; topk_ids [T, k] int32 in [0, E).
+    w2 [E, H, I]; topk_weights [T, k] float; topk_ids [T, k] int32 in [0, E), or -1 (expert
+    parallelism's mark for an expert another rank owns), whose slot contributes zero. The ids are
+    traced values and are not validated.
     With ``quant`` (a :class:`jax_moe.QuantConfig`), w13/w2 are the stored quantized tensors.
     Returns [T, H] in x's dtype. Any array may be numpy or jax (committed or not).
     ``swiglu_alpha``/``swiglu_limit`` must be finite and > 0 (ValueError naming them).
