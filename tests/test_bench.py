@@ -5,6 +5,7 @@ import os
 import time
 
 import jax
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -310,7 +311,9 @@ def test_group_count_probe_splits_rows_as_routing_does_and_refuses_what_does_not
 
     off = probe.offsets_of(4096, 128, top_k=8)
     assert off[0] == 0 and off[-1] == 4096 and (off[1:] >= off[:-1]).all()
-    assert probe.tiles_of(off, 512, "pingpong_64x256") == 2 * sum(-(-int(c) // 64) for c in off[1:] - off[:-1])
+    groups = np.array([0, 64, 65, 200, 200])  # 64, 1, 135 and 0 rows
+    assert probe.tiles_of(groups, 512, "pingpong_64x256") == (1 + 1 + 3 + 0) * 2
+    assert probe.tiles_of(groups, 300, "coop_128x256_c1") == (1 + 1 + 2 + 0) * 2
     assert list(probe.offsets_of(256, 4, None)) == [0, 64, 128, 192, 256]
     with pytest.raises(ValueError, match="--rows"):
         probe.offsets_of(100, 8, None)
