@@ -42,15 +42,19 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench import kernel_trace  # noqa: E402
+from bench.moe_bench import rel_diff  # noqa: E402
 from jax_moe.backends.cutlass_gemm import grouped_gemm  # noqa: E402
 from jax_moe.backends.cutlass_tiles import TILES  # noqa: E402
+from jax_moe.permute import sort_by_expert  # noqa: E402
+from jax_moe.routing import select_experts  # noqa: E402
 
 DEFAULT_SHAPES = ((256, 256, 262144), (512, 256, 131072))  # (N, K, rows): 128 groups' weights stay in L2
 
 
 def offsets_of(rows: int, groups: int, top_k: int | None, seed: int = 0) -> np.ndarray:
-    """int32 offsets [groups + 1] of ``rows`` expert-sorted rows: even, or as the top-``top_k`` routing
-    of ``rows / top_k`` tokens over ``groups`` experts (each token ``top_k`` distinct experts)."""
+    """int32 offsets [groups + 1] of ``rows`` expert-sorted rows: even, or as softmax top-``top_k``
+    routing (``select_experts`` on random logits, then ``sort_by_expert``) of ``rows / top_k`` tokens
+    over ``groups`` experts splits them."""
     if top_k is None:
         if rows % groups:
             raise ValueError(f"--rows ({rows}) must be a multiple of each group count ({groups}) when split evenly")
@@ -58,10 +62,8 @@ def offsets_of(rows: int, groups: int, top_k: int | None, seed: int = 0) -> np.n
     if rows % top_k or top_k > groups:
         raise ValueError(f"--random {top_k}: needs --rows ({rows}) a multiple of {top_k} and at least {top_k} "
                          f"groups (have {groups})")
-    rng = np.random.default_rng(seed)
-    ids = np.argsort(rng.random((rows // top_k, groups)), axis=1)[:, :top_k]
-    counts = np.bincount(ids.ravel(), minlength=groups)
-    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    _, ids = select_experts(jax.random.normal(jax.random.key(seed), (rows // top_k, groups)), top_k)
+    return np.asarray(sort_by_expert(ids, groups).offsets)
 
 
 def tiles_of(offsets: np.ndarray, n: int, tile: str) -> int:
@@ -76,8 +78,7 @@ def check(d: jax.Array, a: jax.Array, b: jax.Array, offsets: np.ndarray) -> floa
     not finite or above bf16's 1e-2."""
     e = int(np.flatnonzero(np.diff(offsets))[-1])
     r0, r1 = int(offsets[e]), min(int(offsets[e]) + 64, int(offsets[e + 1]))
-    ref = a[r0:r1].astype(jnp.float32) @ b[e].astype(jnp.float32).T
-    err = float(jnp.linalg.norm(d[r0:r1].astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+    err = rel_diff(d[r0:r1], a[r0:r1].astype(jnp.float32) @ b[e].astype(jnp.float32).T)
     if not np.isfinite(err) or err > 1e-2:
         raise AssertionError(f"group {e}: relative error {err} against float32")
     return err
