@@ -14,9 +14,9 @@ of ``rows / k`` random tokens over E experts splits them. The columns are:
 - microseconds per tile per CTA: the kernel's time over the tiles each of the GPU's CTAs runs.
 
 Why the groups matter. CUTLASS's persistent grouped kernel gives its tiles to the CTAs in turn. So
-when a group has fewer tiles than there are CTAs, a CTA's next tile is in another group. Before
-loading that tile, its producer warp updates its tensor maps (the TMA descriptors) to the new
-group's pointers and shape. Two shape sets separate that cost from the weights' traffic:
+when a group has fewer tiles than there are CTAs, a CTA's next tile is in another group: its loads
+switch to the group's tensor maps (the TMA descriptors, built for every group by the setup launch),
+and its consumers to the group's shape. Two shape sets separate that cost from the weights' traffic:
 - ``--shape 256 256 --rows 262144`` and ``--shape 512 256 --rows 131072``: 128 groups' weights
   (16.8 MB) stay in the L2. Any change from 1 to 128 groups is the switch.
 - A model's GEMM (``--shape 2048 768`` is Qwen3-30B-A3B's GEMM2, ``--shape 1536 2048`` its GEMM1,

@@ -147,7 +147,7 @@ def test_compiled_module_matches_this_file():
     and alignments are backends/cutlass.py's, the fp8 workspace holds two more per-group pointer
     arrays (the scale vectors) than the bf16 one, and each scatter kind one more (each group's first
     row) than the act kind of its operands (the other epilogue without TMA descriptors), each array
-    rounded up to 256 bytes."""
+    rounded up to 256 bytes, and every kind two TMA descriptors per group."""
     from jax_moe.backends.cutlass_gemm import ACT_KINDS, SCATTER_KINDS
 
     mod = pytest.importorskip("jax_moe._jax_moe_cutlass")
@@ -162,6 +162,12 @@ def test_compiled_module_matches_this_file():
                 sizes = [mod.workspace_size(e, tile, sm_count=132, kind=k[0]) for k in (SCATTER_KINDS[scatter],
                                                                                        ACT_KINDS[act])]
                 assert sizes[0] - sizes[1] == array, (scatter, e, tile)
+    # Each group's two 128-byte TMA descriptors (A and B), built by the setup launch: from one group to
+    # two, that array alone crosses a 256-byte boundary.
+    for tile in cb.TILES.values():
+        for kind in (*cb.KINDS.values(), *cb.GRAD_KINDS.values(), *ACT_KINDS.values(), *SCATTER_KINDS.values()):
+            one, two = (mod.workspace_size(e, tile, sm_count=132, kind=kind[0]) for e in (1, 2))
+            assert two - one == 256, (kind, tile)
     kinds = len(cb.KINDS) + len(cb.GRAD_KINDS) + len(ACT_KINDS) + len(SCATTER_KINDS)
     for bad in (dict(tile=len(cb.TILES), kind=0), dict(tile=0, kind=kinds)):
         with pytest.raises(ValueError, match="unknown tile or kind"):
