@@ -137,7 +137,8 @@ def _register() -> bool:
 def workspace_size(num_groups: int, tile: str, kind: str = "bf16") -> int:
     """Bytes of the grouped GEMM's workspace result for ``num_groups`` experts, ``tile`` and
     ``kind`` (a key of :data:`KINDS`, :data:`GRAD_KINDS`, :data:`ACT_KINDS` or :data:`SCATTER_KINDS`)
-    on the current CUDA device (its SM count sets CUTLASS's share: TMA descriptors per SM)."""
+    on the current CUDA device: per-group arrays (each group's two TMA descriptors among them), and
+    CUTLASS's share, which the SM count sets."""
     mod = _module()
     if mod is None:
         raise RuntimeError(_state["error"])
