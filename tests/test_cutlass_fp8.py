@@ -164,12 +164,12 @@ def test_compiled_module_matches_this_file():
                 assert sizes[0] - sizes[1] == array, (scatter, e, tile)
     # Each group's two 128-byte TMA descriptors (A and B), built by the setup launch: from one group to
     # two, that array alone crosses a 256-byte boundary.
+    kinds = (*cb.KINDS.values(), *cb.GRAD_KINDS.values(), *ACT_KINDS.values(), *SCATTER_KINDS.values())
     for tile in cb.TILES.values():
-        for kind in (*cb.KINDS.values(), *cb.GRAD_KINDS.values(), *ACT_KINDS.values(), *SCATTER_KINDS.values()):
+        for kind in kinds:
             one, two = (mod.workspace_size(e, tile, sm_count=132, kind=kind[0]) for e in (1, 2))
             assert two - one == 256, (kind, tile)
-    kinds = len(cb.KINDS) + len(cb.GRAD_KINDS) + len(ACT_KINDS) + len(SCATTER_KINDS)
-    for bad in (dict(tile=len(cb.TILES), kind=0), dict(tile=0, kind=kinds)):
+    for bad in (dict(tile=len(cb.TILES), kind=0), dict(tile=0, kind=len(kinds))):
         with pytest.raises(ValueError, match="unknown tile or kind"):
             mod.workspace_size(8, bad["tile"], sm_count=132, kind=bad["kind"])
 

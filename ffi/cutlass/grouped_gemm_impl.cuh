@@ -323,9 +323,9 @@ struct GroupedGemm {
 // (GroupRows, FillGroup) and builds the group's TMA descriptors from them (BuildGroupTensormaps,
 // group_tensormaps.cuh), a group per block so that the descriptor edits run on many SMs at once (on an
 // H200, with 128 groups: 13.6-16.2 us for this launch with every group on one SM, 5.3 us spread out,
-// 3.4 us before it built descriptors). The blocks after them
-// (zero_blocks > 0, forward and dgrad kinds only) zero d's unowned rows (ZeroUnownedRows). So each
-// GEMM is two launches (this, then CUTLASS's).
+// 3.4 us before it built descriptors). The blocks after them (zero_blocks > 0, forward and dgrad
+// kinds only) zero d's unowned rows (ZeroUnownedRows). So each GEMM is two launches (this, then
+// CUTLASS's).
 // Group g's entries per kind:
 //   forward, dgrad: rows [lo, hi) of a and d (and row_scale's, or its one scale), expert g's weights
 //                   (and col_scale's row of expert g, or its one row);
