@@ -9,8 +9,9 @@
 // Here the setup launch (grouped_gemm_impl.cuh's FillGroupArrays) builds every group's pair, with the
 // same CUTLASS edits, into an array of the workspace: tensormaps [groups][2] (A, then B), one group
 // per block so that the edits run on many SMs at once. The mainloop below, a thin layer over CUTLASS's
-// collective, acquires them all once per CTA, then only points its loads at group g's pair when a
-// tile of group g comes, and prefetches it: no edit, no copy and no fence at the switch.
+// collective, acquires at its start the pairs of the groups the CTA will visit, then only points its
+// loads at group g's pair when a tile of group g comes, and prefetches it: no edit, no copy and no
+// fence at the switch.
 #pragma once
 
 #include <cstdint>
@@ -31,56 +32,134 @@ template <class Base>
 struct PrebuiltTensormapMainloop : Base {
   static_assert(Base::IsGroupedGemmKernel, "a mainloop over groups with their own shapes");
 
+  // Where the mainloop's acquires go. A CTA fences the descriptors of the groups it will visit, all at
+  // its start (spread over the producer warp's lanes), and any other group's at its first switch to
+  // it. Which groups a CTA visits follows from the tile scheduler's order
+  // (PersistentTileSchedulerSm90Group): the groups' tiles in turn, a group's tile count being
+  // round_up(ceil(M / tile_m), round_m) * round_up(ceil(N / tile_n), round_n), handed to the CTAs in
+  // turn from the CTA's first tile (its block index along the raster order) by the grid's size.
+  // The host copies these from its own build of the scheduler's params (grouped_gemm_impl.cuh).
+  struct TileOrder {
+    int32_t tile_m = 0, tile_n = 0;    // the CTA tile's rows and columns
+    int32_t round_m = 1, round_n = 1;  // swizzle size times cluster size, along M and N
+    // the scheduler's raster order, which gives the CTA's first tile: blockIdx.x + blockIdx.y *
+    // gridDim.x along N, blockIdx.x * gridDim.y + blockIdx.y along M
+    bool raster_along_n = true;
+  };
+
+  // Up to this many groups a lane records the groups it fenced in one 64-bit mask (a bit per 32 groups).
+  static constexpr int32_t kMaxPlannedGroups = 64 * 32;
+
   struct Arguments : Base::Arguments {
     // [groups][kTensormapsPerGroup], device memory, written by the setup launch of the same call
     cute::TmaDescriptor const* group_tensormaps = nullptr;
-    int32_t groups = 0;
+    TileOrder tile_order{};
   };
   struct Params : Base::Params {
     cute::TmaDescriptor const* group_tensormaps;
+    cute::Shape<int, int, int> const* problem_shapes;  // [groups] (M, N, K), device memory
     int32_t groups;
+    TileOrder tile_order;
+    bool fence_every_group;  // more groups than a lane's mask can record: every pair fenced at the start
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape problem_shapes, Arguments const& args, void* workspace) {
-    return {Base::to_underlying_arguments(problem_shapes, args, workspace), args.group_tensormaps, args.groups};
+    return {Base::to_underlying_arguments(problem_shapes, args, workspace),
+            args.group_tensormaps,
+            problem_shapes.problem_shapes,
+            problem_shapes.groups(),
+            args.tile_order,
+            problem_shapes.groups() > kMaxPlannedGroups};
   }
 
   // The current group's pair, in the producer warp's registers.
   cute::TmaDescriptor const* tensormap_a_ = nullptr;
   cute::TmaDescriptor const* tensormap_b_ = nullptr;
+  // Lane l's bit c: group 32 c + l's pair is fenced (all set when every group's is).
+  uint64_t fenced_ = 0;
+
+  CUTLASS_DEVICE static void FencePair(Params const& params, int32_t g) {
+    cute::tma_descriptor_fence_acquire(params.group_tensormaps + int64_t(g) * kTensormapsPerGroup);
+    cute::tma_descriptor_fence_acquire(params.group_tensormaps + int64_t(g) * kTensormapsPerGroup + 1);
+  }
 
   // Called by the producer warp once, before its first load. Every group's pair was written through
   // the generic proxy by the setup launch and is read here through the tensormap proxy, which takes
   // an acquire fence per descriptor before its first use in the CTA (an earlier call's pairs, at the
-  // same workspace addresses, may still be cached). All of them are fenced here, spread over the
-  // warp's lanes, and the warp barrier orders the fences before the elected lane's loads. (Measured
-  // on an H200, one lane's fence at each switch between groups took back about half of what the
-  // prebuilt pairs save; every lane's, all of it.)
+  // same workspace addresses, may still be cached). The pairs of the groups this CTA will visit are
+  // fenced here, group g by lane g % 32, and the warp barrier orders the fences before the elected
+  // lane's loads. (Measured on an H200 with Qwen3-30B-A3B's 128 experts: one lane's fence at each
+  // switch between groups took back about half of what the prebuilt pairs save; every group's pair
+  // fenced at each CTA's start cost its layer 2-3% at T = 16 to 1024, where a CTA visits few groups.)
   template <class TensorMapStorage>
   CUTLASS_DEVICE auto tensormaps_init(Params const& params, TensorMapStorage&, int32_t, int32_t) {
-    const int descriptors = params.groups * kTensormapsPerGroup;
-    for (int i = threadIdx.x % 32; i < descriptors; i += 32)
-      cute::tma_descriptor_fence_acquire(params.group_tensormaps + i);
+    const int lane = threadIdx.x % 32;
+    if (params.fence_every_group) {
+      for (int32_t g = lane; g < params.groups; g += 32) FencePair(params, g);
+      fenced_ = ~uint64_t(0);
+    } else {
+      const TileOrder& order = params.tile_order;
+      const uint64_t first = order.raster_along_n ? blockIdx.x + uint64_t(blockIdx.y) * gridDim.x
+                                                  : uint64_t(blockIdx.x) * gridDim.y + blockIdx.y;
+      const uint64_t stride = uint64_t(gridDim.x) * gridDim.y * gridDim.z;
+      uint64_t chunk_start = 0;  // the linear index of this chunk's first group's first tile
+      for (int32_t base = 0; base < params.groups; base += 32) {
+        const int32_t g = base + lane;
+        uint64_t tiles = 0;
+        if (g < params.groups) {
+          const auto shape = params.problem_shapes[g];
+          const uint64_t m = (cute::get<0>(shape) + order.tile_m - 1) / order.tile_m;
+          const uint64_t n = (cute::get<1>(shape) + order.tile_n - 1) / order.tile_n;
+          tiles = ((m + order.round_m - 1) / order.round_m * order.round_m) *
+                  ((n + order.round_n - 1) / order.round_n * order.round_n);
+        }
+        uint64_t inclusive = tiles;
+#pragma unroll
+        for (int d = 1; d < 32; d *= 2) {
+          const uint64_t v = __shfl_up_sync(0xffffffffu, inclusive, d);
+          if (lane >= d) inclusive += v;
+        }
+        const uint64_t start = chunk_start + inclusive - tiles;
+        // The CTA's first tile at or after `start` (its tiles are first + i * stride, i >= 0).
+        const uint64_t next = start <= first ? first : first + (start - first + stride - 1) / stride * stride;
+        if (tiles > 0 && next < start + tiles) {
+          FencePair(params, g);
+          fenced_ |= uint64_t(1) << (base / 32);
+        }
+        chunk_start += __shfl_sync(0xffffffffu, inclusive, 31);
+      }
+    }
     __syncwarp();
     return cute::make_tuple(params.group_tensormaps, params.group_tensormaps + 1);
   }
 
-  // Group `next_batch` comes next: point at its pair, and start fetching it. A CTA without work is
-  // asked for the group of its first (invalid) tile, which may be past the last: it loads nothing.
+  // Group `next_batch` comes next: point at its pair, fence it if this CTA's start did not (only where
+  // the scheduler's order was not foreseen), and start fetching it. A CTA without work is asked for
+  // the group of its first (invalid) tile, which may be past the last: it loads nothing.
   template <class TensorMapStorage, class TensorMaps, class ProblemShapeMNKL>
   CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage&, Params const& params, TensorMaps const&,
                                                 ProblemShapeMNKL, int32_t next_batch) {
     if (next_batch < 0 || next_batch >= params.groups) return;
     tensormap_a_ = params.group_tensormaps + int64_t(next_batch) * kTensormapsPerGroup;
     tensormap_b_ = tensormap_a_ + 1;
+    const int owner = next_batch % 32;
+    const uint64_t bit = uint64_t(1) << (next_batch / 32 % 64);
+    if (!(__shfl_sync(0xffffffffu, fenced_, owner) & bit)) {
+      if (threadIdx.x % 32 == owner) {
+        FencePair(params, next_batch);
+        fenced_ |= bit;
+      }
+      __syncwarp();
+    }
     if (cute::elect_one_sync()) {
       cute::prefetch_tma_descriptor(tensormap_a_);
       cute::prefetch_tma_descriptor(tensormap_b_);
     }
   }
 
-  // Nothing is written here, so nothing to release; the acquires are in tensormaps_init.
+  // Nothing is written here, so nothing to release; the acquires are in tensormaps_init and
+  // tensormaps_perform_update.
   template <class TensorMapStorage, class TensorMaps>
   CUTLASS_DEVICE void tensormaps_cp_fence_release(TensorMapStorage&, TensorMaps const&) {}
   template <class TensorMaps>

@@ -268,7 +268,6 @@ struct GroupedGemm {
     args.mainloop.ptr_B = arr.pb;
     args.mainloop.dB = arr.sb;
     args.mainloop.group_tensormaps = arr.tensormaps;
-    args.mainloop.groups = static_cast<int32_t>(groups);
     if constexpr (kAct || kScatter) {  // our own epilogues: the FP8 scale arrays and the bias, then each one's
       auto& ep = args.epilogue;
       if constexpr (kScaled) {
@@ -309,7 +308,23 @@ struct GroupedGemm {
     args.epilogue.ptr_D = arr.pd;
     args.epilogue.dD = arr.sd;
     args.hw_info = hw;
+    SetTileOrder(args);
     return args;
+  }
+
+  // The tile scheduler's order, from the scheduler's params as the kernel will build them from the
+  // same arguments, for the mainloop's plan of which groups' descriptors each CTA fences.
+  static void SetTileOrder(typename Gemm::Arguments& args) {
+    using Scheduler = typename Kernel::TileScheduler;
+    const auto sp = Scheduler::to_underlying_arguments(args.problem_shape, TileShape{}, ClusterShape{},
+                                                       args.hw_info, args.scheduler, nullptr);
+    const int swizzle = 1 << sp.log_swizzle_size_;
+    auto& order = args.mainloop.tile_order;
+    order.tile_m = sp.cta_shape_.m();
+    order.tile_n = sp.cta_shape_.n();
+    order.round_m = swizzle * sp.cluster_shape_.m();
+    order.round_n = swizzle * sp.cluster_shape_.n();
+    order.raster_along_n = sp.raster_order_ == decltype(sp.raster_order_)::AlongN;
   }
 
   static size_t WorkspaceBytes(int64_t groups, int sm_count) {
