@@ -12,7 +12,9 @@ does the device's part; this module prepares the baseline and reads the rounds b
                                                        # its rounds come back as $OUT/rounds.tgz)
 
 The bench command must take ``--json FILE`` and write :mod:`bench.stage_breakdown`'s rows (a list
-of objects with ``model``, ``T``, ``impl``, ``busy`` and ``stages``, microseconds of device time).
+of objects with ``model``, ``T``, ``impl``, ``busy`` and ``stages``, microseconds of device time),
+or :mod:`bench.moe_bench`'s table (an object with ``rows`` and ``in_loop``, milliseconds per call
+and per layer in the loop for each implementation, compared as "per call" and "in loop", in us).
 Rounds are files ``base_<round>.json`` and ``new_<round>.json``; the table gives, per row and
 stage (and per layer in the loop, where the rows carry ``--loop`` figures), the medians over rounds
 and ``new / base`` with its range over the rounds (each round's new against the same round's base).
@@ -35,8 +37,10 @@ BASE_DIR = ".base"
 SIDES = ("base", "new")
 # the rows' quantities compared, in the table's order (those that are zero on both sides are left out);
 # "loop busy" and "loop gemm": per layer in the loop of ``stage_breakdown --loop N``
+# "per call" and "in loop": moe_bench's timers (wall time per call, device time per layer in its loop)
 QUANTITIES = ("busy", "gemm1", "gemm2", "permute", "act", "finalize", "sort", "route", "setup", "glue", "loop busy",
-              "loop gemm")
+              "loop gemm", "per call", "in loop")
+TIMERS = ("per call", "in loop")
 
 
 def prepare(rev: str, dest: str = BASE_DIR, repo: str = ".") -> str:
@@ -57,22 +61,48 @@ def prepare(rev: str, dest: str = BASE_DIR, repo: str = ".") -> str:
 def _quantity(row: dict, name: str) -> float | None:
     """A row's figure (us); None for a loop figure where the run had no loop or its trace was not
     attributed."""
+    if name in TIMERS:
+        value = row.get("timers", {}).get(name)
+        return None if value is None else float(value)
     if name == "busy":
-        return float(row["busy"])
+        return float(row.get("busy", 0.0))
     if name.startswith("loop "):
         loop = row.get("loop")
         return None if not loop else float(loop[name.removeprefix("loop ")])
     return float(row.get("stages", {}).get(name, 0.0))
 
 
+def _moe_bench_rows(data: dict) -> list[dict]:
+    """moe_bench's JSON table as rows of this module: one per (model, T, implementation), with its
+    ms per call and, where the loop ran, ms per layer in the loop, as ``timers`` in us."""
+    rows: dict[tuple, dict] = {}
+    meta = ("model", "T", "floor", "layers")
+
+    def row(r: dict, impl: str) -> dict:
+        key = (r["model"], int(r["T"]), impl)
+        return rows.setdefault(key, {"model": r["model"], "T": int(r["T"]), "impl": impl, "timers": {}})
+
+    for r in data.get("rows", []):
+        for impl, ms in r.items():
+            if impl not in meta and isinstance(ms, (int, float)):
+                row(r, impl)["timers"]["per call"] = 1e3 * ms
+    for r in data.get("in_loop", []):
+        for impl, pair in r.items():
+            if impl not in meta and isinstance(pair, list) and len(pair) == 2 and pair[1] is not None:
+                row(r, impl)["timers"]["in loop"] = 1e3 * pair[1]
+    return list(rows.values())
+
+
 def read_rounds(folder: str) -> dict[str, dict[int, list[dict]]]:
-    """``{side: {round: rows}}`` from ``<side>_<round>.json`` in ``folder``."""
+    """``{side: {round: rows}}`` from ``<side>_<round>.json`` in ``folder`` (stage_breakdown's rows,
+    or moe_bench's table read as rows)."""
     out: dict[str, dict[int, list[dict]]] = {side: {} for side in SIDES}
     for path in glob.glob(os.path.join(folder, "*_*.json")):
         m = re.fullmatch(r"(base|new)_(\d+)\.json", os.path.basename(path))
         if m:
             with open(path) as f:
-                out[m.group(1)][int(m.group(2))] = json.load(f)
+                data = json.load(f)
+            out[m.group(1)][int(m.group(2))] = _moe_bench_rows(data) if isinstance(data, dict) else data
     return out
 
 

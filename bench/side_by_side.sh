@@ -6,6 +6,8 @@
 #   bench/side_by_side.sh ROUNDS -- python3 bench/stage_breakdown.py --scheme fp8 --no-peer --models qwen3
 #   bench/side_by_side.sh 2 -- env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 bench/stage_breakdown.py \
 #       --scheme bf16 fp8 --no-peer --models qwen3 --tokens 1 4096      # both schemes, command buffers off
+#   bench/side_by_side.sh 1 -- python3 bench/moe_bench.py --models qwen3 --tokens 16 256 --impls cutlass \
+#       --in-loop 16 256 --layers 8                                      # per call and per layer in a loop
 # The command runs in each tree's copy with that tree's build on PYTHONPATH, and gets
 # `--json <side>_<round>.json` appended (kept in /tmp/side_by_side/rounds, and packed to
 # $OUT/rounds.tgz). $OUT also gets gpu.txt, runs.log (the runs' output), table.md and, where a build

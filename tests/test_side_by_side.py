@@ -54,6 +54,23 @@ def test_the_loops_figures_per_layer_are_compared_where_the_rows_have_them(side_
     assert any("| loop gemm |" in line for line in lines)
 
 
+def test_moe_benchs_table_is_compared_per_call_and_in_the_loop(side_by_side, tmp_path):
+    def bench(per_call_ms, loop_ms):  # moe_bench --json: ms per call, and [per call, per layer] in the loop
+        return {"title": "bf16: ...",
+                "rows": [{"model": "Qwen3", "T": 16, "floor": 0.27, "cutlass": per_call_ms, "tokamax": 0.5}],
+                "in_loop": [{"model": "Qwen3", "T": 16, "floor": 0.27, "layers": 8,
+                             "cutlass": [per_call_ms, loop_ms], "tokamax": [0.5, None]}]}
+
+    _write(tmp_path, "base", 1, bench(0.460, 0.2614))
+    _write(tmp_path, "new", 1, bench(0.428, 0.2562))
+    lines = side_by_side.table(side_by_side.read_rounds(str(tmp_path)))
+    assert "| Qwen3 | 16 | cutlass | per call | 460.0 | 428.0 | 0.930 | 0.930 - 0.930 |" in lines
+    assert "| Qwen3 | 16 | cutlass | in loop | 261.4 | 256.2 | 0.980 | 0.980 - 0.980 |" in lines
+    tokamax = [line for line in lines if "| tokamax |" in line]
+    assert tokamax == ["| Qwen3 | 16 | tokamax | per call | 500.0 | 500.0 | 1.000 | 1.000 - 1.000 |"], \
+        "an implementation the loop did not time is compared per call only"
+
+
 def test_rounds_and_rows_on_one_side_only_are_left_out(side_by_side, tmp_path):
     _write(tmp_path, "base", 1, [_row("Qwen3", 64, 10.0, gemm2=5.0), _row("Qwen3", 4096, 100.0, gemm2=50.0)])
     _write(tmp_path, "new", 1, [_row("Qwen3", 4096, 80.0, gemm2=40.0)])
