@@ -24,11 +24,16 @@ and its consumers to the group's shape. Two shape sets separate that cost from t
 
 Each call's output is checked against float32 on one 64-row block of its last group, before
 timing. Without a GPU every call runs the pure-JAX reference, and the times are the CPU's.
+
+``--json FILE`` also writes the rows as :mod:`bench.side_by_side` reads them, so that
+``bench/side_by_side.sh`` can time two trees' kernels: "model" names the shape and the split, "T"
+is the group count, "impl" the tile, and "busy" the GEMM's microseconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -104,7 +109,10 @@ def main(argv=None) -> int:
                    help="split the rows as top-K routing does (default: evenly)")
     p.add_argument("--tiles", nargs="+", default=["pingpong_64x256"], choices=sorted(TILES))
     p.add_argument("--calls", type=int, default=7, help="traced calls per row (the median is shown)")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file (bench/side_by_side.py's)")
     args = p.parse_args(argv)
+    split = "even" if args.random is None else f"top-{args.random}"
+    out_rows: list[dict] = []
     shapes = DEFAULT_SHAPES if args.shape is None else (
         (args.shape[0], args.shape[1], args.rows or 262144 * 256 // max(args.shape[0], 256)),)
     ctas = getattr(jax.devices()[0], "core_count", None) or 1
@@ -128,7 +136,12 @@ def main(argv=None) -> int:
                 tiles = tiles_of(offsets, n, tile)
                 print(f"| {rows} | {n} | {k} | {groups} | {tile} | {tiles / groups:.1f} | {us:.1f} | "
                       f"{2 * rows * n * k / us / 1e6:.0f} | {us / (tiles / ctas):.3f} |", flush=True)
+                out_rows.append({"model": f"{rows} rows, N={n} K={k}, {split}", "T": groups, "impl": tile,
+                                 "busy": us, "stages": {}})
             del b
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out_rows, f, indent=1)
     return 0
 
 

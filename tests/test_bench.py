@@ -305,6 +305,24 @@ def test_group_count_probe_times_one_gemm_per_group_count_and_tile_after_checkin
     assert [r[5] for r in rows] == ["8.0", "4.0", "2.0", "1.0"]  # tiles per group: 512 rows / tile rows / groups
 
 
+def test_group_count_probe_writes_rows_that_side_by_side_compares(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import group_count_probe as probe
+    from bench import side_by_side
+
+    for side in ("base", "new"):
+        assert probe.main(["--shape", "256", "64", "--rows", "512", "--groups", "1", "4", "--calls", "2",
+                           "--json", str(tmp_path / f"{side}_1.json")]) == 0
+    printed = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 512 |")]
+    written = json.loads((tmp_path / "base_1.json").read_text())
+    assert [(r["T"], r["impl"]) for r in written] == [(1, "pingpong_64x256"), (4, "pingpong_64x256")]
+    assert [f"{r['busy']:.1f}" for r in written] == [r[6] for r in printed[:2]], "the JSON's us are the table's"
+    lines = side_by_side.table(side_by_side.read_rounds(str(tmp_path)))
+    assert [line.split(" | ")[:4] for line in lines if "| busy |" in line] == [
+        ["| 512 rows, N=256 K=64, even", "1", "pingpong_64x256", "busy"],
+        ["| 512 rows, N=256 K=64, even", "4", "pingpong_64x256", "busy"]]
+
+
 def test_group_count_probe_splits_rows_as_routing_does_and_refuses_what_does_not_divide(monkeypatch):
     monkeypatch.syspath_prepend(ROOT)
     from bench import group_count_probe as probe
