@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 
 import jax
@@ -37,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.moe_bench import timeit  # noqa: E402
+from bench.moe_bench import source_commit, timeit  # noqa: E402
 from jax_moe import fused_experts, select_experts  # noqa: E402
 from jax_moe.parallel import (  # noqa: E402
     ParallelConfig,
@@ -154,9 +153,7 @@ def main(argv=None):
         rows.append(row)
         print(row, flush=True)
 
-    commit = os.environ.get("JAX_MOE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
-    ).stdout.strip() or "unknown"
+    commit = source_commit()
     title = (f"{ep} x {devs[0].device_kind}, {datetime.date.today()}, commit {commit}: expert parallel "
              f"E={e} H={h} I={i} k={k}, {args.scheme}, {args.backend} backend")
     names = list(strategies)

@@ -125,6 +125,27 @@ def timeit(fn, inputs, min_iters=5, max_iters=50, budget_s=0.6) -> float:
     return timing.median_ms(fn, inputs, min_iters, max_iters, budget_s)
 
 
+def source_commit(repo: str | None = None) -> str:
+    """The commit a result belongs to: ``JAX_MOE_COMMIT`` if set (a device's copy of the tree may have
+    no git history), else ``git rev-parse --short HEAD`` of ``repo`` (this checkout), with
+    ``+changes`` appended when tracked files differ from it (so an uncommitted edit is not credited
+    to the commit below it), or ``"unknown"``."""
+    if os.environ.get("JAX_MOE_COMMIT"):
+        return os.environ["JAX_MOE_COMMIT"]
+    repo = repo or os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def measure_ceilings() -> tuple[float, float]:
     """(bytes/s of an elementwise read+write, bf16 matmul FLOP/s) on the default device."""
     on_gpu = jax.devices()[0].platform == "gpu"
@@ -478,9 +499,7 @@ def main(argv=None):
         os.environ["JAX_MOE_FI_TUNING_CACHE"] = os.path.join(tempfile.mkdtemp(), "tactics.json")
     dev = jax.devices()[0]
     bw, peak = measure_ceilings()
-    commit = os.environ.get("JAX_MOE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
-    ).stdout.strip() or "unknown"
+    commit = source_commit()
     title = (f"{args.scheme}{' (tactics autotuned)' if args.tune else ''}: {dev.device_kind} ({dev.platform}), {datetime.date.today()}, commit {commit}, jax {jax.__version__}; "
              f"measured {bw / 1e12:.2f} TB/s read+write, {peak / 1e12:.0f} TFLOP/s bf16 matmul")
     print("#", title)

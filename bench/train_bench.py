@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 
 import jax
@@ -33,7 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import peers  # noqa: E402
-from bench.moe_bench import MODELS, Model, measure_ceilings, timeit  # noqa: E402
+from bench.moe_bench import MODELS, Model, measure_ceilings, source_commit, timeit  # noqa: E402
 from jax_moe import fused_moe  # noqa: E402
 from jax_moe.routing import select_experts  # noqa: E402
 
@@ -148,8 +147,7 @@ def main(argv=None) -> None:
     for name in args.models:
         run_model(MODELS[name], args.tokens, peak, names, peer_impls, rows)
     if args.write:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip()
+        commit = source_commit()
         with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as fh:
             fh.write(f"\n## Training step (forward + backward), {dev.device_kind}, {datetime.date.today()}, "
                      f"commit {commit}, jax {jax.__version__}; measured {peak / 1e12:.0f} TFLOP/s bf16 matmul\n\n"

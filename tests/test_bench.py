@@ -103,6 +103,39 @@ def test_rows_name_the_best_jax_moe_and_its_speedup_over_tokamax(moe_bench):
     assert cells[2:] == ["2.000 / 1.000", "3.000 / 2.000", "cutlass 1.000", "2.00x", "0.500", "2.00x"]
 
 
+def test_results_name_their_commit_and_say_when_tracked_files_differ_from_it(moe_bench, monkeypatch, tmp_path):
+    """A result is credited to HEAD, marked ``+changes`` when a tracked file is edited (an untracked
+    one does not count); ``JAX_MOE_COMMIT`` overrides; no repository reads "unknown"."""
+    import subprocess
+
+    monkeypatch.delenv("JAX_MOE_COMMIT", raising=False)
+    repo = str(tmp_path / "repo")
+    os.makedirs(repo)
+
+    def git(*args):
+        subprocess.run(["git", "-C", repo, "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    with open(os.path.join(repo, "tiles.json"), "w") as f:
+        f.write("{}\n")
+    git("add", "tiles.json")
+    git("commit", "-q", "-m", "first")
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert moe_bench.source_commit(repo) == head
+    with open(os.path.join(repo, "notes.txt"), "w") as f:
+        f.write("untracked\n")
+    assert moe_bench.source_commit(repo) == head
+    with open(os.path.join(repo, "tiles.json"), "w") as f:
+        f.write('{"edited": 1}\n')
+    assert moe_bench.source_commit(repo) == head + "+changes"
+    monkeypatch.setenv("JAX_MOE_COMMIT", "abc1234")
+    assert moe_bench.source_commit(repo) == "abc1234"
+    monkeypatch.delenv("JAX_MOE_COMMIT")
+    assert moe_bench.source_commit(str(tmp_path / "not_a_repo")) == "unknown"
+
+
 def test_kernels_are_attributed_to_stages_by_name_and_position(monkeypatch):
     """The cutlass forward's kernels by name (GEMM1 before the activation, GEMM2 after); XLA
     fusions by position; a peer's XLA sort/act/finalize around its two GEMMs."""
