@@ -100,10 +100,12 @@ def test_off_the_gpu_the_call_is_its_reference(rng):
 
 
 def test_no_tokens_and_no_rows(rng):
+    """No tokens: an empty d. No rows: d is zeros, over poisoned memory."""
     a, b, off = bf16_case(rng, [3, 4])
     slots, w = routing_rows(rng, a.shape[0])
     bt = jnp.swapaxes(b, 1, 2)
     assert grouped_gemm_scatter(a, bt, off, slots, w[:0], transposed=True).shape == (0, 200)
+    poison_memory(jax.ShapeDtypeStruct((5, 200), jnp.bfloat16))
     empty = grouped_gemm_scatter(a[:0], bt, jnp.zeros(3, jnp.int32), slots[:0], w[:5], transposed=True)
     assert empty.shape == (5, 200) and not np.asarray(empty, np.float32).any()
 
@@ -326,6 +328,25 @@ def test_bf16_kernel_matches_the_definition(rng, tile, transposed):
     poison_memory(jax.eval_shape(fn, a, bb, off, slots, w, bias))
     got = fn(a, bb, off, slots, w, bias)
     assert rel_err(got, definition(a, b, off, slots, w, bias)) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True])
+def test_tokens_no_row_reaches_are_zero(rng, transposed):
+    """5000 tokens and 40 rows: nearly every output row is reached by no row, and the call zeroes
+    them all, over poisoned memory (2 MB of d: more than one pass of the zeroing blocks, rows of
+    25 16-byte vectors that do not fill a block)."""
+    skip_unless_available(cb)
+    a, b, off = bf16_case(rng, np.array([15, 0, 25]), n=200, k=64, pad=3)
+    slots, w = routing_rows(rng, a.shape[0], t=5000)
+    bb = jnp.swapaxes(b, 1, 2) if transposed else b
+    fn = jax.jit(lambda a, bb, o, s, w: grouped_gemm_scatter(a, bb, o, s, w, transposed=transposed))
+    poison_memory(jax.eval_shape(fn, a, bb, off, slots, w))
+    got = np.asarray(fn(a, bb, off, slots, w), np.float32)
+    want = definition(a, b, off, slots, w)
+    assert np.isfinite(got).all()
+    assert not got[~want.any(axis=1)].any()
+    assert rel_err(got, want) < REL_TOL
 
 
 @pytest.mark.gpu

@@ -60,8 +60,10 @@ struct PrebuiltTensormapMainloop : Base {
     cute::Shape<int, int, int> const* problem_shapes;  // [groups] (M, N, K), device memory
     int32_t groups;
     TileOrder tile_order;
-    bool fence_every_group;  // more groups than a lane's mask can record: every pair fenced at the start
   };
+
+  // More groups than a lane's mask can record: every pair is fenced at the CTA's start.
+  CUTLASS_DEVICE static bool FenceEveryGroup(Params const& params) { return params.groups > kMaxPlannedGroups; }
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape problem_shapes, Arguments const& args, void* workspace) {
@@ -69,8 +71,7 @@ struct PrebuiltTensormapMainloop : Base {
             args.group_tensormaps,
             problem_shapes.problem_shapes,
             problem_shapes.groups(),
-            args.tile_order,
-            problem_shapes.groups() > kMaxPlannedGroups};
+            args.tile_order};
   }
 
   // The current group's pair, in the producer warp's registers.
@@ -95,7 +96,7 @@ struct PrebuiltTensormapMainloop : Base {
   template <class TensorMapStorage>
   CUTLASS_DEVICE auto tensormaps_init(Params const& params, TensorMapStorage&, int32_t, int32_t) {
     const int lane = threadIdx.x % 32;
-    if (params.fence_every_group) {
+    if (FenceEveryGroup(params)) {
       for (int32_t g = lane; g < params.groups; g += 32) FencePair(params, g);
       fenced_ = ~uint64_t(0);
     } else {

@@ -2,8 +2,8 @@
 // grouped_gemm.h): decode and check the buffers on the host from their static shapes (CUTLASS's
 // can_implement cannot see the per-group sizes, which live on the device) and hand the call to the
 // (kind, tile)'s instantiation, two launches: the setup kernel (the group arrays, and the zeroing of
-// the rows no expert owns (standard format) or of the rows past each expert's count (batched format);
-// grouped_gemm_impl.cuh), then CUTLASS's kernel. No allocation, no host sync, no device-to-host copy:
+// the rows no expert owns (standard format), of the rows past each expert's count (batched format), or
+// of a scatter call's whole d; grouped_gemm_impl.cuh), then CUTLASS's kernel. No allocation, no host sync, no device-to-host copy:
 // safe inside a CUDA graph. Also the launch helper the backward's handlers share (grouped_gemm_grad.cu):
 // RunKind.
 #include <cstdint>
@@ -222,8 +222,8 @@ ffi::Error GroupedGemmActCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
 }
 
 // The scatter kinds (kGemmBf16KNScatter for bf16 a and transposed b [E, K, N], kGemmBf16Scatter for bf16
-// a and b [E, N, K], kGemmFp8Scatter for FP8 a and b [E, N, K]): d [T, N] zeroed, then each row of a,
-// times its slot's weight, added into d[slot / k].
+// a and b [E, N, K], kGemmFp8Scatter for FP8 a and b [E, N, K]): d [T, N] zeroed (by the setup launch,
+// so the call is two launches), then each row of a, times its slot's weight, added into d[slot / k].
 ffi::Error GroupedGemmScatterCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                                   ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> slots,
                                   ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::F32> row_scale,
@@ -253,8 +253,10 @@ ffi::Error GroupedGemmScatterCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::An
   call.topk = wd[1];
   call.num_tokens = d->dimensions()[0];
   if (call.num_tokens == 0) return ffi::Error::Success();
-  JAX_MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d->untyped_data(), 0, d->size_bytes(), stream));
-  if (call.m == 0) return ffi::Error::Success();
+  if (call.m == 0) {  // no GEMM to run: d is only zeroed (which the setup launch does otherwise)
+    JAX_MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d->untyped_data(), 0, d->size_bytes(), stream));
+    return ffi::Error::Success();
+  }
   return RunKind(kind, tile, call);
 }
 

@@ -74,7 +74,7 @@
 //                        weights[slots[r]] * (a[r] @ b[e]^T (times the scales) + bias[e]), computed in float32
 //                        per row, rounded to bf16, and added into d with 16-byte bf16 atomics (each add
 //                        rounds to bf16; the order of the adds, and so the last bits, may differ run to
-//                        run). d is zeroed first (a memset in the call); a token no row reaches stays 0.
+//                        run). d is zeroed first (by the setup launch); a token no row reaches stays 0.
 //    workspace [W] uint8 as above (one more array: each group's first row)
 //   attrs tile, transposed (1: bf16 b [E, K, N]; 0: b [E, N, K]). Standard format only. N a multiple of
 //   8 (16-byte rows of d).

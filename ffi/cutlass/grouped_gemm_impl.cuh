@@ -15,9 +15,10 @@
 // N / 2 columns; its FP8 kind takes the same two pointer arrays of scales, of the compact scales
 // (grouped_gemm.h): a one-scale form's pointer stays put, and the epilogue reads it with a step of 0.
 // The scatter kinds: the weighted scatter-add of scatter_epilogue.cuh into d [T, N] (zeroed by the
-// handler first), one more per-group array (each group's first row: its rows' slots and scales).
+// setup launch first), one more per-group array (each group's first row: its rows' slots and scales).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -62,7 +63,8 @@ struct GroupedGemmCall {
   int64_t groups, m, n, k;
   bool batched;             // the batched format (a rank 3): offsets holds counts
   int64_t capacity;         // batched: rows per expert (C); 0 for the standard format
-  bool zero_unowned;        // the setup launch also zeroes d's rows no group writes (ZeroUnownedRows)
+  bool zero_unowned;        // the setup launch also zeroes d's rows no group writes (ZeroUnownedRows);
+                            // the scatter kinds' setup launch always zeroes all of d [num_tokens, n]
   int device, sm_count;
 };
 
@@ -124,8 +126,16 @@ __device__ __forceinline__ void ZeroUnownedRows(const int32_t* offsets, int64_t 
   for (int64_t i = block; i < unowned; i += blocks) zero_row(i < lo ? i : hi + (i - lo));
 }
 
+// Zeroes all of d [rows, vec_per_row 16-byte vectors], block `block` of `blocks`: the threads of all
+// the blocks stride over d's vectors, so that a row's length need not match a block's.
+__device__ __forceinline__ void ZeroAll(int64_t rows, int64_t vec_per_row, uint4* d, int64_t block, int64_t blocks) {
+  const int64_t total = rows * vec_per_row;
+  for (int64_t i = block * blockDim.x + threadIdx.x; i < total; i += blocks * blockDim.x) d[i] = make_uint4(0, 0, 0, 0);
+}
+
 // Shared by the handler files (grouped_gemm.cu): the (kind, tile) instantiation's run on a checked call
-// (one setup launch, which also zeroes the unowned rows when call.zero_unowned, then the CUTLASS kernel).
+// with m >= 1 (one setup launch, which also zeroes the unowned rows when call.zero_unowned, or a scatter
+// kind's whole d, then the CUTLASS kernel).
 ffi::Error RunKind(int kind, int64_t tile, const GroupedGemmCall& call);
 
 namespace cutlass_gg {
@@ -338,9 +348,10 @@ struct GroupedGemm {
 // (GroupRows, FillGroup) and builds the group's TMA descriptors from them (BuildGroupTensormaps,
 // group_tensormaps.cuh), a group per block so that the descriptor edits run on many SMs at once (on an
 // H200, with 128 groups: 13.6-16.2 us for this launch with every group on one SM, 5.3 us spread out,
-// 3.4 us before it built descriptors). The blocks after them (zero_blocks > 0, forward and dgrad
-// kinds only) zero d's unowned rows (ZeroUnownedRows). So each GEMM is two launches (this, then
-// CUTLASS's).
+// 3.4 us before it built descriptors). The blocks after them (zero_blocks > 0) zero d: its unowned rows
+// for the forward and dgrad kinds (ZeroUnownedRows), all of d [num_tokens, n] for the scatter kinds,
+// whose epilogue adds into it (ZeroAll; a memset launch of its own before). So each GEMM is two
+// launches (this, then CUTLASS's).
 // Group g's entries per kind:
 //   forward, dgrad: rows [lo, hi) of a and d (and row_scale's, or its one scale), expert g's weights
 //                   (and col_scale's row of expert g, or its one row);
@@ -388,19 +399,23 @@ __device__ __forceinline__ typename G::Shape3 FillGroup(const typename G::Arrays
 }
 
 constexpr int kFillThreads = 128;  // the setup launch's block (the zeroing blocks' threads share a row)
+constexpr int kZeroBlocksPerSm = 4;  // a scatter kind's zeroing blocks per SM at most (ZeroAll)
 
 template <int Kind, class G>
 __global__ void __launch_bounds__(kFillThreads)
     FillGroupArrays(typename G::Arrays arr, typename G::MainloopParams mainloop, const int32_t* offsets,
                     int64_t groups, int64_t m, bool batched, int64_t capacity, int n, int k, int64_t d_cols,
-                    const typename G::Element* a, const typename G::Element* b, typename G::ElementD* d,
-                    const float* row_scale, int64_t row_scale_step, const float* col_scale,
+                    int64_t d_rows, const typename G::Element* a, const typename G::Element* b,
+                    typename G::ElementD* d, const float* row_scale, int64_t row_scale_step, const float* col_scale,
                     int64_t col_scale_group_step) {
   const int64_t g = blockIdx.x;
   if (g >= groups) {
-    if constexpr (Kind != kGemmBf16Wgrad && !IsScatterKind(Kind))
-      ZeroUnownedRows(offsets, groups, m, batched, capacity, d_cols * int64_t(sizeof(*d)) / 16,
-                      reinterpret_cast<uint4*>(d), g - groups, gridDim.x - groups);
+    const int64_t vec_per_row = d_cols * int64_t(sizeof(*d)) / 16;
+    if constexpr (IsScatterKind(Kind))
+      ZeroAll(d_rows, vec_per_row, reinterpret_cast<uint4*>(d), g - groups, gridDim.x - groups);
+    else if constexpr (Kind != kGemmBf16Wgrad)
+      ZeroUnownedRows(offsets, groups, m, batched, capacity, vec_per_row, reinterpret_cast<uint4*>(d), g - groups,
+                      gridDim.x - groups);
     return;
   }
   __shared__ typename G::TensorMapStorage slot;  // the descriptors as they are edited
@@ -434,13 +449,20 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   if (auto s = gemm.initialize(args, arr.cutlass_workspace, c.stream); s != cutlass::Status::kSuccess)
     return CutlassError("initialize", s);
 
-  // zeroing: one block per unowned row at most, at most one per SM (block-stride beyond)
-  const int64_t zero_blocks =
-      Kind != kGemmBf16Wgrad && !G::kScatter && c.zero_unowned ? (c.m < c.sm_count ? c.m : c.sm_count) : 0;
+  // zeroing: the unowned rows, a block per row at most and at most one per SM (block-stride beyond);
+  // a scatter kind's whole d [num_tokens, n], kZeroBlocksPerSm blocks per SM at most
+  const int64_t d_rows = G::kScatter ? c.num_tokens : c.m;
+  int64_t zero_blocks = 0;
+  if constexpr (G::kScatter) {
+    const int64_t vectors = c.num_tokens * c.d_cols * int64_t(sizeof(D)) / 16;
+    zero_blocks = std::min<int64_t>((vectors + kFillThreads - 1) / kFillThreads, int64_t(kZeroBlocksPerSm) * c.sm_count);
+  } else if (Kind != kGemmBf16Wgrad && c.zero_unowned) {
+    zero_blocks = std::min<int64_t>(c.m, c.sm_count);
+  }
   FillGroupArrays<Kind, G><<<static_cast<unsigned>(c.groups + zero_blocks), kFillThreads, 0, c.stream>>>(
       arr, gemm.params().mainloop, c.offsets, c.groups, c.m, c.batched, c.capacity, static_cast<int>(c.n),
-      static_cast<int>(c.k), c.d_cols, static_cast<const E*>(c.a), static_cast<const E*>(c.b), static_cast<D*>(c.d),
-      c.row_scale, c.row_scale_step, c.col_scale, c.col_scale_group_step);
+      static_cast<int>(c.k), c.d_cols, d_rows, static_cast<const E*>(c.a), static_cast<const E*>(c.b),
+      static_cast<D*>(c.d), c.row_scale, c.row_scale_step, c.col_scale, c.col_scale_group_step);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   if (auto s = gemm.run(c.stream); s != cutlass::Status::kSuccess) return CutlassError("run", s);
