@@ -2,8 +2,12 @@
 
 Reads the details that ``ncu -i R --print-summary none`` prints for one kernel (the
 SpeedOfLight and MemoryWorkloadAnalysis sections): its duration, its DRAM throughput in bytes per
-second, the L2's and the SMs' throughput. The bytes it moved are the throughput times the
-duration. The least it must move, for the bench's layer at T tokens:
+second, the L2's and the SMs' throughput. The bytes it moved are the DRAM's own counters,
+``dram__bytes_read.sum`` and ``dram__bytes_write.sum``, where the profile collected them
+(``bench/ncu_gemm.sh`` asks for both); else the throughput times the duration. That product can
+stray from the counters: ncu replays the kernel to collect its sections, and with the clocks
+left free each replay runs for its own time. The least it must move, for the bench's layer at T
+tokens:
 
 - ``gemm1`` (GEMM1 with its activation fused, the forward's): the touched experts' ``w13``
   [E, 2I, H], the T*k rows in [T*k, H], and the activated rows out [T*k, I] (bf16, or FP8);
@@ -37,10 +41,11 @@ GEMMS = ("gemm1", "gemm2")
 SCHEMES = ("bf16", "fp8")
 _UNITS = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
 _RATES = {"Kbyte/s": 1e3, "Mbyte/s": 1e6, "Gbyte/s": 1e9, "Tbyte/s": 1e12}
+_BYTES = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
 
 
 class KernelFigures(NamedTuple):
-    """One kernel's figures from the details page."""
+    """One kernel's figures from the details page; the DRAM counters are None where not collected."""
 
     duration_us: float
     dram_bytes_per_s: float
@@ -48,6 +53,20 @@ class KernelFigures(NamedTuple):
     l2_pct: float
     sm_pct: float
     sm_ghz: float
+    dram_read_bytes: float | None = None
+    dram_write_bytes: float | None = None
+
+    @property
+    def counted(self) -> bool:
+        """Whether the DRAM's byte counters were collected (else the bytes are rate times duration)."""
+        return self.dram_read_bytes is not None and self.dram_write_bytes is not None
+
+    @property
+    def dram_bytes(self) -> float:
+        """Bytes the kernel moved to and from the DRAM: its counters, else rate times duration."""
+        if self.counted:
+            return self.dram_read_bytes + self.dram_write_bytes
+        return self.dram_bytes_per_s * self.duration_us * 1e-6
 
 
 def _value(text: str, metric: str, units: dict[str, float] | None = None) -> float:
@@ -62,6 +81,14 @@ def _value(text: str, metric: str, units: dict[str, float] | None = None) -> flo
     return value * units[m.group(1)] if units else value
 
 
+def _counter(text: str, metric: str) -> float | None:
+    """The bytes of counter ``metric`` (a "Command line profiler metrics" line), or None if absent."""
+    try:
+        return _value(text, metric, _BYTES)
+    except ValueError:
+        return None
+
+
 def read_details(text: str) -> KernelFigures:
     """The figures of the first kernel in ``ncu -i R --print-summary none`` output."""
     return KernelFigures(duration_us=_value(text, "Duration", _UNITS),
@@ -69,7 +96,9 @@ def read_details(text: str) -> KernelFigures:
                          dram_pct=_value(text, "DRAM Throughput"),
                          l2_pct=_value(text, "L2 Cache Throughput"),
                          sm_pct=_value(text, "Compute (SM) Throughput"),
-                         sm_ghz=_value(text, "SM Frequency"))
+                         sm_ghz=_value(text, "SM Frequency"),
+                         dram_read_bytes=_counter(text, "dram__bytes_read.sum"),
+                         dram_write_bytes=_counter(text, "dram__bytes_write.sum"))
 
 
 def least_bytes(m: Model, t: int, scheme: str, gemm: str) -> float:
@@ -90,16 +119,19 @@ def flops(m: Model, t: int, gemm: str) -> float:
 
 
 def report(fig: KernelFigures, m: Model, t: int, scheme: str, gemm: str) -> str:
-    """A markdown table of the kernel's figures against what the GEMM must move."""
-    moved = fig.dram_bytes_per_s * fig.duration_us * 1e-6
+    """A markdown table of the kernel's figures against what the GEMM must move; its last column
+    says where the bytes come from (the counters, read + written, or rate times duration)."""
+    moved = fig.dram_bytes
     least = least_bytes(m, t, scheme, gemm)
     tflops = flops(m, t, gemm) / (fig.duration_us * 1e-6) / 1e12
+    source = (f"counters: {fig.dram_read_bytes / 1e9:.2f} read + {fig.dram_write_bytes / 1e9:.2f} written"
+              if fig.counted else "rate x duration")
     return "\n".join([
-        "| GEMM | us | SM GHz | DRAM | DRAM bytes / least bytes | L2 | SM | TFLOP/s of rows |",
-        "|---|---|---|---|---|---|---|---|",
+        "| GEMM | us | SM GHz | DRAM | DRAM bytes / least bytes | L2 | SM | TFLOP/s of rows | bytes from |",
+        "|---|---|---|---|---|---|---|---|---|",
         f"| {m.name} {scheme} {gemm}, T={t} | {fig.duration_us:.1f} | {fig.sm_ghz:.2f} | {fig.dram_pct:.1f}% "
         f"({fig.dram_bytes_per_s / 1e12:.2f} TB/s) | {moved / 1e9:.2f} / {least / 1e9:.2f} GB "
-        f"({moved / least - 1:+.0%}) | {fig.l2_pct:.1f}% | {fig.sm_pct:.1f}% | {tflops:.0f} |",
+        f"({moved / least - 1:+.0%}) | {fig.l2_pct:.1f}% | {fig.sm_pct:.1f}% | {tflops:.0f} | {source} |",
     ])
 
 

@@ -9,9 +9,9 @@
 # sections below; if ncu fails with SourceCounters, it is run again without it (no stall samples).
 # Writes to ${OUT:-/tmp/ncu_gemm}: NAME.ncu-rep, NAME.log (ncu's own output), NAME_details.txt (the
 # sections), NAME_stalls.txt (bench/ncu_stalls.py on the SASS source page), NAME_bytes.md (for
-# GatedActEpilogue and ScatterRowsAdapter: bench/ncu_bytes.py, DRAM bytes against the least the GEMM
-# must move). Every step writes to files, not pipes, so that a timed-out profile (NCU_TIMEOUT
-# seconds, default 150) cannot hang it.
+# GatedActEpilogue and ScatterRowsAdapter: bench/ncu_bytes.py, DRAM bytes, from the DRAM's counters,
+# against the least the GEMM must move). Every step writes to files, not pipes, so that a timed-out
+# profile (NCU_TIMEOUT seconds, default 150) cannot hang it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 4 ] || { echo "usage: bench/ncu_gemm.sh MODEL SCHEME T KERNEL [NAME]" >&2; exit 2; }
@@ -19,7 +19,8 @@ model=$1 scheme=$2 tokens=$3 kernel=$4 name=${5:-${1}_${2}_${3}}
 out="${OUT:-/tmp/ncu_gemm}"; mkdir -p "$out"
 command -v ncu > /dev/null || { echo "ncu_gemm.sh: ncu is not on PATH" >&2; exit 2; }
 sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats
-          --section WarpStateStats --section Occupancy --section LaunchStats)
+          --section WarpStateStats --section Occupancy --section LaunchStats
+          --metrics dram__bytes_read.sum,dram__bytes_write.sum)  # the DRAM's bytes, counted (ncu_bytes.py)
 # XLA takes most of the GPU's memory up front by default; ncu's kernel replay needs room of its own to
 # save and restore what the kernel writes, and without it fails to profile ("error code (9)").
 profile() {  # profile EXTRA_SECTION_ARGS...
@@ -46,7 +47,7 @@ case "$kernel" in  # the GEMM's DRAM bytes against the least it must move (bench
 esac
 [ -n "$gemm" ] && python3 bench/ncu_bytes.py "$out/${name}_details.txt" --model "$model" --scheme "$scheme" \
   --tokens "$tokens" --gemm "$gemm" > "$out/${name}_bytes.md" 2>&1
-grep -E "^  [a-z_]+ *device_kernel|Duration|DRAM Throughput|Memory Throughput +[TG]byte/s|L2 Cache Throughput|Compute \(SM\) Throughput|SM Frequency|Issued Warp|No Eligible|Spilling Requests " \
-  "$out/${name}_details.txt" | head -14
+grep -E "^  [a-z_]+ *device_kernel|Duration|DRAM Throughput|Memory Throughput +[TG]byte/s|L2 Cache Throughput|Compute \(SM\) Throughput|SM Frequency|Issued Warp|No Eligible|Spilling Requests |dram__bytes_" \
+  "$out/${name}_details.txt" | head -16
 [ -n "$gemm" ] && cat "$out/${name}_bytes.md"
 head -30 "$out/${name}_stalls.txt"

@@ -89,6 +89,39 @@ def test_the_report_reads_bytes_moved_against_the_least_as_an_excess(ncu_bytes):
     assert "| 16.40 / 15.64 GB (+5%) |" in line and "4.10 TB/s" in line and line.startswith("| DeepSeek-V3 bf16 gemm1")
 
 
+# What `--metrics dram__bytes_read.sum,dram__bytes_write.sum` adds to the same page.
+COUNTERS = """\
+    Section: Command line profiler metrics
+    ---------------------------------------------------------------------- ----------- ------------
+    dram__bytes_read.sum                                                         Gbyte        15.90
+    dram__bytes_write.sum                                                        Mbyte       134.22
+    ---------------------------------------------------------------------- ----------- ------------
+"""
+
+
+def test_the_dram_counters_give_the_bytes_where_the_profile_collected_them(ncu_bytes):
+    """The counters, not rate x duration: ncu's replays with free clocks each run their own time."""
+    from bench.moe_bench import MODELS
+
+    fig = ncu_bytes.read_details(DETAILS + COUNTERS)
+    assert fig.counted and fig.dram_read_bytes == pytest.approx(15.90e9)
+    assert fig.dram_write_bytes == pytest.approx(134.22e6)  # each counter in its own unit
+    assert fig.dram_bytes == pytest.approx(16.03422e9)  # not 4.1 TB/s x 4 ms = 16.4 GB
+    line = ncu_bytes.report(fig, MODELS["deepseek"], 4096, "bf16", "gemm1").splitlines()[-1]
+    assert "| 16.03 / 15.64 GB (+3%) |" in line and line.endswith("| counters: 15.90 read + 0.13 written |")
+
+
+def test_without_the_counters_the_bytes_are_rate_times_duration_and_say_so(ncu_bytes):
+    from bench.moe_bench import MODELS
+
+    fig = ncu_bytes.read_details(DETAILS)
+    assert not fig.counted and fig.dram_read_bytes is None and fig.dram_bytes == pytest.approx(16.4e9)
+    line = ncu_bytes.report(fig, MODELS["deepseek"], 4096, "bf16", "gemm1").splitlines()[-1]
+    assert line.endswith("| rate x duration |")
+    one_counter = ncu_bytes.read_details(DETAILS + COUNTERS.replace("dram__bytes_write.sum", "other.sum"))
+    assert not one_counter.counted and one_counter.dram_bytes == pytest.approx(16.4e9)
+
+
 def test_bad_arguments_are_refused_by_name(ncu_bytes):
     from bench.moe_bench import MODELS
 
