@@ -3,9 +3,9 @@
 // can_implement cannot see the per-group sizes, which live on the device) and hand the call to the
 // (kind, tile)'s instantiation, two launches: the setup kernel (the group arrays, and the zeroing of
 // the rows no expert owns (standard format), of the rows past each expert's count (batched format), or
-// of a scatter call's whole d; grouped_gemm_impl.cuh), then CUTLASS's kernel. No allocation, no host sync, no device-to-host copy:
-// safe inside a CUDA graph. Also the launch helper the backward's handlers share (grouped_gemm_grad.cu):
-// RunKind.
+// of a scatter call's whole d; grouped_gemm_impl.cuh), then CUTLASS's kernel. No allocation, no host
+// sync, no device-to-host copy: safe inside a CUDA graph. Also the launch helper the backward's
+// handlers share (grouped_gemm_grad.cu): RunKind.
 #include <cstdint>
 #include <optional>
 #include <string>

@@ -455,7 +455,8 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   int64_t zero_blocks = 0;
   if constexpr (G::kScatter) {
     const int64_t vectors = c.num_tokens * c.d_cols * int64_t(sizeof(D)) / 16;
-    zero_blocks = std::min<int64_t>((vectors + kFillThreads - 1) / kFillThreads, int64_t(kZeroBlocksPerSm) * c.sm_count);
+    zero_blocks =
+        std::min<int64_t>((vectors + kFillThreads - 1) / kFillThreads, int64_t(kZeroBlocksPerSm) * c.sm_count);
   } else if (Kind != kGemmBf16Wgrad && c.zero_unowned) {
     zero_blocks = std::min<int64_t>(c.m, c.sm_count);
   }
