@@ -287,14 +287,35 @@ def random_experts(m: Model) -> tuple[jax.Array, jax.Array]:
     return w13, w2
 
 
-def routed_inputs(m: Model, t: int, sets: int = 3) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+ROUTINGS = ("random", "balanced")
+
+
+def balanced_routing(m: Model, t: int) -> tuple[jax.Array, jax.Array]:
+    """(topk_weights [T, k] float32, topk_ids [T, k] int32) that give every expert the same rows:
+    slot (t, j) goes to expert (t + j*E/k) mod E, weighted 1/k. Every expert gets T*k/E rows where E
+    divides T, so the grouped GEMMs run no partly filled row tile. A token's k experts are distinct
+    and E/k apart, as spread in the GEMMs' order as random routing puts them on average, so the
+    scatter's k adds into a token's row are as spread in time. Needs k to divide E."""
+    if m.e % m.k:
+        raise ValueError(f"balanced routing needs top_k ({m.k}) to divide the experts ({m.e})")
+    tokens = jnp.arange(t, dtype=jnp.int32)[:, None]
+    ids = (tokens + jnp.arange(m.k, dtype=jnp.int32)[None, :] * (m.e // m.k)) % m.e
+    return jnp.full((t, m.k), 1.0 / m.k, jnp.float32), ids
+
+
+def routed_inputs(m: Model, t: int, sets: int = 3,
+                  routing: str = "random") -> list[tuple[jax.Array, jax.Array, jax.Array]]:
     """``sets`` (x [T, H] bf16, topk_weights, topk_ids) of random tokens and softmax top-k routing
-    (rotated between timed calls, so that repeated runs do not measure the cache)."""
+    (rotated between timed calls, so that repeated runs do not measure the cache); with ``routing``
+    ``"balanced"``, :func:`balanced_routing`'s weights and ids instead."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     routed = []
     for r in range(sets):
         kx, kr = jax.random.split(jax.random.key(100 + r))
         x = jax.random.normal(kx, (t, m.h), jnp.bfloat16)
-        w, ids = select_experts(jax.random.normal(kr, (t, m.e), jnp.float32), m.k)
+        w, ids = (select_experts(jax.random.normal(kr, (t, m.e), jnp.float32), m.k) if routing == "random"
+                  else balanced_routing(m, t))
         routed.append((x, w, ids))
     return routed
 

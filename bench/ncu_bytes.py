@@ -12,7 +12,9 @@ tokens:
 - ``gemm1`` (GEMM1 with its activation fused, the forward's): the touched experts' ``w13``
   [E, 2I, H], the T*k rows in [T*k, H], and the activated rows out [T*k, I] (bf16, or FP8);
 - ``gemm2`` (GEMM2 with the scatter epilogue): the touched experts' ``w2`` [E, H, I], the T*k rows
-  in [T*k, I], and the output [T, H] bf16 written once.
+  in [T*k, I], and the output [T, H] bf16 written once;
+- ``gemm2_gather`` (GEMM2 of the gathering forward, ``JAX_MOE_CUTLASS_FINALIZE=gather``): the same
+  weights and rows in, and its rows out [T*k, H] bf16, which the finalize then sums per token.
 
 Weights and rows in are two bytes each in bf16 and one in FP8. The excess over the least is
 traffic the L2 did not absorb: an operand read from DRAM more than once, or output lines written
@@ -37,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.moe_bench import MODELS, Model, touched_experts  # noqa: E402
 
-GEMMS = ("gemm1", "gemm2")
+GEMMS = ("gemm1", "gemm2", "gemm2_gather")
 SCHEMES = ("bf16", "fp8")
 _UNITS = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
 _RATES = {"Kbyte/s": 1e3, "Mbyte/s": 1e6, "Gbyte/s": 1e9, "Tbyte/s": 1e12}
@@ -110,7 +112,8 @@ def least_bytes(m: Model, t: int, scheme: str, gemm: str) -> float:
     b = 1 if scheme == "fp8" else 2
     if gemm == "gemm1":
         return touched * 2 * m.i * m.h * b + rows * m.h * b + rows * m.i * b
-    return touched * m.h * m.i * b + rows * m.i * b + t * m.h * 2
+    out_rows = rows if gemm == "gemm2_gather" else t
+    return touched * m.h * m.i * b + rows * m.i * b + out_rows * m.h * 2
 
 
 def flops(m: Model, t: int, gemm: str) -> float:

@@ -4,7 +4,9 @@
 #   bench/ncu_gemm.sh qwen3 fp8 4096 ScatterRowsAdapter gemm2_fp8
 # KERNEL is a regular expression on the demangled kernel name: ScatterRowsAdapter (GEMM2 with the
 # weighted scatter-add epilogue, the default finalize), GatedActEpilogue (GEMM1 with the activation
-# epilogue), GroupProblemShape (every grouped GEMM). The tree must be installed (pip install -e .).
+# epilogue), CollectiveEpilogue (GEMM2 of the gathering forward: run with JAX_MOE_CUTLASS_FINALIZE=gather),
+# GroupProblemShape (every grouped GEMM). The tree must be installed (pip install -e .). ROUTING=balanced
+# gives every expert the same rows (bench/profile_forward.py --routing).
 # The third forward's kernel is profiled (bench/profile_forward.py; the first compiles) with the
 # sections below; if ncu fails with SourceCounters, it is run again without it (no stall samples).
 # Writes to ${OUT:-/tmp/ncu_gemm}: NAME.ncu-rep, NAME.log (ncu's own output), NAME_details.txt (the
@@ -28,6 +30,7 @@ profile() {  # profile EXTRA_SECTION_ARGS...
     timeout --kill-after=10 "${NCU_TIMEOUT:-150}" ncu --clock-control none --kernel-name-base demangled \
       -k "regex:$kernel" --launch-skip 2 --launch-count 1 "${sections[@]}" "$@" -f -o "$out/$name" \
       python3 bench/profile_forward.py --model "$model" --scheme "$scheme" --tokens "$tokens" --runs 4 \
+        --routing "${ROUTING:-random}" \
       > "$out/$name.log" 2>&1 && [ -f "$out/$name.ncu-rep" ]
 }
 if ! profile --section SourceCounters; then
@@ -43,6 +46,7 @@ rm -f "$out/${name}_source.csv"
 case "$kernel" in  # the GEMM's DRAM bytes against the least it must move (bench/ncu_bytes.py)
   *ScatterRows*) gemm=gemm2 ;;
   *GatedAct*) gemm=gemm1 ;;
+  *CollectiveEpilogue*) gemm=gemm2_gather ;;
   *) gemm= ;;
 esac
 [ -n "$gemm" ] && python3 bench/ncu_bytes.py "$out/${name}_details.txt" --model "$model" --scheme "$scheme" \

@@ -10,7 +10,8 @@ compiles; skip it in the profiler::
         python bench/profile_forward.py --model qwen3 --scheme fp8 --tokens 4096
     nsys profile python bench/profile_forward.py --model deepseek --tokens 16384
 
-``bench/ncu_gemm.sh`` wraps the first.
+``bench/ncu_gemm.sh`` wraps the first. ``--routing balanced`` gives every expert the same rows
+(``bench.moe_bench.balanced_routing``), so that no GEMM runs a partly filled row tile.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 
-from bench.moe_bench import MODELS, random_experts, routed_inputs  # noqa: E402
+from bench.moe_bench import MODELS, ROUTINGS, random_experts, routed_inputs  # noqa: E402
 from bench.stage_breakdown import prepared_fn, prepared_weights  # noqa: E402
 
 SCHEMES = ("bf16", "fp8")
@@ -36,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scheme", choices=SCHEMES, default="bf16")
     parser.add_argument("--tokens", type=int, default=4096, help="T, the tokens of the forward")
     parser.add_argument("--runs", type=int, default=4, help="forwards run (the first compiles)")
+    parser.add_argument("--routing", choices=ROUTINGS, default="random",
+                        help="random softmax top-k, or the same rows for every expert")
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.runs < 1:
         parser.error("--tokens and --runs need to be at least 1")
@@ -43,11 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     w13, w2 = random_experts(m)
     weights = prepared_weights(m, w13, w2, args.scheme)
     del w13, w2
-    x, w, ids = routed_inputs(m, args.tokens, sets=1)[0]
+    x, w, ids = routed_inputs(m, args.tokens, sets=1, routing=args.routing)[0]
     forward = jax.jit(prepared_fn())
     for _ in range(args.runs):
         forward(x, weights, w, ids).block_until_ready()
-    print(f"{m.name} {args.scheme} T={args.tokens}: {args.runs} forwards run")
+    print(f"{m.name} {args.scheme} T={args.tokens} ({args.routing} routing): {args.runs} forwards run")
     return 0
 
 

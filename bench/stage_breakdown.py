@@ -64,7 +64,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import gpu_clocks, in_loop, kernel_trace, peers  # noqa: E402
-from bench.moe_bench import (FP8_MATH, MODELS, Model, measure_ceilings, quantized, random_experts,  # noqa: E402
+from bench.moe_bench import (FP8_MATH, MODELS, ROUTINGS, Model, measure_ceilings, quantized, random_experts,  # noqa: E402
                               print_xla_flags, roofline, routed_inputs, timeit, touched_experts)
 from jax_moe import ffi, kernels  # noqa: E402
 from jax_moe.backends import cutlass  # noqa: E402
@@ -281,10 +281,11 @@ def prepared_weights(m: Model, w13: jax.Array, w2: jax.Array, scheme: str = "bf1
 
 
 def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: float, peak: float,
-        kernels_file=None, scheme: str = "bf16", loop: int = 0) -> list[dict]:
+        kernels_file=None, scheme: str = "bf16", loop: int = 0, routing: str = "random") -> list[dict]:
     """Rows of the breakdown for model ``m`` at each T (printed as they come); ``scheme``: ``bf16``
     or ``fp8`` (``trace`` only); ``loop``: also trace each forward inside a loop of this many
-    layers (:func:`traced_loop`; 0: not)."""
+    layers (:func:`traced_loop`; 0: not); ``routing``: the traced forwards' routing, one of
+    :data:`bench.moe_bench.ROUTINGS` (the loop's layers route at random, :func:`bench.in_loop.scaled_loop`)."""
     cfg = MoEConfig(m.e, m.k, m.h, m.i)
     w13, w2 = random_experts(m)
     traced_on_prepared = method == "trace"  # the stages of the forward MoEBlock.prepare() runs
@@ -294,7 +295,7 @@ def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: fl
     tk = peers.tokamax_prepare(w13, w2) if peer else None
     rows = []
     for t in tokens:
-        x, w, ids = routed_inputs(m, t, sets=1)[0]
+        x, w, ids = routed_inputs(m, t, sets=1, routing=routing)[0]
         logits = jax.random.normal(jax.random.key(7), (t, m.e), jnp.float32)
         floors = gemm_floors(m, t, bw, peak, scheme)
         name = "cutlass" if scheme == "bf16" else f"cutlass {scheme}"
@@ -353,6 +354,9 @@ def main(argv=None) -> int:
     p.add_argument("--loop", type=int, default=0, metavar="N",
                    help="also trace each forward inside a jitted loop of N layers: device time per layer")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--routing", choices=ROUTINGS, default="random",
+                   help="the traced forwards' routing: random softmax top-k, or the same rows for every expert "
+                        "(moe_bench.balanced_routing); the --loop layers route at random either way")
     args = p.parse_args(argv)
     not_bf16 = [scheme for scheme in args.scheme if scheme != "bf16"]  # (not `quantized`: moe_bench's function)
     if not_bf16 and args.method != "trace":
@@ -371,13 +375,14 @@ def main(argv=None) -> int:
         for scheme in args.scheme:  # a table each; the rows' impl names say the scheme ("cutlass fp8")
             if scheme != "bf16" and not args.no_peer:
                 print(f"# tokamax: not run (a bf16 MoE; this table is {scheme})")
-            print(f"# {dev.device_kind}, jax {jax.__version__}, {scheme}, method {args.method}; "
+            print(f"# {dev.device_kind}, jax {jax.__version__}, {scheme}, method {args.method}, "
+                  f"{args.routing} routing; "
                   f"measured {bw / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s bf16; microseconds per forward")
             print_xla_flags()
             print(header(), flush=True)
             for key in args.models:
                 rows += run(MODELS[key], args.tokens, args.method, args.calls, peer_ok and scheme == "bf16", bw,
-                            peak, kfile, scheme, args.loop)
+                            peak, kfile, scheme, args.loop, args.routing)
     finally:
         if kfile:
             kfile.close()

@@ -219,6 +219,18 @@ def test_stage_breakdown_prints_a_row_per_token_count(monkeypatch, method, tmp_p
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU demo")
+def test_stage_breakdown_runs_on_balanced_routing_and_says_so(monkeypatch, capsys):
+    """--routing balanced: every expert gets the same rows, and the table's header names the routing."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import stage_breakdown
+
+    assert stage_breakdown.main(["--tokens", "4", "--method", "alone", "--no-peer", "--routing", "balanced"]) == 0
+    out = capsys.readouterr().out
+    assert "balanced routing" in out
+    assert len([line for line in out.splitlines() if line.startswith("| tiny")]) == 1
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU demo")
 def test_stage_breakdown_gives_the_device_time_per_layer_inside_a_loop(monkeypatch, capsys):
     """--loop N: each forward is also traced inside a jitted loop of N layers, and its busy time,
     span and GEMM time per layer are tabled (on CPU: the runtime's thunks)."""
@@ -561,6 +573,28 @@ def test_profile_forward_runs_the_prepared_forward_a_profiler_attaches_to(monkey
     from bench import profile_forward
 
     assert profile_forward.main(["--model", "tiny", "--scheme", scheme, "--tokens", "8", "--runs", "2"]) == 0
-    assert f"{scheme} T=8: 2 forwards run" in capsys.readouterr().out
+    assert f"{scheme} T=8 (random routing): 2 forwards run" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         profile_forward.main(["--model", "tiny", "--runs", "0"])
+
+
+def test_balanced_routing_gives_every_expert_the_same_rows_and_each_token_distinct_experts(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(ROOT)
+    import dataclasses
+
+    import numpy as np
+
+    from bench import profile_forward
+    from bench.moe_bench import MODELS, balanced_routing
+
+    m = MODELS["tiny"]  # E=16, k=4
+    w, ids = balanced_routing(m, 32)
+    assert ids.shape == (32, 4) and w.shape == (32, 4)
+    np.testing.assert_array_equal(np.bincount(np.asarray(ids).ravel(), minlength=m.e), np.full(m.e, 8))
+    for row in np.asarray(ids).tolist():  # distinct experts, E/k = 4 apart
+        assert sorted((e - row[0]) % m.e for e in row) == [0, 4, 8, 12]
+    np.testing.assert_allclose(np.asarray(w).sum(axis=1), 1.0)
+    with pytest.raises(ValueError, match="top_k .4. to divide the experts .6."):
+        balanced_routing(dataclasses.replace(m, e=6), 8)
+    assert profile_forward.main(["--model", "tiny", "--tokens", "8", "--runs", "1", "--routing", "balanced"]) == 0
+    assert "T=8 (balanced routing): 1 forwards run" in capsys.readouterr().out

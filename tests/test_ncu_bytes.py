@@ -72,6 +72,16 @@ def test_gemm2_must_move_the_touched_weights_its_rows_in_and_the_output_once(ncu
     assert ncu_bytes.least_bytes(m, 4096, "fp8", "gemm2") == pytest.approx(fp8, rel=1e-9)
 
 
+def test_the_gathering_gemm2_must_write_every_row_out_for_the_finalize_to_sum(ncu_bytes):
+    from bench.moe_bench import MODELS
+
+    m = MODELS["deepseek"]
+    rows = 4096 * 8
+    expected = 2 * (256 * 7168 * 2048 + rows * 2048) + rows * 7168 * 2  # rows out [T*k, H] bf16
+    assert ncu_bytes.least_bytes(m, 4096, "bf16", "gemm2_gather") == pytest.approx(expected, rel=1e-9)
+    assert ncu_bytes.flops(m, 4096, "gemm2_gather") == ncu_bytes.flops(m, 4096, "gemm2")
+
+
 def test_few_tokens_touch_only_some_experts(ncu_bytes):
     from bench.moe_bench import MODELS
 
