@@ -33,12 +33,19 @@ from jax_moe import timing
 Layer = Callable[[jax.Array, object, jax.Array, jax.Array], jax.Array]
 
 
-def stacked_routing(num_tokens: int, num_experts: int, top_k: int, layers: int, seed: int = 1000
-                    ) -> tuple[jax.Array, jax.Array]:
-    """``layers`` independent random routings: (topk_weights [N, T, k] float32, topk_ids [N, T, k]
-    int32), softmax top-k of Gaussian logits (jax_moe's ``select_experts``)."""
+def stacked_routing(num_tokens: int, num_experts: int, top_k: int, layers: int, seed: int = 1000,
+                    routing: str = "random") -> tuple[jax.Array, jax.Array]:
+    """``layers`` routings: (topk_weights [N, T, k] float32, topk_ids [N, T, k] int32). ``random``:
+    independent softmax top-k of Gaussian logits (jax_moe's ``select_experts``); ``balanced``:
+    :func:`bench.routings.balanced_routing`, rotated by one expert per layer."""
+    from bench.routings import ROUTINGS, balanced_routing  # noqa: PLC0415
     from jax_moe.routing import select_experts  # noqa: PLC0415
 
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    if routing == "balanced":
+        per_layer = [balanced_routing(num_tokens, num_experts, top_k, shift=n) for n in range(layers)]
+        return jnp.stack([w for w, _ in per_layer]), jnp.stack([ids for _, ids in per_layer])
     logits = jax.random.normal(jax.random.key(seed), (layers, num_tokens, num_experts), jnp.float32)
     return jax.vmap(lambda lg: select_experts(lg, top_k))(logits)
 
@@ -62,11 +69,11 @@ def layer_loop(fn: Layer, layers: int) -> Callable:
     return jax.jit(run)
 
 
-def scaled_loop(fn: Layer, x: jax.Array, weights, num_experts: int, top_k: int, layers: int
-                ) -> tuple[Callable, tuple]:
+def scaled_loop(fn: Layer, x: jax.Array, weights, num_experts: int, top_k: int, layers: int,
+                routing: str = "random") -> tuple[Callable, tuple]:
     """(:func:`layer_loop` of ``fn`` over ``layers`` layers, its arguments): the routing is
-    :func:`stacked_routing`'s, scaled by :func:`output_scale`."""
-    tw, ids = stacked_routing(x.shape[0], num_experts, top_k, layers)
+    :func:`stacked_routing`'s (``routing``: random or balanced), scaled by :func:`output_scale`."""
+    tw, ids = stacked_routing(x.shape[0], num_experts, top_k, layers, routing=routing)
     tw = tw * output_scale(fn, x, weights, tw[0], ids[0])
     return layer_loop(fn, layers), (x, weights, tw, ids)
 

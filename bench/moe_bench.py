@@ -77,12 +77,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import in_loop, peers  # noqa: E402
+from bench.routings import routing_of  # noqa: E402
 from jax_moe import oracle, timing  # noqa: E402
 from jax_moe.info import finalize_status, tile_cache_status  # noqa: E402
 from jax_moe.backends import xla  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights  # noqa: E402
-from jax_moe.routing import select_experts  # noqa: E402
 
 # bytes per weight, scales included
 SCHEMES = {"bf16": 2, "f16": 2, "fp8": 1, "fp8_block": 1 + 4 / (128 * 128), "mxfp4": 0.5 + 1 / 32,
@@ -287,36 +287,16 @@ def random_experts(m: Model) -> tuple[jax.Array, jax.Array]:
     return w13, w2
 
 
-ROUTINGS = ("random", "balanced")
-
-
-def balanced_routing(m: Model, t: int) -> tuple[jax.Array, jax.Array]:
-    """(topk_weights [T, k] float32, topk_ids [T, k] int32) that give every expert the same rows:
-    slot (t, j) goes to expert (t + j*E/k) mod E, weighted 1/k. Every expert gets T*k/E rows where E
-    divides T, so the grouped GEMMs run no partly filled row tile. A token's k experts are distinct
-    and E/k apart, as spread in the GEMMs' order as random routing puts them on average, so the
-    scatter's k adds into a token's row are as spread in time. Needs k to divide E."""
-    if m.e % m.k:
-        raise ValueError(f"balanced routing needs top_k ({m.k}) to divide the experts ({m.e})")
-    tokens = jnp.arange(t, dtype=jnp.int32)[:, None]
-    ids = (tokens + jnp.arange(m.k, dtype=jnp.int32)[None, :] * (m.e // m.k)) % m.e
-    return jnp.full((t, m.k), 1.0 / m.k, jnp.float32), ids
-
-
 def routed_inputs(m: Model, t: int, sets: int = 3,
                   routing: str = "random") -> list[tuple[jax.Array, jax.Array, jax.Array]]:
     """``sets`` (x [T, H] bf16, topk_weights, topk_ids) of random tokens and softmax top-k routing
-    (rotated between timed calls, so that repeated runs do not measure the cache); with ``routing``
-    ``"balanced"``, :func:`balanced_routing`'s weights and ids instead."""
-    if routing not in ROUTINGS:
-        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    (rotated between timed calls, so that repeated runs do not measure the cache); ``routing``: one
+    of :data:`bench.routings.ROUTINGS`."""
     routed = []
     for r in range(sets):
         kx, kr = jax.random.split(jax.random.key(100 + r))
         x = jax.random.normal(kx, (t, m.h), jnp.bfloat16)
-        w, ids = (select_experts(jax.random.normal(kr, (t, m.e), jnp.float32), m.k) if routing == "random"
-                  else balanced_routing(m, t))
-        routed.append((x, w, ids))
+        routed.append((x, *routing_of(routing, kr, t, m.e, m.k, shift=r)))
     return routed
 
 

@@ -11,7 +11,7 @@ compiles; skip it in the profiler::
     nsys profile python bench/profile_forward.py --model deepseek --tokens 16384
 
 ``bench/ncu_gemm.sh`` wraps the first. ``--routing balanced`` gives every expert the same rows
-(``bench.moe_bench.balanced_routing``), so that no GEMM runs a partly filled row tile.
+(``bench.routings.balanced_routing``), so that no GEMM runs a partly filled row tile.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 
-from bench.moe_bench import MODELS, ROUTINGS, random_experts, routed_inputs  # noqa: E402
+from bench.moe_bench import MODELS, random_experts, routed_inputs  # noqa: E402
+from bench.routings import ROUTINGS  # noqa: E402
 from bench.stage_breakdown import prepared_fn, prepared_weights  # noqa: E402
 
 SCHEMES = ("bf16", "fp8")

@@ -64,8 +64,9 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import gpu_clocks, in_loop, kernel_trace, peers  # noqa: E402
-from bench.moe_bench import (FP8_MATH, MODELS, ROUTINGS, Model, measure_ceilings, quantized, random_experts,  # noqa: E402
+from bench.moe_bench import (FP8_MATH, MODELS, Model, measure_ceilings, quantized, random_experts,  # noqa: E402
                               print_xla_flags, roofline, routed_inputs, timeit, touched_experts)
+from bench.routings import ROUTINGS  # noqa: E402
 from jax_moe import ffi, kernels  # noqa: E402
 from jax_moe.backends import cutlass  # noqa: E402
 from jax_moe.backends.cutlass_gemm import grouped_gemm  # noqa: E402
@@ -185,14 +186,16 @@ def loop_clocks(loop, loop_args: tuple, seconds: float = CLOCK_SECONDS) -> gpu_c
     return clocks.summary
 
 
-def traced_loop(fn, args: tuple, num_experts: int, top_k: int, layers: int, calls: int = 2) -> dict | None:
+def traced_loop(fn, args: tuple, num_experts: int, top_k: int, layers: int, calls: int = 2,
+                routing: str = "random") -> dict | None:
     """Per layer of ``fn`` run ``layers`` times inside one jitted loop (``args`` = (x, weights,
-    topk_weights, topk_ids); the loop is :func:`bench.in_loop.scaled_loop`'s): microseconds of busy
+    topk_weights, topk_ids); the loop is :func:`bench.in_loop.scaled_loop`'s, its layers routed by
+    ``routing``): microseconds of busy
     time, of span (the loop's first kernel's start to its last one's end, over ``layers``) and of
     grouped-GEMM time, medians over ``calls`` traced calls of the loop; the SM clock while it was
     traced (``clocks_traced``) and while it runs back to back (``clocks``, :func:`loop_clocks`);
     None if the trace could not be split into calls."""
-    loop, loop_args = in_loop.scaled_loop(fn, *args[:2], num_experts, top_k, layers)
+    loop, loop_args = in_loop.scaled_loop(fn, *args[:2], num_experts, top_k, layers, routing=routing)
     jax.block_until_ready(loop(*loop_args))
     with gpu_clocks.ClockSampler(enabled=on_gpu()) as traced_clocks:
         groups = kernel_trace.trace_calls([(loop, loop_args)] * calls)
@@ -284,8 +287,8 @@ def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: fl
         kernels_file=None, scheme: str = "bf16", loop: int = 0, routing: str = "random") -> list[dict]:
     """Rows of the breakdown for model ``m`` at each T (printed as they come); ``scheme``: ``bf16``
     or ``fp8`` (``trace`` only); ``loop``: also trace each forward inside a loop of this many
-    layers (:func:`traced_loop`; 0: not); ``routing``: the traced forwards' routing, one of
-    :data:`bench.moe_bench.ROUTINGS` (the loop's layers route at random, :func:`bench.in_loop.scaled_loop`)."""
+    layers (:func:`traced_loop`; 0: not); ``routing``: the forwards' and the loop's layers' routing,
+    one of :data:`bench.routings.ROUTINGS`."""
     cfg = MoEConfig(m.e, m.k, m.h, m.i)
     w13, w2 = random_experts(m)
     traced_on_prepared = method == "trace"  # the stages of the forward MoEBlock.prepare() runs
@@ -332,7 +335,7 @@ def run(m: Model, tokens: list[int], method: str, calls: int, peer: bool, bw: fl
             rows.append(row)
             print(format_row(row), flush=True)
             if loop and traced is not None:
-                row["loop"] = traced_loop(fn, args, m.e, m.k, loop)
+                row["loop"] = traced_loop(fn, args, m.e, m.k, loop, routing=routing)
                 print(f"# in a loop: {format_loop_row(row)}" if row["loop"] else
                       f"# {m.name} T={t} {name}: the loop's trace not attributed", flush=True)
     del w13, w2, tk, weights
@@ -355,8 +358,8 @@ def main(argv=None) -> int:
                    help="also trace each forward inside a jitted loop of N layers: device time per layer")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--routing", choices=ROUTINGS, default="random",
-                   help="the traced forwards' routing: random softmax top-k, or the same rows for every expert "
-                        "(moe_bench.balanced_routing); the --loop layers route at random either way")
+                   help="random softmax top-k, or the same rows for every expert (bench.routings), in the "
+                        "forwards and the --loop layers alike")
     args = p.parse_args(argv)
     not_bf16 = [scheme for scheme in args.scheme if scheme != "bf16"]  # (not `quantized`: moe_bench's function)
     if not_bf16 and args.method != "trace":
