@@ -6,7 +6,8 @@
 # weighted scatter-add epilogue, the default finalize), GatedActEpilogue (GEMM1 with the activation
 # epilogue), CollectiveEpilogue (GEMM2 of the gathering forward: run with JAX_MOE_CUTLASS_FINALIZE=gather),
 # GroupProblemShape (every grouped GEMM). The tree must be installed (pip install -e .). ROUTING=balanced
-# gives every expert the same rows (bench/profile_forward.py --routing).
+# gives every expert the same rows (bench/profile_forward.py --routing). NCU_METRICS=name,name collects
+# more metrics; they print on the details page.
 # The third forward's kernel is profiled (bench/profile_forward.py; the first compiles) with the
 # sections below; if ncu fails with SourceCounters, it is run again without it (no stall samples).
 # Writes to ${OUT:-/tmp/ncu_gemm}: NAME.ncu-rep, NAME.log (ncu's own output), NAME_details.txt (the
@@ -22,7 +23,8 @@ out="${OUT:-/tmp/ncu_gemm}"; mkdir -p "$out"
 command -v ncu > /dev/null || { echo "ncu_gemm.sh: ncu is not on PATH" >&2; exit 2; }
 sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats
           --section WarpStateStats --section Occupancy --section LaunchStats
-          --metrics dram__bytes_read.sum,dram__bytes_write.sum)  # the DRAM's bytes, counted (ncu_bytes.py)
+          --metrics "dram__bytes_read.sum,dram__bytes_write.sum${NCU_METRICS:+,$NCU_METRICS}")
+# (the DRAM's bytes, counted, for ncu_bytes.py; NCU_METRICS=a,b adds metrics to the details page)
 # XLA takes most of the GPU's memory up front by default; ncu's kernel replay needs room of its own to
 # save and restore what the kernel writes, and without it fails to profile ("error code (9)").
 profile() {  # profile EXTRA_SECTION_ARGS...
