@@ -6,8 +6,9 @@ in ONE jitted ``jax.lax.fori_loop``: layer ``n`` takes the previous layer's outp
 and its own routing (``topk_weights[n]``, ``topk_ids[n]``: a fresh random routing per layer, so
 consecutive layers touch different experts as a model's do, and a small model's experts do not sit
 in L2 from one layer to the next; or, with ``routing="balanced"``, every expert the same rows), the
-same weights every layer (N sets of DeepSeek-V3's experts would not fit). The time of one loop over N is the per-layer device time, launch gaps between
-the kernels included, the host's dispatch excluded. Each layer also reads its routing from the
+same weights every layer (N sets of DeepSeek-V3's experts would not fit). The time of one loop over
+N is the per-layer device time, launch gaps between the kernels included, the host's dispatch
+excluded. Each layer also reads its routing from the
 stacked ``[N, T, k]`` arrays (a dynamic slice of a few bytes, one tiny kernel at most).
 The loop has costs of its own. Per iteration there is a short gap after the loop's test (about
 3 us on an H100 with jax 0.11, traced around a Qwen3-30B-A3B layer; about 11 us around a
