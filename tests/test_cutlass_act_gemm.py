@@ -246,6 +246,21 @@ def test_kernel_matches_the_definition(rng, tile, activation):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", sorted(cb.TILES))
+def test_kernel_matches_the_definition_where_each_cta_runs_many_tiles(rng, tile):
+    """64 experts of 0..300 rows and 2I = 1024: several hundred tiles on every tile shape, so each
+    persistent CTA runs several of them in the scheduler's order, partly filled row tiles among them;
+    output poisoned."""
+    skip_unless_available(cb)
+    counts = rng.integers(0, 300, 64)
+    a, b, off, bias = bf16_case(rng, counts, n=1024, k=128)
+    fn = jax.jit(lambda a, b, o, bias: grouped_gemm_act(a, b, o, "silu", bias=bias, tile=tile))
+    poison_memory(jax.eval_shape(fn, a, b, off, bias))
+    got = np.asarray(fn(a, b, off, bias), np.float32)
+    assert rel_err(got, definition(a, b, off, "silu", bias)) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
 def test_kernel_on_transposed_weights_matches_the_definition(rng, tile):
     """The act kind on b [E, K, 2I]: bf16 with a bias, empty experts, unowned rows zero, and
     2I = 480, so every tile's last column block is partial."""

@@ -312,6 +312,8 @@ GEMM_CASES = [  # (counts per expert, N, K); fp8 rounds K up to its alignment (1
     ([0, 0, 0, 2], 64, 64),                           # leading empty experts; below fp8's K tile
     ([129, 300, 7, 0], 384, 512),                     # more rows than a tile, several K tiles
     ([1, 2, 3, 4, 5, 6, 7, 8], 200, 136),             # N, K not multiples of the tile (fp8: K=144)
+    # several hundred tiles on every tile shape: each persistent CTA runs several, in the scheduler's order
+    (np.random.default_rng(64).integers(0, 300, 64).tolist(), 1024, 128),
 ]
 
 

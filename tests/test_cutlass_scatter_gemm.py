@@ -331,6 +331,21 @@ def test_bf16_kernel_matches_the_definition(rng, tile, transposed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
+def test_bf16_kernel_matches_the_definition_where_each_cta_runs_many_tiles(rng, tile):
+    """64 experts of 0..300 rows and N = 1024: several hundred tiles on every tile shape, so each
+    persistent CTA runs several of them in the scheduler's order; output poisoned."""
+    skip_unless_available(cb)
+    counts = rng.integers(0, 300, 64)
+    a, b, off = bf16_case(rng, counts, n=1024, k=128)
+    slots, w = routing_rows(rng, a.shape[0], t=3000)
+    fn = jax.jit(lambda a, b, o, s, w: grouped_gemm_scatter(a, b, o, s, w, tile=tile))
+    poison_memory(jax.eval_shape(fn, a, b, off, slots, w))
+    got = fn(a, b, off, slots, w)
+    assert rel_err(got, definition(a, b, off, slots, w)) < REL_TOL
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("transposed", [False, True])
 def test_tokens_no_row_reaches_are_zero(rng, transposed):
     """5000 tokens and 40 rows: nearly every output row is reached by no row, and the call zeroes
