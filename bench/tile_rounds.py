@@ -32,6 +32,7 @@ win go into ``jax_moe/backends/tuned_tiles/`` with the figures they won by.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import subprocess
 import sys
@@ -62,10 +63,14 @@ def run_choices(choices: Sequence[tuple[str, str | None]], rounds: int, command:
     """Runs ``command`` on each of two tile ``choices`` in turn, ``rounds`` times, writing the
     rounds' rows into ``folder``; returns :func:`bench.side_by_side.table`'s lines (the first
     choice as base). A choice is (label, the tile cache ``JAX_MOE_TILE_CACHE`` names, or None: the
-    shipped tiles alone)."""
+    shipped tiles alone). Round files an earlier run left in ``folder`` are removed first: the table
+    reads every round file there."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     os.makedirs(folder, exist_ok=True)
+    for side in side_by_side.SIDES:
+        for path in glob.glob(os.path.join(folder, f"{side}_*.json")):
+            os.remove(path)
     for rnd in range(1, rounds + 1):
         for side, (label, cache) in zip(side_by_side.SIDES, choices, strict=True):
             print(f"== round {rnd}: {label} ({side})", flush=True)

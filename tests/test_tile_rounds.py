@@ -47,6 +47,21 @@ def test_each_round_runs_the_two_tiles_in_turn_and_the_table_compares_them(tile_
     assert cache.device == "NVIDIA H200" and cache.gemms == {GEMM: ((256.0, "pingpong_64x256"),)}
 
 
+def test_round_files_of_an_earlier_run_in_the_folder_are_not_read(tile_rounds, tmp_path):
+    """Three rounds of one pair of tiles, then two of another in the same folder: the second table
+    has the second run's two rounds only."""
+    runs = []
+    bench = fake_bench({"coop_128x256": 161.0, "pingpong_64x256": 156.8, "coop_128x128": 170.0}, runs)
+    tile_rounds.run_rounds(GEMM, 256, ["coop_128x256", "pingpong_64x256"], 3, ["bench"], str(tmp_path), "H",
+                           runner=bench)
+    lines = tile_rounds.run_rounds(GEMM, 256, ["coop_128x256", "coop_128x128"], 2, ["bench"], str(tmp_path), "H",
+                                   runner=bench)
+    assert "| Qwen3-30B-A3B | 4096 | cutlass fp8 | gemm2 | 161.0 | 170.0 | 1.056 | 1.056 - 1.056 |" in lines
+    assert lines[-1].lstrip().startswith("2 round(s)")
+    assert sorted(os.listdir(tmp_path)) == ["base_1.json", "base_2.json", "new_1.json", "new_2.json",
+                                            "tiles_base.json", "tiles_new.json"]
+
+
 def test_what_it_cannot_compare_is_refused_before_any_run(tile_rounds, tmp_path):
     runs = []
     bench = fake_bench({}, runs)
