@@ -259,6 +259,41 @@ def test_kernel_matches_the_definition_where_each_cta_runs_many_tiles(rng, tile)
     assert rel_err(got, definition(a, b, off, "silu", bias)) < REL_TOL
 
 
+# experts whose last row tile holds 1, 63, 64 or 65 of a 128-row tile's rows, and whole tiles
+HALF_TILE_COUNTS = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 0, 320]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
+def test_kernel_matches_the_definition_on_rows_about_a_tiles_half(rng, tile, transposed):
+    """Experts of 1 to 320 rows around a 128-row tile's half and whole, 2I = 480 (a partial last
+    column block, whose second half is partly past N), a bias; b [E, 2I, H] or [E, H, 2I]; output
+    poisoned."""
+    skip_unless_available(cb)
+    a, b, off, bias = bf16_case(rng, np.array(HALF_TILE_COUNTS), n=480, k=192)
+    bb = jnp.swapaxes(b, 1, 2) if transposed else b
+    fn = jax.jit(lambda a, bb, o, bias: grouped_gemm_act(a, bb, o, "swigluoai", alpha=ALPHA, limit=LIMIT, bias=bias,
+                                                         tile=tile, transposed=transposed))
+    poison_memory(jax.eval_shape(fn, a, bb, off, bias))
+    got = np.asarray(fn(a, bb, off, bias), np.float32)
+    assert rel_err(got, definition(a, b, off, "swigluoai", bias)) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
+def test_fp8_kernel_matches_the_definition_on_rows_about_a_tiles_half(rng, tile):
+    skip_unless_available(cb)
+    a, b, off, row, col = fp8_case(rng, HALF_TILE_COUNTS, n=480, k=256)
+    want = definition(a, b, off, "silu", row=row, col=col)
+    out_scale = calibrated(want)
+    fn = jax.jit(lambda a, b, o, r, c, s: grouped_gemm_act(a, b, o, "silu", a_scale=r, b_scale=c, out_scale=s,
+                                                           tile=tile))
+    poison_memory(jax.eval_shape(fn, a, b, off, row, col, out_scale))
+    got = fn(a, b, off, row, col, out_scale)
+    assert rel_err(fp8_value(got, out_scale), want) < FP8_REL_TOL
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", sorted(cb.TILES))
 def test_kernel_on_transposed_weights_matches_the_definition(rng, tile):
