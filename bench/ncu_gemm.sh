@@ -7,7 +7,9 @@
 # epilogue), CollectiveEpilogue (GEMM2 of the gathering forward: run with JAX_MOE_CUTLASS_FINALIZE=gather),
 # GroupProblemShape (every grouped GEMM). The tree must be installed (pip install -e .). ROUTING=balanced
 # gives every expert the same rows (bench/profile_forward.py --routing). NCU_METRICS=name,name collects
-# more metrics; they print on the details page.
+# more metrics; they print on the details page, and those of the tensor pipe and the L2 in the summary.
+# On an H200: sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active (the tensor pipe's busy
+# share), sm__inst_executed_pipe_tensor_op_gmma.sum (WGMMA instructions), lts__t_sectors_op_read.sum.
 # The third forward's kernel is profiled (bench/profile_forward.py; the first compiles) with the
 # sections below; if ncu fails with SourceCounters, it is run again without it (no stall samples).
 # Writes to ${OUT:-/tmp/ncu_gemm}: NAME.ncu-rep, NAME.log (ncu's own output), NAME_details.txt (the
@@ -53,7 +55,7 @@ case "$kernel" in  # the GEMM's DRAM bytes against the least it must move (bench
 esac
 [ -n "$gemm" ] && python3 bench/ncu_bytes.py "$out/${name}_details.txt" --model "$model" --scheme "$scheme" \
   --tokens "$tokens" --gemm "$gemm" > "$out/${name}_bytes.md" 2>&1
-grep -E "^  [a-z_]+ *device_kernel|Duration|DRAM Throughput|Memory Throughput +[TG]byte/s|L2 Cache Throughput|Compute \(SM\) Throughput|SM Frequency|Issued Warp|No Eligible|Spilling Requests |dram__bytes_" \
-  "$out/${name}_details.txt" | head -16
+grep -E "^  [a-z_]+ *device_kernel|Duration|DRAM Throughput|Memory Throughput +[TG]byte/s|L2 Cache Throughput|Compute \(SM\) Throughput|SM Frequency|Issued Warp|No Eligible|Spilling Requests |dram__bytes_|pipe_tensor|lts__t_sectors" \
+  "$out/${name}_details.txt" | head -20
 [ -n "$gemm" ] && cat "$out/${name}_bytes.md"
 head -30 "$out/${name}_stalls.txt"
