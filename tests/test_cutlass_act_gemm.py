@@ -71,9 +71,29 @@ def fp8_case(rng, counts, n=128, k=128):
     return fp8_gemm_problem(rng, counts, n, k)
 
 
+def fp8_silu_act(tile: str):
+    """GEMM1 with silu on FP8 operands on ``tile``, jitted: (a, b, offsets, row scales, column
+    scales, the static output scale) -> FP8 d."""
+    return jax.jit(lambda a, b, o, r, c, s: grouped_gemm_act(a, b, o, "silu", a_scale=r, b_scale=c, out_scale=s,
+                                                             tile=tile))
+
+
 def calibrated(values) -> jax.Array:
     """A static FP8 scale for ``values``: amax / 448, as a calibration would set it."""
     return jnp.float32(np.abs(values).max() / 448)
+
+
+def assert_fp8_silu_act_is_the_definition(tile, a, b, off, a_scale, b_scale, row, col):
+    """:func:`fp8_silu_act` on ``tile``, over poisoned memory, with the scales in the form given
+    (``a_scale``, ``b_scale``), against the definition with them per row and per column (``row``,
+    ``col``) and a calibrated output scale. Returns the jitted GEMM and that scale."""
+    want = definition(a, b, off, "silu", row=row, col=col)
+    out_scale = calibrated(want)
+    fn = fp8_silu_act(tile)
+    poison_memory(jax.eval_shape(fn, a, b, off, a_scale, b_scale, out_scale))
+    got = fn(a, b, off, a_scale, b_scale, out_scale)
+    assert rel_err(fp8_value(got, out_scale), want) < FP8_REL_TOL
+    return fn, out_scale
 
 
 def fp8_value(q, scale):
@@ -285,13 +305,7 @@ def test_kernel_matches_the_definition_on_rows_about_a_tiles_half(rng, tile, tra
 def test_fp8_kernel_matches_the_definition_on_rows_about_a_tiles_half(rng, tile):
     skip_unless_available(cb)
     a, b, off, row, col = fp8_case(rng, HALF_TILE_COUNTS, n=480, k=256)
-    want = definition(a, b, off, "silu", row=row, col=col)
-    out_scale = calibrated(want)
-    fn = jax.jit(lambda a, b, o, r, c, s: grouped_gemm_act(a, b, o, "silu", a_scale=r, b_scale=c, out_scale=s,
-                                                           tile=tile))
-    poison_memory(jax.eval_shape(fn, a, b, off, row, col, out_scale))
-    got = fn(a, b, off, row, col, out_scale)
-    assert rel_err(fp8_value(got, out_scale), want) < FP8_REL_TOL
+    assert_fp8_silu_act_is_the_definition(tile, a, b, off, row, col, row, col)
 
 
 @pytest.mark.gpu
@@ -322,8 +336,7 @@ def test_fp8_kernel_matches_the_definition(rng, tile):
     a, b, off, row, col = fp8_case(rng, counts, n=480, k=256)
     want = definition(a, b, off, "silu", row=row, col=col)
     out_scale = calibrated(want)
-    fn = jax.jit(lambda a, b, o, r, c, s: grouped_gemm_act(a, b, o, "silu", a_scale=r, b_scale=c, out_scale=s,
-                                                           tile=tile))
+    fn = fp8_silu_act(tile)
     got = fn(a, b, off, row, col, out_scale)
     assert got.dtype == F8
     assert rel_err(fp8_value(got, out_scale), want) < FP8_REL_TOL
@@ -336,13 +349,7 @@ def test_fp8_kernel_takes_each_scale_in_its_own_form(rng, tile, form):
     the kernel as one scale, never broadcast to a vector first; the FP8 output is the definition's."""
     skip_unless_available(cb)
     a, b, off, a_scale, b_scale, row, col = fp8_problem_in_form(rng, form, n=480, k=256)
-    want = definition(a, b, off, "silu", row=row, col=col)
-    out_scale = calibrated(want)
-    fn = jax.jit(lambda a, b, o, r, c, s: grouped_gemm_act(a, b, o, "silu", a_scale=r, b_scale=c, out_scale=s,
-                                                           tile=tile))
-    poison_memory(jax.eval_shape(fn, a, b, off, a_scale, b_scale, out_scale))
-    got = fn(a, b, off, a_scale, b_scale, out_scale)
-    assert rel_err(fp8_value(got, out_scale), want) < FP8_REL_TOL
+    fn, out_scale = assert_fp8_silu_act_is_the_definition(tile, a, b, off, a_scale, b_scale, row, col)
     assert scale_broadcasts(fn, a, b, off, a_scale, b_scale, out_scale) == []
 
 
@@ -356,8 +363,7 @@ def test_fp8_kernel_turns_an_overflowed_activation_into_nan(rng, tile):
     a, b, off, row, col = fp8_case(rng, [7, 2, 0, 11], n=480, k=256)
     row = row.at[3].set(1e25)
     out_scale = jnp.float32(0.05)
-    fn = jax.jit(lambda a, b, o, r, c, s: grouped_gemm_act(a, b, o, "silu", a_scale=r, b_scale=c, out_scale=s,
-                                                           tile=tile))
+    fn = fp8_silu_act(tile)
     got = np.asarray(fn(a, b, off, row, col, out_scale), np.float32)
     want = np.asarray(grouped_gemm_act_reference(a, b, off, "silu", a_scale=row, b_scale=col, out_scale=out_scale),
                       np.float32)
