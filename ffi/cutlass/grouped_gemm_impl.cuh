@@ -198,8 +198,9 @@ struct GroupedGemm {
 
   using CollectiveEpilogue = typename EpilogueOf<Kind, TileShape, ClusterShape, EpilogueSchedule>::type;
 
-  // FP8 with these (non-FastAccum) schedules gets CUTLASS's FP8 mainloop: float32 promotion every 4 MMAs.
-  // Its loads read each group's TMA descriptors as the setup launch built them (group_tensormaps.cuh).
+  // FP8 runs the same mainloop as bf16: its schedules accumulate without promotion (MainloopKernel,
+  // grouped_gemm_traits.cuh). Its loads read each group's TMA descriptors as the setup launch built them
+  // (group_tensormaps.cuh).
   using CollectiveMainloop = PrebuiltTensormapMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, typename OperandLayouts<Kind>::A*, kAlign,
