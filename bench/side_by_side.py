@@ -93,16 +93,24 @@ def _moe_bench_rows(data: dict) -> list[dict]:
     return list(rows.values())
 
 
+def round_files(folder: str) -> list[tuple[str, int, str]]:
+    """(side, round, path) of each round file ``<side>_<round>.json`` in ``folder``."""
+    out = []
+    for path in glob.glob(os.path.join(folder, "*_*.json")):
+        m = re.fullmatch(r"(base|new)_(\d+)\.json", os.path.basename(path))
+        if m:
+            out.append((m.group(1), int(m.group(2)), path))
+    return out
+
+
 def read_rounds(folder: str) -> dict[str, dict[int, list[dict]]]:
     """``{side: {round: rows}}`` from ``<side>_<round>.json`` in ``folder`` (stage_breakdown's rows,
     or moe_bench's table read as rows)."""
     out: dict[str, dict[int, list[dict]]] = {side: {} for side in SIDES}
-    for path in glob.glob(os.path.join(folder, "*_*.json")):
-        m = re.fullmatch(r"(base|new)_(\d+)\.json", os.path.basename(path))
-        if m:
-            with open(path) as f:
-                data = json.load(f)
-            out[m.group(1)][int(m.group(2))] = _moe_bench_rows(data) if isinstance(data, dict) else data
+    for side, rnd, path in round_files(folder):
+        with open(path) as f:
+            data = json.load(f)
+        out[side][rnd] = _moe_bench_rows(data) if isinstance(data, dict) else data
     return out
 
 

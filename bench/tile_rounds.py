@@ -32,7 +32,6 @@ win go into ``jax_moe/backends/tuned_tiles/`` with the figures they won by.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import subprocess
 import sys
@@ -68,9 +67,8 @@ def run_choices(choices: Sequence[tuple[str, str | None]], rounds: int, command:
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     os.makedirs(folder, exist_ok=True)
-    for side in side_by_side.SIDES:
-        for path in glob.glob(os.path.join(folder, f"{side}_*.json")):
-            os.remove(path)
+    for _, _, path in side_by_side.round_files(folder):
+        os.remove(path)
     for rnd in range(1, rounds + 1):
         for side, (label, cache) in zip(side_by_side.SIDES, choices, strict=True):
             print(f"== round {rnd}: {label} ({side})", flush=True)
