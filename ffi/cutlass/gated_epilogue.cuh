@@ -116,23 +116,38 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
     const uint32_t sel_hi = q == 0 ? 0x7632u : q == 1 ? 0x3276u : q == 2 ? 0x5410u : 0x1054u;
     const uint32_t sel_fp8 = q == 0 ? 0x6240u : q == 1 ? 0x3715u : q == 2 ? 0x4062u : 0x1537u;
 
+    // The thread's two rows (one per half) in each row block, and their scales, read once. A warp
+    // whose rows in a block are all padding stores nothing there, and skips the block (the whole warp,
+    // so that the transposes' shuffles stay among lanes that all run them).
+    constexpr int kBlocksM = size<1>(FrgLayout{}), kBlocksN = size<2>(FrgLayout{});
+    int rows[kBlocksM][2];
+    float row_scales[kBlocksM][2];
+    bool has_rows[kBlocksM];
     CUTLASS_PRAGMA_UNROLL
-    for (int mi = 0; mi < size<1>(acc); ++mi) {
+    for (int mi = 0; mi < kBlocksM; ++mi) {
       CUTLASS_PRAGMA_UNROLL
-      for (int ni = 0; ni < size<2>(acc); ++ni) {
-        // The thread's two rows (one per half), and their scales, read once.
-        int m[2];
-        float rs[2] = {1.0f, 1.0f};
+      for (int half = 0; half < 2; ++half) {
+        rows[mi][half] = get<0>(tc(make_coord(make_coord(0, half, 0), mi, 0)));
+        row_scales[mi][half] = 1.0f;
+        if constexpr (kScaled)
+          row_scales[mi][half] = rows[mi][half] < m_size
+                                     ? __ldg(row_scale + rows[mi][half] * params_.row_scale_step) * expert_scale
+                                     : 0.0f;
+      }
+      has_rows[mi] = __any_sync(0xffffffffu, rows[mi][0] < m_size || rows[mi][1] < m_size);
+    }
+    // Column groups outside the row blocks: a lane's column scales and bias are loaded once for all.
+    CUTLASS_PRAGMA_UNROLL
+    for (int ni = 0; ni < kBlocksN; ++ni) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int g0 = 0; g0 < kGroups; g0 += 8) {
+        float2 cs[8], bs[8];  // this lane's column pair in groups g0 .. g0 + 7: scales, bias
+        LoadColumnPairs<8, kCols>(tc, 0, ni, g0, n_size, col_scale, bias, cs, bs);
         CUTLASS_PRAGMA_UNROLL
-        for (int half = 0; half < 2; ++half) {
-          m[half] = get<0>(tc(make_coord(make_coord(0, half, 0), mi, ni)));
-          if constexpr (kScaled)
-            rs[half] = m[half] < m_size ? __ldg(row_scale + m[half] * params_.row_scale_step) * expert_scale : 0.0f;
-        }
-        CUTLASS_PRAGMA_UNROLL
-        for (int g0 = 0; g0 < kGroups; g0 += 8) {
-          float2 cs[8], bs[8];  // this lane's column pair in groups g0 .. g0 + 7: scales, bias
-          LoadColumnPairs<8, kCols>(tc, mi, ni, g0, n_size, col_scale, bias, cs, bs);
+        for (int mi = 0; mi < kBlocksM; ++mi) {
+          if (!has_rows[mi]) continue;
+          const int* m = rows[mi];
+          const float* rs = row_scales[mi];
           CUTLASS_PRAGMA_UNROLL
           for (int half = 0; half < 2; ++half) {
             // v[j]: this lane's output of group g0 + j (columns 2q, 2q+1 of the group's 8), in the
