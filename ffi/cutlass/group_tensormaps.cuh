@@ -47,6 +47,23 @@ struct PrebuiltTensormapMainloop : Base {
     bool raster_along_n = true;
   };
 
+  // Group `shape`'s row and column tile counts in the scheduler's terms (each rounded up to its
+  // rounding); its tile count is their product.
+  CUTLASS_DEVICE static void GroupTiles(TileOrder const& order, cute::Shape<int, int, int> const& shape,
+                                        uint64_t& tiles_m, uint64_t& tiles_n) {
+    const uint64_t m = (cute::get<0>(shape) + order.tile_m - 1) / order.tile_m;
+    const uint64_t n = (cute::get<1>(shape) + order.tile_n - 1) / order.tile_n;
+    tiles_m = (m + order.round_m - 1) / order.round_m * order.round_m;
+    tiles_n = (n + order.round_n - 1) / order.round_n * order.round_n;
+  }
+
+  // The linear index of this CTA's first tile; its tiles are that plus i times the grid's size.
+  CUTLASS_DEVICE static uint64_t FirstTile(TileOrder const& order) {
+    return order.raster_along_n ? blockIdx.x + uint64_t(blockIdx.y) * gridDim.x
+                                : uint64_t(blockIdx.x) * gridDim.y + blockIdx.y;
+  }
+  CUTLASS_DEVICE static uint64_t GridTiles() { return uint64_t(gridDim.x) * gridDim.y * gridDim.z; }
+
   // Up to this many groups a lane records the groups it fenced in one 64-bit mask (a bit per 32 groups).
   static constexpr int32_t kMaxPlannedGroups = 64 * 32;
 
@@ -101,19 +118,16 @@ struct PrebuiltTensormapMainloop : Base {
       fenced_ = ~uint64_t(0);
     } else {
       const TileOrder& order = params.tile_order;
-      const uint64_t first = order.raster_along_n ? blockIdx.x + uint64_t(blockIdx.y) * gridDim.x
-                                                  : uint64_t(blockIdx.x) * gridDim.y + blockIdx.y;
-      const uint64_t stride = uint64_t(gridDim.x) * gridDim.y * gridDim.z;
+      const uint64_t first = FirstTile(order);
+      const uint64_t stride = GridTiles();
       uint64_t chunk_start = 0;  // the linear index of this chunk's first group's first tile
       for (int32_t base = 0; base < params.groups; base += 32) {
         const int32_t g = base + lane;
         uint64_t tiles = 0;
         if (g < params.groups) {
-          const auto shape = params.problem_shapes[g];
-          const uint64_t m = (cute::get<0>(shape) + order.tile_m - 1) / order.tile_m;
-          const uint64_t n = (cute::get<1>(shape) + order.tile_n - 1) / order.tile_n;
-          tiles = ((m + order.round_m - 1) / order.round_m * order.round_m) *
-                  ((n + order.round_n - 1) / order.round_n * order.round_n);
+          uint64_t tiles_m, tiles_n;
+          GroupTiles(order, params.problem_shapes[g], tiles_m, tiles_n);
+          tiles = tiles_m * tiles_n;
         }
         uint64_t inclusive = tiles;
 #pragma unroll
