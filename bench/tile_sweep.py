@@ -101,10 +101,10 @@ def sweep_model(m: moe_bench.Model, tokens, kind: str, results: dict, table: lis
     if kind == "bf16_kn":
         w13, w2 = transpose_experts(w13), transpose_experts(w2)
         fns = {tile: jax.jit(lambda a, sa, b, sb, off, tile=tile: grouped_gemm_dgrad(a, b, off, tile=tile))
-               for tile in cutlass_gemm.TILES}
+               for tile in cutlass_tiles.tiles_for(kind)}
     else:
         fns = {tile: jax.jit(lambda a, sa, b, sb, off, tile=tile: cutlass_gemm.grouped_gemm(
-            a, b, off, a_scale=sa, b_scale=sb, tile=tile)) for tile in cutlass_gemm.TILES}
+            a, b, off, a_scale=sa, b_scale=sb, tile=tile)) for tile in cutlass_tiles.tiles_for(kind)}
     gemms = (("gemm1", w13, s13, 1), ("gemm2", w2, s2, 2))
     for t in tokens:
         ops = gemm_operands(m, t, "fp8" if kind == "fp8" else "bf16")

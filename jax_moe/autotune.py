@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax_moe.backends import cutlass_tile_cache
 from jax_moe.backends.cutlass_scatter_gemm import FINALIZE_ENV
 from jax_moe.backends.cutlass_tile_cache import TileCache, choose
-from jax_moe.backends.cutlass_tiles import MIN_GAIN, TILE_ENV, TILES, tuning
+from jax_moe.backends.cutlass_tiles import MIN_GAIN, TILE_ENV, TILES, tiles_for, tuning
 from jax_moe.config import MoEConfig
 from jax_moe.device import device_kind
 from jax_moe.timing import loop_ms
@@ -235,7 +235,7 @@ def tune_forward(forward: Forward, weights, cfg: MoEConfig, tokens: Sequence[int
         cells = {}
         for key, (r, tile) in today.items():
             cells[key] = {tile: base_ms}
-            for other in TILES:
+            for other in tiles_for(key.split("/")[0]):  # those with a kernel of their own for the GEMM
                 if other != tile:
                     cells[key][other] = forward_ms({key: other})
         picks = {key: tile for key, (_, tile) in today.items()}

@@ -62,6 +62,11 @@ def synthetic_timer(times: dict):
 CFG = MoEConfig(E, 4, K, N // 2)
 
 
+def trials(*keys: str) -> int:
+    """The tuner's trials of GEMMs ``keys``: each on each tile of its own but today's pick."""
+    return sum(len(ct.tiles_for(key.split("/")[0])) - 1 for key in keys)
+
+
 def test_tune_keeps_a_tile_only_where_the_forward_is_faster_by_more_than_min_gain(tmp_path):
     path = tmp_path / "tiles.json"
     timer = synthetic_timer({("gemm1", "pingpong_64x256"): 0.2, ("gemm2", "coop_128x128"): 0.01})
@@ -70,7 +75,8 @@ def test_tune_keeps_a_tile_only_where_the_forward_is_faster_by_more_than_min_gai
     assert set(by_key) == {GEMM1, GEMM2}
     assert by_key[GEMM1].chosen == "pingpong_64x256" and by_key[GEMM1].gain == pytest.approx(1.25)
     assert by_key[GEMM2].chosen == by_key[GEMM2].default  # 1% faster: inside the timer's spread, not kept
-    assert sorted(by_key[GEMM1].cell) == sorted(ct.TILES)  # every tile was timed
+    assert sorted(by_key[GEMM1].cell) == sorted(ct.TILES)  # every tile was timed, GEMM1's own included
+    assert sorted(by_key[GEMM2].cell) == sorted(set(ct.TILES) - set(ct.ACT_ONLY_TILES))  # not those it runs as another
     (fwd,) = report.forwards
     assert fwd.default_ms == pytest.approx(1.0) and fwd.tuned_ms == pytest.approx(0.8)
     assert fwd.kept and "| 64 | 1.0000 | 0.8000 | 1.25x | yes |" in report.markdown()
@@ -100,9 +106,10 @@ def test_gains_the_whole_forward_does_not_confirm_are_not_kept(tmp_path):
 
 
 def test_confirmation_rounds_alternate_the_two_forwards_and_keep_a_gain_their_median_ratio_shows(tmp_path):
-    """rounds=3: after the trials, each GEMM's pick runs off against its closest tile (3 pairs of
-    timings each), then today's forward and the tuned one are timed back to back three times; a 2%
-    gain clears min_gain=1%, and the ms reported are medians."""
+    """rounds=3: after the trials (each GEMM on each tile of its own but today's), each GEMM's pick
+    runs off against its closest tile (3 pairs of timings each), then today's forward and the tuned
+    one are timed back to back three times; a 2% gain clears min_gain=1%, and the ms reported are
+    medians."""
     timer, calls = synthetic_timer({("gemm1", "pingpong_64x256"): 0.02}), []
 
     def counted(fn, inputs, vary):
@@ -112,7 +119,7 @@ def test_confirmation_rounds_alternate_the_two_forwards_and_keep_a_gain_their_me
     report = autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), min_gain=0.01, rounds=3,
                                    timer=counted, log=None)
     (fwd,) = report.forwards
-    assert len(calls) == 1 + 2 * (len(ct.TILES) - 1) + 2 * (2 * 3) + 2 * 3
+    assert len(calls) == 1 + trials(GEMM1, GEMM2) + 2 * (2 * 3) + 2 * 3
     assert fwd.kept and fwd.default_ms == pytest.approx(1.0) and fwd.tuned_ms == pytest.approx(0.98)
     assert {g.key: g.chosen for g in report.gemms}[GEMM1] == "pingpong_64x256"
 
@@ -162,7 +169,7 @@ def test_a_lucky_trial_loses_the_run_off_and_needs_no_confirmation():
                                    timer=trial_then_rounds({("gemm1", "pingpong_64x256"): 0.04}, {}, calls),
                                    log=None)
     assert all(g.chosen == g.default for g in report.gemms) and not report.forwards[0].kept
-    assert len(calls) == 1 + 2 * (len(ct.TILES) - 1) + 2 * (2 * 3)  # trials and two run-offs, nothing after
+    assert len(calls) == 1 + trials(GEMM1, GEMM2) + 2 * (2 * 3)  # trials and two run-offs, nothing after
 
 
 def test_a_gap_wider_than_one_trials_spread_is_taken_from_the_trials():
@@ -380,6 +387,24 @@ def test_on_an_h200_a_shipped_clustered_pick_runs_unclustered_below_1536_rows_pe
     assert ct.pick_tile(128 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_128x256"
 
 
+def test_a_shipped_192_row_pick_runs_only_where_enough_experts_pass_128_rows(tmp_path, monkeypatch):
+    """Near 64 rows per expert both tiles multiply the same rows: below ROW_BLOCK_TILE_FROM_ROWS the
+    point's fastest other tile, the pick it had before, runs. The user's cache is taken as tuned."""
+    monkeypatch.setattr(tc, "SHIPPED_DIR", str(tmp_path))
+    cache = tc.TileCache(device_kind())
+    cache.record(GEMM1, 128.0, "coop_192x256", {"coop_192x256": 0.9, "pingpong_64x256": 1.0, "coop_128x256_c1": 1.1})
+    cache.save(tmp_path / tc.shipped_file_name(device_kind()))
+    assert ct.ROW_BLOCK_TILE_FROM_ROWS == 112.0
+    assert ct.pick_tile(128 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_192x256"
+    assert ct.pick_tile(112 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_192x256"
+    assert ct.pick_tile(96 * E, E, n=N, k=K, kind="bf16_kn_act") == "pingpong_64x256"
+    users = tmp_path / "users" / "tiles.json"
+    users.parent.mkdir()
+    cache.save(users)
+    autotune.use(users)
+    assert ct.pick_tile(96 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_192x256"
+
+
 def test_a_malformed_or_doubled_shipped_cache_is_an_error_naming_it(tmp_path, monkeypatch):
     monkeypatch.setattr(tc, "SHIPPED_DIR", str(tmp_path))
     (tmp_path / "broken.json").write_text("{not json")
@@ -455,7 +480,7 @@ def test_the_cutlass_forward_is_traced_with_each_trial_tile():
     report = autotune.tune_forward(forward, (w13, w2), cfg, (16,), timer=timer, log=None)
     gemm2 = "bf16_scatter" if scatters("auto", bf16_out=True) else "bf16"  # the form finalize="auto" takes
     assert {g.key for g in report.gemms} == {tc.gemm_key("bf16", 8, 128, 128), tc.gemm_key(gemm2, 8, 128, 64)}
-    assert len(timed) == 1 + 2 * (len(ct.TILES) - 1)  # today's, then each GEMM on each other tile
+    assert len(timed) == 1 + trials(*(g.key for g in report.gemms))  # today's, then each GEMM on each other tile
     assert all(g.chosen == g.default for g in report.gemms)  # ties keep today's pick
 
 
@@ -560,7 +585,8 @@ def test_a_tuned_block_on_the_gpu_computes_the_definition(tmp_path):
     # GEMM1 with its activation; GEMM2 in the form the forward runs (finalize "auto")
     gemm2 = "bf16_kn_scatter" if scatters("auto", bf16_out=True) else "bf16_kn"
     assert {g.key.split("/")[0] for g in report.gemms} == {"bf16_kn_act", gemm2}
-    assert all(sorted(g.cell) == sorted(ct.TILES) and min(g.cell.values()) > 0 for g in report.gemms)
+    assert all(sorted(g.cell) == sorted(ct.tiles_for(g.key.split("/")[0])) and min(g.cell.values()) > 0
+               for g in report.gemms)
     kept = {f.tokens: f.kept for f in report.forwards}
     for g in report.gemms:  # min_gain 0: the fastest, unless the whole forward did not confirm it
         assert g.chosen == (min(g.cell, key=g.cell.get) if kept[g.tokens] else g.default)

@@ -26,6 +26,17 @@ def test_every_tile_named_anywhere_is_built():
     assert named <= set(ct.TILES)
 
 
+@pytest.mark.parametrize("kind", ["bf16_kn_act", "bf16_act", "fp8_act"])
+def test_gemm1_with_its_activation_has_every_tile_of_its_own(kind):
+    assert ct.tiles_for(kind) == tuple(ct.TILES)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "bf16_kn", "fp8", "bf16_scatter", "bf16_kn_scatter", "fp8_scatter"])
+def test_the_other_gemms_run_the_act_only_tiles_as_another_so_they_are_not_tiles_of_their_own(kind):
+    assert "coop_192x256" in ct.ACT_ONLY_TILES
+    assert ct.tiles_for(kind) == tuple(t for t in ct.TILES if t not in ct.ACT_ONLY_TILES)
+
+
 @pytest.mark.parametrize("r, tile", [(0.05, "pingpong_64x128"), (63, "pingpong_64x128"), (64, "coop_128x128"),
                                      (127, "coop_128x128"), (128, "coop_128x256"), (4096, "coop_128x256")])
 def test_bf16_heuristic_by_rows_per_expert(r, tile):

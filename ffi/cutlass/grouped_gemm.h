@@ -109,7 +109,9 @@ enum CutlassTile : int {
   kTilePingpong64x256 = 3,  // 64x256, pingpong: weight streaming with half the tiles of 64x128
   kTilePingpong64x128K2 = 4,  // 64x128, pingpong, a K tile of 256 bytes (128 bf16, 256 fp8): longer row reads
   kTileCoop128x256C1 = 5,  // 128x256, cooperative, no cluster: M tiles not rounded up to pairs per expert
-  kNumCutlassTiles = 6,
+  kTileCoop192x256 = 6,  // 192x256, cooperative, the warpgroups on column halves, multiplying only the
+                         // 64-row blocks with rows; act kinds only, the others run kTileCoop128x256C1
+  kNumCutlassTiles = 7,
 };
 
 // Operand types: one FFI target each.

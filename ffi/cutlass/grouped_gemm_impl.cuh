@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #include <cuda_runtime.h>
 
@@ -30,6 +31,7 @@
 #ifdef JAX_MOE_CUTLASS_IMPL
 #include "group_tensormaps.cuh"
 #include "grouped_gemm_traits.cuh"
+#include "row_block_tiles.cuh"
 #endif
 
 namespace jax_moe {
@@ -158,8 +160,9 @@ ffi::Error Run(const GroupedGemmCall& call);
   M(KIND, kTileCoop128x256)                    \
   M(KIND, kTilePingpong64x256)                 \
   M(KIND, kTilePingpong64x128K2)               \
-  M(KIND, kTileCoop128x256C1)
-static_assert(kNumCutlassTiles == 6, "one entry per tile in JAX_MOE_FOR_EACH_CUTLASS_TILE");
+  M(KIND, kTileCoop128x256C1)                  \
+  M(KIND, kTileCoop192x256)
+static_assert(kNumCutlassTiles == 7, "one entry per tile in JAX_MOE_FOR_EACH_CUTLASS_TILE");
 
 #define JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, TILE)                   \
   template <>                                                      \
@@ -181,8 +184,38 @@ JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmBf16Scatter)
 #ifdef JAX_MOE_CUTLASS_IMPL
 using namespace cute;
 
+// Whether RowBlockMainloop multiplies only the 64-row blocks with rows: JAX_MOE_CUTLASS_SKIP_BLOCKS
+// (default 1; 0 multiplies every block, to time the tile without the skip), read once.
+inline bool SkipEmptyBlocks() {
+  static const bool skip = [] {
+    const char* v = std::getenv("JAX_MOE_CUTLASS_SKIP_BLOCKS");
+    return v == nullptr || std::strtol(v, nullptr, 10) != 0;
+  }();
+  return skip;
+}
+
+// The mainloop of a tile: CUTLASS's collective on the prebuilt descriptors, or with kRowBlocks the
+// same collective with its warpgroups on column halves, multiplying the 64-row blocks with rows.
+template <bool kRowBlocks, class Built, class Element, class TileShape>
+struct MainloopOf {
+  using type = PrebuiltTensormapMainloop<Built>;
+};
+template <class Built, class Element, class TileShape>
+struct MainloopOf<true, Built, Element, TileShape> {
+  static constexpr auto kMajorA = cutlass::gemm::detail::is_mn_major<typename Built::InternalStrideA>()
+                                      ? cute::GMMA::Major::MN : cute::GMMA::Major::K;
+  static constexpr auto kMajorB = cutlass::gemm::detail::is_mn_major<typename Built::InternalStrideB>()
+                                      ? cute::GMMA::Major::MN : cute::GMMA::Major::K;
+  using Mma = typename ColumnSplitMma<Element, cute::size<1>(TileShape{}) / 2, cute::size<2>(TileShape{}), kMajorA,
+                                     kMajorB>::type;
+  using type = RowBlockMainloop<typename WithTiledMma<Built, Mma>::type>;
+};
+
 // One kind's grouped GEMM with one tile's shapes and schedules (grouped_gemm_traits.cuh).
-template <int Kind, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+// kRowBlocks: an act kind's tile whose warpgroups split its columns and multiply only its 64-row blocks
+// with rows (row_block_tiles.cuh).
+template <int Kind, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
+          bool kRowBlocks = false>
 struct GroupedGemm {
   static constexpr bool kScaled = IsFp8Kind(Kind);
   static constexpr bool kAct = IsActKind(Kind);
@@ -193,22 +226,23 @@ struct GroupedGemm {
   using Acc = float;
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;
   static_assert(kAlign == CutlassAlignK(Kind), "grouped_gemm.h's K alignment must match the TMA's");
-  static_assert(EpilogueOf<kGemmBf16, TileShape, ClusterShape, EpilogueSchedule>::kAlignD == kCutlassAlignN,
+  static_assert(kEpilogueAlignD == kCutlassAlignN,
                 "grouped_gemm.h's N alignment must match the TMA's");
 
   using CollectiveEpilogue = typename EpilogueOf<Kind, TileShape, ClusterShape, EpilogueSchedule>::type;
 
   // FP8 runs the same mainloop as bf16: its schedules accumulate without promotion (MainloopKernel,
   // grouped_gemm_traits.cuh). Its loads read each group's TMA descriptors as the setup launch built them
-  // (group_tensormaps.cuh).
-  using CollectiveMainloop = PrebuiltTensormapMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
+  // (group_tensormaps.cuh). kRowBlocks: see MainloopOf.
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, typename OperandLayouts<Kind>::A*, kAlign,
       Element, typename OperandLayouts<Kind>::B*, kAlign,
       Acc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp>;
+      KernelSchedule>::CollectiveOp;
+  using CollectiveMainloop = typename MainloopOf<kRowBlocks, BuiltMainloop, Element, TileShape>::type;
   using MainloopParams = typename CollectiveMainloop::Params;
   using TensorMapStorage = typename CollectiveMainloop::TensorMapStorage;
 
@@ -319,6 +353,11 @@ struct GroupedGemm {
     args.epilogue.ptr_D = arr.pd;
     args.epilogue.dD = arr.sd;
     args.hw_info = hw;
+    // RowBlockMainloop finds a tile's rows in this order without a swizzle (CUTLASS's default).
+    if constexpr (kRowBlocks) {
+      args.scheduler.max_swizzle_size = 1;
+      args.mainloop.skip = SkipEmptyBlocks();
+    }
     SetTileOrder(args);
     return args;
   }
@@ -477,11 +516,14 @@ template <int Kind, int Tile>
 inline constexpr int kKTile = TileSchedule<Tile>::kKBytes / static_cast<int>(sizeof(ElementAB<Kind>));
 
 // The (kind, tile) pair's grouped GEMM type.
+// A row-block tile serves the act kinds only; the other kinds run the unclustered 128x256 tile for it.
 template <int Kind, int Tile>
 struct TileConfig {
-  using S = TileSchedule<Tile>;
-  using type = GroupedGemm<Kind, Shape<typename S::Rows, typename S::Cols, Int<kKTile<Kind, Tile>>>,
-                           typename S::Cluster, MainloopKernel<Kind, S>, typename S::Epilogue>;
+  static constexpr bool kRowBlocks = TileSchedule<Tile>::kRowBlocks && IsActKind(Kind);
+  static constexpr int kTile = TileSchedule<Tile>::kRowBlocks && !kRowBlocks ? int(kTileCoop128x256C1) : Tile;
+  using S = TileSchedule<kTile>;
+  using type = GroupedGemm<Kind, Shape<typename S::Rows, typename S::Cols, Int<kKTile<Kind, kTile>>>,
+                           typename S::Cluster, MainloopKernel<Kind, S>, typename S::Epilogue, kRowBlocks>;
 };
 
 #define JAX_MOE_INSTANTIATE_CUTLASS_GEMM(KIND, TILE)                                  \

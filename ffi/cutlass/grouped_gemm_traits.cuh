@@ -61,9 +61,11 @@ enum EpilogueKind : int { kEpiTma = 0, kEpiGatedAct = 1, kEpiScatterAdd = 2 };
 constexpr int EpilogueKindOf(int kind) {
   return IsActKind(kind) ? kEpiGatedAct : IsScatterKind(kind) ? kEpiScatterAdd : kEpiTma;
 }
+// D's alignment in elements for CUTLASS's TMA epilogue: 16 bytes.
+inline constexpr int kEpilogueAlignD = 128 / cutlass::sizeof_bits<cutlass::bfloat16_t>::value;
 template <int Kind, class TileShape, class ClusterShape, class EpilogueSchedule, int kEpi = EpilogueKindOf(Kind)>
 struct EpilogueOf {
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<cutlass::bfloat16_t>::value;
+  static constexpr int kAlignD = kEpilogueAlignD;
   using type = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
@@ -118,14 +120,17 @@ __device__ __forceinline__ Stride LeadingStride(int64_t ld) {
 
 // The tile configurations of grouped_gemm.h: the CTA's rows and columns, the cluster, and the
 // schedule (cooperative: two consumer warpgroups on one tile; pingpong: on alternating tiles), and
-// the K tile in bytes per row (128: 64 bf16, 128 fp8 elements).
-template <class RowsT, class ColsT, class ClusterT, bool kPingpong, int kKTileBytes = 128>
+// the K tile in bytes per row (128: 64 bf16, 128 fp8 elements). kRowBlocks: the act kinds' warpgroups
+// split the tile's columns and multiply only its 64-row blocks with rows (row_block_tiles.cuh); the
+// other kinds run the unclustered 128x256 tile instead.
+template <class RowsT, class ColsT, class ClusterT, bool kPingpong, int kKTileBytes = 128, bool kRowBlockTile = false>
 struct Schedule {
   using Rows = RowsT;
   using Cols = ColsT;
   using Cluster = ClusterT;
   static constexpr bool kIsPingpong = kPingpong;
   static constexpr int kKBytes = kKTileBytes;
+  static constexpr bool kRowBlocks = kRowBlockTile;
   using Kernel = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                                     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
   using Epilogue = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
@@ -156,5 +161,7 @@ template <>  // 256 bytes of each row per stage: two 128-byte swizzle atoms side
 struct TileSchedule<kTilePingpong64x128K2> : Schedule<_64, _128, Shape<_1, _1, _1>, true, 256> {};
 template <>  // no cluster: the grouped scheduler rounds each expert's M tiles up to whole clusters
 struct TileSchedule<kTileCoop128x256C1> : Schedule<_128, _256, Shape<_1, _1, _1>, false> {};
+template <>  // 192 rows in three 64-row blocks, the warpgroups on column halves; the act kinds only
+struct TileSchedule<kTileCoop192x256> : Schedule<_192, _256, Shape<_1, _1, _1>, false, 128, true> {};
 
 }  // namespace jax_moe::cutlass_gg

@@ -97,6 +97,17 @@ class TileCache:
             return None
         return nearest(points, rows_per_expert)
 
+    def runner_up(self, key: str, rows_per_expert: float, tile: str) -> str | None:
+        """The fastest tile other than ``tile`` in the figures of GEMM ``key``'s nearest point, or
+        None where they time no other."""
+        points = self.gemms.get(key)
+        if not points:
+            return None
+        x = math.log2(max(rows_per_expert, 1e-6))
+        r = min(points, key=lambda p: abs(math.log2(p[0]) - x))[0]
+        cell = {t: ms for t, ms in self.figures.get(key, {}).get(f"{r:g}", {}).items() if t != tile}
+        return min(cell, key=cell.get) if cell else None
+
     def to_json(self) -> dict:
         return {"format": FORMAT, "device": self.device,
                 "gemms": {k: {f"{r:g}": t for r, t in pts} for k, pts in sorted(self.gemms.items())},

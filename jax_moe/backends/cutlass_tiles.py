@@ -1,6 +1,6 @@
 """Which CUTLASS tile the cutlass backend's grouped GEMMs run with, chosen at trace time.
 
-The SM90 grouped GEMM (``ffi/cutlass``) is built in six tile configurations (:data:`TILES`):
+The SM90 grouped GEMM (``ffi/cutlass``) is built in seven tile configurations (:data:`TILES`):
 
 - ``pingpong_64x128``: 64-row tiles, two consumer warpgroups on alternating tiles. Few rows per
   expert (decode, small batches): the weights stream, and a 64-row tile wastes least.
@@ -23,6 +23,16 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in six tile configurations (:da
   2-8% faster on it than on the clustered tile (GPT-OSS-120B, DeepSeek-V3, Qwen3-30B-A3B, bf16
   and FP8; one GEMM up to 12%). On Mixtral-8x7B they were level at 1024 and 4096 rows (1.000 and
   1.015, within the spread of the rounds); from 1536 rows the clustered tile stays.
+- ``coop_192x256``: GEMM1 with its activation fused (the act kinds) on 192-row tiles whose two
+  warpgroups split the columns, each multiplying only the tile's 64-row blocks that hold rows. An
+  expert of up to 192 rows then has one row tile, so no two CTAs read the same weight tile, and
+  multiplies its rows rounded up to 64, where the 128-row tiles round them up to 128. On random
+  routing at about 128 rows per expert, half the experts need a second 128-row tile for a few rows.
+  The other kinds run it as ``coop_128x256_c1``. On an H200 the shipped tiles take it for
+  GPT-OSS-120B's and DeepSeek-V3's bf16 GEMM1 at 128 rows per expert (4096 tokens; from
+  :data:`ROW_BLOCK_TILE_FROM_ROWS` rows), where it made their layers 3% and 6% faster in a loop of
+  layers; neither the H100 table nor the heuristic picks it. ``JAX_MOE_CUTLASS_SKIP_BLOCKS=0``
+  multiplies every block, which times the tile without the skip.
 
 :func:`pick_tile` chooses per GEMM from the average rows per expert (``rows / E``):
 
@@ -77,7 +87,10 @@ from jax_moe.device import device_kind
 # tile name -> CutlassTile in ffi/cutlass/grouped_gemm.h (one CUTLASS instantiation per kind; the K
 # tile is 128 bytes, 64 for bf16 and 128 for fp8, except pingpong_64x128_k256's 256 bytes)
 TILES: dict[str, int] = {"coop_128x128": 0, "pingpong_64x128": 1, "coop_128x256": 2, "pingpong_64x256": 3,
-                         "pingpong_64x128_k256": 4, "coop_128x256_c1": 5}
+                         "pingpong_64x128_k256": 4, "coop_128x256_c1": 5, "coop_192x256": 6}
+# Tiles built for GEMM1 with its activation fused (the "_act" kinds) only: the other kinds run them
+# as coop_128x256_c1 (TileConfig in ffi/cutlass/grouped_gemm_impl.cuh), so nothing times them there.
+ACT_ONLY_TILES: tuple[str, ...] = ("coop_192x256",)
 TILE_ENV = "JAX_MOE_CUTLASS_TILE"
 DECODE_ROWS_PER_EXPERT = 64  # below this many rows per expert on average: the 64-row pingpong tile
 WIDE_ROWS_PER_EXPERT = 128  # from this many: the 128x256 tile with a 2x1 cluster
@@ -95,6 +108,15 @@ WIDE_PINGPONG_ROWS: dict[str, tuple[float, float]] = {"NVIDIA H200": (64.0, 448.
 # session); Mixtral-8x7B was level at 1024 rows per expert and stays clustered at 4096. Not
 # measured on an H100.
 NO_CLUSTER_BELOW_ROWS: dict[str, float] = {"NVIDIA H200": 1536.0}
+# Rows per expert below which a shipped coop_192x256 pick runs as the fastest other tile its point's
+# figures time (tuned_tile()): the pick before the tile was built. The tile was measured at 128 rows per expert (GPT-OSS-120B's and DeepSeek-V3's GEMM1 at 4096
+# tokens, faster on random routing), where about half the experts have 129-192 rows. Nearer 64 rows
+# almost every expert fits in 128 rows, both tiles multiply the same rows, and the 192-row tile's
+# own cost shows: with every expert given 128 rows it took 11% longer than coop_128x256_c1 (one
+# Nsight Compute profile each, GPT-OSS-120B). Below
+# 112 rows per expert, where about one expert in sixteen passes 128 rows on random routing, the
+# earlier pick stays. Not measured between 64 and 128 rows per expert.
+ROW_BLOCK_TILE_FROM_ROWS = 112.0
 
 # (kind, E, N, K) -> ((rows per expert, tile), ...) in increasing rows per expert.
 # Written by `python bench/tile_sweep.py --update-table` (the lines between the markers).
@@ -372,6 +394,13 @@ MEASURED_ON = 'NVIDIA H100 80GB HBM3'
 # measured table: end
 
 
+def tiles_for(kind: str) -> tuple[str, ...]:
+    """The tiles of :data:`TILES` that run a kernel of their own for GEMM kind ``kind``, a tile
+    cache key's first part (``"bf16_kn_act"``, ``"fp8_scatter"``, ``"bf16"``...)."""
+    act = kind.endswith("_act")
+    return tuple(t for t in TILES if act or t not in ACT_ONLY_TILES)
+
+
 def heuristic_tile(rows_per_expert: float, kind: str = "bf16", device: str | None = None) -> str:
     """The tile for ``rows_per_expert`` rows per expert on average, for a GEMM of ``kind`` in no
     table, on GPU model ``device`` (None: JAX's default device's): pingpong below
@@ -412,7 +441,8 @@ def tuned_tile(key: str, rows_per_expert: float, *, user: bool = True, device: s
     active tile cache's (the user's; ``user=False`` skips it), else the cache shipped for GPU model
     ``device`` (None: JAX's default device's); None where neither was measured on that GPU model
     or holds this GEMM within reach of ``rows_per_expert``. The shipped cache's tile comes as it
-    runs (:func:`unclustered`), the user's as tuned."""
+    runs (:func:`unclustered`; a ``coop_192x256`` pick below :data:`ROW_BLOCK_TILE_FROM_ROWS` rows
+    per expert as the fastest other tile its figures time), the user's as tuned."""
     device = device_kind() if device is None else device
     users = cutlass_tile_cache.active(TILES) if user else None
     tile = users.tile_for(key, rows_per_expert) if users is not None and users.device == device else None
@@ -420,6 +450,8 @@ def tuned_tile(key: str, rows_per_expert: float, *, user: bool = True, device: s
         return tile
     shipped = cutlass_tile_cache.shipped(device, TILES)  # keyed by its own GPU model: device's or None
     tile = shipped.tile_for(key, rows_per_expert) if shipped is not None else None
+    if tile == "coop_192x256" and rows_per_expert < ROW_BLOCK_TILE_FROM_ROWS:
+        tile = shipped.runner_up(key, rows_per_expert, tile) or "coop_128x256_c1"
     return None if tile is None else unclustered(tile, rows_per_expert, device)
 
 
