@@ -56,6 +56,7 @@ TILINGS = (
     Tiling("128x256, 2x1 cluster, empty blocks skipped", 128, 256, cluster_m=2, skips_empty_blocks=True),
     Tiling("256x128", 256, 128),
     Tiling("256x128, empty blocks skipped", 256, 128, skips_empty_blocks=True),
+    Tiling("192x256, empty blocks skipped (coop_192x256)", 192, 256, skips_empty_blocks=True),
 )
 
 

@@ -41,6 +41,13 @@ def test_skipping_empty_64_row_blocks_multiplies_to_64_row_granularity(tile_padd
     assert c.weight_passes == pytest.approx(1.0) and c.row_passes == 4
 
 
+def test_the_192_row_tile_is_one_row_tile_per_expert_of_up_to_192_rows_multiplied_to_64_rows(tile_padding):
+    (c,) = [tile_padding.cost(ROWS, t, n=512, k=64) for t in tile_padding.TILINGS if "coop_192x256" in t.name]
+    assert c.row_tiles == 3  # 1 + 1 + 1: no expert here passes 192 rows
+    assert c.multiplied_per_row == pytest.approx((2 + 3 + 1) * 64 / 321)
+    assert c.weight_passes == pytest.approx(1.0) and c.row_passes == 2
+
+
 def test_the_table_counts_the_bench_routing_of_a_layer(tile_padding):
     from bench.moe_bench import MODELS
 
