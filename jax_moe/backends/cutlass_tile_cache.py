@@ -57,10 +57,15 @@ def gemm_key(kind: str, num_groups: int, n: int, k: int) -> str:
     return f"{kind}/{int(num_groups)}/{int(n)}/{int(k)}"
 
 
+def nearest_point(points: Points, rows_per_expert: float) -> tuple[float, str]:
+    """The point (rows per expert, tile) nearest ``rows_per_expert`` on a log scale (the first on a tie)."""
+    x = math.log2(max(rows_per_expert, 1e-6))
+    return min(points, key=lambda p: abs(math.log2(p[0]) - x))
+
+
 def nearest(points: Points, rows_per_expert: float) -> str:
     """The tile of the point nearest ``rows_per_expert`` on a log scale (the first on a tie)."""
-    x = math.log2(max(rows_per_expert, 1e-6))
-    return min(points, key=lambda p: abs(math.log2(p[0]) - x))[1]
+    return nearest_point(points, rows_per_expert)[1]
 
 
 def choose(cell: Mapping[str, float], default: str, min_gain: float) -> str:
@@ -103,8 +108,7 @@ class TileCache:
         points = self.gemms.get(key)
         if not points:
             return None
-        x = math.log2(max(rows_per_expert, 1e-6))
-        r = min(points, key=lambda p: abs(math.log2(p[0]) - x))[0]
+        r, _ = nearest_point(points, rows_per_expert)
         cell = {t: ms for t, ms in self.figures.get(key, {}).get(f"{r:g}", {}).items() if t != tile}
         return min(cell, key=cell.get) if cell else None
 
