@@ -394,9 +394,9 @@ def test_a_shipped_192_row_pick_runs_only_where_enough_experts_pass_128_rows(tmp
     cache = tc.TileCache(device_kind())
     cache.record(GEMM1, 128.0, "coop_192x256", {"coop_192x256": 0.9, "pingpong_64x256": 1.0, "coop_128x256_c1": 1.1})
     cache.save(tmp_path / tc.shipped_file_name(device_kind()))
-    picks = {r: ct.pick_tile(r * E, E, n=N, k=K, kind="bf16_kn_act") for r in (128, 112, 96)}
-    assert ct.ROW_BLOCK_TILE_FROM_ROWS == 112.0 and picks == {128: "coop_192x256", 112: "coop_192x256",
-                                                              96: "pingpong_64x256"}
+    picks = {r: ct.pick_tile(r * E, E, n=N, k=K, kind="bf16_kn_act") for r in (128, 124, 120, 96)}
+    assert ct.ROW_BLOCK_TILE_FROM_ROWS == 124.0 and picks == {128: "coop_192x256", 124: "coop_192x256",
+                                                              120: "pingpong_64x256", 96: "pingpong_64x256"}
     cache.save(tmp_path / "users.json")
     autotune.use(tmp_path / "users.json")
     assert ct.pick_tile(96 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_192x256"

@@ -109,14 +109,15 @@ WIDE_PINGPONG_ROWS: dict[str, tuple[float, float]] = {"NVIDIA H200": (64.0, 448.
 # measured on an H100.
 NO_CLUSTER_BELOW_ROWS: dict[str, float] = {"NVIDIA H200": 1536.0}
 # Rows per expert below which a shipped coop_192x256 pick runs as the fastest other tile its point's
-# figures time (tuned_tile()): the pick before the tile was built. The tile was measured at 128 rows
-# per expert (GPT-OSS-120B's and DeepSeek-V3's GEMM1 at 4096 tokens, faster on random routing),
-# where about half the experts have 129-192 rows. Nearer 64 rows almost every expert fits in 128
-# rows, both tiles multiply the same rows, and the 192-row tile's own cost shows: with every expert
-# given 128 rows it took 11% longer than coop_128x256_c1 (one Nsight Compute profile each,
-# GPT-OSS-120B). Below 112 rows per expert, where about one expert in sixteen passes 128 rows on
-# random routing, the earlier pick stays. Not measured between 64 and 128 rows per expert.
-ROW_BLOCK_TILE_FROM_ROWS = 112.0
+# figures time (tuned_tile()): the pick before the tile was built. With fewer rows per expert fewer
+# experts pass 128 rows, both tiles multiply more nearly the same rows, and the 192-row tile's own
+# cost shows: with every expert given 128 rows it took 11% longer than coop_128x256_c1 (Nsight
+# Compute, GPT-OSS-120B's GEMM1). Timed in alternating rounds against the earlier pick, per layer in
+# a loop on an H200 on random routing, the tile's layer took (GPT-OSS-120B; DeepSeek-V3):
+#   96 rows 1.065; 1.019   112 rows 1.053; 1.006   120 rows 1.022; 0.998   128 rows 0.974; 0.970
+#   176 rows (GPT-OSS-120B only) 0.921
+# GPT-OSS-120B crosses over between 120 and 128 rows, DeepSeek-V3 near 120; 124 is between the two.
+ROW_BLOCK_TILE_FROM_ROWS = 124.0
 
 # (kind, E, N, K) -> ((rows per expert, tile), ...) in increasing rows per expert.
 # Written by `python bench/tile_sweep.py --update-table` (the lines between the markers).
