@@ -57,6 +57,11 @@ def gemm_key(kind: str, num_groups: int, n: int, k: int) -> str:
     return f"{kind}/{int(num_groups)}/{int(n)}/{int(k)}"
 
 
+def rows_key(rows_per_expert: float) -> str:
+    """A point's rows per expert as the file keys it (``"128"``, ``"0.5"``), in ``gemms`` and ``figures``."""
+    return f"{rows_per_expert:g}"
+
+
 def nearest_point(points: Points, rows_per_expert: float) -> tuple[float, str]:
     """The point (rows per expert, tile) nearest ``rows_per_expert`` on a log scale (the first on a tie)."""
     x = math.log2(max(rows_per_expert, 1e-6))
@@ -92,7 +97,7 @@ class TileCache:
         points = {r: t for r, t in self.gemms.get(key, ()) if r != rows_per_expert}
         points[float(rows_per_expert)] = tile
         self.gemms[key] = tuple(sorted(points.items()))
-        self.figures.setdefault(key, {})[f"{rows_per_expert:g}"] = {t: float(ms) for t, ms in cell.items()}
+        self.figures.setdefault(key, {})[rows_key(rows_per_expert)] = {t: float(ms) for t, ms in cell.items()}
 
     def tile_for(self, key: str, rows_per_expert: float) -> str | None:
         """The tile of GEMM ``key``'s nearest point, or None where it has no points within
@@ -109,12 +114,12 @@ class TileCache:
         if not points:
             return None
         r, _ = nearest_point(points, rows_per_expert)
-        cell = {t: ms for t, ms in self.figures.get(key, {}).get(f"{r:g}", {}).items() if t != tile}
+        cell = {t: ms for t, ms in self.figures.get(key, {}).get(rows_key(r), {}).items() if t != tile}
         return min(cell, key=cell.get) if cell else None
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "device": self.device,
-                "gemms": {k: {f"{r:g}": t for r, t in pts} for k, pts in sorted(self.gemms.items())},
+                "gemms": {k: {rows_key(r): t for r, t in pts} for k, pts in sorted(self.gemms.items())},
                 "figures": {k: self.figures[k] for k in sorted(self.figures)}}
 
     def save(self, path: str | os.PathLike) -> None:
