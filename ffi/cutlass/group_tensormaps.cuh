@@ -91,7 +91,9 @@ struct PrebuiltTensormapMainloop : Base {
             args.tile_order};
   }
 
-  // The current group's pair, in the producer warp's registers.
+  // The current group and its pair, in the producer warp's registers (the kernel's tile coordinates
+  // carry no group: their L is a placeholder).
+  int32_t group_ = 0;
   cute::TmaDescriptor const* tensormap_a_ = nullptr;
   cute::TmaDescriptor const* tensormap_b_ = nullptr;
   // Lane l's bit c: group 32 c + l's pair is fenced (all set when every group's is).
@@ -156,6 +158,7 @@ struct PrebuiltTensormapMainloop : Base {
   CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage&, Params const& params, TensorMaps const&,
                                                 ProblemShapeMNKL, int32_t next_batch) {
     if (next_batch < 0 || next_batch >= params.groups) return;
+    group_ = next_batch;
     tensormap_a_ = params.group_tensormaps + int64_t(next_batch) * kTensormapsPerGroup;
     tensormap_b_ = tensormap_a_ + 1;
     const int owner = next_batch % 32;
@@ -189,6 +192,17 @@ struct PrebuiltTensormapMainloop : Base {
   }
 };
 
+// A mainloop that loads A in boxes of fewer rows than its tile declares kABoxRows, and the descriptor
+// dimension that A's rows take (kABoxDimM); BuildGroupTensormaps gives its A descriptors that box.
+template <class Mainloop, class = void>
+struct ABoxRows {
+  static constexpr int value = 0;
+};
+template <class Mainloop>
+struct ABoxRows<Mainloop, std::void_t<decltype(Mainloop::kABoxRows)>> {
+  static constexpr int value = Mainloop::kABoxRows;
+};
+
 // Builds group g's pair into out[g] from the mainloop's params (whose ptr_A, ptr_B, dA and dB entries
 // of group g this thread has just written) and the group's problem (M, N, K, 1): CUTLASS's own edits
 // of the template descriptors in `slot` (shared memory), then a copy out to global memory and a
@@ -203,6 +217,12 @@ __device__ __forceinline__ void BuildGroupTensormaps(typename Mainloop::Params c
   Mainloop mainloop;
   mainloop.tensormaps_replace_global_address(slot, params, static_cast<int32_t>(g));
   mainloop.tensormaps_replace_global_tensor_properties(slot, params, static_cast<int32_t>(g), problem);
+  if constexpr (ABoxRows<Mainloop>::value > 0) {
+    const uint32_t desc = cute::cast_smem_ptr_to_uint(&slot.smem_tensormap_A);
+    asm volatile("tensormap.replace.tile.box_dim.shared::cta.b1024.b32 [%0], %1, %2;" ::"r"(desc),
+                 "n"(Mainloop::kABoxDimM), "r"(uint32_t(ABoxRows<Mainloop>::value))
+                 : "memory");
+  }
   static_assert(sizeof(cute::TmaDescriptor) % sizeof(uint4) == 0);
   constexpr int kVecs = sizeof(cute::TmaDescriptor) / sizeof(uint4);
   const cute::TmaDescriptor* pair[kTensormapsPerGroup] = {&slot.smem_tensormap_A, &slot.smem_tensormap_B};

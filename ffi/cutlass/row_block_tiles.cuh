@@ -15,11 +15,17 @@
 // first ceil(r / 64) blocks only, the same blocks in both warpgroups, so both stay on the pipe: an
 // expert of 140 rows multiplies 192, one of 100 rows 128.
 //
+// The producer loads A one 64-row block at a time (each group's A descriptor has a 64-row box, set by
+// the setup launch), and only the blocks that hold rows; the stage's barrier is told at once of the
+// bytes of the blocks it skips. A tile of at most 128 rows so reads none of the next expert's rows.
+//
 // CUTLASS's `mma` is not told the tile. Every tile of one call has the same K, so the consumer counts
 // its tiles from its pipeline state (count() / k_tile_count). A CTA's tiles are its first, then one
 // every grid's size after it, in the group scheduler's linear order, which the fence plan of
 // PrebuiltTensormapMainloop follows too. A cursor over the groups' tile counts, kept across the CTA's
-// tiles, gives each tile's group and row tile. The order has no swizzle: the host sets none.
+// tiles and advanced by each warp 32 groups at a time, gives each tile's group and row tile. The order
+// has no swizzle: the host sets none. The producer takes its tile's group from the descriptor update
+// (the kernel's tile coordinate carries none) and its row tile from that coordinate.
 //
 // A block not multiplied keeps the accumulators of the CTA's last tile. No epilogue stores them: the
 // gated epilogue stores rows below M only.
@@ -67,6 +73,12 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
                 "three 64-row blocks: the 192-row tile");
   static_assert(cute::size(TiledMma{}) == 2 * cutlass::NumThreadsPerWarpGroup, "two consumer warpgroups");
 
+  // A is loaded one 64-row block per TMA box (BuildGroupTensormaps gives each group's A descriptor that
+  // box), and only the blocks that hold rows: a tile of at most 128 rows reads no out-of-bounds third
+  // block. Dimension 1 of A's descriptor is its rows (dimension 0 its K); load() checks it.
+  static constexpr int kABoxRows = kBlockRows;
+  static constexpr int kABoxDimM = 1;
+
   // skip: multiply only the blocks with rows (else every block; JAX_MOE_CUTLASS_SKIP_BLOCKS=0, to time
   // the tile without the skip).
   struct Arguments : Prebuilt::Arguments {
@@ -86,22 +98,104 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
   uint64_t cursor_start_ = 0;
 
   // The rows of its group that the CTA's tile number `tile` (0 for its first) holds: M minus the row
-  // tile's first row, at most the tile's rows (0 past the last group).
+  // tile's first row, at most the tile's rows (0 past the last group). The warp walks the groups from
+  // its cursor 32 at a time, a group per lane: each lane counts its group's tiles, a scan over the
+  // lanes gives where each group's tiles end, and the first lane whose group ends past the tile holds
+  // it. The CTA's tiles lie a grid apart (several groups at 128-row experts), and one step of the walk
+  // covers them at the cost of one load per lane, where a group at a time cost a load and two divisions
+  // per group, in series. Every lane of the warp must call it (the consumers' mma does).
   CUTLASS_DEVICE int32_t RowsOfTile(Params const& params, uint64_t tile) {
     const auto& order = params.tile_order;
     const uint64_t linear = Prebuilt::FirstTile(order) + tile * Prebuilt::GridTiles();
-    uint64_t tiles_m = 0, tiles_n = 0;
+    const int lane = static_cast<int>(threadIdx.x % cutlass::NumThreadsPerWarp);
+    constexpr unsigned kAll = 0xffffffffu;
     while (cursor_group_ < params.groups) {
-      Prebuilt::GroupTiles(order, params.problem_shapes[cursor_group_], tiles_m, tiles_n);
-      if (linear < cursor_start_ + tiles_m * tiles_n) break;
-      cursor_start_ += tiles_m * tiles_n;
-      ++cursor_group_;
+      const int32_t g = cursor_group_ + lane;
+      uint64_t tiles_m = 0, tiles_n = 0;
+      int32_t m = 0;
+      if (g < params.groups) {
+        m = cute::get<0>(params.problem_shapes[g]);
+        Prebuilt::GroupTiles(order, params.problem_shapes[g], tiles_m, tiles_n);
+      }
+      const uint64_t tiles = tiles_m * tiles_n;
+      uint64_t end = tiles;  // inclusive scan: the tiles of this lane's group and the lanes' below it
+      CUTLASS_PRAGMA_UNROLL
+      for (int d = 1; d < cutlass::NumThreadsPerWarp; d *= 2) {
+        const uint64_t below = __shfl_up_sync(kAll, end, d);
+        if (lane >= d) end += below;
+      }
+      end += cursor_start_;
+      const unsigned holds = __ballot_sync(kAll, g < params.groups && linear < end);
+      if (holds != 0) {
+        const int l = __ffs(holds) - 1;
+        cursor_group_ += l;
+        cursor_start_ = __shfl_sync(kAll, end - tiles, l);
+        const int32_t rows_m = __shfl_sync(kAll, m, l);
+        const uint64_t group_tiles_m = __shfl_sync(kAll, tiles_m, l);
+        const uint64_t group_tiles_n = __shfl_sync(kAll, tiles_n, l);
+        const uint64_t t = linear - cursor_start_;
+        const uint64_t m_tile = order.raster_along_n ? t / group_tiles_n : t % group_tiles_m;
+        const int64_t rows = int64_t(rows_m) - int64_t(m_tile) * order.tile_m;
+        return static_cast<int32_t>(rows < 0 ? 0 : (rows > order.tile_m ? order.tile_m : rows));
+      }
+      cursor_start_ = __shfl_sync(kAll, end, cutlass::NumThreadsPerWarp - 1);
+      cursor_group_ += cutlass::NumThreadsPerWarp;
     }
-    if (cursor_group_ >= params.groups) return 0;
-    const uint64_t t = linear - cursor_start_;
-    const uint64_t m_tile = order.raster_along_n ? t / tiles_n : t % tiles_m;
-    const int64_t rows = int64_t(cute::get<0>(params.problem_shapes[cursor_group_])) - int64_t(m_tile) * order.tile_m;
-    return static_cast<int32_t>(rows < 0 ? 0 : (rows > order.tile_m ? order.tile_m : rows));
+    return 0;
+  }
+
+  // The producer's loads (CUTLASS's, but A by blocks): for each K tile, B's box and A's first
+  // ceil(r / 64) 64-row blocks of the tile's r rows (every block without the skip). The stage's barrier
+  // expects the whole stage's bytes; the blocks not loaded are counted off it at once.
+  template <class Pipeline, class PipeState, class LoadInputs, class TensorMaps, class BlockCoord, class KTileIterator,
+            class TensorStorage>
+  CUTLASS_DEVICE void load(Params const& params, Pipeline pipeline, PipeState state, LoadInputs const& load_inputs,
+                           TensorMaps const&, BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                           int, uint32_t, TensorStorage& shared_tensors) {
+    using namespace cute;
+    if (!elect_one_sync()) return;
+    const auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    int blocks = kBlocks;
+    if (params.skip) {
+      const int rows = get<0>(params.problem_shapes[this->group_]) - int(m_coord) * int(size<0>(TileShape{}));
+      blocks = rows <= kBlockRows ? 1 : rows <= 2 * kBlockRows ? 2 : kBlocks;
+    }
+    constexpr uint32_t kBlockBytes = kBlockRows * size<2>(TileShape{}) * sizeof(typename Base::ElementA);
+    static_assert(Base::TmaTransactionBytes == kBlocks * kBlockBytes + size<1>(TileShape{}) * size<2>(TileShape{}) *
+                                                                          sizeof(typename Base::ElementB),
+                  "a stage: A's blocks and B's box");
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
+    Tensor gA_mkl = get<0>(load_inputs);  // TMA coordinates of A: (BLK_M, BLK_K, m, k, l)
+    Tensor gB = get<1>(load_inputs)(_, _, n_coord, _, l_coord);
+    auto block_tma_b = params.tma_load_b.get_slice(0);
+    Tensor tBgB = block_tma_b.partition_S(gB);
+    Tensor tBsB = block_tma_b.partition_D(sB);
+    // A's rows are its descriptor's dimension kABoxDimM (the box edited there): one block down moves
+    // that coordinate alone, by 64.
+    const auto down = gA_mkl(kBlockRows, 0, 0, 0, 0), origin = gA_mkl(0, 0, 0, 0, 0);
+    if (int(get<kABoxDimM>(down)) - int(get<kABoxDimM>(origin)) != kBlockRows) __trap();
+    const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(state);
+      auto* barrier = pipeline.producer_get_barrier(state);
+      if (blocks < kBlocks) {
+        cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, block_rank_in_cluster(),
+                                                                       (kBlocks - blocks) * kBlockBytes);
+      }
+      const int stage = state.index();
+      const int k = *k_tile_iter;
+      copy(params.tma_load_b.with(this->tensormap_b_, *barrier, uint16_t(0)), tBgB(_, _, _, k), tBsB(_, _, _, stage));
+      for (int b = 0; b < blocks; ++b) {
+        auto* dst = raw_pointer_cast(&sA(b * kBlockRows, 0, stage));
+        apply(gA_mkl(b * kBlockRows, 0, m_coord, k, l_coord), [&](auto const&... crd) {
+          SM90_TMA_LOAD::copy(this->tensormap_a_, barrier, hint, dst, static_cast<int32_t>(crd)...);
+        });
+      }
+      ++k_tile_iter;
+      ++state;
+    }
   }
 
   template <class FrgTensorC, class MainloopPipeline, class PipelineState, class TensorStorage>
