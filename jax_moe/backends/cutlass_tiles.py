@@ -24,14 +24,15 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in seven tile configurations (:
   and FP8; one GEMM up to 12%). On Mixtral-8x7B they were level at 1024 and 4096 rows (1.000 and
   1.015, within the spread of the rounds); from 1536 rows the clustered tile stays.
 - ``coop_192x256``: GEMM1 with its activation fused (the act kinds) on 192-row tiles whose two
-  warpgroups split the columns, each multiplying only the tile's 64-row blocks that hold rows. An
-  expert of up to 192 rows then has one row tile, so no two CTAs read the same weight tile, and
+  warpgroups split the columns; the tile loads and multiplies only its 64-row blocks that hold rows.
+  An expert of up to 192 rows then has one row tile, so no two CTAs read the same weight tile, and
   multiplies its rows rounded up to 64, where the 128-row tiles round them up to 128. On random
   routing at about 128 rows per expert, half the experts need a second 128-row tile for a few rows.
   The other kinds run it as ``coop_128x256_c1``. On an H200 the shipped tiles take it for
   GPT-OSS-120B's and DeepSeek-V3's bf16 GEMM1 at 128 rows per expert (4096 tokens; from
   :data:`ROW_BLOCK_TILE_FROM_ROWS` rows), where it made their layers 3% and 6% faster in a loop of
-  layers; neither the H100 table nor the heuristic picks it. ``JAX_MOE_CUTLASS_SKIP_BLOCKS=0``
+  layers (their FP8 GEMM1 was 4% slower on it, and keeps its pick); neither the H100 table nor the
+  heuristic picks it. ``JAX_MOE_CUTLASS_SKIP_BLOCKS=0``
   multiplies every block, which times the tile without the skip.
 
 :func:`pick_tile` chooses per GEMM from the average rows per expert (``rows / E``):
@@ -117,6 +118,7 @@ NO_CLUSTER_BELOW_ROWS: dict[str, float] = {"NVIDIA H200": 1536.0}
 #   96 rows 1.065; 1.019   112 rows 1.053; 1.006   120 rows 1.022; 0.998   128 rows 0.974; 0.970
 #   176 rows (GPT-OSS-120B only) 0.921
 # GPT-OSS-120B crosses over between 120 and 128 rows, DeepSeek-V3 near 120; 124 is between the two.
+# Since the tile loads only its A blocks with rows, GPT-OSS-120B at 120 rows reads 1.006.
 ROW_BLOCK_TILE_FROM_ROWS = 124.0
 
 # (kind, E, N, K) -> ((rows per expert, tile), ...) in increasing rows per expert.
