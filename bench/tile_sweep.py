@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 from bench import moe_bench, peers  # noqa: E402
 from jax_moe import ffi, kernels, timing  # noqa: E402
 from jax_moe.backends import cutlass, cutlass_gemm, cutlass_tiles  # noqa: E402
-from jax_moe.backends.cutlass_tile_cache import choose, gemm_key  # noqa: E402
+from jax_moe.backends.cutlass_tile_cache import choose, gemm_key, split_gemm_key  # noqa: E402
 from jax_moe.backends.cutlass_grad_gemm import grouped_gemm_dgrad  # noqa: E402
 from jax_moe.layouts.transposed import transpose_experts  # noqa: E402
 from jax_moe.config import MoEConfig  # noqa: E402
@@ -220,7 +220,7 @@ def table_from_figures(results: dict) -> dict:
     for key, points in results.items():
         if key == "device":
             continue
-        kind, e, n, k = key.split("/")
+        kind, e, n, k = split_gemm_key(key)
         chosen, differs = [], kind.endswith("_act")  # GEMM1-with-activation rows: all kept
         for r, cell in sorted(points.items(), key=lambda p: float(p[0])):
             if not cell:
@@ -230,7 +230,7 @@ def table_from_figures(results: dict) -> dict:
             differs |= tile != heur
             chosen.append((float(r), tile))
         if differs:
-            table[(kind, int(e), int(n), int(k))] = tuple(chosen)
+            table[(kind, e, n, k)] = tuple(chosen)
     return table
 
 

@@ -235,7 +235,7 @@ def tune_forward(forward: Forward, weights, cfg: MoEConfig, tokens: Sequence[int
         cells = {}
         for key, (r, tile) in today.items():
             cells[key] = {tile: base_ms}
-            for other in tiles_for(key.split("/")[0]):  # those with a kernel of their own for the GEMM
+            for other in tiles_for(cutlass_tile_cache.split_gemm_key(key)[0]):  # those with a kernel of their own
                 if other != tile:
                     cells[key][other] = forward_ms({key: other})
         picks = {key: tile for key, (_, tile) in today.items()}

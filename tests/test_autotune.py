@@ -256,6 +256,13 @@ def test_tiles_tuned_on_another_gpu_model_are_not_used(tmp_path):
                               timer=synthetic_timer({}), log=None)
 
 
+def test_a_gemm_key_splits_back_into_its_kind_and_shape_and_nothing_else_passes_for_one():
+    assert tc.split_gemm_key(tc.gemm_key("bf16_kn_act", 128, 5760, 2880)) == ("bf16_kn_act", 128, 5760, 2880)
+    for key in ["bf16/1/2", "bf16/1/2/3/4", "/1/2/3", "bf16/0/2/3", "bf16/1/x/3", "bf16/1/2/-3"]:
+        with pytest.raises(ValueError, match="kind/E/N/K"):
+            tc.split_gemm_key(key)
+
+
 def test_a_cache_asked_for_is_never_skipped_silently(tmp_path, monkeypatch):
     monkeypatch.setenv(tc.CACHE_ENV, str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="missing.json"):

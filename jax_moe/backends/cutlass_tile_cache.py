@@ -57,6 +57,15 @@ def gemm_key(kind: str, num_groups: int, n: int, k: int) -> str:
     return f"{kind}/{int(num_groups)}/{int(n)}/{int(k)}"
 
 
+def split_gemm_key(key: str) -> tuple[str, int, int, int]:
+    """``(kind, E, N, K)`` of a :func:`gemm_key`; ValueError where ``key`` is not ``"kind/E/N/K"``
+    with positive integer E, N and K."""
+    parts = key.split("/")
+    if len(parts) != 4 or not parts[0] or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
+        raise ValueError(f"GEMM key {key!r} is not \"kind/E/N/K\"")
+    return parts[0], int(parts[1]), int(parts[2]), int(parts[3])
+
+
 def rows_key(rows_per_expert: float) -> str:
     """A point's rows per expert as the file keys it (``"128"``, ``"0.5"``), in ``gemms`` and ``figures``."""
     return f"{rows_per_expert:g}"
@@ -142,9 +151,10 @@ def from_json(doc: Mapping, where: str, tiles: Iterable[str]) -> TileCache:
         raise ValueError(f"{where}: \"device\" must name the GPU model the tiles were measured on")
     cache = TileCache(device)
     for key, points in gemms.items():
-        parts = key.split("/")
-        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
-            raise ValueError(f"{where}: GEMM key {key!r} is not \"kind/E/N/K\"")
+        try:
+            split_gemm_key(key)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
         try:
             pts = tuple(sorted((float(r), t) for r, t in points.items()))
         except (AttributeError, ValueError) as err:
