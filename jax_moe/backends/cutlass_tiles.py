@@ -32,8 +32,8 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in seven tile configurations (:
   GPT-OSS-120B's and DeepSeek-V3's bf16 GEMM1 at 128 rows per expert (4096 tokens; from
   :data:`ROW_BLOCK_TILE_FROM_ROWS` rows), where it made their layers 3% and 6% faster in a loop of
   layers (their FP8 GEMM1 was 4% slower on it, and keeps its pick); neither the H100 table nor the
-  heuristic picks it. ``JAX_MOE_CUTLASS_SKIP_BLOCKS=0``
-  multiplies every block, which times the tile without the skip.
+  heuristic picks it. ``JAX_MOE_CUTLASS_SKIP_BLOCKS=0`` multiplies every block, which times the tile
+  without the skip.
 
 :func:`pick_tile` chooses per GEMM from the average rows per expert (``rows / E``):
 
