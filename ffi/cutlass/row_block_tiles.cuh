@@ -92,6 +92,13 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
     return {Prebuilt::to_underlying_arguments(problem_shapes, args, workspace), args.skip};
   }
 
+  // The 64-row blocks that a tile of `rows` rows loads and multiplies: its first ceil(rows / 64), and
+  // at least one, so that a tile of no rows (past the last group) still reads and releases its stages.
+  // The producer and the consumers both count with it, so they agree on every stage's bytes.
+  CUTLASS_DEVICE static int BlocksWithRows(int rows) {
+    return rows <= kBlockRows ? 1 : rows <= 2 * kBlockRows ? 2 : kBlocks;
+  }
+
   // The consumer's cursor over the groups: the group of its last tile, and that group's first linear
   // tile index.
   int32_t cursor_group_ = 0;
@@ -157,8 +164,7 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
     const auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
     int blocks = kBlocks;
     if (params.skip) {
-      const int rows = get<0>(params.problem_shapes[this->group_]) - int(m_coord) * int(size<0>(TileShape{}));
-      blocks = rows <= kBlockRows ? 1 : rows <= 2 * kBlockRows ? 2 : kBlocks;
+      blocks = BlocksWithRows(get<0>(params.problem_shapes[this->group_]) - int(m_coord) * int(size<0>(TileShape{})));
     }
     constexpr uint32_t kBlockBytes = kBlockRows * size<2>(TileShape{}) * sizeof(typename Base::ElementA);
     static_assert(Base::TmaTransactionBytes == kBlocks * kBlockBytes + size<1>(TileShape{}) * size<2>(TileShape{}) *
@@ -205,8 +211,7 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
     if (k_tile_count <= 0) return;  // no K: no stage to read (the grouped GEMMs' K is at least one tile)
     int blocks = kBlocks;
     if (params.skip) {
-      const int32_t rows = RowsOfTile(params, smem_pipe_read.count() / static_cast<uint32_t>(k_tile_count));
-      blocks = (rows + kBlockRows - 1) / kBlockRows;
+      blocks = BlocksWithRows(RowsOfTile(params, smem_pipe_read.count() / static_cast<uint32_t>(k_tile_count)));
     }
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
@@ -218,9 +223,8 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
                       size<1>(FrgTensorC{}) == kBlocks && size<2>(FrgTensorC{}) == 1,
                   "each warpgroup: every 64-row block of its column half");
     // One loop per block count, each waiting for its WGMMAs before the paths join (a WGMMA in flight
-    // across a branch makes ptxas serialize them all, warning C7515). A tile of no rows (past the last
-    // group) still reads and releases its stages.
-    if (blocks >= kBlocks) {
+    // across a branch makes ptxas serialize them all, warning C7515).
+    if (blocks == kBlocks) {
       Multiply<kBlocks>(tiled_mma, tCrA, tCrB, accum, pipeline, smem_pipe_read, k_tile_count);
     } else if (blocks == 2) {
       Multiply<2>(tiled_mma, tCrA, tCrB, accum, pipeline, smem_pipe_read, k_tile_count);
