@@ -82,6 +82,36 @@ struct PrebuiltTensormapMainloop : Base {
   // More groups than a lane's mask can record: every pair is fenced at the CTA's start.
   CUTLASS_DEVICE static bool FenceEveryGroup(Params const& params) { return params.groups > kMaxPlannedGroups; }
 
+  // One step of a warp's walk over the groups in the scheduler's order: lane l takes group base + l,
+  // reads its shape once and counts its tiles, and an inclusive scan over the lanes gives where each
+  // lane's group's tiles end. Every lane of the warp must call it. Both walks use it: the fence plan
+  // (tensormaps_init) and the 192-row tile's consumers (RowBlockMainloop::RowsOfTile).
+  struct GroupChunk {
+    int32_t group;             // base + lane
+    int32_t rows;              // the group's M (0 past the last group)
+    uint64_t tiles_m, tiles_n;  // its row and column tile counts (GroupTiles; 0 past the last group)
+    uint64_t end;              // one past its last tile's linear index: chunk_start + the lanes' tiles up to l
+    CUTLASS_DEVICE uint64_t tiles() const { return tiles_m * tiles_n; }
+    CUTLASS_DEVICE uint64_t start() const { return end - tiles(); }
+  };
+  CUTLASS_DEVICE static GroupChunk ChunkTiles(Params const& params, int32_t base, uint64_t chunk_start) {
+    const int lane = static_cast<int>(threadIdx.x % cutlass::NumThreadsPerWarp);
+    GroupChunk c{base + lane, 0, 0, 0, 0};
+    if (c.group < params.groups) {
+      const cute::Shape<int, int, int> shape = params.problem_shapes[c.group];
+      c.rows = cute::get<0>(shape);
+      GroupTiles(params.tile_order, shape, c.tiles_m, c.tiles_n);
+    }
+    uint64_t inclusive = c.tiles();
+    CUTLASS_PRAGMA_UNROLL
+    for (int d = 1; d < cutlass::NumThreadsPerWarp; d *= 2) {
+      const uint64_t below = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += below;
+    }
+    c.end = chunk_start + inclusive;
+    return c;
+  }
+
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape problem_shapes, Arguments const& args, void* workspace) {
     return {Base::to_underlying_arguments(problem_shapes, args, workspace),
@@ -124,27 +154,15 @@ struct PrebuiltTensormapMainloop : Base {
       const uint64_t stride = GridTiles();
       uint64_t chunk_start = 0;  // the linear index of this chunk's first group's first tile
       for (int32_t base = 0; base < params.groups; base += 32) {
-        const int32_t g = base + lane;
-        uint64_t tiles = 0;
-        if (g < params.groups) {
-          uint64_t tiles_m, tiles_n;
-          GroupTiles(order, params.problem_shapes[g], tiles_m, tiles_n);
-          tiles = tiles_m * tiles_n;
-        }
-        uint64_t inclusive = tiles;
-#pragma unroll
-        for (int d = 1; d < 32; d *= 2) {
-          const uint64_t v = __shfl_up_sync(0xffffffffu, inclusive, d);
-          if (lane >= d) inclusive += v;
-        }
-        const uint64_t start = chunk_start + inclusive - tiles;
+        const GroupChunk c = ChunkTiles(params, base, chunk_start);
+        const uint64_t start = c.start();
         // The CTA's first tile at or after `start` (its tiles are first + i * stride, i >= 0).
         const uint64_t next = start <= first ? first : first + (start - first + stride - 1) / stride * stride;
-        if (tiles > 0 && next < start + tiles) {
-          FencePair(params, g);
+        if (c.tiles() > 0 && next < c.end) {
+          FencePair(params, c.group);
           fenced_ |= uint64_t(1) << (base / 32);
         }
-        chunk_start += __shfl_sync(0xffffffffu, inclusive, 31);
+        chunk_start = __shfl_sync(0xffffffffu, c.end, 31);
       }
     }
     __syncwarp();

@@ -114,38 +114,23 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
   CUTLASS_DEVICE int32_t RowsOfTile(Params const& params, uint64_t tile) {
     const auto& order = params.tile_order;
     const uint64_t linear = Prebuilt::FirstTile(order) + tile * Prebuilt::GridTiles();
-    const int lane = static_cast<int>(threadIdx.x % cutlass::NumThreadsPerWarp);
     constexpr unsigned kAll = 0xffffffffu;
     while (cursor_group_ < params.groups) {
-      const int32_t g = cursor_group_ + lane;
-      uint64_t tiles_m = 0, tiles_n = 0;
-      int32_t m = 0;
-      if (g < params.groups) {
-        m = cute::get<0>(params.problem_shapes[g]);
-        Prebuilt::GroupTiles(order, params.problem_shapes[g], tiles_m, tiles_n);
-      }
-      const uint64_t tiles = tiles_m * tiles_n;
-      uint64_t end = tiles;  // inclusive scan: the tiles of this lane's group and the lanes' below it
-      CUTLASS_PRAGMA_UNROLL
-      for (int d = 1; d < cutlass::NumThreadsPerWarp; d *= 2) {
-        const uint64_t below = __shfl_up_sync(kAll, end, d);
-        if (lane >= d) end += below;
-      }
-      end += cursor_start_;
-      const unsigned holds = __ballot_sync(kAll, g < params.groups && linear < end);
+      const typename Prebuilt::GroupChunk c = Prebuilt::ChunkTiles(params, cursor_group_, cursor_start_);
+      const unsigned holds = __ballot_sync(kAll, c.group < params.groups && linear < c.end);
       if (holds != 0) {
         const int l = __ffs(holds) - 1;
         cursor_group_ += l;
-        cursor_start_ = __shfl_sync(kAll, end - tiles, l);
-        const int32_t rows_m = __shfl_sync(kAll, m, l);
-        const uint64_t group_tiles_m = __shfl_sync(kAll, tiles_m, l);
-        const uint64_t group_tiles_n = __shfl_sync(kAll, tiles_n, l);
+        cursor_start_ = __shfl_sync(kAll, c.start(), l);
+        const int32_t rows_m = __shfl_sync(kAll, c.rows, l);
+        const uint64_t group_tiles_m = __shfl_sync(kAll, c.tiles_m, l);
+        const uint64_t group_tiles_n = __shfl_sync(kAll, c.tiles_n, l);
         const uint64_t t = linear - cursor_start_;
         const uint64_t m_tile = order.raster_along_n ? t / group_tiles_n : t % group_tiles_m;
         const int64_t rows = int64_t(rows_m) - int64_t(m_tile) * order.tile_m;
         return static_cast<int32_t>(rows < 0 ? 0 : (rows > order.tile_m ? order.tile_m : rows));
       }
-      cursor_start_ = __shfl_sync(kAll, end, cutlass::NumThreadsPerWarp - 1);
+      cursor_start_ = __shfl_sync(kAll, c.end, cutlass::NumThreadsPerWarp - 1);
       cursor_group_ += cutlass::NumThreadsPerWarp;
     }
     return 0;
