@@ -279,6 +279,40 @@ def test_kernel_matches_the_definition_where_each_cta_runs_many_tiles(rng, tile)
     assert rel_err(got, definition(a, b, off, "silu", bias)) < REL_TOL
 
 
+def spread_counts(rng, experts: int = 128) -> np.ndarray:
+    """Rows of ``experts`` experts for the spread order (from 64 experts the setup launch lays the
+    groups out by their rows, heavy and light mixed): uneven rows (0..260), ties, and empty experts,
+    so that nearly every expert's group moves from its index."""
+    counts = rng.integers(0, 260, experts)
+    counts[[5, 40, 77]] = 0
+    counts[[9, 10, 90]] = 150  # ties keep expert order
+    return counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
+def test_kernel_keeps_each_experts_weights_and_bias_when_its_groups_are_spread(rng, tile):
+    """128 experts of uneven rows, visited in the spread order: each expert's rows still meet its own
+    weights and its own bias row (swigluoai, 2I = 256); output poisoned."""
+    skip_unless_available(cb)
+    a, b, off, bias = bf16_case(rng, spread_counts(rng), n=256, k=128)
+    fn = jax.jit(lambda a, b, o, bias: grouped_gemm_act(a, b, o, "swigluoai", alpha=ALPHA, limit=LIMIT, bias=bias,
+                                                        tile=tile))
+    poison_memory(jax.eval_shape(fn, a, b, off, bias))
+    got = np.asarray(fn(a, b, off, bias), np.float32)
+    assert rel_err(got, definition(a, b, off, "swigluoai", bias)) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
+def test_fp8_kernel_keeps_each_experts_scales_when_its_groups_are_spread(rng, tile):
+    """FP8 with per-row and per-channel scales on 128 experts of uneven rows, in the spread order:
+    each expert's column scales stay its own."""
+    skip_unless_available(cb)
+    a, b, off, row, col = fp8_case(rng, spread_counts(rng), n=256, k=128)
+    assert_fp8_silu_act_is_the_definition(tile, a, b, off, row, col, row, col)
+
+
 # experts whose last row tile holds 1, 63, 64 or 65 of a 128-row tile's rows, and whole tiles
 HALF_TILE_COUNTS = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 0, 320]
 

@@ -347,6 +347,28 @@ def test_bf16_kernel_matches_the_definition_where_each_cta_runs_many_tiles(rng, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
+def test_bf16_kernel_keeps_each_experts_weights_and_bias_when_its_groups_are_spread(rng, tile, transposed):
+    """128 experts of uneven rows (0..260, ties, empty ones), visited in the spread order (from 64
+    experts the setup launch lays the groups out by their rows): each expert's rows still meet its
+    own weights and its own bias row; output poisoned."""
+    skip_unless_available(cb)
+    counts = rng.integers(0, 260, 128)
+    counts[[5, 40, 77]] = 0
+    counts[[9, 10, 90]] = 150
+    a, b, off = bf16_case(rng, counts, n=256, k=128)
+    slots, w = routing_rows(rng, a.shape[0], t=4000)
+    bias = jnp.asarray(rng.standard_normal((128, 256)), jnp.float32)
+    fn = jax.jit(lambda a, bb, o, s, w, bias: grouped_gemm_scatter(a, bb, o, s, w, bias=bias, tile=tile,
+                                                                   transposed=transposed))
+    bb = jnp.swapaxes(b, 1, 2) if transposed else b
+    poison_memory(jax.eval_shape(fn, a, bb, off, slots, w, bias))
+    got = fn(a, bb, off, slots, w, bias)
+    assert rel_err(got, definition(a, b, off, slots, w, bias)) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True])
 def test_tokens_no_row_reaches_are_zero(rng, transposed):
     """5000 tokens and 40 rows: nearly every output row is reached by no row, and the call zeroes
     them all, over poisoned memory (2 MB of d: more than one pass of the zeroing blocks, rows of

@@ -48,6 +48,7 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
     int row_scale_step = 1;                   // FP8: 0 where a group's row pointer is one scale for all rows
     bool per_channel_cols = true;             // FP8: a scale per column; false: the expert's one scale, folded into the rows
     const float* bias = nullptr;              // [E, N] float32 (w13's rows), or nullptr
+    const int32_t* group_expert = nullptr;  // per group: its expert, bias's row (nullptr: the group's index)
     const float* out_scale = nullptr;         // [1] float32, FP8 output only: d = fp8(v / out_scale)
     int activation = kActSilu;                // kAct* (moe_prepare_finalize.h)
     float alpha = 1.702f, limit = 7.0f;       // swigluoai's

@@ -29,6 +29,7 @@
 #include "grouped_gemm.h"
 
 #ifdef JAX_MOE_CUTLASS_IMPL
+#include "group_order.cuh"
 #include "group_tensormaps.cuh"
 #include "grouped_gemm_traits.cuh"
 #include "row_block_tiles.cuh"
@@ -267,6 +268,7 @@ struct GroupedGemm {
     StrideB* sb;
     StrideD* sd;
     int64_t* row_lo;  // scatter kinds: each group's first row
+    int32_t* expert;  // act and scatter kinds: each group's expert (its bias row; group_order.cuh)
     cute::TmaDescriptor* tensormaps;  // [groups][kTensormapsPerGroup]: each group's A and B descriptors
     void* cutlass_workspace;
   };
@@ -292,6 +294,7 @@ struct GroupedGemm {
     r.sb = static_cast<StrideB*>(take(g * sizeof(StrideB)));
     r.sd = static_cast<StrideD*>(take(g * sizeof(StrideD)));
     if constexpr (kScatter) r.row_lo = static_cast<int64_t*>(take(g * sizeof(int64_t)));
+    if constexpr (kAct || kScatter) r.expert = static_cast<int32_t*>(take(g * sizeof(int32_t)));
     r.tensormaps = static_cast<cute::TmaDescriptor*>(take(g * kTensormapsPerGroup * sizeof(cute::TmaDescriptor)));
     r.cutlass_workspace = take(0);
     return r;
@@ -320,6 +323,7 @@ struct GroupedGemm {
         ep.ptr_col_scale = arr.pcol;
       }
       if constexpr (kScatter) ep.row_lo = arr.row_lo;
+      ep.group_expert = arr.expert;
       if (call != nullptr) {
         if constexpr (kScaled) {
           ep.row_scale_step = static_cast<int>(call->row_scale_step);
@@ -400,8 +404,11 @@ struct GroupedGemm {
 //   wgrad:          rows [lo, hi) of u (a, [M, k]) and v (b, [M, n]), expert g's d [k, n]; problem
 //                   (k, n, hi - lo), or no tiles at all (M = 0) for an expert without rows (the handler
 //                   zeroes its d: a K of 0 is not a GEMM CUTLASS's mainloop runs)
+// Expert g's entries go to place `at` of the arrays: g itself, or its place in the spread order
+// (group_order.cuh; the standard forward, dgrad and scatter kinds); the act and scatter kinds also
+// record the place's expert, whose bias row their epilogues read.
 template <int Kind, class G>
-__device__ __forceinline__ typename G::Shape3 FillGroup(const typename G::Arrays& arr, int64_t g,
+__device__ __forceinline__ typename G::Shape3 FillGroup(const typename G::Arrays& arr, int64_t at, int64_t g,
                                                        const int32_t* offsets, int64_t m, bool batched,
                                                        int64_t capacity, int n, int k, int64_t d_cols,
                                                        const typename G::Element* a, const typename G::Element* b,
@@ -415,26 +422,27 @@ __device__ __forceinline__ typename G::Shape3 FillGroup(const typename G::Arrays
   if constexpr (Kind == kGemmBf16Wgrad) {
     const int rows = static_cast<int>(hi - lo);
     shape = make_shape(rows > 0 ? k : 0, n, rows);
-    arr.pa[g] = a + lo * k64;
-    arr.pb[g] = b + lo * n64;
-    arr.pd[g] = d + g * k64 * n64;
-    arr.sa[g] = LeadingStride<typename G::StrideA>(k64);
-    arr.sb[g] = LeadingStride<typename G::StrideB>(n64);
+    arr.pa[at] = a + lo * k64;
+    arr.pb[at] = b + lo * n64;
+    arr.pd[at] = d + g * k64 * n64;
+    arr.sa[at] = LeadingStride<typename G::StrideA>(k64);
+    arr.sb[at] = LeadingStride<typename G::StrideB>(n64);
   } else {
     shape = make_shape(static_cast<int>(hi - lo), n, k);
-    arr.pa[g] = a + lo * k64;
-    arr.pb[g] = b + g * n64 * k64;
-    arr.pd[g] = G::kScatter ? d : d + lo * d_cols;  // scatter: every group adds into all of d [T, N]
-    arr.sa[g] = LeadingStride<typename G::StrideA>(k64);
-    arr.sb[g] = LeadingStride<typename G::StrideB>(IsNContiguousB(Kind) ? n64 : k64);
+    arr.pa[at] = a + lo * k64;
+    arr.pb[at] = b + g * n64 * k64;
+    arr.pd[at] = G::kScatter ? d : d + lo * d_cols;  // scatter: every group adds into all of d [T, N]
+    arr.sa[at] = LeadingStride<typename G::StrideA>(k64);
+    arr.sb[at] = LeadingStride<typename G::StrideB>(IsNContiguousB(Kind) ? n64 : k64);
   }
-  arr.shapes[g] = shape;
+  arr.shapes[at] = shape;
   if constexpr (G::kScaled) {
-    arr.prow[g] = row_scale + lo * row_scale_step;
-    arr.pcol[g] = col_scale + g * col_scale_group_step;
+    arr.prow[at] = row_scale + lo * row_scale_step;
+    arr.pcol[at] = col_scale + g * col_scale_group_step;
   }
-  if constexpr (G::kScatter) arr.row_lo[g] = lo;
-  arr.sd[g] = LeadingStride<typename G::StrideD>(Kind == kGemmBf16Wgrad ? n64 : d_cols);
+  if constexpr (G::kScatter) arr.row_lo[at] = lo;
+  if constexpr (G::kAct || G::kScatter) arr.expert[at] = static_cast<int32_t>(g);
+  arr.sd[at] = LeadingStride<typename G::StrideD>(Kind == kGemmBf16Wgrad ? n64 : d_cols);
   return shape;
 }
 
@@ -447,7 +455,7 @@ __global__ void __launch_bounds__(kFillThreads)
                     int64_t groups, int64_t m, bool batched, int64_t capacity, int n, int k, int64_t d_cols,
                     int64_t d_rows, const typename G::Element* a, const typename G::Element* b,
                     typename G::ElementD* d, const float* row_scale, int64_t row_scale_step, const float* col_scale,
-                    int64_t col_scale_group_step) {
+                    int64_t col_scale_group_step, bool spread) {
   const int64_t g = blockIdx.x;
   if (g >= groups) {
     const int64_t vec_per_row = d_cols * int64_t(sizeof(*d)) / 16;
@@ -459,10 +467,18 @@ __global__ void __launch_bounds__(kFillThreads)
     return;
   }
   __shared__ typename G::TensorMapStorage slot;  // the descriptors as they are edited
+  const int64_t at = spread ? SpreadPlace(
+                                  [&](int64_t e) {
+                                    int64_t lo, hi;
+                                    GroupRows(offsets, e, m, false, 0, lo, hi);
+                                    return hi - lo;
+                                  },
+                                  g, groups)
+                            : g;
   if (threadIdx.x != 0) return;
-  const auto shape = FillGroup<Kind, G>(arr, g, offsets, m, batched, capacity, n, k, d_cols, a, b, d, row_scale,
+  const auto shape = FillGroup<Kind, G>(arr, at, g, offsets, m, batched, capacity, n, k, d_cols, a, b, d, row_scale,
                                         row_scale_step, col_scale, col_scale_group_step);
-  BuildGroupTensormaps<typename G::CollectiveMainloop>(mainloop, g, append<4>(shape, 1), slot,
+  BuildGroupTensormaps<typename G::CollectiveMainloop>(mainloop, at, append<4>(shape, 1), slot,
                                                        arr.tensormaps);
 }
 
@@ -500,10 +516,15 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   } else if (Kind != kGemmBf16Wgrad && c.zero_unowned) {
     zero_blocks = std::min<int64_t>(c.m, c.sm_count);
   }
+  // The spread order (group_order.cuh) for many experts of mean rows near the ridge, in the standard
+  // format; wgrad's groups are its outputs' experts, and the batched format keeps expert order.
+  const int64_t mean_rows = c.groups > 0 ? c.m / c.groups : 0;
+  const bool spread = Kind != kGemmBf16Wgrad && !c.batched && c.groups >= kSpreadFromGroups &&
+                      kSpreadFromRows <= mean_rows && mean_rows <= kSpreadToRows && SpreadGroupOrder();
   FillGroupArrays<Kind, G><<<static_cast<unsigned>(c.groups + zero_blocks), kFillThreads, 0, c.stream>>>(
       arr, gemm.params().mainloop, c.offsets, c.groups, c.m, c.batched, c.capacity, static_cast<int>(c.n),
       static_cast<int>(c.k), c.d_cols, d_rows, static_cast<const E*>(c.a), static_cast<const E*>(c.b),
-      static_cast<D*>(c.d), c.row_scale, c.row_scale_step, c.col_scale, c.col_scale_group_step);
+      static_cast<D*>(c.d), c.row_scale, c.row_scale_step, c.col_scale, c.col_scale_group_step, spread);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   if (auto s = gemm.run(c.stream); s != cutlass::Status::kSuccess) return CutlassError("run", s);

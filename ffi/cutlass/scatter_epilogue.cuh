@@ -66,6 +66,7 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
     int row_scale_step = 1;                 // FP8: 0 where a group's row pointer is one scale for all rows
     bool per_channel_cols = true;           // FP8: a scale per column; false: the expert's one scale, folded into the rows
     const float* bias = nullptr;            // [E, N] float32 GEMM2 bias, or nullptr
+    const int32_t* group_expert = nullptr;  // per group: its expert, bias's row (nullptr: the group's index)
     int64_t num_tokens = 0;                 // T: d's rows
   };
   using Params = Arguments;
