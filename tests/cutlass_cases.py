@@ -38,6 +38,17 @@ def gemm_problem(rng, counts, n, k):
     return a, b, group_offsets(counts)
 
 
+def spread_counts(rng, experts: int = 128) -> np.ndarray:
+    """Rows of ``experts`` experts for the spread order (from 64 experts of 96 to 192 mean rows the
+    setup launch lays the groups out by their rows, heavy and light mixed): uneven rows (0..260,
+    about 130 on average), ties and empty experts, so that nearly every expert's group moves from
+    its index."""
+    counts = rng.integers(0, 260, experts)
+    counts[[5, 40, 77]] = 0
+    counts[[9, 10, 90]] = 150  # ties keep expert order
+    return counts
+
+
 def fp8_gemm_problem(rng, counts, n, k):
     """FP8 rows and weights (values of a standard normal, exactly representable after the cast),
     per-row and per-channel dequantization scales."""

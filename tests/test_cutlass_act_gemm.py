@@ -24,7 +24,7 @@ from jax_moe.layouts.gated import reorder_rows_for_gated_act_gemm
 from jax_moe.quant.scheme import QuantConfig
 
 from cutlass_cases import F8, FP8_REL_TOL, REL_TOL, fp8_gemm_problem, gemm_problem, gptoss_problem, small_cfg
-from cutlass_cases import each_scale_form, fp8_problem_in_form, scale_broadcasts
+from cutlass_cases import each_scale_form, fp8_problem_in_form, scale_broadcasts, spread_counts
 from helpers import poison_memory, rel_err, skip_unless_available
 
 ALPHA, LIMIT = 1.5, 4.0  # swigluoai's constants, not the defaults
@@ -277,16 +277,6 @@ def test_kernel_matches_the_definition_where_each_cta_runs_many_tiles(rng, tile)
     poison_memory(jax.eval_shape(fn, a, b, off, bias))
     got = np.asarray(fn(a, b, off, bias), np.float32)
     assert rel_err(got, definition(a, b, off, "silu", bias)) < REL_TOL
-
-
-def spread_counts(rng, experts: int = 128) -> np.ndarray:
-    """Rows of ``experts`` experts for the spread order (from 64 experts the setup launch lays the
-    groups out by their rows, heavy and light mixed): uneven rows (0..260), ties, and empty experts,
-    so that nearly every expert's group moves from its index."""
-    counts = rng.integers(0, 260, experts)
-    counts[[5, 40, 77]] = 0
-    counts[[9, 10, 90]] = 150  # ties keep expert order
-    return counts
 
 
 @pytest.mark.gpu

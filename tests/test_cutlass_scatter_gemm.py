@@ -22,7 +22,7 @@ from jax_moe.backends.cutlass_scatter_gemm import (
 )
 
 from cutlass_cases import FP8_REL_TOL, REL_TOL, fp8_gemm_problem, gemm_problem, gptoss_problem, moe_problem, small_cfg
-from cutlass_cases import each_scale_form, fp8_problem_in_form, scale_broadcasts
+from cutlass_cases import each_scale_form, fp8_problem_in_form, scale_broadcasts, spread_counts
 from helpers import np_moe, poison_memory, rel_err, skip_unless_available
 
 T = 37  # tokens
@@ -319,9 +319,16 @@ def test_bf16_kernel_matches_the_definition(rng, tile, transposed):
     skip_unless_available(cb)
     counts = rng.integers(0, 300, 16)
     counts[3] = 0
-    a, b, off = bf16_case(rng, counts, n=200, k=256)
-    slots, w = routing_rows(rng, a.shape[0], t=600)
-    bias = jnp.asarray(rng.standard_normal((16, 200)), jnp.float32)
+    assert_bf16_scatter_with_bias_is_the_definition(rng, counts, n=200, k=256, t=600, tile=tile,
+                                                    transposed=transposed)
+
+
+def assert_bf16_scatter_with_bias_is_the_definition(rng, counts, n, k, t, tile, transposed):
+    """The bf16 scatter GEMM with a bias on experts of ``counts`` rows (unowned rows at both ends),
+    ``t`` tokens, b [E, N, K] or transposed [E, K, N], over poisoned memory, against the definition."""
+    a, b, off = bf16_case(rng, counts, n=n, k=k)
+    slots, w = routing_rows(rng, a.shape[0], t=t)
+    bias = jnp.asarray(rng.standard_normal((len(counts), n)), jnp.float32)
     fn = jax.jit(lambda a, bb, o, s, w, bias: grouped_gemm_scatter(a, bb, o, s, w, bias=bias, tile=tile,
                                                                    transposed=transposed))
     bb = jnp.swapaxes(b, 1, 2) if transposed else b
@@ -349,22 +356,11 @@ def test_bf16_kernel_matches_the_definition_where_each_cta_runs_many_tiles(rng, 
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("tile", sorted(cb.TILES))
 def test_bf16_kernel_keeps_each_experts_weights_and_bias_when_its_groups_are_spread(rng, tile, transposed):
-    """128 experts of uneven rows (0..260, ties, empty ones), visited in the spread order (from 64
-    experts the setup launch lays the groups out by their rows): each expert's rows still meet its
-    own weights and its own bias row; output poisoned."""
+    """128 experts of uneven rows (about 130 on average, ties, empty ones), visited in the spread
+    order: each expert's rows still meet its own weights and its own bias row; output poisoned."""
     skip_unless_available(cb)
-    counts = rng.integers(0, 260, 128)
-    counts[[5, 40, 77]] = 0
-    counts[[9, 10, 90]] = 150
-    a, b, off = bf16_case(rng, counts, n=256, k=128)
-    slots, w = routing_rows(rng, a.shape[0], t=4000)
-    bias = jnp.asarray(rng.standard_normal((128, 256)), jnp.float32)
-    fn = jax.jit(lambda a, bb, o, s, w, bias: grouped_gemm_scatter(a, bb, o, s, w, bias=bias, tile=tile,
-                                                                   transposed=transposed))
-    bb = jnp.swapaxes(b, 1, 2) if transposed else b
-    poison_memory(jax.eval_shape(fn, a, bb, off, slots, w, bias))
-    got = fn(a, bb, off, slots, w, bias)
-    assert rel_err(got, definition(a, b, off, slots, w, bias)) < REL_TOL
+    assert_bf16_scatter_with_bias_is_the_definition(rng, spread_counts(rng), n=256, k=128, t=4000, tile=tile,
+                                                    transposed=transposed)
 
 
 @pytest.mark.gpu
