@@ -48,7 +48,7 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
     int row_scale_step = 1;                   // FP8: 0 where a group's row pointer is one scale for all rows
     bool per_channel_cols = true;             // FP8: a scale per column; false: the expert's one scale, folded into the rows
     const float* bias = nullptr;              // [E, N] float32 (w13's rows), or nullptr
-    const int32_t* group_expert = nullptr;  // per group: its expert, bias's row (nullptr: the group's index)
+    const int32_t* group_expert = nullptr;  // per group: its expert, bias's row (with a bias)
     const float* out_scale = nullptr;         // [1] float32, FP8 output only: d = fp8(v / out_scale)
     int activation = kActSilu;                // kAct* (moe_prepare_finalize.h)
     float alpha = 1.702f, limit = 7.0f;       // swigluoai's
@@ -57,7 +57,8 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
 
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
-    return args.ptr_D != nullptr && (!kScaled || (args.ptr_row_scale != nullptr && args.ptr_col_scale != nullptr));
+    return args.ptr_D != nullptr && (args.bias == nullptr || args.group_expert != nullptr) &&
+           (!kScaled || (args.ptr_row_scale != nullptr && args.ptr_col_scale != nullptr));
   }
 
   CUTLASS_HOST_DEVICE explicit GatedActEpilogue(Params const& params) : params_(params) {}

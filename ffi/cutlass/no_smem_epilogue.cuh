@@ -92,13 +92,8 @@ struct TileOperands {
   const float* bias;
 };
 
-// The bias row of group l: its expert (group_expert, the setup launch's record), or l itself.
-CUTLASS_DEVICE int64_t BiasRow(const int32_t* group_expert, int l) {
-  return group_expert != nullptr ? int64_t(group_expert[l]) : int64_t(l);
-}
-
 // TileOperands from an epilogue's params (ptr_D, dD, ptr_row_scale, ptr_col_scale: per group; bias
-// [E, n_size] or nullptr, its rows by group_expert) and the arguments CUTLASS passes it for a tile.
+// [E, n_size] or nullptr, group l's row group_expert[l]) and the arguments CUTLASS passes it for a tile.
 template <class Out, bool kScaled, class Params, class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL,
           class TiledMma>
 CUTLASS_DEVICE auto ReadTileOperands(Params const& p, ProblemShapeMNKL const& problem_shape_mnkl,
@@ -118,7 +113,7 @@ CUTLASS_DEVICE auto ReadTileOperands(Params const& p, ProblemShapeMNKL const& pr
                                          get<0>(p.dD[l]),
                                          kScaled ? p.ptr_row_scale[l] : nullptr,
                                          kScaled ? p.ptr_col_scale[l] : nullptr,
-                                         p.bias != nullptr ? p.bias + BiasRow(p.group_expert, l) * n_size : nullptr};
+                                         p.bias != nullptr ? p.bias + int64_t(p.group_expert[l]) * n_size : nullptr};
 }
 
 // The column dequantization scales (kCols: FP8 with a scale per column) and the bias of this lane's

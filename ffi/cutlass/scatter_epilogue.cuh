@@ -66,7 +66,7 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
     int row_scale_step = 1;                 // FP8: 0 where a group's row pointer is one scale for all rows
     bool per_channel_cols = true;           // FP8: a scale per column; false: the expert's one scale, folded into the rows
     const float* bias = nullptr;            // [E, N] float32 GEMM2 bias, or nullptr
-    const int32_t* group_expert = nullptr;  // per group: its expert, bias's row (nullptr: the group's index)
+    const int32_t* group_expert = nullptr;  // per group: its expert, bias's row (with a bias)
     int64_t num_tokens = 0;                 // T: d's rows
   };
   using Params = Arguments;
@@ -74,7 +74,7 @@ class ScatterAddEpilogue : public NoSmemEpilogueBase<cutlass::bfloat16_t> {
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.ptr_D != nullptr && args.row_lo != nullptr && args.slots != nullptr && args.weights != nullptr &&
-           args.k >= 1 &&
+           args.k >= 1 && (args.bias == nullptr || args.group_expert != nullptr) &&
            (!kScaled || (args.ptr_row_scale != nullptr && args.ptr_col_scale != nullptr));
   }
 
