@@ -41,9 +41,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.expert_order import ORDERS, expert_order  # noqa: E402
-from bench.moe_bench import MODELS, Model  # noqa: E402
-from bench.routings import ROUTINGS  # noqa: E402
-from bench.tile_padding import BLOCK_ROWS, gemm_shape, row_counts  # noqa: E402
+from bench.moe_bench import Model  # noqa: E402
+from bench.tile_padding import BLOCK_ROWS, add_layer_args, each_layer, gemm_shape, row_counts  # noqa: E402
 
 SMS = 132  # an H100 SXM's and an H200's SMs: the persistent grid
 COSTS = ("tiles", "blocks")
@@ -128,18 +127,13 @@ def table(m: Model, t: int, gemm: str, routing: str = "random", tiles: Sequence[
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["gptoss", "deepseek", "qwen3"])
-    p.add_argument("--tokens", nargs="+", type=int, default=[4096])
-    p.add_argument("--gemm", nargs="+", choices=("gemm1", "gemm2"), default=["gemm1", "gemm2"])
-    p.add_argument("--routing", choices=ROUTINGS, default="random")
+    add_layer_args(p)
     p.add_argument("--grid", type=int, default=SMS, help="CTAs of the persistent grid (the GPU's SMs)")
     args = p.parse_args(argv)
-    if min(args.tokens) < 1 or args.grid < 1:
-        p.error("--tokens and --grid must be at least 1")
-    for key in args.models:
-        for t in args.tokens:
-            for gemm in args.gemm:
-                print(table(MODELS[key], t, gemm, args.routing, grid=args.grid) + "\n", flush=True)
+    if args.grid < 1:
+        p.error("--grid must be at least 1")
+    for m, t, gemm in each_layer(p, args):
+        print(table(m, t, gemm, args.routing, grid=args.grid) + "\n", flush=True)
     return 0
 
 

@@ -24,7 +24,7 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -115,19 +115,30 @@ def table(m: Model, t: int, gemm: str, routing: str = "random", tilings: Sequenc
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_layer_args(p: argparse.ArgumentParser) -> None:
+    """The layers a counting bench reads: ``--models``, ``--tokens``, ``--gemm`` and ``--routing``."""
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["gptoss", "deepseek", "qwen3"])
     p.add_argument("--tokens", nargs="+", type=int, default=[4096])
     p.add_argument("--gemm", nargs="+", choices=("gemm1", "gemm2"), default=["gemm1", "gemm2"])
     p.add_argument("--routing", choices=ROUTINGS, default="random")
-    args = p.parse_args(argv)
+
+
+def each_layer(p: argparse.ArgumentParser, args: argparse.Namespace) -> Iterator[tuple[Model, int, str]]:
+    """(model, T, gemm) for every layer that :func:`add_layer_args`' arguments name."""
     if min(args.tokens) < 1:
         p.error("--tokens must be at least 1")
     for key in args.models:
         for t in args.tokens:
             for gemm in args.gemm:
-                print(table(MODELS[key], t, gemm, args.routing) + "\n", flush=True)
+                yield MODELS[key], t, gemm
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_layer_args(p)
+    args = p.parse_args(argv)
+    for m, t, gemm in each_layer(p, args):
+        print(table(m, t, gemm, args.routing) + "\n", flush=True)
     return 0
 
 

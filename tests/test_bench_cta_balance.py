@@ -58,3 +58,10 @@ def test_the_table_has_a_row_per_tile_and_a_column_per_order(cta_balance):
     assert "4 CTAs" in text
     assert text.count("\n| ") == 1 + len(cta_balance.TILES)
     assert "| spread |" in text and "| lpt |" in text
+
+
+def test_the_command_prints_a_table_per_layer(cta_balance, capsys):
+    assert cta_balance.main(["--models", "tiny", "--tokens", "32", "--gemm", "gemm2", "--grid", "4"]) == 0
+    assert capsys.readouterr().out.count("Most loaded CTA over the mean") == 1
+    with pytest.raises(SystemExit):
+        cta_balance.main(["--models", "tiny", "--grid", "0"])
