@@ -8,7 +8,8 @@ what a deal costs is its most loaded CTA's work over the mean (``max / mean``).
 
 For one layer of the bench's models at T tokens, on the bench's routing, and for each group order of
 :data:`bench.expert_order.ORDERS`, this counts that ratio from the experts' row counts (no GPU, no
-timing), under two cost models of a tile:
+timing; ``--sets N``: the means over N routings, as a loop's layers are each routed anew), under two
+cost models of a tile:
 
 - ``tiles``: every tile costs the same (the 64- and 128-row tiles, which multiply whole tiles);
 - ``blocks``: a tile costs its 64-row blocks that hold rows (``coop_192x256``, which multiplies only
@@ -110,18 +111,21 @@ def imbalance(rows: np.ndarray, tile: Tile, n: int, orders: Sequence[str] = ORDE
 
 
 def table(m: Model, t: int, gemm: str, routing: str = "random", tiles: Sequence[Tile] = TILES,
-          grid: int = SMS) -> str:
-    rows = row_counts(m, t, routing)
+          grid: int = SMS, sets: int = 1) -> str:
+    """The ratios of :func:`imbalance` per tile of ``tiles``; with ``sets`` > 1, their means over that
+    many routings of the layer (each layer of a loop is routed anew)."""
+    rows = row_counts(m, t, routing, sets).reshape(sets, m.e)
     n, _ = gemm_shape(m, gemm)
-    lines = [f"{m.name} {gemm}, T={t}, {routing} routing, {grid} CTAs: {int(rows.sum())} rows over "
-             f"{m.e} experts ({rows.min()}-{rows.max()} each), N={n}. Most loaded CTA over the mean:",
+    over = "" if sets == 1 else f", means over {sets} routings"
+    lines = [f"{m.name} {gemm}, T={t}, {routing} routing, {grid} CTAs: {int(rows[0].sum())} rows over "
+             f"{m.e} experts ({rows.min()}-{rows.max()} each), N={n}{over}. Most loaded CTA over the mean:",
              "| tile (cost) | tiles / CTA | " + " | ".join(ORDERS) + " | lpt |",
              "|---|---|" + "---|" * (len(ORDERS) + 1)]
     for tile in tiles:
-        r = imbalance(rows, tile, n, ORDERS, grid)
-        count = tile_costs(rows, np.arange(m.e), tile, n).shape[0]
+        r = [imbalance(layer, tile, n, ORDERS, grid) for layer in rows]
+        count = np.mean([tile_costs(layer, np.arange(m.e), tile, n).shape[0] for layer in rows])
         lines.append(f"| {tile.name} ({tile.cost}) | {count / grid:.2f} | "
-                     + " | ".join(f"{r[o]:.3f}" for o in ORDERS) + f" | {r['lpt']:.3f} |")
+                     + " | ".join(f"{np.mean([x[o] for x in r]):.3f}" for o in (*ORDERS, "lpt")) + " |")
     return "\n".join(lines)
 
 
@@ -129,11 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_layer_args(p)
     p.add_argument("--grid", type=int, default=SMS, help="CTAs of the persistent grid (the GPU's SMs)")
+    p.add_argument("--sets", type=int, default=1, help="routings of each layer to average over")
     args = p.parse_args(argv)
-    if args.grid < 1:
-        p.error("--grid must be at least 1")
+    if args.grid < 1 or args.sets < 1:
+        p.error("--grid and --sets must be at least 1")
     for m, t, gemm in each_layer(p, args):
-        print(table(m, t, gemm, args.routing, grid=args.grid) + "\n", flush=True)
+        print(table(m, t, gemm, args.routing, grid=args.grid, sets=args.sets) + "\n", flush=True)
     return 0
 
 

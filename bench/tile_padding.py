@@ -68,10 +68,12 @@ class Cost(NamedTuple):
     l2_bytes: float
 
 
-def row_counts(m: Model, t: int, routing: str = "random") -> np.ndarray:
-    """[E] int: each expert's rows at T=t tokens on the bench's routing (``routed_inputs``' first set)."""
-    _, _, ids = routed_inputs(m, t, sets=1, routing=routing)[0]
-    return np.bincount(np.asarray(ids).ravel(), minlength=m.e)
+def row_counts(m: Model, t: int, routing: str = "random", sets: int = 1) -> np.ndarray:
+    """[E] int: each expert's rows at T=t tokens on the bench's routing (``routed_inputs``' first set);
+    with ``sets`` > 1, [sets, E]: one row per routing of ``routed_inputs``."""
+    counts = np.stack([np.bincount(np.asarray(ids).ravel(), minlength=m.e)
+                       for _, _, ids in routed_inputs(m, t, sets=sets, routing=routing)])
+    return counts[0] if sets == 1 else counts
 
 
 def cost(rows: np.ndarray, tiling: Tiling, n: int, k: int, element_bytes: int = 2) -> Cost:

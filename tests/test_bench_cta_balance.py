@@ -65,3 +65,11 @@ def test_the_command_prints_a_table_per_layer(cta_balance, capsys):
     assert capsys.readouterr().out.count("Most loaded CTA over the mean") == 1
     with pytest.raises(SystemExit):
         cta_balance.main(["--models", "tiny", "--grid", "0"])
+
+
+def test_the_table_averages_over_several_routings_of_the_layer(cta_balance):
+    from bench.moe_bench import MODELS
+
+    text = cta_balance.table(MODELS["tiny"], 32, "gemm1", grid=4, sets=3)
+    assert "means over 3 routings" in text
+    assert text.count("\n| ") == 1 + len(cta_balance.TILES)
