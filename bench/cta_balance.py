@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.expert_order import ORDERS, expert_order  # noqa: E402
 from bench.moe_bench import Model  # noqa: E402
-from bench.tile_padding import BLOCK_ROWS, add_layer_args, each_layer, gemm_shape, row_counts  # noqa: E402
+from bench.tile_padding import BLOCK_ROWS, add_layer_args, each_layer, gemm_shape, row_count_sets  # noqa: E402
 
 SMS = 132  # an H100 SXM's and an H200's SMs: the persistent grid
 COSTS = ("tiles", "blocks")
@@ -114,7 +114,7 @@ def table(m: Model, t: int, gemm: str, routing: str = "random", tiles: Sequence[
           grid: int = SMS, sets: int = 1) -> str:
     """The ratios of :func:`imbalance` per tile of ``tiles``; with ``sets`` > 1, their means over that
     many routings of the layer (each layer of a loop is routed anew)."""
-    rows = row_counts(m, t, routing, sets).reshape(sets, m.e)
+    rows = row_count_sets(m, t, routing, sets)
     n, _ = gemm_shape(m, gemm)
     over = "" if sets == 1 else f", means over {sets} routings"
     lines = [f"{m.name} {gemm}, T={t}, {routing} routing, {grid} CTAs: {int(rows[0].sum())} rows over "

@@ -68,12 +68,16 @@ class Cost(NamedTuple):
     l2_bytes: float
 
 
-def row_counts(m: Model, t: int, routing: str = "random", sets: int = 1) -> np.ndarray:
-    """[E] int: each expert's rows at T=t tokens on the bench's routing (``routed_inputs``' first set);
-    with ``sets`` > 1, [sets, E]: one row per routing of ``routed_inputs``."""
-    counts = np.stack([np.bincount(np.asarray(ids).ravel(), minlength=m.e)
-                       for _, _, ids in routed_inputs(m, t, sets=sets, routing=routing)])
-    return counts[0] if sets == 1 else counts
+def row_count_sets(m: Model, t: int, routing: str = "random", sets: int = 1) -> np.ndarray:
+    """[sets, E] int: each expert's rows at T=t tokens in each of ``routed_inputs``' first ``sets``
+    routings of the bench."""
+    return np.stack([np.bincount(np.asarray(ids).ravel(), minlength=m.e)
+                     for _, _, ids in routed_inputs(m, t, sets=sets, routing=routing)])
+
+
+def row_counts(m: Model, t: int, routing: str = "random") -> np.ndarray:
+    """[E] int: each expert's rows at T=t tokens on the bench's routing (``routed_inputs``' first set)."""
+    return row_count_sets(m, t, routing)[0]
 
 
 def cost(rows: np.ndarray, tiling: Tiling, n: int, k: int, element_bytes: int = 2) -> Cost:
