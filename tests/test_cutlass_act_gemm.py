@@ -96,6 +96,18 @@ def assert_fp8_silu_act_is_the_definition(tile, a, b, off, a_scale, b_scale, row
     return fn, out_scale
 
 
+def assert_bf16_act_is_the_definition(tile, a, b, off, bias, activation, transposed=False):
+    """The bf16 kernel on ``tile`` (swigluoai's constants ALPHA and LIMIT, which the other activations
+    ignore; b given as [E, 2I, H], run as [E, H, 2I] where ``transposed``) over poisoned output, against
+    the float64 definition."""
+    bb = jnp.swapaxes(b, 1, 2) if transposed else b
+    fn = jax.jit(lambda a, bb, o, bias: grouped_gemm_act(a, bb, o, activation, alpha=ALPHA, limit=LIMIT, bias=bias,
+                                                         tile=tile, transposed=transposed))
+    poison_memory(jax.eval_shape(fn, a, bb, off, bias))
+    got = np.asarray(fn(a, bb, off, bias), np.float32)
+    assert rel_err(got, definition(a, b, off, activation, bias)) < REL_TOL
+
+
 def fp8_value(q, scale):
     return np.asarray(q.astype(jnp.float32), np.float64) * float(scale)
 
@@ -273,10 +285,7 @@ def test_kernel_matches_the_definition_where_each_cta_runs_many_tiles(rng, tile)
     skip_unless_available(cb)
     counts = rng.integers(0, 300, 64)
     a, b, off, bias = bf16_case(rng, counts, n=1024, k=128)
-    fn = jax.jit(lambda a, b, o, bias: grouped_gemm_act(a, b, o, "silu", bias=bias, tile=tile))
-    poison_memory(jax.eval_shape(fn, a, b, off, bias))
-    got = np.asarray(fn(a, b, off, bias), np.float32)
-    assert rel_err(got, definition(a, b, off, "silu", bias)) < REL_TOL
+    assert_bf16_act_is_the_definition(tile, a, b, off, bias, "silu")
 
 
 @pytest.mark.gpu
@@ -286,11 +295,7 @@ def test_kernel_keeps_each_experts_weights_and_bias_when_its_groups_are_spread(r
     weights and its own bias row (swigluoai, 2I = 256); output poisoned."""
     skip_unless_available(cb)
     a, b, off, bias = bf16_case(rng, spread_counts(rng), n=256, k=128)
-    fn = jax.jit(lambda a, b, o, bias: grouped_gemm_act(a, b, o, "swigluoai", alpha=ALPHA, limit=LIMIT, bias=bias,
-                                                        tile=tile))
-    poison_memory(jax.eval_shape(fn, a, b, off, bias))
-    got = np.asarray(fn(a, b, off, bias), np.float32)
-    assert rel_err(got, definition(a, b, off, "swigluoai", bias)) < REL_TOL
+    assert_bf16_act_is_the_definition(tile, a, b, off, bias, "swigluoai")
 
 
 @pytest.mark.gpu
@@ -316,12 +321,7 @@ def test_kernel_matches_the_definition_on_rows_about_a_tiles_half(rng, tile, tra
     poisoned."""
     skip_unless_available(cb)
     a, b, off, bias = bf16_case(rng, np.array(HALF_TILE_COUNTS), n=480, k=192)
-    bb = jnp.swapaxes(b, 1, 2) if transposed else b
-    fn = jax.jit(lambda a, bb, o, bias: grouped_gemm_act(a, bb, o, "swigluoai", alpha=ALPHA, limit=LIMIT, bias=bias,
-                                                         tile=tile, transposed=transposed))
-    poison_memory(jax.eval_shape(fn, a, bb, off, bias))
-    got = np.asarray(fn(a, bb, off, bias), np.float32)
-    assert rel_err(got, definition(a, b, off, "swigluoai", bias)) < REL_TOL
+    assert_bf16_act_is_the_definition(tile, a, b, off, bias, "swigluoai", transposed)
 
 
 @pytest.mark.gpu
