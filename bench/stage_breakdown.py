@@ -38,7 +38,10 @@ rows, against tokamax's at the same model and T (``x tokamax``). Its last column
 clock (:mod:`bench.gpu_clocks`): the median while the loop was traced, then the 10th percentile
 and median while it runs back to back for a second after its trace, with the share of those
 samples at which the driver lowered the clock for its power cap. A loop that ran slower because
-the clock fell can so be told from a change in the kernels, and a sustained run's clock read.
+the clock fell can so be told from a change in the kernels, and a sustained run's clock read. The
+same back-to-back run reads the board's energy counter (:mod:`bench.gpu_energy`): millijoules per
+layer and the mean watts. At the power cap a layer's time is its energy over the limit, so that
+column compares two implementations on what bounds them both.
 
 The GEMM columns also give each grouped GEMM's share of its own floor: ``max(touched experts'
 weight bytes / bandwidth, FLOPs / peak)`` with the ceilings measured in the same run.
@@ -63,7 +66,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench import gpu_clocks, in_loop, kernel_trace, peers  # noqa: E402
+from bench import gpu_clocks, gpu_energy, in_loop, kernel_trace, peers  # noqa: E402
 from bench.moe_bench import (FP8_MATH, MODELS, Model, measure_ceilings, quantized, random_experts,  # noqa: E402
                               print_xla_flags, roofline, routed_inputs, timeit, touched_experts)
 from bench.routings import ROUTINGS  # noqa: E402
@@ -78,7 +81,9 @@ COLUMNS = ("route", "sort", "permute", "gemm1", "act", "gemm2", "finalize", "set
 # (moe_bench.roofline; for FP8, one byte per weight and twice the peak). Fixed figures, not this run's
 # measured ceilings, so that the loop table's "floor / busy" reads the same on any machine.
 TARGET_BANDWIDTH, TARGET_PEAK = 3.0e12, 800e12
-CLOCK_SECONDS = 1.0  # how long each loop runs back to back under the clock sampler
+# How long each loop runs back to back under the clock sampler and the energy meter: a second, and at
+# least MIN_CALLS calls, since the meter knows the calls between its counter's steps to within one.
+CLOCK_SECONDS, MIN_CALLS = 1.0, 50
 PEER_NA = ("permute", "setup", "glue")  # columns a peer's forward has no kernels of (shown as "-")
 
 
@@ -174,16 +179,26 @@ def on_gpu() -> bool:
     return jax.devices()[0].platform == "gpu"
 
 
-def loop_clocks(loop, loop_args: tuple, seconds: float = CLOCK_SECONDS) -> gpu_clocks.ClockSummary | None:
-    """The GPU's SM clock while ``loop`` runs back to back for about ``seconds``
-    (:class:`bench.gpu_clocks.ClockSampler`); None off a GPU or without ``nvidia-smi``."""
+def back_to_back(loop, loop_args: tuple, layers: int, seconds: float = CLOCK_SECONDS,
+                 min_calls: int = MIN_CALLS) -> dict:
+    """``loop`` (of ``layers`` layers) run back to back for about ``seconds``, and for at least
+    ``min_calls`` calls: the GPU's SM clock meanwhile (``clocks``,
+    :class:`bench.gpu_clocks.ClockSampler`), the energy the board drew (``energy``,
+    :class:`bench.gpu_energy.EnergyMeter`) and its joules per layer (``joules``). Each is None off a
+    GPU, or without ``nvidia-smi`` or NVML."""
     if not on_gpu():
-        return None
-    with gpu_clocks.ClockSampler() as clocks:
+        return {"clocks": None, "energy": None, "joules": None}
+    start = time.perf_counter()
+    jax.block_until_ready(loop(*loop_args))
+    seconds = max(seconds, min_calls * (time.perf_counter() - start))
+    calls = 0
+    with gpu_clocks.ClockSampler() as clocks, gpu_energy.EnergyMeter() as energy:
         end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
+        while time.perf_counter() < end or not energy.advanced():  # (to the counter's next step)
             jax.block_until_ready(loop(*loop_args))
-    return clocks.summary
+            calls += 1
+    return {"clocks": clocks.summary, "energy": energy.summary,
+            "joules": gpu_energy.per_layer(energy.summary, calls * layers)}
 
 
 def traced_loop(fn, args: tuple, num_experts: int, top_k: int, layers: int, calls: int = 2,
@@ -193,8 +208,8 @@ def traced_loop(fn, args: tuple, num_experts: int, top_k: int, layers: int, call
     ``routing``): microseconds of busy
     time, of span (the loop's first kernel's start to its last one's end, over ``layers``) and of
     grouped-GEMM time, medians over ``calls`` traced calls of the loop; the SM clock while it was
-    traced (``clocks_traced``) and while it runs back to back (``clocks``, :func:`loop_clocks`);
-    None if the trace could not be split into calls."""
+    traced (``clocks_traced``), and while it runs back to back the clock, the board's energy and
+    its joules per layer (:func:`back_to_back`); None if the trace could not be split into calls."""
     loop, loop_args = in_loop.scaled_loop(fn, *args[:2], num_experts, top_k, layers, routing=routing)
     jax.block_until_ready(loop(*loop_args))
     with gpu_clocks.ClockSampler(enabled=on_gpu()) as traced_clocks:
@@ -210,7 +225,7 @@ def traced_loop(fn, args: tuple, num_experts: int, top_k: int, layers: int, call
             "span": per_layer(kernel_trace.span_ns(g) for g in groups),
             "gemm": per_layer(sum(ns for k, ns in kernel_trace.exclusive(g)
                                   if kernel_trace.kind_of(k.name) == "gemm") for g in groups),
-            "clocks_traced": traced_clocks.summary, "clocks": loop_clocks(loop, loop_args)}
+            "clocks_traced": traced_clocks.summary, **back_to_back(loop, loop_args, layers)}
 
 
 def target_floor_us(m: Model, t: int, scheme: str = "bf16") -> float:
@@ -222,7 +237,7 @@ def target_floor_us(m: Model, t: int, scheme: str = "bf16") -> float:
 def loop_header() -> str:
     cols = ["model", "T", "impl", "layers", "busy us per layer", "span us per layer", "gemm us per layer",
             "floor us", "floor / busy", "x tokamax",
-            "SM MHz traced; back to back p10 / median (power-capped)"]
+            "SM MHz traced; back to back p10 / median (power-capped)", "mJ per layer back to back (W)"]
     return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
 
 
@@ -238,6 +253,7 @@ def format_loop_row(row: dict, peer_busy: float | None = None) -> str:
     cells.append(f"{peer_busy / lp['busy']:.2f}x" if peer_busy and lp["busy"] else "-")
     traced = lp.get("clocks_traced")
     cells.append(f"{traced['median_mhz'] if traced else '-'}; {gpu_clocks.cell(lp.get('clocks'))}")
+    cells.append(gpu_energy.cell(lp.get("joules"), lp.get("energy")))
     return "| " + " | ".join(cells) + " |"
 
 

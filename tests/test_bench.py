@@ -266,19 +266,57 @@ def test_stage_breakdown_loop_table_reads_each_layer_against_the_targets_floor_a
     # FP8: one byte per weight, the tokens still bf16 in and out (33.5 MB)
     assert stage_breakdown.target_floor_us(MODELS["qwen3"], 4096, "fp8") == pytest.approx(212.5, abs=0.5)
 
-    def row(impl, t, busy, traced=None, clocks=None):
+    def row(impl, t, busy, traced=None, clocks=None, joules=None, energy=None):
         return {"model": "m", "T": t, "impl": impl, "target_floor": 400.0,
                 "loop": {"layers": 8, "busy": busy, "span": busy + 10, "gemm": busy - 50,
-                         "clocks_traced": traced, "clocks": clocks}}
+                         "clocks_traced": traced, "clocks": clocks, "joules": joules, "energy": energy}}
 
     traced = {"samples": 9, "p10_mhz": 1845, "median_mhz": 1965, "max_mhz": 1980, "power_capped": 0.2}
     capped = {"samples": 40, "p10_mhz": 1110, "median_mhz": 1380, "max_mhz": 1980, "power_capped": 1.0}
-    rows = [row("cutlass", 64, 500.0, traced, capped), row("tokamax", 64, 1000.0), row("cutlass", 128, 800.0)]
+    drawn = {"joules": 700.0, "seconds": 1.0, "watts": 700.0, "limit_watts": 700.0}
+    rows = [row("cutlass", 64, 500.0, traced, capped, 0.35, drawn), row("tokamax", 64, 1000.0),
+            row("cutlass", 128, 800.0)]
     lines = stage_breakdown.loop_table(rows).splitlines()
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
-    assert cells[0][7:] == ["400.0", "80%", "2.00x", "1965; 1110 / 1380 (100%)"]
-    assert cells[1][7:] == ["400.0", "40%", "-", "-; -"]     # the peer's own row (here without clocks)
-    assert cells[2][7:] == ["400.0", "50%", "-", "-; -"]     # no peer at this T
+    assert cells[0][7:] == ["400.0", "80%", "2.00x", "1965; 1110 / 1380 (100%)", "350 (700 W)"]
+    assert cells[1][7:] == ["400.0", "40%", "-", "-; -", "-"]     # the peer's own row (no clocks, no meter)
+    assert cells[2][7:] == ["400.0", "50%", "-", "-; -", "-"]     # no peer at this T
+
+
+def test_the_energy_meter_reads_the_board_from_one_step_of_nvmls_counter_to_another(monkeypatch):
+    """bench.gpu_energy.EnergyMeter reads NVML's total-energy counter (mJ), which steps every few
+    tens of ms. It starts at a step; a caller runs until ``advanced()`` says the counter stepped
+    again, and the meter reads it on leaving: joules, seconds, mean watts and the board's power
+    limit. Joules per layer divide by the layers run. Without NVML, or not enabled, it reads
+    nothing, has no summary, and ``advanced()`` is always True."""
+    import types
+
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import gpu_energy
+
+    readings = [1_000_000, 1_000_000, 1_100_000,  # entry: waits for the step to 1.1 MJ
+                1_100_000, 1_100_000, 1_800_000]  # advanced(): marks, not yet, stepped
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: f"gpu{i}",
+        nvmlDeviceGetTotalEnergyConsumption=lambda h: readings.pop(0) if len(readings) > 1 else readings[0],
+        nvmlDeviceGetEnforcedPowerLimit=lambda h: 700_000)
+    monkeypatch.setattr(gpu_energy, "nvml_device", lambda index: (nvml, f"gpu{index}"))
+    with gpu_energy.EnergyMeter() as energy:
+        time.sleep(0.05)
+        assert [energy.advanced(), energy.advanced(), energy.advanced()] == [False, False, True]
+    s = energy.summary
+    assert s["joules"] == pytest.approx(700.0) and s["limit_watts"] == pytest.approx(700.0)
+    assert s["seconds"] >= 0.05 and s["watts"] == pytest.approx(700.0 / s["seconds"])
+    assert gpu_energy.per_layer(s, 2000) == pytest.approx(0.35)
+    assert gpu_energy.per_layer(None, 8) is None and gpu_energy.cell(None, None) == "-"
+
+    monkeypatch.setattr(gpu_energy, "nvml_device", lambda index: None)  # no NVML here
+    with gpu_energy.EnergyMeter() as energy:
+        assert energy.advanced()
+    assert energy.summary is None
+    with gpu_energy.EnergyMeter(enabled=False) as energy:  # a caller not on the GPU
+        assert energy.advanced()
+    assert energy.summary is None
 
 
 def test_the_clock_sampler_reads_the_busy_samples_clock_and_how_often_the_power_cap_lowered_it(monkeypatch):
