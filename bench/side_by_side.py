@@ -36,10 +36,11 @@ from collections.abc import Sequence
 BASE_DIR = ".base"
 SIDES = ("base", "new")
 # the rows' quantities compared, in the table's order (those that are zero on both sides are left out);
-# "loop busy" and "loop gemm": per layer in the loop of ``stage_breakdown --loop N``
+# "loop busy" and "loop gemm": per layer in the loop of ``stage_breakdown --loop N``; "loop mJ": the
+# board's millijoules per layer as that loop ran back to back (the one figure not in microseconds)
 # "per call" and "in loop": moe_bench's timers (wall time per call, device time per layer in its loop)
 QUANTITIES = ("busy", "gemm1", "gemm2", "permute", "act", "finalize", "sort", "route", "setup", "glue", "loop busy",
-              "loop gemm", "per call", "in loop")
+              "loop gemm", "loop mJ", "per call", "in loop")
 TIMERS = ("per call", "in loop")
 
 
@@ -66,6 +67,9 @@ def _quantity(row: dict, name: str) -> float | None:
         return None if value is None else float(value)
     if name == "busy":
         return float(row.get("busy", 0.0))
+    if name == "loop mJ":
+        joules = (row.get("loop") or {}).get("joules")
+        return None if joules is None else 1e3 * float(joules)
     if name.startswith("loop "):
         loop = row.get("loop")
         return None if not loop else float(loop[name.removeprefix("loop ")])
@@ -115,7 +119,8 @@ def read_rounds(folder: str) -> dict[str, dict[int, list[dict]]]:
 
 
 def table(rounds: dict[str, dict[int, list[dict]]], sides: str = "the base, then the new tree") -> list[str]:
-    """Markdown lines: per (model, T, impl) and quantity, the base and new medians over rounds (us),
+    """Markdown lines: per (model, T, impl) and quantity, the base and new medians over rounds (us;
+    "loop mJ" in millijoules),
     new / base of the medians, and the range of the rounds' own new / base. Rounds present on one side
     only, rows missing from a round, and loop figures missing from one side of a round, are left out.
     ``sides`` says in the last line what each round ran."""

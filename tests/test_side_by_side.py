@@ -43,15 +43,17 @@ def test_the_table_gives_medians_their_ratio_and_the_rounds_range(side_by_side, 
 def test_the_loops_figures_per_layer_are_compared_where_the_rows_have_them(side_by_side, tmp_path):
     for rnd, (b, n) in enumerate([(414.0, 408.0), (413.8, 407.9)], start=1):
         base, new = _row("Qwen3", 4096, b, gemm2=161.0), _row("Qwen3", 4096, n, gemm2=156.8)
-        base["loop"], new["loop"] = {"layers": 8, "busy": b, "span": b + 30, "gemm": b - 43}, None
+        base["loop"], new["loop"] = {"layers": 8, "busy": b, "span": b + 30, "gemm": b - 43, "joules": 0.532}, None
         if rnd == 2:
-            new["loop"] = {"layers": 8, "busy": n, "span": n + 30, "gemm": n - 43}
+            new["loop"] = {"layers": 8, "busy": n, "span": n + 30, "gemm": n - 43, "joules": 0.518}
         _write(tmp_path, "base", rnd, [base])
         _write(tmp_path, "new", rnd, [new])
     lines = side_by_side.table(side_by_side.read_rounds(str(tmp_path)))
     loop = next(line for line in lines if "| loop busy |" in line)
     assert loop == "| Qwen3 | 4096 | cutlass fp8 | loop busy | 413.8 | 407.9 | 0.986 | 0.986 - 0.986 |"  # round 2 only
     assert any("| loop gemm |" in line for line in lines)
+    energy = next(line for line in lines if "| loop mJ |" in line)  # the board's energy per layer
+    assert energy == "| Qwen3 | 4096 | cutlass fp8 | loop mJ | 532.0 | 518.0 | 0.974 | 0.974 - 0.974 |"
 
 
 def test_moe_benchs_table_is_compared_per_call_and_in_the_loop(side_by_side, tmp_path):
