@@ -10,16 +10,16 @@
 //             128 x bin tile, d written column-major (the same [rows, N] row-major array), so that each
 //             expert's rows pad only to their bin and each weight tile is read by one CTA.
 // It checks the swapped and pingpong outputs against the standard one (all NaN-poisoned first), and
-// sampled entries against a
-// float64 dot product, then times the three in alternating rounds (median of 15 each, CUDA events;
-// each timed sample runs the form `reps` times back to back, so the power cap sets in as in a loop),
-// then the joules each run draws (NVML's energy counter, over about two seconds of each form). `balanced` gives every expert T*k/E rows,
-// so that no form multiplies a padded row.
+// sampled entries against a float64 dot product. Then it times the three in alternating rounds
+// (median of 15 each, CUDA events; each timed sample runs the form `reps` times back to back, so that
+// the power cap sets in as in a loop), and reads the joules each run draws (NVML's energy counter,
+// over about two seconds of each form). `balanced` gives every expert T*k/E rows, so that no form
+// multiplies a padded row. The bins hold up to 256 rows: qwen3 fits them up to T=2048.
 // Build against the nvidia-cutlass wheel's headers (python -m pip download nvidia-cutlass, unzip; or
 // the build's own CUTLASS), then run on an SM90 GPU:
 //   CU=<cutlass_library/source>; nvcc -I$CU/include -I$CU/tools/util/include -O3 -DNDEBUG \
 //     -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -diag-suppress=940,2473 -std=c++17 \
-//     bench/swap_ab_probe.cu -o /tmp/swap_ab_probe && /tmp/swap_ab_probe 4096 deepseek [reps [balanced]]
+//     bench/swap_ab_probe.cu -ldl -o /tmp/swap_ab_probe && /tmp/swap_ab_probe 4096 deepseek [reps [balanced]]
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <algorithm>
