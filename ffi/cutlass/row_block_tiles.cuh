@@ -18,6 +18,8 @@
 // The producer loads A one 64-row block at a time (each group's A descriptor has a 64-row box, set by
 // the setup launch), and only the blocks that hold rows; the stage's barrier is told at once of the
 // bytes of the blocks it skips. A tile of at most 128 rows so reads none of the next expert's rows.
+// B's loads of an expert of up to 192 rows are marked evict-first in the L2, as in
+// PrebuiltTensormapMainloop (HintB).
 //
 // CUTLASS's `mma` is not told the tile. Every tile of one call has the same K, so the consumer counts
 // its tiles from its pipeline state (count() / k_tile_count). A CTA's tiles are its first, then one
@@ -166,7 +168,8 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
     // that coordinate alone, by 64.
     const auto down = gA_mkl(kBlockRows, 0, 0, 0, 0), origin = gA_mkl(0, 0, 0, 0, 0);
     if (int(get<kABoxDimM>(down)) - int(get<kABoxDimM>(origin)) != kBlockRows) __trap();
-    const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+    const uint64_t hint_a = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+    const auto hint_b = this->template HintB<int(size<0>(TileShape{}))>(params);
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.producer_acquire(state);
@@ -177,11 +180,12 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
       }
       const int stage = state.index();
       const int k = *k_tile_iter;
-      copy(params.tma_load_b.with(this->tensormap_b_, *barrier, uint16_t(0)), tBgB(_, _, _, k), tBsB(_, _, _, stage));
+      copy(params.tma_load_b.with(this->tensormap_b_, *barrier, uint16_t(0), hint_b), tBgB(_, _, _, k),
+           tBsB(_, _, _, stage));
       for (int b = 0; b < blocks; ++b) {
         auto* dst = raw_pointer_cast(&sA(b * kBlockRows, 0, stage));
         apply(gA_mkl(b * kBlockRows, 0, m_coord, k, l_coord), [&](auto const&... crd) {
-          SM90_TMA_LOAD::copy(this->tensormap_a_, barrier, hint, dst, static_cast<int32_t>(crd)...);
+          SM90_TMA_LOAD::copy(this->tensormap_a_, barrier, hint_a, dst, static_cast<int32_t>(crd)...);
         });
       }
       ++k_tile_iter;
