@@ -211,8 +211,8 @@ struct PrebuiltTensormapMainloop : Base {
   // The L2 priority of B's loads for the current group: evict first where the group's rows fit one
   // row tile, so that each of its B tiles is read by one CTA, once (the weights of an expert of up to
   // a tile's rows); as any other line where several row tiles read each B tile.
-  template <int kTileRows>
   CUTLASS_DEVICE cute::TMA::CacheHintSm90 HintB(Params const& params) const {
+    constexpr int kTileRows = cute::size<0>(typename Base::TileShape{});
     return cute::get<0>(params.problem_shapes[group_]) <= kTileRows ? cute::TMA::CacheHintSm90::EVICT_FIRST
                                                                     : cute::TMA::CacheHintSm90::EVICT_NORMAL;
   }
@@ -240,7 +240,7 @@ struct PrebuiltTensormapMainloop : Base {
       Tensor tAsA = tma_a.partition_D(sA);                                              // (TMA, TMA_M, TMA_K, PIPE)
       Tensor tBgB = tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));  // (TMA, TMA_N, TMA_K, k)
       Tensor tBsB = tma_b.partition_D(sB);                                              // (TMA, TMA_N, TMA_K, PIPE)
-      const auto hint_b = HintB<int(size<0>(typename Base::TileShape{}))>(params);
+      const auto hint_b = HintB(params);
       CUTLASS_PRAGMA_NO_UNROLL
       for (; k_tile_count > 0; --k_tile_count) {
         pipeline.producer_acquire(state);

@@ -169,7 +169,7 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
     const auto down = gA_mkl(kBlockRows, 0, 0, 0, 0), origin = gA_mkl(0, 0, 0, 0, 0);
     if (int(get<kABoxDimM>(down)) - int(get<kABoxDimM>(origin)) != kBlockRows) __trap();
     const uint64_t hint_a = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
-    const auto hint_b = this->template HintB<int(size<0>(TileShape{}))>(params);
+    const auto hint_b = this->HintB(params);
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.producer_acquire(state);
