@@ -131,6 +131,9 @@ struct PrebuiltTensormapMainloop : Base {
   // The current group and its pair, in the producer warp's registers (the kernel's tile coordinates
   // carry no group: their L is a placeholder).
   int32_t group_ = 0;
+  // The current group's M, taken at the switch from the problem shape the kernel has just read for
+  // it, so that the loads of each tile (HintB, the 192-row tile's blocks) read no global memory for it.
+  int32_t rows_ = 0;
   cute::TmaDescriptor const* tensormap_a_ = nullptr;
   cute::TmaDescriptor const* tensormap_b_ = nullptr;
   // Lane l's bit c: group 32 c + l's pair is fenced (all set when every group's is).
@@ -181,9 +184,10 @@ struct PrebuiltTensormapMainloop : Base {
   // the group of its first (invalid) tile, which may be past the last: it loads nothing.
   template <class TensorMapStorage, class TensorMaps, class ProblemShapeMNKL>
   CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage&, Params const& params, TensorMaps const&,
-                                                ProblemShapeMNKL, int32_t next_batch) {
+                                                ProblemShapeMNKL problem, int32_t next_batch) {
     if (next_batch < 0 || next_batch >= params.groups) return;
     group_ = next_batch;
+    rows_ = cute::get<0>(problem);
     tensormap_a_ = params.group_tensormaps + int64_t(next_batch) * kTensormapsPerGroup;
     tensormap_b_ = tensormap_a_ + 1;
     const int owner = next_batch % 32;
@@ -211,10 +215,9 @@ struct PrebuiltTensormapMainloop : Base {
   // The L2 priority of B's loads for the current group: evict first where the group's rows fit one
   // row tile, so that each of its B tiles is read by one CTA, once (the weights of an expert of up to
   // a tile's rows); as any other line where several row tiles read each B tile.
-  CUTLASS_DEVICE cute::TMA::CacheHintSm90 HintB(Params const& params) const {
+  CUTLASS_DEVICE cute::TMA::CacheHintSm90 HintB() const {
     constexpr int kTileRows = cute::size<0>(typename Base::TileShape{});
-    return cute::get<0>(params.problem_shapes[group_]) <= kTileRows ? cute::TMA::CacheHintSm90::EVICT_FIRST
-                                                                    : cute::TMA::CacheHintSm90::EVICT_NORMAL;
+    return rows_ <= kTileRows ? cute::TMA::CacheHintSm90::EVICT_FIRST : cute::TMA::CacheHintSm90::EVICT_NORMAL;
   }
 
   // The producer's loads, through the current group's pair: per K tile, A's box and B's box, B's at
@@ -240,7 +243,7 @@ struct PrebuiltTensormapMainloop : Base {
       Tensor tAsA = tma_a.partition_D(sA);                                              // (TMA, TMA_M, TMA_K, PIPE)
       Tensor tBgB = tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));  // (TMA, TMA_N, TMA_K, k)
       Tensor tBsB = tma_b.partition_D(sB);                                              // (TMA, TMA_N, TMA_K, PIPE)
-      const auto hint_b = HintB(params);
+      const auto hint_b = HintB();
       CUTLASS_PRAGMA_NO_UNROLL
       for (; k_tile_count > 0; --k_tile_count) {
         pipeline.producer_acquire(state);

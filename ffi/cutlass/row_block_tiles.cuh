@@ -151,7 +151,7 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
     const auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
     int blocks = kBlocks;
     if (params.skip) {
-      blocks = BlocksWithRows(get<0>(params.problem_shapes[this->group_]) - int(m_coord) * int(size<0>(TileShape{})));
+      blocks = BlocksWithRows(this->rows_ - int(m_coord) * int(size<0>(TileShape{})));
     }
     constexpr uint32_t kBlockBytes = kBlockRows * size<2>(TileShape{}) * sizeof(typename Base::ElementA);
     static_assert(Base::TmaTransactionBytes == kBlocks * kBlockBytes + size<1>(TileShape{}) * size<2>(TileShape{}) *
@@ -169,7 +169,7 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
     const auto down = gA_mkl(kBlockRows, 0, 0, 0, 0), origin = gA_mkl(0, 0, 0, 0, 0);
     if (int(get<kABoxDimM>(down)) - int(get<kABoxDimM>(origin)) != kBlockRows) __trap();
     const uint64_t hint_a = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
-    const auto hint_b = this->HintB(params);
+    const auto hint_b = this->HintB();
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.producer_acquire(state);
