@@ -128,11 +128,10 @@ struct PrebuiltTensormapMainloop : Base {
             args.tile_order};
   }
 
-  // The current group and its pair, in the producer warp's registers (the kernel's tile coordinates
-  // carry no group: their L is a placeholder).
-  int32_t group_ = 0;
-  // The current group's M, taken at the switch from the problem shape the kernel has just read for
-  // it, so that the loads of each tile (HintB, the 192-row tile's blocks) read no global memory for it.
+  // The current group's M and its pair, in the producer warp's registers (the kernel's tile
+  // coordinates carry no group: their L is a placeholder). The rows come at the switch from the
+  // problem shape the kernel has just read for the group, so that the loads of each tile (HintB, the
+  // 192-row tile's blocks) read no global memory for them.
   int32_t rows_ = 0;
   cute::TmaDescriptor const* tensormap_a_ = nullptr;
   cute::TmaDescriptor const* tensormap_b_ = nullptr;
@@ -186,7 +185,6 @@ struct PrebuiltTensormapMainloop : Base {
   CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage&, Params const& params, TensorMaps const&,
                                                 ProblemShapeMNKL problem, int32_t next_batch) {
     if (next_batch < 0 || next_batch >= params.groups) return;
-    group_ = next_batch;
     rows_ = cute::get<0>(problem);
     tensormap_a_ = params.group_tensormaps + int64_t(next_batch) * kTensormapsPerGroup;
     tensormap_b_ = tensormap_a_ + 1;
