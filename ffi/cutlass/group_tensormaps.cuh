@@ -52,6 +52,9 @@ struct PrebuiltTensormapMainloop : Base {
     // the scheduler's raster order, which gives the CTA's first tile: blockIdx.x + blockIdx.y *
     // gridDim.x along N, blockIdx.x * gridDim.y + blockIdx.y along M
     bool raster_along_n = true;
+    // the CTAs take their tiles after the first from a counter (dynamic_tile_scheduler.cuh): which
+    // tiles a CTA runs is not known ahead
+    bool dynamic = false;
   };
 
   // Group `shape`'s row and column tile counts in the scheduler's terms (each rounded up to its
@@ -86,8 +89,11 @@ struct PrebuiltTensormapMainloop : Base {
     TileOrder tile_order;
   };
 
-  // More groups than a lane's mask can record: every pair is fenced at the CTA's start.
-  CUTLASS_DEVICE static bool FenceEveryGroup(Params const& params) { return params.groups > kMaxPlannedGroups; }
+  // More groups than a lane's mask can record, or tiles taken from a counter: every pair is fenced at
+  // the CTA's start.
+  CUTLASS_DEVICE static bool FenceEveryGroup(Params const& params) {
+    return params.groups > kMaxPlannedGroups || params.tile_order.dynamic;
+  }
 
   // One step of a warp's walk over the groups in the scheduler's order: lane l takes group base + l,
   // reads its shape once and counts its tiles, and an inclusive scan over the lanes gives where each

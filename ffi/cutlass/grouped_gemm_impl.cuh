@@ -29,6 +29,7 @@
 #include "grouped_gemm.h"
 
 #ifdef JAX_MOE_CUTLASS_IMPL
+#include "dynamic_tile_scheduler.cuh"  // before any kernel type: its scheduler selector
 #include "group_order.cuh"
 #include "group_tensormaps.cuh"
 #include "grouped_gemm_traits.cuh"
@@ -195,6 +196,20 @@ inline bool SkipEmptyBlocks() {
   return skip;
 }
 
+// Which unclustered cooperative tiles take their tiles from a counter (dynamic_tile_scheduler.cuh):
+// JAX_MOE_CUTLASS_DYNAMIC_TILES, a mask: bit 1 << EpilogueKindOf(kind) for every tile of a kind (1: the
+// plain kinds, 2: the act kinds, 4: the scatter kinds), kDynamicRowBlocks for the 192-row tile; read
+// once.
+inline constexpr int kDynamicRowBlocks = 8;
+inline constexpr int kDynamicTilesDefault = kDynamicRowBlocks;
+inline int DynamicTilesMask() {
+  static const int mask = [] {
+    const char* v = std::getenv("JAX_MOE_CUTLASS_DYNAMIC_TILES");
+    return v == nullptr ? kDynamicTilesDefault : static_cast<int>(std::strtol(v, nullptr, 10));
+  }();
+  return mask;
+}
+
 // The mainloop of a tile: CUTLASS's collective on the prebuilt descriptors, or with kRowBlocks the
 // same collective with its warpgroups on column halves, multiplying the 64-row blocks with rows.
 template <bool kRowBlocks, class Built, class Element, class TileShape>
@@ -248,6 +263,14 @@ struct GroupedGemm {
   using TensorMapStorage = typename CollectiveMainloop::TensorMapStorage;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  // Tiles from a counter need the cooperative kernel without a cluster (dynamic_tile_scheduler.cuh).
+  static constexpr bool kDynamicCapable =
+      cute::size(ClusterShape{}) == 1 &&
+      (std::is_same_v<KernelSchedule, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative> ||
+       std::is_same_v<KernelSchedule, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>);
+  static_assert(std::is_same_v<typename Kernel::TileScheduler,
+                               DynamicGroupScheduler<ProblemShape, Kernel::TileSchedulerStages>>,
+                "the kernel runs dynamic_tile_scheduler.cuh's scheduler");
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
   using StrideA = typename Kernel::InternalStrideA;
@@ -362,6 +385,10 @@ struct GroupedGemm {
       args.scheduler.max_swizzle_size = 1;
       args.mainloop.skip = SkipEmptyBlocks();
     }
+    if constexpr (kDynamicCapable) {
+      const int mask = DynamicTilesMask();
+      args.scheduler.dynamic = ((mask >> EpilogueKindOf(Kind)) & 1) || (kRowBlocks && (mask & kDynamicRowBlocks));
+    }
     SetTileOrder(args);
     return args;
   }
@@ -379,6 +406,7 @@ struct GroupedGemm {
     order.round_m = swizzle * sp.cluster_shape_.m();
     order.round_n = swizzle * sp.cluster_shape_.n();
     order.raster_along_n = sp.raster_order_ == decltype(sp.raster_order_)::AlongN;
+    order.dynamic = args.scheduler.dynamic;
   }
 
   static size_t WorkspaceBytes(int64_t groups, int sm_count) {
@@ -455,8 +483,9 @@ __global__ void __launch_bounds__(kFillThreads)
                     int64_t groups, int64_t m, bool batched, int64_t capacity, int n, int k, int64_t d_cols,
                     int64_t d_rows, const typename G::Element* a, const typename G::Element* b,
                     typename G::ElementD* d, const float* row_scale, int64_t row_scale_step, const float* col_scale,
-                    int64_t col_scale_group_step, bool spread) {
+                    int64_t col_scale_group_step, bool spread, uint32_t* tile_counter) {
   const int64_t g = blockIdx.x;
+  if (tile_counter != nullptr && g == 0 && threadIdx.x == 0) *tile_counter = 0;
   if (g >= groups) {
     const int64_t vec_per_row = d_cols * int64_t(sizeof(*d)) / 16;
     if constexpr (IsScatterKind(Kind))
@@ -524,7 +553,8 @@ ffi::Error RunGemm(const GroupedGemmCall& c) {
   FillGroupArrays<Kind, G><<<static_cast<unsigned>(c.groups + zero_blocks), kFillThreads, 0, c.stream>>>(
       arr, gemm.params().mainloop, c.offsets, c.groups, c.m, c.batched, c.capacity, static_cast<int>(c.n),
       static_cast<int>(c.k), c.d_cols, d_rows, static_cast<const E*>(c.a), static_cast<const E*>(c.b),
-      static_cast<D*>(c.d), c.row_scale, c.row_scale_step, c.col_scale, c.col_scale_group_step, spread);
+      static_cast<D*>(c.d), c.row_scale, c.row_scale_step, c.col_scale, c.col_scale_group_step, spread,
+      gemm.params().scheduler.counter);
   JAX_MOE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   if (auto s = gemm.run(c.stream); s != cutlass::Status::kSuccess) return CutlassError("run", s);

@@ -27,7 +27,10 @@
 // PrebuiltTensormapMainloop follows too. A cursor over the groups' tile counts, kept across the CTA's
 // tiles and advanced by each warp 32 groups at a time, gives each tile's group and row tile. The order
 // has no swizzle: the host sets none. The producer takes its tile's group from the descriptor update
-// (the kernel's tile coordinate carries none) and its row tile from that coordinate.
+// (the kernel's tile coordinate carries none) and its row tile from that coordinate. Where the CTAs
+// take their tiles from a counter (dynamic_tile_scheduler.cuh), no order tells the consumers their
+// tiles: the producer writes each tile's block count into a ring in shared memory, and the consumers
+// read it there.
 //
 // A block not multiplied keeps the accumulators of the CTA's last tile. No epilogue stores them: the
 // gated epilogue stores rows below M only.
@@ -80,6 +83,16 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
   // block. Dimension 1 of A's descriptor is its rows (dimension 0 its K); load() checks it.
   static constexpr int kABoxRows = kBlockRows;
   static constexpr int kABoxDimM = 1;
+
+  // The ring of the block counts of the CTA's tiles, in shared memory: entry t % kTileRing holds
+  // BlocksWithRows of the CTA's tile number t, written by the producer before its first load of the
+  // tile, read by the consumers once that load's stage is full (the stage barrier's arrive and wait
+  // order the two). The producer is at most a pipeline's stages of K tiles ahead of the consumers.
+  static constexpr int kTileRing = 16;
+  static_assert(Base::DispatchPolicy::Stages < kTileRing, "the producer never laps the ring");
+  struct TensorStorage : Base::TensorStorage {
+    alignas(16) int32_t tile_blocks[kTileRing];
+  };
 
   // skip: multiply only the blocks with rows (else every block; JAX_MOE_CUTLASS_SKIP_BLOCKS=0, to time
   // the tile without the skip).
@@ -153,6 +166,7 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
     if (params.skip) {
       blocks = BlocksWithRows(this->rows_ - int(m_coord) * int(size<0>(TileShape{})));
     }
+    if (k_tile_count > 0) shared_tensors.tile_blocks[state.count() / uint32_t(k_tile_count) % kTileRing] = blocks;
     constexpr uint32_t kBlockBytes = kBlockRows * size<2>(TileShape{}) * sizeof(typename Base::ElementA);
     static_assert(Base::TmaTransactionBytes == kBlocks * kBlockBytes + size<1>(TileShape{}) * size<2>(TileShape{}) *
                                                                           sizeof(typename Base::ElementB),
@@ -199,8 +213,12 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
     using namespace cute;
     if (k_tile_count <= 0) return;  // no K: no stage to read (the grouped GEMMs' K is at least one tile)
     int blocks = kBlocks;
-    if (params.skip) {
-      blocks = BlocksWithRows(RowsOfTile(params, smem_pipe_read.count() / static_cast<uint32_t>(k_tile_count)));
+    const uint32_t tile = smem_pipe_read.count() / static_cast<uint32_t>(k_tile_count);
+    if (params.tile_order.dynamic) {  // the producer's count, from the ring
+      pipeline.consumer_wait(smem_pipe_read);
+      blocks = shared_tensors.tile_blocks[tile % kTileRing];
+    } else if (params.skip) {
+      blocks = BlocksWithRows(RowsOfTile(params, tile));
     }
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});

@@ -33,7 +33,11 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in seven tile configurations (:
   :data:`ROW_BLOCK_TILE_FROM_ROWS` rows), where it made their layers 3% and 6% faster in a loop of
   layers (their FP8 GEMM1 was 4% slower on it, and keeps its pick); neither the H100 table nor the
   heuristic picks it. ``JAX_MOE_CUTLASS_SKIP_BLOCKS=0`` multiplies every block, which times the tile
-  without the skip.
+  without the skip. Its row tiles differ in cost (one, two or three blocks), so its CTAs take their
+  tiles from a counter as they go rather than in a fixed deal: on an H200 at 4096 tokens, GPT-OSS-120B's
+  GEMM1 ran 2-3.5% faster and DeepSeek-V3's 1.3-1.6%. ``JAX_MOE_CUTLASS_DYNAMIC_TILES`` (a mask: 1, 2
+  and 4 for every unclustered cooperative tile of the plain, act and scatter kinds, 8 for this tile;
+  default 8, 0 for none) chooses which GEMMs do.
 
 :func:`pick_tile` chooses per GEMM from the average rows per expert (``rows / E``):
 
