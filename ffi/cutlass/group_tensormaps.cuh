@@ -97,8 +97,8 @@ struct PrebuiltTensormapMainloop : Base {
 
   // One step of a warp's walk over the groups in the scheduler's order: lane l takes group base + l,
   // reads its shape once and counts its tiles, and an inclusive scan over the lanes gives where each
-  // lane's group's tiles end. Every lane of the warp must call it. Both walks use it: the fence plan
-  // (tensormaps_init) and the 192-row tile's consumers (RowBlockMainloop::RowsOfTile).
+  // lane's group's tiles end. Every lane of the warp must call it. The fence plan (tensormaps_init) walks
+  // with it.
   struct GroupChunk {
     int32_t group;             // base + lane
     int32_t rows;              // the group's M (0 past the last group)

@@ -186,13 +186,17 @@ JAX_MOE_FOR_EACH_CUTLASS_TILE(JAX_MOE_DECLARE_CUTLASS_GEMM, kGemmBf16Scatter)
 #ifdef JAX_MOE_CUTLASS_IMPL
 using namespace cute;
 
+// An integer environment variable: its value, or `fallback` where it is unset. Each caller reads it
+// once, into a function-local static.
+inline int EnvInt(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? fallback : static_cast<int>(std::strtol(v, nullptr, 10));
+}
+
 // Whether RowBlockMainloop multiplies only the 64-row blocks with rows: JAX_MOE_CUTLASS_SKIP_BLOCKS
 // (default 1; 0 multiplies every block, to time the tile without the skip), read once.
 inline bool SkipEmptyBlocks() {
-  static const bool skip = [] {
-    const char* v = std::getenv("JAX_MOE_CUTLASS_SKIP_BLOCKS");
-    return v == nullptr || std::strtol(v, nullptr, 10) != 0;
-  }();
+  static const bool skip = EnvInt("JAX_MOE_CUTLASS_SKIP_BLOCKS", 1) != 0;
   return skip;
 }
 
@@ -203,10 +207,7 @@ inline bool SkipEmptyBlocks() {
 inline constexpr int kDynamicRowBlocks = 8;
 inline constexpr int kDynamicTilesDefault = kDynamicRowBlocks;
 inline int DynamicTilesMask() {
-  static const int mask = [] {
-    const char* v = std::getenv("JAX_MOE_CUTLASS_DYNAMIC_TILES");
-    return v == nullptr ? kDynamicTilesDefault : static_cast<int>(std::strtol(v, nullptr, 10));
-  }();
+  static const int mask = EnvInt("JAX_MOE_CUTLASS_DYNAMIC_TILES", kDynamicTilesDefault);
   return mask;
 }
 
@@ -380,11 +381,7 @@ struct GroupedGemm {
     args.epilogue.ptr_D = arr.pd;
     args.epilogue.dD = arr.sd;
     args.hw_info = hw;
-    // RowBlockMainloop finds a tile's rows in this order without a swizzle (CUTLASS's default).
-    if constexpr (kRowBlocks) {
-      args.scheduler.max_swizzle_size = 1;
-      args.mainloop.skip = SkipEmptyBlocks();
-    }
+    if constexpr (kRowBlocks) args.mainloop.skip = SkipEmptyBlocks();
     if constexpr (kDynamicCapable) {
       const int mask = DynamicTilesMask();
       args.scheduler.dynamic = ((mask >> EpilogueKindOf(Kind)) & 1) || (kRowBlocks && (mask & kDynamicRowBlocks));

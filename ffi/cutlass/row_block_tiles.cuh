@@ -21,16 +21,13 @@
 // B's loads of an expert of up to 192 rows are marked evict-first in the L2, as in
 // PrebuiltTensormapMainloop (HintB).
 //
-// CUTLASS's `mma` is not told the tile. Every tile of one call has the same K, so the consumer counts
-// its tiles from its pipeline state (count() / k_tile_count). A CTA's tiles are its first, then one
-// every grid's size after it, in the group scheduler's linear order, which the fence plan of
-// PrebuiltTensormapMainloop follows too. A cursor over the groups' tile counts, kept across the CTA's
-// tiles and advanced by each warp 32 groups at a time, gives each tile's group and row tile. The order
-// has no swizzle: the host sets none. The producer takes its tile's group from the descriptor update
-// (the kernel's tile coordinate carries none) and its row tile from that coordinate. Where the CTAs
-// take their tiles from a counter (dynamic_tile_scheduler.cuh), no order tells the consumers their
-// tiles: the producer writes each tile's block count into a ring in shared memory, and the consumers
-// read it there.
+// CUTLASS's `mma` is not told the tile; the producer is: its group by the descriptor update (the kernel's
+// tile coordinate carries none), its row tile by that coordinate. It writes each tile's block count into
+// a ring in shared memory before the tile's first load, and the consumers read it once that stage is
+// full. Every tile of
+// one call has the same K, so both count their tiles from their pipeline state (count() / k_tile_count).
+// This holds in any order of tiles, the fixed deal of the group scheduler or tiles taken from a counter
+// (dynamic_tile_scheduler.cuh).
 //
 // A block not multiplied keeps the accumulators of the CTA's last tile. No epilogue stores them: the
 // gated epilogue stores rows below M only.
@@ -114,43 +111,6 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
     return rows <= kBlockRows ? 1 : rows <= 2 * kBlockRows ? 2 : kBlocks;
   }
 
-  // The consumer's cursor over the groups: the group of its last tile, and that group's first linear
-  // tile index.
-  int32_t cursor_group_ = 0;
-  uint64_t cursor_start_ = 0;
-
-  // The rows of its group that the CTA's tile number `tile` (0 for its first) holds: M minus the row
-  // tile's first row, at most the tile's rows (0 past the last group). The warp walks the groups from
-  // its cursor 32 at a time, a group per lane: each lane counts its group's tiles, a scan over the
-  // lanes gives where each group's tiles end, and the first lane whose group ends past the tile holds
-  // it. The CTA's tiles lie a grid apart (several groups at 128-row experts), and one step of the walk
-  // covers them at the cost of one load per lane, where a group at a time cost a load and two divisions
-  // per group, in series. Every lane of the warp must call it (the consumers' mma does).
-  CUTLASS_DEVICE int32_t RowsOfTile(Params const& params, uint64_t tile) {
-    const auto& order = params.tile_order;
-    const uint64_t linear = Prebuilt::FirstTile(order) + tile * Prebuilt::GridTiles();
-    constexpr unsigned kAll = 0xffffffffu;
-    while (cursor_group_ < params.groups) {
-      const typename Prebuilt::GroupChunk c = Prebuilt::ChunkTiles(params, cursor_group_, cursor_start_);
-      const unsigned holds = __ballot_sync(kAll, c.group < params.groups && linear < c.end);
-      if (holds != 0) {
-        const int l = __ffs(holds) - 1;
-        cursor_group_ += l;
-        cursor_start_ = __shfl_sync(kAll, c.start(), l);
-        const int32_t rows_m = __shfl_sync(kAll, c.rows, l);
-        const uint64_t group_tiles_m = __shfl_sync(kAll, c.tiles_m, l);
-        const uint64_t group_tiles_n = __shfl_sync(kAll, c.tiles_n, l);
-        const uint64_t t = linear - cursor_start_;
-        const uint64_t m_tile = order.raster_along_n ? t / group_tiles_n : t % group_tiles_m;
-        const int64_t rows = int64_t(rows_m) - int64_t(m_tile) * order.tile_m;
-        return static_cast<int32_t>(rows < 0 ? 0 : (rows > order.tile_m ? order.tile_m : rows));
-      }
-      cursor_start_ = __shfl_sync(kAll, c.end, cutlass::NumThreadsPerWarp - 1);
-      cursor_group_ += cutlass::NumThreadsPerWarp;
-    }
-    return 0;
-  }
-
   // The producer's loads (CUTLASS's, but A by blocks): for each K tile, B's box and A's first
   // ceil(r / 64) 64-row blocks of the tile's r rows (every block without the skip). The stage's barrier
   // expects the whole stage's bytes; the blocks not loaded are counted off it at once.
@@ -209,17 +169,13 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
 
   template <class FrgTensorC, class MainloopPipeline, class PipelineState, class TensorStorage>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
-                          int thread_idx, TensorStorage& shared_tensors, Params const& params) {
+                          int thread_idx, TensorStorage& shared_tensors, Params const&) {
     using namespace cute;
     if (k_tile_count <= 0) return;  // no K: no stage to read (the grouped GEMMs' K is at least one tile)
-    int blocks = kBlocks;
+    // The producer's count of the tile's blocks, from the ring, once the tile's first stage is full.
     const uint32_t tile = smem_pipe_read.count() / static_cast<uint32_t>(k_tile_count);
-    if (params.tile_order.dynamic) {  // the producer's count, from the ring
-      pipeline.consumer_wait(smem_pipe_read);
-      blocks = shared_tensors.tile_blocks[tile % kTileRing];
-    } else if (params.skip) {
-      blocks = BlocksWithRows(RowsOfTile(params, tile));
-    }
+    pipeline.consumer_wait(smem_pipe_read);
+    const int blocks = shared_tensors.tile_blocks[tile % kTileRing];
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
     TiledMma tiled_mma;
