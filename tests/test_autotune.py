@@ -409,6 +409,19 @@ def test_a_shipped_192_row_pick_runs_only_where_enough_experts_pass_128_rows(tmp
     assert ct.pick_tile(96 * E, E, n=N, k=K, kind="bf16_kn_act") == "coop_192x256"
 
 
+def test_below_the_192_row_tiles_rows_the_runner_up_comes_from_the_nearest_cell_of_figures(tmp_path, monkeypatch):
+    """A cell of figures measured where no tile is picked (120 rows per expert here) decides what a
+    192-row pick runs as near it: the fastest other tile there, not at the pick's own point."""
+    monkeypatch.setattr(tc, "SHIPPED_DIR", str(tmp_path))
+    cache = tc.TileCache(device_kind())
+    cache.record(GEMM1, 128.0, "coop_192x256", {"coop_192x256": 0.9, "pingpong_64x256": 1.0, "coop_128x256_c1": 1.1})
+    cache.figures[GEMM1]["120"] = {"coop_128x256_c1": 1.0, "pingpong_64x256": 1.1}
+    cache.save(tmp_path / tc.shipped_file_name(device_kind()))
+    picks = {r: ct.pick_tile(r * E, E, n=N, k=K, kind="bf16_kn_act") for r in (128, 124, 120, 96)}
+    assert picks == {128: "coop_192x256", 124: "coop_192x256", 120: "coop_128x256_c1", 96: "coop_128x256_c1"}
+    assert tc.load(tmp_path / tc.shipped_file_name(device_kind()), ct.TILES).gemms[GEMM1] == ((128.0, "coop_192x256"),)
+
+
 def test_a_malformed_or_doubled_shipped_cache_is_an_error_naming_it(tmp_path, monkeypatch):
     monkeypatch.setattr(tc, "SHIPPED_DIR", str(tmp_path))
     (tmp_path / "broken.json").write_text("{not json")

@@ -28,7 +28,10 @@ scale answers (:func:`nearest`), as for the shipped table, but only within :data
 the tuned range: further out the next source of tiles decides (a tile that won at 256 rows per
 expert need not win at 1024, where a 128x256 tile usually does). ``"figures"`` keeps the milliseconds
 each choice came from (the forward's device time per call with that GEMM on that tile), so a
-cache can be read, diffed and shipped as a record of what was measured.
+cache can be read, diffed and shipped as a record of what was measured. A cell of figures may also
+stand where no tile is picked: a shipped ``coop_192x256`` pick runs below
+``cutlass_tiles.ROW_BLOCK_TILE_FROM_ROWS`` rows per expert as the fastest other tile of the cell
+nearest those rows (:meth:`TileCache.runner_up`).
 """
 
 from __future__ import annotations
@@ -117,13 +120,15 @@ class TileCache:
         return nearest(points, rows_per_expert)
 
     def runner_up(self, key: str, rows_per_expert: float, tile: str) -> str | None:
-        """The fastest tile other than ``tile`` in the figures of GEMM ``key``'s nearest point, or
-        None where they time no other."""
-        points = self.gemms.get(key)
-        if not points:
+        """The fastest tile other than ``tile`` in GEMM ``key``'s figures nearest ``rows_per_expert``
+        (on a log scale; a cell of figures may stand at rows per expert where no tile is picked,
+        to give the runner-up there), or None where they time no other."""
+        cells = self.figures.get(key, {})
+        if not cells:
             return None
-        r, _ = nearest_point(points, rows_per_expert)
-        cell = {t: ms for t, ms in self.figures.get(key, {}).get(rows_key(r), {}).items() if t != tile}
+        x = math.log2(max(rows_per_expert, 1e-6))
+        r = min(cells, key=lambda rows: abs(math.log2(float(rows)) - x))
+        cell = {t: ms for t, ms in cells[r].items() if t != tile}
         return min(cell, key=cell.get) if cell else None
 
     def to_json(self) -> dict:
