@@ -113,8 +113,8 @@ WIDE_PINGPONG_ROWS: dict[str, tuple[float, float]] = {"NVIDIA H200": (64.0, 448.
 # session); Mixtral-8x7B was level at 1024 rows per expert and stays clustered at 4096. Not
 # measured on an H100.
 NO_CLUSTER_BELOW_ROWS: dict[str, float] = {"NVIDIA H200": 1536.0}
-# Rows per expert below which a shipped coop_192x256 pick runs as the fastest other tile its point's
-# figures time (tuned_tile()): the pick before the tile was built. With fewer rows per expert fewer
+# Rows per expert below which a shipped coop_192x256 pick runs as the fastest other tile of the figures
+# nearest its rows (tuned_tile()): the pick before the tile was built. With fewer rows per expert fewer
 # experts pass 128 rows, both tiles multiply more nearly the same rows, and the 192-row tile's own
 # cost shows: with every expert given 128 rows it took 11% longer than coop_128x256_c1 (Nsight
 # Compute, GPT-OSS-120B's GEMM1). Timed in alternating rounds against the earlier pick, per layer in
