@@ -442,8 +442,9 @@ def test_every_shipped_cache_loads_names_built_tiles_and_its_gpu_model(name):
     for key, points in cache.gemms.items():
         figures = cache.figures[key]
         for r, tile in points:
-            cell = figures[f"{r:g}"]
-            assert tile in cell and all(ms > 0 for ms in cell.values()), (key, r)
+            assert tile in figures[f"{r:g}"], (key, r)
+        for r, cell in figures.items():  # the picks' cells, and any that stand only for a runner-up
+            assert cell and set(cell) <= set(ct.TILES) and all(ms > 0 for ms in cell.values()), (key, r)
 
 
 def test_tiles_ship_for_the_hopper_gpus_the_bench_measures():
