@@ -24,10 +24,9 @@
 // CUTLASS's `mma` is not told the tile; the producer is: its group by the descriptor update (the kernel's
 // tile coordinate carries none), its row tile by that coordinate. It writes each tile's block count into
 // a ring in shared memory before the tile's first load, and the consumers read it once that stage is
-// full. Every tile of
-// one call has the same K, so both count their tiles from their pipeline state (count() / k_tile_count).
-// This holds in any order of tiles, the fixed deal of the group scheduler or tiles taken from a counter
-// (dynamic_tile_scheduler.cuh).
+// full. Every tile of one call has the same K, so both count their tiles from their pipeline state
+// (count() / k_tile_count). This holds in any order of tiles, the fixed deal of the group scheduler or
+// tiles taken from a counter (dynamic_tile_scheduler.cuh).
 //
 // A block not multiplied keeps the accumulators of the CTA's last tile. No epilogue stores them: the
 // gated epilogue stores rows below M only.
