@@ -126,8 +126,7 @@ class TileCache:
         cells = self.figures.get(key, {})
         if not cells:
             return None
-        x = math.log2(max(rows_per_expert, 1e-6))
-        r = min(cells, key=lambda rows: abs(math.log2(float(rows)) - x))
+        _, r = nearest_point(sorted((float(rows), rows) for rows in cells), rows_per_expert)
         cell = {t: ms for t, ms in cells[r].items() if t != tile}
         return min(cell, key=cell.get) if cell else None
 
