@@ -101,7 +101,6 @@ struct PrebuiltTensormapMainloop : Base {
   // with it.
   struct GroupChunk {
     int32_t group;             // base + lane
-    int32_t rows;              // the group's M (0 past the last group)
     uint64_t tiles_m, tiles_n;  // its row and column tile counts (GroupTiles; 0 past the last group)
     uint64_t end;              // one past its last tile's linear index: chunk_start + the lanes' tiles up to l
     CUTLASS_DEVICE uint64_t tiles() const { return tiles_m * tiles_n; }
@@ -109,10 +108,9 @@ struct PrebuiltTensormapMainloop : Base {
   };
   CUTLASS_DEVICE static GroupChunk ChunkTiles(Params const& params, int32_t base, uint64_t chunk_start) {
     const int lane = static_cast<int>(threadIdx.x % cutlass::NumThreadsPerWarp);
-    GroupChunk c{base + lane, 0, 0, 0, 0};
+    GroupChunk c{base + lane, 0, 0, 0};
     if (c.group < params.groups) {
       const cute::Shape<int, int, int> shape = params.problem_shapes[c.group];
-      c.rows = cute::get<0>(shape);
       GroupTiles(params.tile_order, shape, c.tiles_m, c.tiles_n);
     }
     uint64_t inclusive = c.tiles();
