@@ -118,26 +118,32 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
     const uint32_t sel_hi = q == 0 ? 0x7632u : q == 1 ? 0x3276u : q == 2 ? 0x5410u : 0x1054u;
     const uint32_t sel_fp8 = q == 0 ? 0x6240u : q == 1 ? 0x3715u : q == 2 ? 0x4062u : 0x1537u;
 
-    // The thread's two rows (one per half) in each row block, and their scales, read once. A warp
-    // whose rows in a block are all padding stores nothing there, and skips the block (the whole warp,
-    // so that the transposes' shuffles stay among lanes that all run them).
     constexpr int kBlocksM = size<1>(FrgLayout{}), kBlocksN = size<2>(FrgLayout{});
-    int rows[kBlocksM][2];
-    float row_scales[kBlocksM][2];
-    bool has_rows[kBlocksM];
-    CUTLASS_PRAGMA_UNROLL
-    for (int mi = 0; mi < kBlocksM; ++mi) {
+    // The thread's two rows (one per half) in row block mi, their scales, and whether any lane of the
+    // warp has a row there. A warp whose rows in a block are all padding stores nothing there, and
+    // skips the block (the whole warp, so that the transposes' shuffles stay among lanes that all run
+    // them). With one row block they are found once. With several they are found where each block is
+    // used, not kept for all blocks beside the accumulators: kept, they spilled on the 192-row tile.
+    struct BlockRows {
+      int m[2];
+      float rs[2];
+      bool any;
+    };
+    const auto rows_of = [&](int mi) {
+      BlockRows r;
       CUTLASS_PRAGMA_UNROLL
       for (int half = 0; half < 2; ++half) {
-        rows[mi][half] = get<0>(tc(make_coord(make_coord(0, half, 0), mi, 0)));
-        row_scales[mi][half] = 1.0f;
+        r.m[half] = get<0>(tc(make_coord(make_coord(0, half, 0), mi, 0)));
+        r.rs[half] = 1.0f;
         if constexpr (kScaled)
-          row_scales[mi][half] = rows[mi][half] < m_size
-                                     ? __ldg(row_scale + rows[mi][half] * params_.row_scale_step) * expert_scale
-                                     : 0.0f;
+          r.rs[half] = r.m[half] < m_size ? __ldg(row_scale + r.m[half] * params_.row_scale_step) * expert_scale
+                                          : 0.0f;
       }
-      has_rows[mi] = __any_sync(0xffffffffu, rows[mi][0] < m_size || rows[mi][1] < m_size);
-    }
+      r.any = __any_sync(0xffffffffu, r.m[0] < m_size || r.m[1] < m_size);
+      return r;
+    };
+    BlockRows first_block;
+    if constexpr (kBlocksM == 1) first_block = rows_of(0);
     // Column groups outside the row blocks: a lane's column scales and bias are loaded once for all.
     CUTLASS_PRAGMA_UNROLL
     for (int ni = 0; ni < kBlocksN; ++ni) {
@@ -147,9 +153,12 @@ class GatedActEpilogue : public NoSmemEpilogueBase<ElementD_> {
         LoadColumnPairs<8, kCols>(tc, 0, ni, g0, n_size, col_scale, bias, cs, bs);
         CUTLASS_PRAGMA_UNROLL
         for (int mi = 0; mi < kBlocksM; ++mi) {
-          if (!has_rows[mi]) continue;
-          const int* m = rows[mi];
-          const float* rs = row_scales[mi];
+          BlockRows rows;
+          if constexpr (kBlocksM == 1) rows = first_block;
+          else rows = rows_of(mi);
+          if (!rows.any) continue;
+          const int* m = rows.m;
+          const float* rs = rows.rs;
           CUTLASS_PRAGMA_UNROLL
           for (int half = 0; half < 2; ++half) {
             // v[j]: this lane's output of group g0 + j (columns 2q, 2q+1 of the group's 8), in the
