@@ -143,8 +143,10 @@ def compile_one(kind: str, tile: str, *, nvcc: str, cutlass: str, ffi_inc: str, 
     usage = next((u for u in parse_ptxas(report) if GEMM_KERNEL in u.function), None)
     ops = None
     if cuobjdump:
-        sass = subprocess.run([cuobjdump, "-sass", obj], capture_output=True, text=True, check=True).stdout
-        ops = local_ops(sass)
+        dump = subprocess.run([cuobjdump, "-sass", obj], capture_output=True, text=True)
+        if dump.returncode != 0:  # e.g. no nvdisasm beside it or on PATH (the nvidia-cuda-nvdisasm package)
+            raise RuntimeError(f"{cuobjdump} -sass {obj} failed: {dump.stderr.strip()}")
+        ops = local_ops(dump.stdout)
     return usage, ops, report
 
 
@@ -154,7 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tiles", nargs="+", required=True, choices=list(TILES))
     p.add_argument("--nvcc", default=shutil.which("nvcc"))
     p.add_argument("--cuobjdump", default=shutil.which("cuobjdump"),
-                   help="counts LDL and STL in the SASS where given (the nvidia-cuda-cuobjdump package has one)")
+                   help="counts LDL and STL in the SASS where given (the nvidia-cuda-cuobjdump package has one; "
+                        "it needs nvdisasm on PATH, from nvidia-cuda-nvdisasm)")
     p.add_argument("--jobs", type=int, default=1, help="instantiations compiled at once (each takes 3-4 GB)")
     p.add_argument("--keep", help="a folder to keep the TUs, objects and ptxas reports in")
     args = p.parse_args(argv)
