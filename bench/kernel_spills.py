@@ -5,8 +5,8 @@ A kernel that spills moves registers through local memory on every tile it runs.
 spill stores fell from 324 to 32 bytes; bench/RESULTS.md, forty-fourth session). This compiles
 one (kind, tile) instantiation per translation unit for sm_90a with ``-Xptxas -v``. It reads back
 the grouped GEMM kernel's registers, stack frame and spill bytes. Where ``cuobjdump`` is found
-(``--cuobjdump``, or on PATH), it also counts the local loads and stores (LDL, STL) in the kernel's
-SASS::
+(``--cuobjdump``, or on PATH) with its ``nvdisasm`` (beside it or on PATH), it also counts the local
+loads and stores (LDL, STL) in the kernel's SASS::
 
     python bench/kernel_spills.py --kinds fp8_act bf16_act_kn --tiles coop_192x256 coop_128x256_c1
 
@@ -143,11 +143,24 @@ def compile_one(kind: str, tile: str, *, nvcc: str, cutlass: str, ffi_inc: str, 
     usage = next((u for u in parse_ptxas(report) if GEMM_KERNEL in u.function), None)
     ops = None
     if cuobjdump:
-        dump = subprocess.run([cuobjdump, "-sass", obj], capture_output=True, text=True)
-        if dump.returncode != 0:  # e.g. no nvdisasm beside it or on PATH (the nvidia-cuda-nvdisasm package)
-            raise RuntimeError(f"{cuobjdump} -sass {obj} failed: {dump.stderr.strip()}")
-        ops = local_ops(dump.stdout)
+        env = dict(os.environ, PATH=os.pathsep.join(filter(None, (nvdisasm_dir(cuobjdump), os.environ.get("PATH")))))
+        dump = subprocess.run([cuobjdump, "-sass", obj], capture_output=True, text=True, env=env)
+        if dump.returncode == 0:
+            ops = local_ops(dump.stdout)
+        else:  # the pair keeps its ptxas figures; its STL and LDL read "-"
+            report += f"\n{cuobjdump} -sass {obj} failed: {dump.stderr.strip()}\n"
     return usage, ops, report
+
+
+def nvdisasm_dir(cuobjdump: str) -> str | None:
+    """The folder of the ``nvdisasm`` that ``cuobjdump -sass`` runs: beside ``cuobjdump`` (the
+    nvidia-cuda-nvdisasm and nvidia-cuda-cuobjdump packages unpack into one ``bin``), else on PATH;
+    None where there is none."""
+    beside = os.path.join(os.path.dirname(os.path.abspath(cuobjdump)), "nvdisasm")
+    if os.access(beside, os.X_OK):
+        return os.path.dirname(beside)
+    found = shutil.which("nvdisasm")
+    return os.path.dirname(found) if found else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,12 +170,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--nvcc", default=shutil.which("nvcc"))
     p.add_argument("--cuobjdump", default=shutil.which("cuobjdump"),
                    help="counts LDL and STL in the SASS where given (the nvidia-cuda-cuobjdump package has one; "
-                        "it needs nvdisasm on PATH, from nvidia-cuda-nvdisasm)")
+                        "it needs nvdisasm beside it or on PATH, from nvidia-cuda-nvdisasm)")
     p.add_argument("--jobs", type=int, default=1, help="instantiations compiled at once (each takes 3-4 GB)")
     p.add_argument("--keep", help="a folder to keep the TUs, objects and ptxas reports in")
     args = p.parse_args(argv)
     if not args.nvcc:
         p.error("no nvcc on PATH: pass --nvcc")
+    if args.cuobjdump and nvdisasm_dir(args.cuobjdump) is None:
+        p.error(f"--cuobjdump {args.cuobjdump} needs nvdisasm, beside it or on PATH (the nvidia-cuda-nvdisasm "
+                "package has one); pass --cuobjdump '' to read ptxas's figures alone")
     cutlass, ffi_inc = cutlass_dir(), ffi_include_dir()
     workdir = args.keep or tempfile.mkdtemp(prefix="kernel_spills_")
     os.makedirs(workdir, exist_ok=True)
@@ -181,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(report[-2000:], file=sys.stderr)
             continue
         stl, ldl = ops if ops else ("-", "-")
+        if ops is None and args.cuobjdump:
+            print(report.rstrip().splitlines()[-1], file=sys.stderr)
         print(f"| {kind} | {tile} | {usage.registers} | {usage.stack} | {usage.spill_stores} | {usage.spill_loads} "
               f"| {stl} | {ldl} |")
     if args.keep:

@@ -64,3 +64,44 @@ def test_every_kind_of_the_native_enum_has_its_backend_name(kernel_spills):
     values = {int(v) for name, v in re.findall(r"(kGemm\w+) = (\d+)", enum)}
     count = int(re.search(r"kNumCutlassGemmKinds = (\d+)", enum).group(1))
     assert values == set(range(count)) == set(kernel_spills.kind_ids().values())
+
+
+def test_nvdisasm_is_found_beside_cuobjdump_before_path(kernel_spills, tmp_path, monkeypatch):
+    tools, path = tmp_path / "bin", tmp_path / "path"
+    tools.mkdir(), path.mkdir()
+    for exe in (tools / "cuobjdump", tools / "nvdisasm", path / "nvdisasm"):
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+    monkeypatch.setenv("PATH", str(path))
+    assert kernel_spills.nvdisasm_dir(str(tools / "cuobjdump")) == str(tools)
+    (tools / "nvdisasm").unlink()
+    assert kernel_spills.nvdisasm_dir(str(tools / "cuobjdump")) == str(path)
+    (path / "nvdisasm").unlink()
+    assert kernel_spills.nvdisasm_dir(str(tools / "cuobjdump")) is None
+
+
+def test_a_cuobjdump_without_nvdisasm_is_refused_before_anything_compiles(kernel_spills, tmp_path, monkeypatch,
+                                                                          capsys):
+    cuobjdump = tmp_path / "cuobjdump"
+    cuobjdump.write_text("#!/bin/sh\n")
+    cuobjdump.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    monkeypatch.setattr(kernel_spills, "compile_one", lambda *a, **k: pytest.fail("compiled"))
+    with pytest.raises(SystemExit):
+        kernel_spills.main(["--kinds", "bf16", "--tiles", "coop_128x128", "--nvcc", "/bin/true",
+                            "--cuobjdump", str(cuobjdump)])
+    assert "needs nvdisasm" in capsys.readouterr().err
+
+
+def test_a_failed_sass_dump_keeps_the_pairs_ptxas_figures(kernel_spills, tmp_path):
+    report = tmp_path / "ptxas.txt"
+    report.write_text(PTXAS)
+    nvcc, cuobjdump = tmp_path / "nvcc", tmp_path / "cuobjdump"
+    nvcc.write_text(f"#!/bin/sh\ncat {report} >&2\n")
+    cuobjdump.write_text("#!/bin/sh\necho 'cannot run nvdisasm' >&2\nexit 1\n")
+    for exe in (nvcc, cuobjdump):
+        exe.chmod(0o755)
+    usage, ops, text = kernel_spills.compile_one("bf16", "coop_128x128", nvcc=str(nvcc), cutlass="/none",
+                                                 ffi_inc="/none", cuobjdump=str(cuobjdump), workdir=str(tmp_path))
+    assert (usage.registers, usage.spill_stores, ops) == (168, 32, None)
+    assert text.rstrip().endswith("failed: cannot run nvdisasm")
