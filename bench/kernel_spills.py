@@ -3,10 +3,11 @@
 A kernel that spills moves registers through local memory on every tile it runs. On an H200 the
 192-row tile's GEMM1 ran 2-3% faster once a branch it never took stopped costing it registers (its
 spill stores fell from 324 to 32 bytes; bench/RESULTS.md, forty-fourth session). This compiles
-one (kind, tile) instantiation per translation unit for sm_90a with ``-Xptxas -v``. It reads back
-the grouped GEMM kernel's registers, stack frame and spill bytes. Where ``cuobjdump`` is found
-(``--cuobjdump``, or on PATH) with its ``nvdisasm`` (beside it or on PATH), it also counts the local
-loads and stores (LDL, STL) in the kernel's SASS::
+one (kind, tile) instantiation per translation unit for sm_90a, with the package's Release flags
+(``-O3 -DNDEBUG``: CUTLASS's asserts compiled out, as they are in the installed kernels) and
+``-Xptxas -v``. It reads back the grouped GEMM kernel's registers, stack frame and spill bytes.
+Where ``cuobjdump`` is found (``--cuobjdump``, or on PATH) with its ``nvdisasm`` (beside it or on
+PATH), it also counts the local loads and stores (LDL, STL) in the kernel's SASS::
 
     python bench/kernel_spills.py --kinds fp8_act bf16_act_kn --tiles coop_192x256 coop_128x256_c1
 
@@ -40,7 +41,7 @@ from jax_moe.backends.cutlass_tiles import TILES  # noqa: E402
 
 # The grouped GEMM's own kernel among a TU's entry functions (the setup launch is FillGroupArrays).
 GEMM_KERNEL = "GemmUniversal"
-NVCC_FLAGS = ("-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+NVCC_FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
               "-diag-suppress=940,2473", "-Xptxas", "-v")
 
 

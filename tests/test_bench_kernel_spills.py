@@ -105,3 +105,9 @@ def test_a_failed_sass_dump_keeps_the_pairs_ptxas_figures(kernel_spills, tmp_pat
                                                  ffi_inc="/none", cuobjdump=str(cuobjdump), workdir=str(tmp_path))
     assert (usage.registers, usage.spill_stores, ops) == (168, 32, None)
     assert text.rstrip().endswith("failed: cannot run nvdisasm")
+
+
+def test_a_translation_unit_compiles_as_the_packages_release_build_does(kernel_spills):
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        assert 'cmake.build-type = "Release"' in f.read()  # CMake's Release flags for CUDA: -O3 -DNDEBUG
+    assert {"-O3", "-DNDEBUG", "-gencode=arch=compute_90a,code=sm_90a"} <= set(kernel_spills.NVCC_FLAGS)
