@@ -75,8 +75,8 @@ def test_tune_keeps_a_tile_only_where_the_forward_is_faster_by_more_than_min_gai
     assert set(by_key) == {GEMM1, GEMM2}
     assert by_key[GEMM1].chosen == "pingpong_64x256" and by_key[GEMM1].gain == pytest.approx(1.25)
     assert by_key[GEMM2].chosen == by_key[GEMM2].default  # 1% faster: inside the timer's spread, not kept
-    assert sorted(by_key[GEMM1].cell) == sorted(ct.TILES)  # every tile was timed, GEMM1's own included
-    assert sorted(by_key[GEMM2].cell) == sorted(set(ct.TILES) - set(ct.ACT_ONLY_TILES))  # not those it runs as another
+    assert sorted(by_key[GEMM1].cell) == sorted(set(ct.TILES) - {"pingpong_192x128"})  # every tile of its own
+    assert sorted(by_key[GEMM2].cell) == sorted(set(ct.TILES) - set(ct.ONE_KIND_TILES))  # not those it runs as another
     (fwd,) = report.forwards
     assert fwd.default_ms == pytest.approx(1.0) and fwd.tuned_ms == pytest.approx(0.8)
     assert fwd.kept and "| 64 | 1.0000 | 0.8000 | 1.25x | yes |" in report.markdown()
@@ -620,3 +620,20 @@ def test_a_tuned_block_on_the_gpu_computes_the_definition(tmp_path):
     poison_memory(jax.eval_shape(fn, state, x, tw, ids))
     got = fn(state, x, tw, ids)
     assert rel_err(got, np_moe(x, w13, w2, tw, ids)) < SCHEME_TOL["bf16"]
+
+
+@pytest.mark.parametrize("kind", ["bf16_kn_scatter", "fp8_scatter"])
+def test_the_h200s_shipped_tiles_run_gpt_oss_120bs_gemm2_on_the_192_row_pingpong_tile_near_128_rows(kind, monkeypatch):
+    """GPT-OSS-120B's GEMM2 (E=128, N=K=2880) with its un-permute fused, on the package's own H200
+    file: the 192-row pingpong tile from its point at 128 rows per expert to the midpoints with the
+    next (64 and 181 rows). GEMM1 keeps the cooperative 192-row tile, and the GEMM without the
+    un-permute cannot run the pingpong one."""
+    monkeypatch.setattr(tc, "SHIPPED_DIR", SHIPPED)
+    monkeypatch.setattr(ct, "device_kind", lambda device=None: "NVIDIA H200")
+    e = 128
+    picks = {r: ct.pick_tile(r * e, e, n=2880, k=2880, kind=kind) for r in (48, 96, 128, 160, 256)}
+    assert {r: p == "pingpong_192x128" for r, p in picks.items()} == {48: False, 96: True, 128: True, 160: True,
+                                                                       256: False}
+    assert "pingpong_192x128" not in ct.tiles_for("bf16_kn")
+    gemm1 = {"bf16_kn_scatter": "bf16_kn_act", "fp8_scatter": "fp8_act"}[kind]
+    assert ct.pick_tile(128 * e, e, n=5760, k=2880, kind=gemm1) == "coop_192x256"  # GEMM1 keeps its tile

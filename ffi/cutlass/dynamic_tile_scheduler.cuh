@@ -16,9 +16,13 @@
 // (the consumers' release of it), so that a CTA holds at most one tile beyond its current one.
 //
 // The counter lives in the scheduler's workspace and is zeroed by the setup launch of the same call
-// (grouped_gemm_impl.cuh). Dynamic scheduling needs an unclustered cooperative kernel: the group
-// scheduler places a cluster's CTAs by their block index, and the pingpong kernel's two consumer
-// warpgroups take alternate responses.
+// (grouped_gemm_impl.cuh). Dynamic scheduling needs an unclustered kernel: the group scheduler places a
+// cluster's CTAs by their block index. The pingpong kernel (sm90_gemm_array_tma_warpspecialized_
+// pingpong.hpp) also works: its two consumer warpgroups run alternate responses, but each reads every
+// response (the other's tiles to skip them), so every response is still released by every warp. A
+// warpgroup's next tile is then taken once it has finished its current one, epilogue included, and the
+// producer loads it while the other warpgroup multiplies. The grouped GEMMs take it on the pingpong
+// row-block tile only (grouped_gemm_impl.cuh).
 #pragma once
 
 #include <cstdint>

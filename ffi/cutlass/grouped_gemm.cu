@@ -29,7 +29,7 @@ using BytesFn = size_t (*)(int64_t, int);
   {cutlass_gg::FN<KIND, kTileCoop128x128>, cutlass_gg::FN<KIND, kTilePingpong64x128>,     \
    cutlass_gg::FN<KIND, kTileCoop128x256>, cutlass_gg::FN<KIND, kTilePingpong64x256>,     \
    cutlass_gg::FN<KIND, kTilePingpong64x128K2>, cutlass_gg::FN<KIND, kTileCoop128x256C1>, \
-   cutlass_gg::FN<KIND, kTileCoop192x256>}
+   cutlass_gg::FN<KIND, kTileCoop192x256>, cutlass_gg::FN<KIND, kTilePingpong192x128>}
 constexpr RunFn kRun[kNumCutlassGemmKinds][kNumCutlassTiles] = {
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16),      JAX_MOE_CUTLASS_TILES(Run, kGemmFp8),
     JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Dgrad), JAX_MOE_CUTLASS_TILES(Run, kGemmBf16Wgrad),
@@ -43,7 +43,7 @@ constexpr BytesFn kBytes[kNumCutlassGemmKinds][kNumCutlassTiles] = {
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16ActKN), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16KNScatter),
     JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmFp8Scatter), JAX_MOE_CUTLASS_TILES(WorkspaceBytes, kGemmBf16Scatter)};
 #undef JAX_MOE_CUTLASS_TILES
-static_assert(kNumCutlassGemmKinds == 10 && kNumCutlassTiles == 7, "one row per kind, one column per tile above");
+static_assert(kNumCutlassGemmKinds == 10 && kNumCutlassTiles == 8, "one row per kind, one column per tile above");
 
 std::string Name(int kind) {
   return IsActKind(kind)       ? "cutlass_grouped_gemm_act: "

@@ -111,7 +111,9 @@ enum CutlassTile : int {
   kTileCoop128x256C1 = 5,  // 128x256, cooperative, no cluster: M tiles not rounded up to pairs per expert
   kTileCoop192x256 = 6,  // 192x256, cooperative, the warpgroups on column halves, multiplying only the
                          // 64-row blocks with rows; act kinds only, the others run kTileCoop128x256C1
-  kNumCutlassTiles = 7,
+  kTilePingpong192x128 = 7,  // 192x128, pingpong, multiplying only the 64-row blocks with rows; scatter
+                             // kinds only, the others run kTileCoop128x256C1
+  kNumCutlassTiles = 8,
 };
 
 // Operand types: one FFI target each.

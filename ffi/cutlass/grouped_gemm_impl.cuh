@@ -163,8 +163,9 @@ ffi::Error Run(const GroupedGemmCall& call);
   M(KIND, kTilePingpong64x256)                 \
   M(KIND, kTilePingpong64x128K2)               \
   M(KIND, kTileCoop128x256C1)                  \
-  M(KIND, kTileCoop192x256)
-static_assert(kNumCutlassTiles == 7, "one entry per tile in JAX_MOE_FOR_EACH_CUTLASS_TILE");
+  M(KIND, kTileCoop192x256)                    \
+  M(KIND, kTilePingpong192x128)
+static_assert(kNumCutlassTiles == 8, "one entry per tile in JAX_MOE_FOR_EACH_CUTLASS_TILE");
 
 #define JAX_MOE_DECLARE_CUTLASS_GEMM(KIND, TILE)                   \
   template <>                                                      \
@@ -200,10 +201,10 @@ inline bool SkipEmptyBlocks() {
   return skip;
 }
 
-// Which unclustered cooperative tiles take their tiles from a counter (dynamic_tile_scheduler.cuh):
-// JAX_MOE_CUTLASS_DYNAMIC_TILES, a mask: bit 1 << EpilogueKindOf(kind) for every tile of a kind (1: the
-// plain kinds, 2: the act kinds, 4: the scatter kinds), kDynamicRowBlocks for the 192-row tile; read
-// once.
+// Which unclustered tiles take their tiles from a counter (dynamic_tile_scheduler.cuh):
+// JAX_MOE_CUTLASS_DYNAMIC_TILES, a mask: bit 1 << EpilogueKindOf(kind) for every cooperative tile of a
+// kind (1: the plain kinds, 2: the act kinds, 4: the scatter kinds), kDynamicRowBlocks for the two
+// 192-row tiles (cooperative and pingpong); read once.
 inline constexpr int kDynamicRowBlocks = 8;
 inline constexpr int kDynamicTilesDefault = kDynamicRowBlocks;
 inline int DynamicTilesMask() {
@@ -212,13 +213,19 @@ inline int DynamicTilesMask() {
 }
 
 // The mainloop of a tile: CUTLASS's collective on the prebuilt descriptors, or with kRowBlocks the
-// same collective with its warpgroups on column halves, multiplying the 64-row blocks with rows.
-template <bool kRowBlocks, class Built, class Element, class TileShape>
+// same collective multiplying only the 64-row blocks with rows: a cooperative tile's warpgroups on
+// column halves, a pingpong tile's one warpgroup on all its columns.
+template <bool kRowBlocks, class Built, class Element, class TileShape, bool kPingpong = false>
 struct MainloopOf {
   using type = PrebuiltTensormapMainloop<Built>;
 };
+// Pingpong: CUTLASS's own TiledMma (one warpgroup of 64xN WGMMAs, repeated over the tile's blocks).
 template <class Built, class Element, class TileShape>
-struct MainloopOf<true, Built, Element, TileShape> {
+struct MainloopOf<true, Built, Element, TileShape, true> {
+  using type = RowBlockMainloop<Built>;
+};
+template <class Built, class Element, class TileShape>
+struct MainloopOf<true, Built, Element, TileShape, false> {
   static constexpr auto kMajorA = cutlass::gemm::detail::is_mn_major<typename Built::InternalStrideA>()
                                       ? cute::GMMA::Major::MN : cute::GMMA::Major::K;
   static constexpr auto kMajorB = cutlass::gemm::detail::is_mn_major<typename Built::InternalStrideB>()
@@ -229,8 +236,7 @@ struct MainloopOf<true, Built, Element, TileShape> {
 };
 
 // One kind's grouped GEMM with one tile's shapes and schedules (grouped_gemm_traits.cuh).
-// kRowBlocks: an act kind's tile whose warpgroups split its columns and multiply only its 64-row blocks
-// with rows (row_block_tiles.cuh).
+// kRowBlocks: a tile that multiplies only its 64-row blocks with rows (row_block_tiles.cuh).
 template <int Kind, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
           bool kRowBlocks = false>
 struct GroupedGemm {
@@ -259,16 +265,21 @@ struct GroupedGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  using CollectiveMainloop = typename MainloopOf<kRowBlocks, BuiltMainloop, Element, TileShape>::type;
+  static constexpr bool kPingpong =
+      std::is_same_v<KernelSchedule, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong> ||
+      std::is_same_v<KernelSchedule, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum>;
+  using CollectiveMainloop = typename MainloopOf<kRowBlocks, BuiltMainloop, Element, TileShape, kPingpong>::type;
   using MainloopParams = typename CollectiveMainloop::Params;
   using TensorMapStorage = typename CollectiveMainloop::TensorMapStorage;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-  // Tiles from a counter need the cooperative kernel without a cluster (dynamic_tile_scheduler.cuh).
+  // Tiles from a counter need a kernel without a cluster: the cooperative one, or the pingpong one on
+  // the row-block tile (dynamic_tile_scheduler.cuh).
   static constexpr bool kDynamicCapable =
       cute::size(ClusterShape{}) == 1 &&
       (std::is_same_v<KernelSchedule, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative> ||
-       std::is_same_v<KernelSchedule, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>);
+       std::is_same_v<KernelSchedule, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum> ||
+       (kPingpong && kRowBlocks));
   static_assert(std::is_same_v<typename Kernel::TileScheduler,
                                DynamicGroupScheduler<ProblemShape, Kernel::TileSchedulerStages>>,
                 "the kernel runs dynamic_tile_scheduler.cuh's scheduler");
@@ -384,7 +395,8 @@ struct GroupedGemm {
     if constexpr (kRowBlocks) args.mainloop.skip = SkipEmptyBlocks();
     if constexpr (kDynamicCapable) {
       const int mask = DynamicTilesMask();
-      args.scheduler.dynamic = ((mask >> EpilogueKindOf(Kind)) & 1) || (kRowBlocks && (mask & kDynamicRowBlocks));
+      args.scheduler.dynamic =
+          (!kPingpong && ((mask >> EpilogueKindOf(Kind)) & 1)) || (kRowBlocks && (mask & kDynamicRowBlocks));
     }
     SetTileOrder(args);
     return args;
@@ -564,11 +576,14 @@ template <int Kind, int Tile>
 inline constexpr int kKTile = TileSchedule<Tile>::kKBytes / static_cast<int>(sizeof(ElementAB<Kind>));
 
 // The (kind, tile) pair's grouped GEMM type.
-// A row-block tile serves the act kinds only; the other kinds run the unclustered 128x256 tile for it.
+// A row-block tile serves the kinds it is built for (TileSchedule's kRowBlocksFor); the other kinds run
+// the unclustered 128x256 tile for it.
 template <int Kind, int Tile>
 struct TileConfig {
-  static constexpr bool kRowBlocks = TileSchedule<Tile>::kRowBlocks && IsActKind(Kind);
-  static constexpr int kTile = TileSchedule<Tile>::kRowBlocks && !kRowBlocks ? int(kTileCoop128x256C1) : Tile;
+  static constexpr int kFor = TileSchedule<Tile>::kRowBlocksFor;
+  static constexpr bool kRowBlocks =
+      (kFor == kRowBlocksAct && IsActKind(Kind)) || (kFor == kRowBlocksScatter && IsScatterKind(Kind));
+  static constexpr int kTile = kFor != kRowBlocksNone && !kRowBlocks ? int(kTileCoop128x256C1) : Tile;
   using S = TileSchedule<kTile>;
   using type = GroupedGemm<Kind, Shape<typename S::Rows, typename S::Cols, Int<kKTile<Kind, kTile>>>,
                            typename S::Cluster, MainloopKernel<Kind, S>, typename S::Epilogue, kRowBlocks>;

@@ -118,19 +118,23 @@ __device__ __forceinline__ Stride LeadingStride(int64_t ld) {
   return s;
 }
 
+// The kinds a row-block tile (row_block_tiles.cuh: only the 64-row blocks with rows are loaded and
+// multiplied) is built for; every other kind runs the unclustered 128x256 tile in its place.
+enum RowBlockKinds : int { kRowBlocksNone = 0, kRowBlocksAct = 1, kRowBlocksScatter = 2 };
+
 // The tile configurations of grouped_gemm.h: the CTA's rows and columns, the cluster, and the
 // schedule (cooperative: two consumer warpgroups on one tile; pingpong: on alternating tiles), and
-// the K tile in bytes per row (128: 64 bf16, 128 fp8 elements). kRowBlocks: the act kinds' warpgroups
-// split the tile's columns and multiply only its 64-row blocks with rows (row_block_tiles.cuh); the
-// other kinds run the unclustered 128x256 tile instead.
-template <class RowsT, class ColsT, class ClusterT, bool kPingpong, int kKTileBytes = 128, bool kRowBlockTile = false>
+// the K tile in bytes per row (128: 64 bf16, 128 fp8 elements). kRowBlockKinds: a row-block tile's
+// kinds (RowBlockKinds); a cooperative one's warpgroups split the tile's columns.
+template <class RowsT, class ColsT, class ClusterT, bool kPingpong, int kKTileBytes = 128,
+          int kRowBlockKinds = kRowBlocksNone>
 struct Schedule {
   using Rows = RowsT;
   using Cols = ColsT;
   using Cluster = ClusterT;
   static constexpr bool kIsPingpong = kPingpong;
   static constexpr int kKBytes = kKTileBytes;
-  static constexpr bool kRowBlocks = kRowBlockTile;
+  static constexpr int kRowBlocksFor = kRowBlockKinds;
   using Kernel = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                                     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
   using Epilogue = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
@@ -162,6 +166,8 @@ struct TileSchedule<kTilePingpong64x128K2> : Schedule<_64, _128, Shape<_1, _1, _
 template <>  // no cluster: the grouped scheduler rounds each expert's M tiles up to whole clusters
 struct TileSchedule<kTileCoop128x256C1> : Schedule<_128, _256, Shape<_1, _1, _1>, false> {};
 template <>  // 192 rows in three 64-row blocks, the warpgroups on column halves; the act kinds only
-struct TileSchedule<kTileCoop192x256> : Schedule<_192, _256, Shape<_1, _1, _1>, false, 128, true> {};
+struct TileSchedule<kTileCoop192x256> : Schedule<_192, _256, Shape<_1, _1, _1>, false, 128, kRowBlocksAct> {};
+template <>  // 192 rows in three 64-row blocks, each warpgroup on a tile of its own; the scatter kinds only
+struct TileSchedule<kTilePingpong192x128> : Schedule<_192, _128, Shape<_1, _1, _1>, true, 128, kRowBlocksScatter> {};
 
 }  // namespace jax_moe::cutlass_gg

@@ -1,5 +1,7 @@
-// A cooperative grouped-GEMM mainloop whose two consumer warpgroups split the tile's columns, not its
-// rows, and multiply only the 64-row blocks of the tile that hold rows.
+// A grouped-GEMM mainloop that loads and multiplies only the 64-row blocks of a 192-row tile that hold
+// rows, in two forms: a cooperative tile whose two consumer warpgroups split its columns, not its rows
+// (GEMM1, the act kinds), and a pingpong tile whose warpgroups each multiply a tile of their own
+// (GEMM2, the scatter kinds).
 //
 // CUTLASS's cooperative 128x256 tile gives warpgroup 0 rows 0-63 and warpgroup 1 rows 64-127. With
 // random routing at about 128 rows per expert, half the experts need a second row tile that holds a
@@ -15,6 +17,16 @@
 // first ceil(r / 64) blocks only, the same blocks in both warpgroups, so both stay on the pipe: an
 // expert of 140 rows multiplies 192, one of 100 rows 128.
 //
+// The pingpong form, 192 rows by 128 columns, gives each warpgroup all three blocks of its own tile
+// (CUTLASS's TiledMma of one warpgroup's 64x128 WGMMAs, over the blocks): the same 192 accumulators per
+// thread as the cooperative form, and one warpgroup's epilogue runs while the other multiplies. GEMM2's
+// scatter epilogue, which adds every row into the output through the L2, is long enough for that to
+// pay: the cooperative form, whose epilogue runs while neither warpgroup multiplies, was slower there
+// than the 64-row pingpong tile, and this form is faster on GPT-OSS-120B's GEMM2 at 96 to 160 rows per
+// expert. The producer and the consumers count the tiles as the cooperative form does: the pingpong
+// kernel advances each warpgroup's pipeline state past the other's tiles, so count() / k_tile_count
+// is still the CTA's tile number.
+//
 // The producer loads A one 64-row block at a time (each group's A descriptor has a 64-row box, set by
 // the setup launch), and only the blocks that hold rows; the stage's barrier is told at once of the
 // bytes of the blocks it skips. A tile of at most 128 rows so reads none of the next expert's rows.
@@ -28,8 +40,8 @@
 // (count() / k_tile_count). This holds in any order of tiles, the fixed deal of the group scheduler or
 // tiles taken from a counter (dynamic_tile_scheduler.cuh).
 //
-// A block not multiplied keeps the accumulators of the CTA's last tile. No epilogue stores them: the
-// gated epilogue stores rows below M only.
+// A block not multiplied keeps the accumulators of the warpgroup's last tile. No epilogue stores them:
+// the gated epilogue stores rows below M only, and the scatter epilogue adds only rows with a token.
 #pragma once
 
 #include <cstdint>
@@ -72,7 +84,10 @@ struct RowBlockMainloop : PrebuiltTensormapMainloop<Base> {
   static constexpr int kBlocks = cute::size<0>(TileShape{}) / kBlockRows;
   static_assert(kBlocks == 3 && cute::size<0>(TileShape{}) == kBlocks * kBlockRows,
                 "three 64-row blocks: the 192-row tile");
-  static_assert(cute::size(TiledMma{}) == 2 * cutlass::NumThreadsPerWarpGroup, "two consumer warpgroups");
+  // Cooperative: two consumer warpgroups on one tile's column halves; pingpong: one warpgroup per tile.
+  static_assert(cute::size(TiledMma{}) == 2 * cutlass::NumThreadsPerWarpGroup ||
+                    cute::size(TiledMma{}) == cutlass::NumThreadsPerWarpGroup,
+                "two consumer warpgroups on one tile, or one");
 
   // A is loaded one 64-row block per TMA box (BuildGroupTensormaps gives each group's A descriptor that
   // box), and only the blocks that hold rows: a tile of at most 128 rows reads no out-of-bounds third

@@ -73,11 +73,12 @@ FUSED_ACT_ENV = "JAX_MOE_CUTLASS_FUSED_ACT"
 # expert, where the heuristic uses it, and 0.64-0.80x on DeepSeek-V3 from 128, where neither the
 # heuristic nor the table's fp8_act rows (GEMM1 and the activation timed as one) pick it.
 # coop_128x256_c1, the same tile without its cluster, fuses as coop_128x256 does: its H200 picks
-# were timed fused. coop_192x256 is its own tile only where it fuses.
+# were timed fused. coop_192x256 is its own tile only where it fuses. GEMM1 runs pingpong_192x128 (GEMM2's
+# tile) as coop_128x256_c1, fused or not, so it fuses as that tile does.
 _BF16_FUSED = ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256", "coop_128x256",  # either b layout
-               "coop_128x256_c1", "coop_192x256")
+               "coop_128x256_c1", "coop_192x256", "pingpong_192x128")
 _FP8_FUSED = ("pingpong_64x128", "pingpong_64x128_k256", "pingpong_64x256", "coop_128x128", "coop_128x256",
-              "coop_128x256_c1", "coop_192x256")
+              "coop_128x256_c1", "coop_192x256", "pingpong_192x128")
 FUSED_TILES = {"bf16": _BF16_FUSED, "fp8": _FP8_FUSED, "bf16_kn": _BF16_FUSED}
 
 

@@ -1,6 +1,6 @@
 """Which CUTLASS tile the cutlass backend's grouped GEMMs run with, chosen at trace time.
 
-The SM90 grouped GEMM (``ffi/cutlass``) is built in seven tile configurations (:data:`TILES`):
+The SM90 grouped GEMM (``ffi/cutlass``) is built in eight tile configurations (:data:`TILES`):
 
 - ``pingpong_64x128``: 64-row tiles, two consumer warpgroups on alternating tiles. Few rows per
   expert (decode, small batches): the weights stream, and a 64-row tile wastes least.
@@ -36,8 +36,19 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in seven tile configurations (:
   without the skip. Its row tiles differ in cost (one, two or three blocks), so its CTAs take their
   tiles from a counter as they go rather than in a fixed deal: on an H200 at 4096 tokens, GPT-OSS-120B's
   GEMM1 ran 2-3.5% faster and DeepSeek-V3's 1.3-1.6%. ``JAX_MOE_CUTLASS_DYNAMIC_TILES`` (a mask: 1, 2
-  and 4 for every unclustered cooperative tile of the plain, act and scatter kinds, 8 for this tile;
-  default 8, 0 for none) chooses which GEMMs do.
+  and 4 for every unclustered cooperative tile of the plain, act and scatter kinds, 8 for this tile and
+  ``pingpong_192x128``; default 8, 0 for none) chooses which GEMMs do.
+- ``pingpong_192x128``: GEMM2 with its un-permute fused (the scatter kinds) on 192-row tiles that,
+  like ``coop_192x256``, load and multiply only their 64-row blocks with rows, each consumer
+  warpgroup on a tile of its own, so that one warpgroup's scatter epilogue runs while the other
+  multiplies. ``coop_192x256`` on GEMM2, whose long scatter epilogue stalls both warpgroups, was
+  slower than ``pingpong_64x256``. The other kinds run it as ``coop_128x256_c1``; GEMM1 with its
+  activation, whose epilogue is short, ran 7-12% slower on it than on ``coop_192x256``. On an H200
+  the shipped tiles take it for GPT-OSS-120B's GEMM2 at 128 rows per expert (about 64 to 181 rows,
+  2048 to 5792 tokens), bf16 and FP8: at 4096 tokens its GEMM2 ran 1.5% (bf16) and 7.6% (FP8)
+  faster, and at 5120 tokens 9.4% and 20%, in a loop of layers, in the fixed deal. Its CTAs take
+  their tiles from the counter, as ``coop_192x256``'s do: another 1.0-1.4% off GEMM2 at 3072 to
+  5120 tokens.
 
 :func:`pick_tile` chooses per GEMM from the average rows per expert (``rows / E``):
 
@@ -92,10 +103,12 @@ from jax_moe.device import device_kind
 # tile name -> CutlassTile in ffi/cutlass/grouped_gemm.h (one CUTLASS instantiation per kind; the K
 # tile is 128 bytes, 64 for bf16 and 128 for fp8, except pingpong_64x128_k256's 256 bytes)
 TILES: dict[str, int] = {"coop_128x128": 0, "pingpong_64x128": 1, "coop_128x256": 2, "pingpong_64x256": 3,
-                         "pingpong_64x128_k256": 4, "coop_128x256_c1": 5, "coop_192x256": 6}
-# Tiles built for GEMM1 with its activation fused (the "_act" kinds) only: the other kinds run them
-# as coop_128x256_c1 (TileConfig in ffi/cutlass/grouped_gemm_impl.cuh), so nothing times them there.
-ACT_ONLY_TILES: tuple[str, ...] = ("coop_192x256",)
+                         "pingpong_64x128_k256": 4, "coop_128x256_c1": 5, "coop_192x256": 6,
+                         "pingpong_192x128": 7}
+# Tiles built for one fused kind only -> that kind's suffix: GEMM1 with its activation ("_act") or GEMM2
+# with its un-permute ("_scatter"). Every other kind runs them as coop_128x256_c1 (TileConfig in
+# ffi/cutlass/grouped_gemm_impl.cuh), so nothing times them there.
+ONE_KIND_TILES: dict[str, str] = {"coop_192x256": "_act", "pingpong_192x128": "_scatter"}
 TILE_ENV = "JAX_MOE_CUTLASS_TILE"
 DECODE_ROWS_PER_EXPERT = 64  # below this many rows per expert on average: the 64-row pingpong tile
 WIDE_ROWS_PER_EXPERT = 128  # from this many: the 128x256 tile with a 2x1 cluster
@@ -404,8 +417,7 @@ MEASURED_ON = 'NVIDIA H100 80GB HBM3'
 def tiles_for(kind: str) -> tuple[str, ...]:
     """The tiles of :data:`TILES` that run a kernel of their own for GEMM kind ``kind``, a tile
     cache key's first part (``"bf16_kn_act"``, ``"fp8_scatter"``, ``"bf16"``...)."""
-    act = kind.endswith("_act")
-    return tuple(t for t in TILES if act or t not in ACT_ONLY_TILES)
+    return tuple(t for t in TILES if t not in ONE_KIND_TILES or kind.endswith(ONE_KIND_TILES[t]))
 
 
 def heuristic_tile(rows_per_expert: float, kind: str = "bf16", device: str | None = None) -> str:
