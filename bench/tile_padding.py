@@ -57,6 +57,7 @@ TILINGS = (
     Tiling("256x128", 256, 128),
     Tiling("256x128, empty blocks skipped", 256, 128, skips_empty_blocks=True),
     Tiling("192x256, empty blocks skipped (coop_192x256)", 192, 256, skips_empty_blocks=True),
+    Tiling("192x128, empty blocks skipped (pingpong_192x128)", 192, 128, skips_empty_blocks=True),
 )
 
 
