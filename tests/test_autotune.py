@@ -620,20 +620,3 @@ def test_a_tuned_block_on_the_gpu_computes_the_definition(tmp_path):
     poison_memory(jax.eval_shape(fn, state, x, tw, ids))
     got = fn(state, x, tw, ids)
     assert rel_err(got, np_moe(x, w13, w2, tw, ids)) < SCHEME_TOL["bf16"]
-
-
-@pytest.mark.parametrize("kind", ["bf16_kn_scatter", "fp8_scatter"])
-def test_the_h200s_shipped_tiles_run_gpt_oss_120bs_gemm2_on_the_192_row_pingpong_tile_near_128_rows(kind, monkeypatch):
-    """GPT-OSS-120B's GEMM2 (E=128, N=K=2880) with its un-permute fused, on the package's own H200
-    file: the 192-row pingpong tile from its point at 128 rows per expert to the midpoints with the
-    next (64 and 181 rows). GEMM1 keeps the cooperative 192-row tile, and the GEMM without the
-    un-permute cannot run the pingpong one."""
-    monkeypatch.setattr(tc, "SHIPPED_DIR", SHIPPED)
-    monkeypatch.setattr(ct, "device_kind", lambda device=None: "NVIDIA H200")
-    e = 128
-    picks = {r: ct.pick_tile(r * e, e, n=2880, k=2880, kind=kind) for r in (48, 96, 128, 160, 256)}
-    assert {r: p == "pingpong_192x128" for r, p in picks.items()} == {48: False, 96: True, 128: True, 160: True,
-                                                                       256: False}
-    assert "pingpong_192x128" not in ct.tiles_for("bf16_kn")
-    gemm1 = {"bf16_kn_scatter": "bf16_kn_act", "fp8_scatter": "fp8_act"}[kind]
-    assert ct.pick_tile(128 * e, e, n=5760, k=2880, kind=gemm1) == "coop_192x256"  # GEMM1 keeps its tile

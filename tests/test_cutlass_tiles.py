@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from bench import tile_sweep
+from jax_moe.backends import cutlass_tile_cache as tile_cache
 from jax_moe.backends import cutlass_tiles as ct
 
 RATES = (0.03125, 0.25, 1, 4, 16, 32, 63, 64, 100, 127, 128, 512, 4096)
@@ -40,6 +41,24 @@ def test_gemm2_with_its_un_permute_has_every_tile_but_the_act_only_one(kind):
 def test_the_plain_gemms_run_the_one_kind_tiles_as_another_so_they_are_not_tiles_of_their_own(kind):
     assert ct.ONE_KIND_TILES == {"coop_192x256": "_act", "pingpong_192x128": "_scatter"}
     assert ct.tiles_for(kind) == tuple(t for t in ct.TILES if t not in ct.ONE_KIND_TILES)
+
+
+@pytest.mark.parametrize("kind", ["bf16_kn_scatter", "fp8_scatter"])
+def test_the_h200s_shipped_tiles_run_gpt_oss_120bs_gemm2_on_the_192_row_pingpong_tile_near_128_rows(kind, monkeypatch):
+    """GPT-OSS-120B's GEMM2 (E=128, N=K=2880) with its un-permute fused, on the package's own H200
+    file: the 192-row pingpong tile from its point at 128 rows per expert to the midpoints with the
+    next (64 and 181 rows). GEMM1 keeps the cooperative 192-row tile, and the GEMM without the
+    un-permute cannot run the pingpong one."""
+    monkeypatch.delenv(tile_cache.CACHE_ENV, raising=False)
+    monkeypatch.delenv(tile_cache.SHIPPED_ENV, raising=False)
+    monkeypatch.setattr(ct, "device_kind", lambda device=None: H200)
+    e = 128
+    picks = {r: ct.pick_tile(r * e, e, n=2880, k=2880, kind=kind) for r in (48, 96, 128, 160, 256)}
+    assert {r: p == "pingpong_192x128" for r, p in picks.items()} == {48: False, 96: True, 128: True, 160: True,
+                                                                       256: False}
+    assert "pingpong_192x128" not in ct.tiles_for("bf16_kn")
+    gemm1 = {"bf16_kn_scatter": "bf16_kn_act", "fp8_scatter": "fp8_act"}[kind]
+    assert ct.pick_tile(128 * e, e, n=5760, k=2880, kind=gemm1) == "coop_192x256"  # GEMM1 keeps its tile
 
 
 @pytest.mark.parametrize("r, tile", [(0.05, "pingpong_64x128"), (63, "pingpong_64x128"), (64, "coop_128x128"),
