@@ -275,11 +275,7 @@ struct GroupedGemm {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   // Tiles from a counter need a kernel without a cluster: the cooperative one, or the pingpong one on
   // the row-block tile (dynamic_tile_scheduler.cuh).
-  static constexpr bool kDynamicCapable =
-      cute::size(ClusterShape{}) == 1 &&
-      (std::is_same_v<KernelSchedule, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative> ||
-       std::is_same_v<KernelSchedule, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum> ||
-       (kPingpong && kRowBlocks));
+  static constexpr bool kDynamicCapable = cute::size(ClusterShape{}) == 1 && (!kPingpong || kRowBlocks);
   static_assert(std::is_same_v<typename Kernel::TileScheduler,
                                DynamicGroupScheduler<ProblemShape, Kernel::TileSchedulerStages>>,
                 "the kernel runs dynamic_tile_scheduler.cuh's scheduler");
