@@ -333,6 +333,22 @@ def test_fp8_kernel_matches_the_definition_on_rows_about_a_tiles_half(rng, tile)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("tile", sorted(cb.TILES))
+def test_kernel_matches_the_definition_where_n_ends_halfway_through_a_256_column_tile(rng, tile, scheme):
+    """2I = 640, as GPT-OSS-120B's 5760: on 256-column tiles the last holds 128 columns, all in its
+    first half, and a tile whose warpgroups split its columns leaves its second warpgroup none to
+    multiply; experts of 1 to 320 rows; output poisoned."""
+    skip_unless_available(cb)
+    if scheme == "bf16":
+        a, b, off, bias = bf16_case(rng, np.array(HALF_TILE_COUNTS), n=640, k=192)
+        assert_bf16_act_is_the_definition(tile, a, b, off, bias, "swigluoai")
+    else:
+        a, b, off, row, col = fp8_case(rng, HALF_TILE_COUNTS, n=640, k=256)
+        assert_fp8_silu_act_is_the_definition(tile, a, b, off, row, col, row, col)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile", sorted(cb.TILES))
 def test_kernel_on_transposed_weights_matches_the_definition(rng, tile):
     """The act kind on b [E, K, 2I]: bf16 with a bias, empty experts, unowned rows zero, and
