@@ -9,21 +9,9 @@ from jax.sharding import PartitionSpec as P
 from jax_moe import fused_experts, select_experts
 from jax_moe.parallel import ParallelConfig, parallel_fused_experts, shard_weights, tp_row_order
 from jax_moe.quant.scheme import calibrate_activation_scale, quantize_weights
-from helpers import cpu_mesh, random_biases, random_moe, rel_err
+from helpers import cpu_mesh, rel_err
+from parallel_cases import E, H, I, K, MESHES, moe, nvfp4_moe, parallel_out, run_parallel
 
-E, K, H, I = 16, 4, 32, 32
-
-
-def moe(rng, t, activation="silu", bias=False):
-    """(x, w13, w2, topk_weights, topk_ids, biases) of a random float32 layer of this file's
-    sizes; biases a dict of fused_experts' keywords (empty without ``bias``)."""
-    m = random_moe(rng, t, E, K, H, I, activation=activation)
-    return (*m.args, random_biases(rng, m.cfg) if bias else {})
-
-
-MESHES = [((8,), ("ep",), dict(ep_axis="ep")),
-          ((4, 2), ("ep", "tp"), dict(ep_axis="ep", tp_axis="tp")),
-          ((2, 4), ("dp", "ep"), dict(ep_axis="ep", dp_axis="dp"))]
 
 
 @pytest.mark.parametrize("shape,names,axes", [pytest.param(*MESHES[0], marks=pytest.mark.slow), MESHES[1],
@@ -59,7 +47,7 @@ def test_the_backend_is_chosen_for_the_mesh_devices_not_the_default_device(rng, 
 
     monkeypatch.setattr(oracle, "select_backend", recording)
     x, w13, w2, w, ids, _ = moe(rng, 16)
-    _parallel_out(pcfg, x, w13, w2, w, ids)
+    parallel_out(pcfg, x, w13, w2, w, ids)
     assert seen and all(d in set(pcfg.mesh.devices.flat) for d in seen), seen
 
 
@@ -376,20 +364,6 @@ def test_fp8_tokens_are_quantized_before_dispatch(rng, strategy, shape, names, a
 # ------------------------------------------------- NVFP4 activations quantized before the dispatch
 
 
-def _nvfp4_moe(rng, t, dynamic=False):
-    x, w13, w2, w, ids, _ = moe(rng, t)
-    a13 = None if dynamic else calibrate_activation_scale("nvfp4", x)
-    q13, q2, quant = quantize_weights("nvfp4", w13, w2, act="nvfp4", a13_scale=a13, a2_scale=0.02)
-    return x, q13, q2, w, ids, quant
-
-
-def _run_parallel(pcfg, x, q13, q2, w, ids, quant, **opts):
-    p = shard_weights(q13, q2, pcfg, quant=quant)
-    f = jax.jit(lambda x, w, ids, p: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"],
-                                                             **opts))
-    return f(x, w, ids, p), str(jax.make_jaxpr(f)(x, w, ids, p))
-
-
 NVFP4_MESHES = [MESHES[0], MESHES[2]]  # tp is refused for NVFP4 weights (scales along K)
 
 
@@ -405,11 +379,11 @@ def test_nvfp4_tokens_are_quantized_before_dispatch(rng, strategy, shape, names,
     global scale commutes with the exchange, so the result is one device's, also when every
     token's experts live on device 0 and the other devices receive nothing."""
     pcfg = ParallelConfig(cpu_mesh(shape, names), strategy=strategy, **axes)
-    x, q13, q2, w, ids, quant = _nvfp4_moe(rng, 64)
+    x, q13, q2, w, ids, quant = nvfp4_moe(rng, 64)
     if one_device:  # experts 0..1 (device 0 of ep=8) or 0..3 (ep=4)
         ids = jnp.tile(jnp.arange(K, dtype=jnp.int32) % (E // pcfg.size("ep")), (64, 1))
     ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
-    out, moved = _run_parallel(pcfg, x, q13, q2, w, ids, quant)
+    out, moved = run_parallel(pcfg, x, q13, q2, w, ids, quant)
     assert out.dtype == x.dtype
     assert rel_err(out, ref) < 1e-5
     exchange = "all_gather" if strategy == "naive" else "all_to_all"
@@ -425,10 +399,10 @@ def test_nvfp4_dynamic_scale_is_taken_over_every_devices_tokens(rng, strategy):
     """Without a13_scale the global scale comes from the amax of all tokens (a pmax before the
     dispatch), as one device computes it over its whole batch (up to an ulp of the scale)."""
     pcfg = ParallelConfig(cpu_mesh((2, 4), ("dp", "ep")), dp_axis="dp", ep_axis="ep", strategy=strategy)
-    x, q13, q2, w, ids, quant = _nvfp4_moe(rng, 64, dynamic=True)
+    x, q13, q2, w, ids, quant = nvfp4_moe(rng, 64, dynamic=True)
     x = x.at[3].multiply(8.0)  # one device's token sets the scale for all
     ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
-    out, _ = _run_parallel(pcfg, x, q13, q2, w, ids, quant)
+    out, _ = run_parallel(pcfg, x, q13, q2, w, ids, quant)
     assert rel_err(out, ref) < 1e-3
 
 
@@ -456,116 +430,10 @@ def test_nvfp4_scales_swizzled_after_the_exchange_for_a_backend_that_reads_tiles
     real = oracle.module
     monkeypatch.setattr(oracle, "module", lambda name: tiles if name == "cutlass" else real(name))
     pcfg = ParallelConfig(cpu_mesh((8,), ("ep",)), ep_axis="ep", strategy=strategy)
-    x, q13, q2, w, ids, quant = _nvfp4_moe(rng, 64)
+    x, q13, q2, w, ids, quant = nvfp4_moe(rng, 64)
     ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
-    out, _ = _run_parallel(pcfg, x, q13, q2, w, ids, quant, backend="cutlass")
+    out, _ = run_parallel(pcfg, x, q13, q2, w, ids, quant, backend="cutlass")
     assert seen and rel_err(out, ref) < 1e-5
-
-
-# ------------------------------------------------- the batched expert format after the dispatch
-
-
-def _parallel_out(pcfg, x, w13, w2, w, ids, b=None, **opts):
-    """parallel_fused_experts under jit on weights placed by shard_weights (biases in b)."""
-    b = b or {}
-    p = shard_weights(w13, w2, pcfg, activation=opts.get("activation", "silu"), **b)
-    return jax.jit(lambda x, w, ids, p: parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg,
-                                                               w13_bias=p["w13_bias"], w2_bias=p["w2_bias"],
-                                                               quant=p["quant"], **opts))(x, w, ids, p)
-
-
-@pytest.mark.parametrize("shape,names,axes", [pytest.param(*MESHES[0], marks=pytest.mark.slow), MESHES[1],
-                                              pytest.param(*MESHES[2], marks=pytest.mark.slow)],
-                         ids=["ep8", "ep4-tp2", "dp2-ep4"])
-def test_batched_expert_format_equals_single_device_and_the_standard_format(rng, shape, names, axes, monkeypatch):
-    """expert_format="batched": after the all-to-all each device lays its received token copies
-    out as [E_local, C, H] and runs xla.apply_batched (I split over tp: the partial outputs
-    summed after the combine, w2's bias once). Equals one device, and the standard format on
-    the same inputs."""
-    from jax_moe.backends import xla
-
-    mesh = cpu_mesh(shape, names)
-    x, w13, w2, w, ids, b = moe(rng, 32, activation="swigluoai", bias=True)
-    ref = fused_experts(x, w13, w2, w, ids, activation="swigluoai", **b)
-    stage = []
-    monkeypatch.setattr(xla, "apply_batched", lambda x, *a, _real=xla.apply_batched, **k: stage.append(x.shape)
-                        or _real(x, *a, **k))
-    run = {fmt: _parallel_out(ParallelConfig(mesh, strategy="all_to_all", expert_format=fmt, **axes),
-                              x, w13, w2, w, ids, b, activation="swigluoai") for fmt in ("batched", "standard")}
-    ep, dp = mesh.shape["ep"], mesh.shape.get("dp", 1)
-    assert stage == [(E // ep, ep * 32 // (dp * ep), H)]  # [E_local, C = ep * T_local, H]
-    assert rel_err(run["batched"], ref) < 1e-5
-    assert rel_err(run["batched"], run["standard"]) < 1e-5
-
-
-@pytest.mark.parametrize("routing", ["all-on-device-0", "repeated-ids"])
-@pytest.mark.parametrize("strategy", [pytest.param("naive", marks=pytest.mark.slow), "all_to_all"])
-def test_batched_format_never_drops_a_token_copy(rng, strategy, routing):
-    """The capacity is the rows a device holds, so no routing overflows it: every token on
-    device 0's experts 0..3 (each of them holds all 32 rows device 0 receives: counts = C;
-    devices 1..3 receive nothing and run empty experts), or tokens naming one expert in two
-    slots (the slots share one copy, each weighted)."""
-    pcfg = ParallelConfig(cpu_mesh((4,), ("ep",)), ep_axis="ep", strategy=strategy, expert_format="batched")
-    x, w13, w2, w, ids, _ = moe(rng, 32)
-    if routing == "all-on-device-0":
-        ids = jnp.tile(jnp.arange(4, dtype=jnp.int32), (32, 1))
-    else:
-        ids = ids.at[:, 1].set(ids[:, 0])
-    assert rel_err(_parallel_out(pcfg, x, w13, w2, w, ids), fused_experts(x, w13, w2, w, ids)) < 1e-5
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("act", ["fp8_per_token", None])
-def test_cutlass_runs_the_batched_stage_under_expert_parallelism(rng, act, monkeypatch):
-    """backend='cutlass' with expert_format='batched': cutlass.apply_batched is the stage each
-    device runs (bf16, and FP8 weights with per-token activation scales taken on the receiving
-    device as in the standard format), equal to one device's xla result. The custom calls' jnp
-    references run here; tests/test_gpu_parallel.py runs the kernels."""
-    from jax_moe.backends import cutlass
-
-    monkeypatch.setattr(cutlass, "supports", lambda *a, **k: (True, "ok"))
-    calls = []
-    real = cutlass.apply_batched
-    monkeypatch.setattr(cutlass, "apply_batched", lambda x, counts, *a, **k: calls.append(x.shape) or real(
-        x, counts, *a, **k))
-    pcfg = ParallelConfig(cpu_mesh((4,), ("ep",)), ep_axis="ep", strategy="all_to_all", expert_format="batched")
-    x, w13, w2, w, ids, _ = moe(rng, 32)
-    x, w13, w2 = (a.astype(jnp.bfloat16) for a in (x, w13, w2))
-    quant = None
-    if act is not None:
-        w13, w2, quant = quantize_weights("fp8", w13, w2, act=act)
-    ref = fused_experts(x, w13, w2, w, ids, quant=quant, backend="xla")
-    p = shard_weights(w13, w2, pcfg, quant=quant)
-    out = parallel_fused_experts(x, p["w13"], p["w2"], w, ids, pcfg, quant=p["quant"], backend="cutlass")
-    assert calls == [(E // 4, 4 * 8, H)]  # [E_local, C = ep * T_local, H]
-    assert rel_err(out, ref) < (2e-2 if act is None else 5e-2)
-
-
-@pytest.mark.slow
-def test_batched_format_moves_nvfp4_tokens_with_their_scales(rng):
-    """NVFP4 activations are quantized before the dispatch as in the standard format; the packed
-    rows and their block scales are laid out per expert together, and the xla batched stage
-    dequantizes them: one device's result."""
-    pcfg = ParallelConfig(cpu_mesh((8,), ("ep",)), ep_axis="ep", strategy="all_to_all", expert_format="batched")
-    x, q13, q2, w, ids, quant = _nvfp4_moe(rng, 32)
-    ref = fused_experts(x, q13, q2, w, ids, quant=quant, backend="xla")
-    out, moved = _run_parallel(pcfg, x, q13, q2, w, ids, quant)
-    assert rel_err(out, ref) < 1e-5
-    sent = [ln.split("=")[0] for ln in moved.splitlines() if "all_to_all" in ln]
-    assert any("u8[" in ln and f",{H // 2}]" in ln for ln in sent), "the packed E2M1 rows travel"
-    assert any("u8[" in ln and f",{H // 16}]" in ln for ln in sent), "their block scales travel"
-
-
-def test_batched_format_refusals(rng):
-    from jax_moe.parallel import parallel_apply_prepared
-
-    mesh = cpu_mesh((4,), ("ep",))
-    with pytest.raises(ValueError, match="expert_format must be one of .'standard', 'batched'., got 'auto'"):
-        ParallelConfig(mesh, ep_axis="ep", expert_format="auto")
-    pcfg = ParallelConfig(mesh, ep_axis="ep", strategy="all_to_all", expert_format="batched")
-    x, _, _, w, ids, _ = moe(rng, 8)
-    with pytest.raises(ValueError, match="parallel_apply_prepared runs the standard expert format only"):
-        parallel_apply_prepared(x, None, w, ids, pcfg)
 
 
 # ------------------------------------------------- non-finite isolation on 8 CPU devices
@@ -592,12 +460,12 @@ def test_a_bad_unused_expert_or_token_stays_put_under_every_parallel_strategy(rn
     pcfg = ParallelConfig(cpu_mesh(shape, names), strategy=strategy, expert_format=fmt, **axes)
     x, w13, w2, _, _, b = moe(rng, 32, activation="relu2", bias=True)
     w, ids = select_experts(jnp.asarray(rng.standard_normal((32, E)), jnp.float32).at[:, 13:].set(-1e4), K)
-    want = np.asarray(_parallel_out(pcfg, x, w13, w2, w, ids, b, activation="relu2"))
+    want = np.asarray(parallel_out(pcfg, x, w13, w2, w, ids, b, activation="relu2"))
     bad13, bad2 = np.array(w13), np.array(w2)
     bad13[13, 0, 0], bad2[14, 1, 1] = np.nan, np.inf
     bad13[15] *= np.float32(1e30)
     x = x.at[5, 3].set(jnp.nan)
-    out = np.asarray(_parallel_out(pcfg, x, jnp.asarray(bad13), jnp.asarray(bad2), w, ids, b, activation="relu2"))
+    out = np.asarray(parallel_out(pcfg, x, jnp.asarray(bad13), jnp.asarray(bad2), w, ids, b, activation="relu2"))
     assert np.isnan(out[5]).all()
     assert np.isfinite(np.delete(out, 5, 0)).all()
     np.testing.assert_array_equal(np.delete(out, 5, 0), np.delete(want, 5, 0))
@@ -615,10 +483,10 @@ def test_dynamic_scales_ignore_a_nan_token_and_a_nan_byte_in_an_unused_expert(rn
     x = x.at[9].multiply(1e-3)  # token 9 never holds a max: with its NaN left out, the scales are the same
     w, ids = select_experts(jnp.asarray(rng.standard_normal((32, E)), jnp.float32).at[:, 15].set(-1e4), K)
     q13, q2, quant = quantize_weights(scheme, w13, w2, act=act)
-    want = np.asarray(_run_parallel(pcfg, x, q13, q2, w, ids, quant)[0])
+    want = np.asarray(run_parallel(pcfg, x, q13, q2, w, ids, quant)[0])
     if scheme == "fp8":
         q13 = q13.at[15, 0, 0].set(jnp.nan)  # one NaN byte in the unused expert
-    out = np.asarray(_run_parallel(pcfg, x.at[9, 2].set(jnp.nan), q13, q2, w, ids, quant)[0])
+    out = np.asarray(run_parallel(pcfg, x.at[9, 2].set(jnp.nan), q13, q2, w, ids, quant)[0])
     assert np.isnan(out[9]).all()
     np.testing.assert_array_equal(np.delete(out, 9, 0), np.delete(want, 9, 0))
 
