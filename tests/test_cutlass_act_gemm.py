@@ -337,8 +337,8 @@ def test_fp8_kernel_matches_the_definition_on_rows_about_a_tiles_half(rng, tile)
 @pytest.mark.parametrize("tile", sorted(cb.TILES))
 def test_kernel_matches_the_definition_where_n_ends_halfway_through_a_256_column_tile(rng, tile, scheme):
     """2I = 640, as GPT-OSS-120B's 5760: on 256-column tiles the last holds 128 columns, all in its
-    first half, and a tile whose warpgroups split its columns leaves its second warpgroup none to
-    multiply; experts of 1 to 320 rows; output poisoned."""
+    first half, and a tile whose warpgroups split its columns gives its second warpgroup only
+    columns past N; experts of 1 to 320 rows; output poisoned."""
     skip_unless_available(cb)
     if scheme == "bf16":
         a, b, off, bias = bf16_case(rng, np.array(HALF_TILE_COUNTS), n=640, k=192)
