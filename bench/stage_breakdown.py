@@ -34,10 +34,11 @@ and the grouped GEMMs' share. This is a layer's device time as a model's layer l
 dispatch, and none of the loop timer's once-per-call costs (the span still holds the loop's start).
 The closing loop table reads each layer's busy time against the performance targets' floor
 (:data:`TARGET_BANDWIDTH`, :data:`TARGET_PEAK`: the same figures on every machine) and, on jax_moe's
-rows, against tokamax's at the same model and T (``x tokamax``). Its last column is the GPU's SM
-clock (:mod:`bench.gpu_clocks`): the median while the loop was traced, then the 10th percentile
-and median while it runs back to back for a second after its trace, with the share of those
-samples at which the driver lowered the clock for its power cap. A loop that ran slower because
+rows, against tokamax's at the same model and T (``x tokamax``). Its next-to-last column is the
+GPU's SM clock (:mod:`bench.gpu_clocks`): the median while the loop was traced, with the count of
+busy samples it rests on (one per 20 ms: a short loop's trace gives a few, which need not fall in
+its GEMMs), then the 10th percentile and median while it runs back to back for a second after its
+trace, with the share of those samples at which the driver lowered the clock for its power cap. A loop that ran slower because
 the clock fell can so be told from a change in the kernels, and a sustained run's clock read. The
 same back-to-back run reads the board's energy counter (:mod:`bench.gpu_energy`): millijoules per
 layer and the mean watts. At the power cap a layer's time is its energy over the limit, so that
@@ -237,7 +238,7 @@ def target_floor_us(m: Model, t: int, scheme: str = "bf16") -> float:
 def loop_header() -> str:
     cols = ["model", "T", "impl", "layers", "busy us per layer", "span us per layer", "gemm us per layer",
             "floor us", "floor / busy", "x tokamax",
-            "SM MHz traced; back to back p10 / median (power-capped)", "mJ per layer back to back (W)"]
+            "SM MHz traced (busy samples); back to back p10 / median (power-capped)", "mJ per layer back to back (W)"]
     return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
 
 
@@ -252,7 +253,8 @@ def format_loop_row(row: dict, peer_busy: float | None = None) -> str:
     cells.append(f"{100 * floor / lp['busy']:.0f}%" if floor and lp["busy"] else "n/a")
     cells.append(f"{peer_busy / lp['busy']:.2f}x" if peer_busy and lp["busy"] else "-")
     traced = lp.get("clocks_traced")
-    cells.append(f"{traced['median_mhz'] if traced else '-'}; {gpu_clocks.cell(lp.get('clocks'))}")
+    traced_cell = f"{traced['median_mhz']} ({traced['samples']})" if traced else "-"
+    cells.append(f"{traced_cell}; {gpu_clocks.cell(lp.get('clocks'))}")
     cells.append(gpu_energy.cell(lp.get("joules"), lp.get("energy")))
     return "| " + " | ".join(cells) + " |"
 

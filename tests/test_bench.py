@@ -278,7 +278,7 @@ def test_stage_breakdown_loop_table_reads_each_layer_against_the_targets_floor_a
             row("cutlass", 128, 800.0)]
     lines = stage_breakdown.loop_table(rows).splitlines()
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
-    assert cells[0][7:] == ["400.0", "80%", "2.00x", "1965; 1110 / 1380 (100%)", "350 (700 W)"]
+    assert cells[0][7:] == ["400.0", "80%", "2.00x", "1965 (9); 1110 / 1380 (100%)", "350 (700 W)"]
     assert cells[1][7:] == ["400.0", "40%", "-", "-; -", "-"]     # the peer's own row (no clocks, no meter)
     assert cells[2][7:] == ["400.0", "50%", "-", "-; -", "-"]     # no peer at this T
 
