@@ -40,9 +40,9 @@ busy samples it rests on (one per 20 ms: a short loop's trace gives a few, which
 its GEMMs), then the 10th percentile and median while it runs back to back for a second after its
 trace, with the share of those samples at which the driver lowered the clock for its power cap. A
 loop that ran slower because the clock fell can so be told from a change in the kernels, and a
-sustained run's clock read. The same back-to-back run reads the board's energy counter (:mod:`bench.gpu_energy`): millijoules per
-layer and the mean watts. At the power cap a layer's time is its energy over the limit, so that
-column compares two implementations on what bounds them both.
+sustained run's clock read. The same back-to-back run reads the board's energy counter
+(:mod:`bench.gpu_energy`): millijoules per layer and the mean watts. At the power cap a layer's time
+is its energy over the limit, so that column compares two implementations on what bounds them both.
 
 The GEMM columns also give each grouped GEMM's share of its own floor: ``max(touched experts'
 weight bytes / bandwidth, FLOPs / peak)`` with the ceilings measured in the same run.
