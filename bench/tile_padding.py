@@ -40,13 +40,16 @@ BLOCK_ROWS = 64  # the rows of one warpgroup's MMA block (a WGMMA's M)
 class Tiling(NamedTuple):
     """A row tiling: ``tile_m`` x ``tile_n`` tiles; ``cluster_m`` CTAs along the rows share a weight
     tile by multicast (the scheduler rounds each expert's row tiles up to whole clusters);
-    ``skips_empty_blocks``: 64-row blocks with no row in them are not multiplied."""
+    ``skips_empty_blocks``: 64-row blocks with no row in them are not multiplied; ``swap_step``: an
+    expert's last, partly filled row tile is multiplied with its tokens on the MMA's N (a WGMMA's N
+    steps by 8: its rows rounded up to ``swap_step``), not built, counted to bound what it could save."""
 
     name: str
     tile_m: int
     tile_n: int
     cluster_m: int = 1
     skips_empty_blocks: bool = False
+    swap_step: int = 0
 
 
 TILINGS = (
@@ -58,6 +61,7 @@ TILINGS = (
     Tiling("256x128, empty blocks skipped", 256, 128, skips_empty_blocks=True),
     Tiling("192x256, empty blocks skipped (coop_192x256)", 192, 256, skips_empty_blocks=True),
     Tiling("192x128, empty blocks skipped (pingpong_192x128)", 192, 128, skips_empty_blocks=True),
+    Tiling("64x256, the last partial tile's tokens on N (not built)", 64, 256, swap_step=8),
 )
 
 
@@ -88,7 +92,10 @@ def cost(rows: np.ndarray, tiling: Tiling, n: int, k: int, element_bytes: int = 
     used = rows[rows > 0]
     tiles = -(-used // tiling.tile_m)
     tiles = -(-tiles // tiling.cluster_m) * tiling.cluster_m
-    if tiling.skips_empty_blocks:
+    if tiling.swap_step:
+        last = used % tiling.tile_m  # the partly filled last tile's rows (0: none)
+        multiplied = int(np.sum(used - last + -(-last // tiling.swap_step) * tiling.swap_step))
+    elif tiling.skips_empty_blocks:
         multiplied = int(np.sum(-(-used // BLOCK_ROWS))) * BLOCK_ROWS
     else:
         multiplied = int(np.sum(tiles)) * tiling.tile_m

@@ -48,6 +48,15 @@ def test_the_192_row_tile_is_one_row_tile_per_expert_of_up_to_192_rows_multiplie
     assert c.weight_passes == pytest.approx(1.0) and c.row_passes == 2
 
 
+def test_a_last_tile_with_its_tokens_on_n_multiplies_its_rows_rounded_up_to_8(tile_padding):
+    """The 64-row tiling with each expert's partly filled last tile multiplied with its tokens on the
+    MMA's N: 128 rows in two full tiles, 129 in two and one row (8), 64 in one."""
+    (c,) = [tile_padding.cost(ROWS, t, n=512, k=64) for t in tile_padding.TILINGS if t.swap_step]
+    assert c.row_tiles == 2 + 3 + 1
+    assert c.multiplied_per_row == pytest.approx((128 + 136 + 64) / 321)
+    assert c.weight_passes == pytest.approx(6 / 3) and c.row_passes == 2
+
+
 def test_the_table_counts_the_bench_routing_of_a_layer(tile_padding):
     from bench.moe_bench import MODELS
 
