@@ -15,8 +15,8 @@ Kinds are the cutlass backend's names (``jax_moe.backends.cutlass_gemm``: ``bf16
 ``bf16_kn_scatter``...), tiles those of ``jax_moe.backends.cutlass_tiles.TILES``. A tile that a kind
 runs as another (``coop_192x256`` outside the act kinds, ``pingpong_192x128`` outside the scatter
 kinds) compiles as that other. It needs nvcc (12.8 or later), CUTLASS's headers (``CUTLASS_DIR``,
-or the ``nvidia-cutlass`` package) and jaxlib's FFI headers. One instantiation takes 1-3 minutes on two cores (``--jobs`` runs several at
-once).
+or the ``nvidia-cutlass`` package) and jaxlib's FFI headers. One instantiation takes 1-3 minutes on
+two cores (``--jobs`` runs several at once).
 """
 
 from __future__ import annotations
