@@ -43,22 +43,37 @@ def test_the_plain_gemms_run_the_one_kind_tiles_as_another_so_they_are_not_tiles
     assert ct.tiles_for(kind) == tuple(t for t in ct.TILES if t not in ct.ONE_KIND_TILES)
 
 
-@pytest.mark.parametrize("kind", ["bf16_kn_scatter", "fp8_scatter"])
-def test_the_h200s_shipped_tiles_run_gpt_oss_120bs_gemm2_on_the_192_row_pingpong_tile_near_128_rows(kind, monkeypatch):
+@pytest.mark.parametrize("kind, rows", [("bf16_kn_scatter", (96, 128, 160)), ("fp8_scatter", (96, 128, 160, 256, 352, 512))])
+def test_the_h200s_shipped_tiles_run_gpt_oss_120bs_gemm2_on_the_192_row_pingpong_tile_from_64_rows(kind, rows,
+                                                                                                 monkeypatch):
     """GPT-OSS-120B's GEMM2 (E=128, N=K=2880) with its un-permute fused, on the package's own H200
-    file: the 192-row pingpong tile from its point at 128 rows per expert to the midpoints with the
-    next (64 and 181 rows). GEMM1 keeps the cooperative 192-row tile, and the GEMM without the
-    un-permute cannot run the pingpong one."""
+    file: the 192-row pingpong tile from the midpoint of its 32- and 128-row points (64 rows per
+    expert) on. In bf16 it stops at the midpoint with the 256-row point (181 rows); FP8, whose
+    epilogue also scales every row and column, keeps it through the 512-row point. GEMM1 keeps the
+    cooperative 192-row tile, and the GEMM without the un-permute cannot run the pingpong one."""
     monkeypatch.delenv(tile_cache.CACHE_ENV, raising=False)
     monkeypatch.delenv(tile_cache.SHIPPED_ENV, raising=False)
     monkeypatch.setattr(ct, "device_kind", lambda device=None: H200)
     e = 128
-    picks = {r: ct.pick_tile(r * e, e, n=2880, k=2880, kind=kind) for r in (48, 96, 128, 160, 256)}
-    assert {r: p == "pingpong_192x128" for r, p in picks.items()} == {48: False, 96: True, 128: True, 160: True,
-                                                                       256: False}
+    probes = (48, 96, 128, 160, 256, 352, 512)
+    picks = {r: ct.pick_tile(r * e, e, n=2880, k=2880, kind=kind) == "pingpong_192x128" for r in probes}
+    assert picks == {r: r in rows for r in probes}
     assert "pingpong_192x128" not in ct.tiles_for("bf16_kn")
     gemm1 = {"bf16_kn_scatter": "bf16_kn_act", "fp8_scatter": "fp8_act"}[kind]
     assert ct.pick_tile(128 * e, e, n=5760, k=2880, kind=gemm1) == "coop_192x256"  # GEMM1 keeps its tile
+
+
+def test_the_h200s_shipped_tiles_run_gpt_oss_120bs_fp8_gemm1_on_the_192_row_tile_at_128_and_256_rows(monkeypatch):
+    """GPT-OSS-120B's FP8 GEMM1 with its activation (E=128, N=5760, K=2880) on the package's own H200
+    file: the cooperative 192-row tile at its 128- and 256-row points, the unclustered 128x256 tile at
+    512. In bf16 the 256-row point keeps the 128x256 tile."""
+    monkeypatch.delenv(tile_cache.CACHE_ENV, raising=False)
+    monkeypatch.delenv(tile_cache.SHIPPED_ENV, raising=False)
+    monkeypatch.setattr(ct, "device_kind", lambda device=None: H200)
+    e = 128
+    fp8 = {r: ct.pick_tile(r * e, e, n=5760, k=2880, kind="fp8_act") for r in (128, 256, 512)}
+    assert fp8 == {128: "coop_192x256", 256: "coop_192x256", 512: "coop_128x256_c1"}
+    assert ct.pick_tile(256 * e, e, n=5760, k=2880, kind="bf16_kn_act") == "coop_128x256_c1"
 
 
 @pytest.mark.parametrize("r, tile", [(0.05, "pingpong_64x128"), (63, "pingpong_64x128"), (64, "coop_128x128"),

@@ -31,11 +31,13 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in eight tile configurations (:
   The other kinds run it as ``coop_128x256_c1``. On an H200 the shipped tiles take it for
   GPT-OSS-120B's and DeepSeek-V3's GEMM1 at 128 rows per expert (4096 tokens; from
   :data:`ROW_BLOCK_TILE_FROM_ROWS` rows), where it made their bf16 layers 3% and 6% faster in a loop of
-  layers, and their FP8 layers 2.3% and 0.8% (FP8 GEMM1 4.1% and 1.4%); neither the H100 table nor the
-  heuristic picks it. ``JAX_MOE_CUTLASS_SKIP_BLOCKS=0`` multiplies every block, which times the tile
-  without the skip. Its row tiles differ in cost (one, two or three blocks), so its CTAs take their
-  tiles from a counter as they go rather than in a fixed deal: on an H200 at 4096 tokens, GPT-OSS-120B's
-  GEMM1 ran 2-3.5% faster and DeepSeek-V3's 1.3-1.6%. ``JAX_MOE_CUTLASS_DYNAMIC_TILES`` (a mask: 1, 2
+  layers, and their FP8 layers 2.3% and 0.8% (FP8 GEMM1 4.1% and 1.4%), and for GPT-OSS-120B's FP8
+  GEMM1 at 256 rows (0.5% off GEMM1 and the layer at 8192 tokens; in bf16 there GEMM1 gained 1.2% and
+  the layer 0.2%, and the 128x256 tile stays); neither the H100 table nor the heuristic picks it.
+  ``JAX_MOE_CUTLASS_SKIP_BLOCKS=0`` multiplies every block, which times the tile without the skip.
+  Its row tiles differ in cost (one, two or three blocks), so its CTAs take their tiles from a
+  counter as they go rather than in a fixed deal: on an H200 at 4096 tokens, GPT-OSS-120B's GEMM1
+  ran 2-3.5% faster and DeepSeek-V3's 1.3-1.6%. ``JAX_MOE_CUTLASS_DYNAMIC_TILES`` (a mask: 1, 2
   and 4 for every unclustered cooperative tile of the plain, act and scatter kinds, 8 for this tile and
   ``pingpong_192x128``; default 8, 0 for none) chooses which GEMMs do.
 - ``pingpong_192x128``: GEMM2 with its un-permute fused (the scatter kinds) on 192-row tiles that,
@@ -48,7 +50,11 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in eight tile configurations (:
   2048 to 5792 tokens), bf16 and FP8: at 4096 tokens its GEMM2 ran 1.5% (bf16) and 7.6% (FP8)
   faster, and at 5120 tokens 9.4% and 20%, in a loop of layers, in the fixed deal. Its CTAs take
   their tiles from the counter, as ``coop_192x256``'s do: another 1.0-1.4% off GEMM2 at 3072 to
-  5120 tokens.
+  5120 tokens. FP8, whose epilogue also scales every row and column, keeps it at the 256- and
+  512-row points as well: against ``pingpong_64x256`` its GEMM2 ran 17% faster at 6144 tokens, 12%
+  at 8192 and 24% at 11264 (the layer 4.6-10%), and against ``coop_128x256_c1`` 1.8% at 16384. In
+  bf16 at 256 rows it was 7.7% slower than ``coop_128x256_c1``, and DeepSeek-V3's FP8 GEMM2 at 256
+  rows 18% slower than ``pingpong_64x256``.
 
 :func:`pick_tile` chooses per GEMM from the average rows per expert (``rows / E``):
 
