@@ -63,17 +63,18 @@ def test_the_h200s_shipped_tiles_run_gpt_oss_120bs_gemm2_on_the_192_row_pingpong
     assert ct.pick_tile(128 * e, e, n=5760, k=2880, kind=gemm1) == "coop_192x256"  # GEMM1 keeps its tile
 
 
-def test_the_h200s_shipped_tiles_run_gpt_oss_120bs_fp8_gemm1_on_the_192_row_tile_at_128_and_256_rows(monkeypatch):
-    """GPT-OSS-120B's FP8 GEMM1 with its activation (E=128, N=5760, K=2880) on the package's own H200
-    file: the cooperative 192-row tile at its 128- and 256-row points, the unclustered 128x256 tile at
-    512. In bf16 the 256-row point keeps the 128x256 tile."""
+@pytest.mark.parametrize("kind, rows", [("bf16_kn_act", (128, 512, 1024)), ("fp8_act", (128, 256, 512, 1024))])
+def test_the_h200s_shipped_tiles_run_gpt_oss_120bs_gemm1_on_the_192_row_tile_from_128_rows(kind, rows, monkeypatch):
+    """GPT-OSS-120B's GEMM1 with its activation (E=128, N=5760, K=2880) on the package's own H200
+    file: the cooperative 192-row tile at its points of 128 and 512 rows per expert (and past the
+    last), in FP8 at 256 as well; bf16 at 256 keeps the unclustered 128x256 tile."""
     monkeypatch.delenv(tile_cache.CACHE_ENV, raising=False)
     monkeypatch.delenv(tile_cache.SHIPPED_ENV, raising=False)
     monkeypatch.setattr(ct, "device_kind", lambda device=None: H200)
     e = 128
-    fp8 = {r: ct.pick_tile(r * e, e, n=5760, k=2880, kind="fp8_act") for r in (128, 256, 512)}
-    assert fp8 == {128: "coop_192x256", 256: "coop_192x256", 512: "coop_128x256_c1"}
-    assert ct.pick_tile(256 * e, e, n=5760, k=2880, kind="bf16_kn_act") == "coop_128x256_c1"
+    probes = (128, 256, 512, 1024)
+    picks = {r: ct.pick_tile(r * e, e, n=5760, k=2880, kind=kind) for r in probes}
+    assert picks == {r: "coop_192x256" if r in rows else "coop_128x256_c1" for r in probes}
 
 
 @pytest.mark.parametrize("r, tile", [(0.05, "pingpong_64x128"), (63, "pingpong_64x128"), (64, "coop_128x128"),

@@ -31,9 +31,13 @@ The SM90 grouped GEMM (``ffi/cutlass``) is built in eight tile configurations (:
   The other kinds run it as ``coop_128x256_c1``. On an H200 the shipped tiles take it for
   GPT-OSS-120B's and DeepSeek-V3's GEMM1 at 128 rows per expert (4096 tokens; from
   :data:`ROW_BLOCK_TILE_FROM_ROWS` rows), where it made their bf16 layers 3% and 6% faster in a loop of
-  layers, and their FP8 layers 2.3% and 0.8% (FP8 GEMM1 4.1% and 1.4%), and for GPT-OSS-120B's FP8
-  GEMM1 at 256 rows (0.5% off GEMM1 and the layer at 8192 tokens; in bf16 there GEMM1 gained 1.2% and
-  the layer 0.2%, and the 128x256 tile stays); neither the H100 table nor the heuristic picks it.
+  layers, and their FP8 layers 2.3% and 0.8% (FP8 GEMM1 4.1% and 1.4%). It takes GPT-OSS-120B's
+  GEMM1 at 512 rows too, where an expert needs three row tiles instead of four: at 16384 tokens
+  GEMM1 ran 8.7% (bf16) and 4.6% (FP8) faster, the layer 5.9% and 3.7%; and its FP8 GEMM1 at 256
+  rows (0.5% at 8192 tokens; in bf16 there the layer gained 0.2%, and the 128x256 tile stays).
+  Qwen3-30B-A3B's GEMM1 gained 1.2% per layer at 512 rows but lost 7% at 256, so its crossover may
+  lie inside the 512-row point's reach, and ``pingpong_64x256`` stays; DeepSeek-V3's lost 10% per
+  layer at 256. Neither the H100 table nor the heuristic picks it.
   ``JAX_MOE_CUTLASS_SKIP_BLOCKS=0`` multiplies every block, which times the tile without the skip.
   Its row tiles differ in cost (one, two or three blocks), so its CTAs take their tiles from a
   counter as they go rather than in a fixed deal: on an H200 at 4096 tokens, GPT-OSS-120B's GEMM1
