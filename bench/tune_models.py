@@ -8,6 +8,7 @@ model, written so). A layer already there is tuned again from its shipped tiles:
 
     python bench/tune_models.py                                  # every layer, into the shipped file
     python bench/tune_models.py --models qwen3-235b glm-4.5 --scheme fp8 --out tiles.json
+    python bench/tune_models.py --tiles coop_192x256 pingpong_192x128 --rounds 2   # place new tiles
     python bench/tune_models.py --list
 
 A layer that fails (out of memory on a smaller GPU, say) is reported and skipped; the exit status
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="the autotuner's --rounds: rounds of each GEMM's run-off between its two closest tiles and "
                         "of each forward's confirmation, their median ratios deciding")
+    p.add_argument("--tiles", nargs="+", default=None, metavar="TILE",
+                   help="the autotuner's --tiles: today's picks timed against these tiles alone (the file's "
+                        "figures of the others stay)")
     p.add_argument("--out", help="the cache file; tiles already there are kept (default: this GPU model's "
                    "shipped file, jax_moe/backends/tuned_tiles/)")
     p.add_argument("--list", action="store_true", help="print the layers and exit")
@@ -100,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["--min-gain", str(args.min_gain)]
         if args.rounds != 1:
             cmd += ["--rounds", str(args.rounds)]
+        if args.tiles is not None:
+            cmd += ["--tiles", *args.tiles]
         print(f"## {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         rc = subprocess.call(cmd)

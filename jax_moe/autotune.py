@@ -17,6 +17,7 @@ From the shell, on random weights of a model's shapes (no checkpoint is read)::
 
     python -m jax_moe.autotune --config /models/GLM-4.5-Air --layer 1 --out tiles.json
     python -m jax_moe.autotune --shape 160 5120 1536 8 --scheme fp8 --out tiles.json
+    python -m jax_moe.autotune --shape 128 2880 2880 4 --tiles coop_192x256 pingpong_192x128 --out tiles.json
 
 How: at each token count, the layer's forward is traced once to find its grouped GEMMs and the
 tiles they pick today; then, one GEMM at a time, the forward is timed with that GEMM on each
@@ -35,7 +36,10 @@ What is written is the tile per GEMM at that token count's rows per expert; othe
 take the nearest point on a log scale, up to twice as many or half as many rows per expert as any
 tuned (beyond that, the shipped tiles and the heuristic decide: tune the token counts you serve).
 Token counts on the decode path (a few slots, no grouped GEMM) have nothing to tune. Training's
-backward GEMMs keep the shipped picks.
+backward GEMMs keep the shipped picks. ``tiles`` (``--tiles``) times today's picks against those
+tiles alone, where a GEMM's kind has a kernel for them: the way to place a new tile in a file
+already tuned, at a fraction of a full sweep's timings; the file's earlier figures of the other
+tiles stay beside the new ones.
 ``bench/tune_models.py`` runs this over popular layers' shapes to write the shipped tiles.
 """
 
@@ -194,8 +198,8 @@ def _runoff(cell: dict[str, float], default: str, time_on: Callable[[str], float
 
 def tune_forward(forward: Forward, weights, cfg: MoEConfig, tokens: Sequence[int] = DEFAULT_TOKENS, *,
                  path: str | os.PathLike | None = None, min_gain: float = MIN_GAIN, routings: int = 3,
-                 rounds: int = 1, dtype=jnp.bfloat16, timer: Timer | None = None,
-                 log: Callable[[str], None] | None = print) -> Report:
+                 rounds: int = 1, tiles: Sequence[str] | None = None, dtype=jnp.bfloat16,
+                 timer: Timer | None = None, log: Callable[[str], None] | None = print) -> Report:
     """:func:`tune` on any forward ``forward(weights, x, topk_weights, topk_ids)`` of layer ``cfg``
     whose grouped GEMMs pick their tiles through :func:`jax_moe.backends.cutlass_tiles.pick_tile`
     (``weights``: a pytree, an argument of the jitted program, not a constant folded into it)."""
@@ -210,6 +214,8 @@ def tune_forward(forward: Forward, weights, cfg: MoEConfig, tokens: Sequence[int
     bad = [t for t in tokens if not isinstance(t, int) or t < 1]
     if bad or not tokens:
         raise ValueError(f"tokens must be positive token counts, got {list(tokens)}")
+    if tiles is not None and (isinstance(tiles, str) or not tiles or any(t not in TILES for t in tiles)):
+        raise ValueError(f"tiles must be a non-empty list of the cutlass tiles {list(TILES)}, got {tiles!r}")
     timer = timer or (lambda fn, inputs, vary: loop_ms(fn, inputs, vary))
     say = log or (lambda _: None)
     device = device_kind()
@@ -236,7 +242,7 @@ def tune_forward(forward: Forward, weights, cfg: MoEConfig, tokens: Sequence[int
         for key, (r, tile) in today.items():
             cells[key] = {tile: base_ms}
             for other in tiles_for(cutlass_tile_cache.split_gemm_key(key)[0]):  # those with a kernel of their own
-                if other != tile:
+                if other != tile and (tiles is None or other in tiles):
                     cells[key][other] = forward_ms({key: other})
         picks = {key: tile for key, (_, tile) in today.items()}
         chosen, ran_off = {}, set()
@@ -253,7 +259,7 @@ def tune_forward(forward: Forward, weights, cfg: MoEConfig, tokens: Sequence[int
                 chosen = picks
         for key, (r, tile) in today.items():
             g = TunedGemm(t, key, r, tile, chosen[key], cells[key])
-            cache.record(key, r, g.chosen, g.cell)
+            cache.record(key, r, g.chosen, g.cell, merge=tiles is not None)
             gemms.append(g)
             every = ", ".join(f"{other} {ms:.4f}" for other, ms in g.cell.items())
             runoff = f"; {tile} and the next fastest: medians of {rounds} rounds" if key in ran_off else ""
@@ -268,15 +274,16 @@ def tune_forward(forward: Forward, weights, cfg: MoEConfig, tokens: Sequence[int
 
 
 def tune(block, tokens: Sequence[int] = DEFAULT_TOKENS, *, path: str | os.PathLike | None = None,
-         min_gain: float = MIN_GAIN, routings: int = 3, rounds: int = 1, timer: Timer | None = None,
-         log: Callable[[str], None] | None = print) -> Report:
+         min_gain: float = MIN_GAIN, routings: int = 3, rounds: int = 1, tiles: Sequence[str] | None = None,
+         timer: Timer | None = None, log: Callable[[str], None] | None = print) -> Report:
     """Times ``block``'s routed experts (a :class:`jax_moe.MoEBlock`, as it will run: quantized
     and prepared or not) with each grouped GEMM on each cutlass tile, at each of ``tokens``
     tokens, on this GPU; keeps a tile only where the forward is faster than today's pick by more
     than ``min_gain``, in the whole forward's confirmation too (``rounds`` > 1: that many rounds of
     today's and the tuned forward back to back, their median ratio deciding: the way to keep gains
     smaller than one timing's spread, with a smaller ``min_gain``; a GEMM's two closest tiles run
-    off the same way first, :data:`RUNOFF_WITHIN`); writes the tiles to ``path``
+    off the same way first, :data:`RUNOFF_WITHIN`); ``tiles``: today's picks against those tiles alone
+    (None: every tile a GEMM's kind has a kernel for); writes the tiles to ``path``
     (JSON; tiles of other GEMMs already there are kept; None: not written). Returns the
     :class:`Report` (``report.markdown()`` prints it).
 
@@ -299,7 +306,7 @@ def tune(block, tokens: Sequence[int] = DEFAULT_TOKENS, *, path: str | os.PathLi
         return nnx.merge(graphdef, w)._run_experts(x, topk_weights, topk_ids)
 
     return tune_forward(forward, state, block.config, tokens, path=path, min_gain=min_gain, routings=routings,
-                        rounds=rounds, dtype=block.dtype, timer=timer, log=log)
+                        rounds=rounds, tiles=tiles, dtype=block.dtype, timer=timer, log=log)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -359,6 +366,9 @@ def main(argv: Sequence[str] | None = None) -> Report:
                    help="rounds of each GEMM's run-off between its two closest tiles and of the whole forward's "
                         "confirmation, the two sides back to back (more than 1: their median ratio decides; "
                         "pair it with a smaller --min-gain)")
+    p.add_argument("--tiles", nargs="+", choices=TILES, default=None, metavar="TILE",
+                   help="time today's picks against these tiles alone (default: every tile; the file's figures "
+                        f"of the others stay): {', '.join(TILES)}")
     p.add_argument("--finalize", choices=("gather", "scatter"), default=None,
                    help="how the tuned forward sums each token's rows (sets JAX_MOE_CUTLASS_FINALIZE in this "
                         "process; default: what finalize='auto' takes here, the scatter unless the environment "
@@ -386,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
           f"{'' if args.finalize is None else f', finalize={args.finalize}'}")
     try:
         report = tune(random_block(cfg, args.scheme), args.tokens, path=args.out, min_gain=args.min_gain,
-                      rounds=args.rounds)
+                      rounds=args.rounds, tiles=args.tiles)
     except ValueError as err:  # what cannot be tuned here, said without a traceback
         p.exit(2, f"{p.prog}: {err}\n")
     print(report.markdown())

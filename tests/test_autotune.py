@@ -222,6 +222,35 @@ def test_a_cache_file_round_trips_and_tuning_again_keeps_the_other_gemms(tmp_pat
     assert set(tc.load(path, ct.TILES).gemms) == {other, GEMM1, GEMM2}
 
 
+def test_named_tiles_are_timed_against_todays_picks_alone_and_the_files_other_figures_stay(tmp_path):
+    """tiles=["coop_192x256"]: GEMM1 (an act kind) is timed on that tile once beside today's pick, and
+    GEMM2 (a plain kind, which has no kernel for it) on nothing; the file's full sweep from before
+    keeps its figures of the other tiles at the point, beside the new one."""
+    path = tmp_path / "tiles.json"
+    autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), path=path, timer=synthetic_timer({}),
+                          log=None)
+    swept = tc.load(path, ct.TILES).figures[GEMM1]["16"]
+    timer, calls = synthetic_timer({("gemm1", "coop_192x256"): 0.2}), []
+
+    def counted(fn, inputs, vary):
+        calls.append(1)
+        return timer(fn, inputs, vary)
+
+    report = autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), path=path, tiles=["coop_192x256"],
+                                   timer=counted, log=None)
+    by_key = {g.key: g for g in report.gemms}
+    assert sorted(by_key[GEMM1].cell) == sorted({by_key[GEMM1].default, "coop_192x256"})
+    assert list(by_key[GEMM2].cell) == [by_key[GEMM2].default]
+    assert by_key[GEMM1].chosen == "coop_192x256" and report.forwards[0].kept
+    assert len(calls) == 1 + 1 + 2  # today's forward, the one trial, the confirmation's two timings
+    cache = tc.load(path, ct.TILES)
+    assert cache.gemms[GEMM1] == ((16.0, "coop_192x256"),)
+    figures = cache.figures[GEMM1]["16"]
+    assert figures["coop_192x256"] == pytest.approx(0.8)
+    assert set(figures) == set(swept) | {"coop_192x256"}
+    assert all(figures[t] == pytest.approx(swept[t]) for t in swept if t not in by_key[GEMM1].cell)
+
+
 def test_tuning_forces_the_named_gemms_records_every_pick_and_ignores_the_cache(tmp_path):
     cache = tc.TileCache(device_kind())
     cache.record(GEMM2, 4.0, "coop_128x256", {"coop_128x256": 0.1})
@@ -264,6 +293,9 @@ def test_tune_refuses_what_it_cannot_tune(monkeypatch):
         autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), min_gain=-1, log=None)
     with pytest.raises(ValueError, match="rounds must be a positive int, got 0"):
         autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), rounds=0, log=None)
+    for tiles in (["coop_64x64"], [], "coop_192x256"):
+        with pytest.raises(ValueError, match="tiles must be a non-empty list of the cutlass tiles"):
+            autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), tiles=tiles, log=None)
     monkeypatch.setenv(ct.TILE_ENV, "coop_128x128")
     with pytest.raises(ValueError, match=ct.TILE_ENV):
         autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), log=None)
@@ -366,7 +398,7 @@ def test_the_command_line_tunes_the_scattering_forward_when_asked(tmp_path, monk
     assert seen == ["scatter"]
 
 
-def test_the_command_line_passes_its_rounds_and_min_gain_to_the_tuner(tmp_path, monkeypatch):
+def test_the_command_line_passes_its_rounds_min_gain_and_tiles_to_the_tuner(tmp_path, monkeypatch):
     seen = {}
 
     def tune(block, tokens, **kw):
@@ -378,7 +410,11 @@ def test_the_command_line_passes_its_rounds_and_min_gain_to_the_tuner(tmp_path, 
     with pytest.raises(SystemExit):
         autotune.main(["--shape", "16", "256", "128", "4", "--rounds", "3", "--min-gain", "0.01",
                        "--out", str(tmp_path / "t.json")])
-    assert seen["rounds"] == 3 and seen["min_gain"] == 0.01
+    assert seen["rounds"] == 3 and seen["min_gain"] == 0.01 and seen["tiles"] is None
+    with pytest.raises(SystemExit):
+        autotune.main(["--shape", "16", "256", "128", "4", "--tiles", "coop_192x256", "pingpong_192x128",
+                       "--out", str(tmp_path / "t.json")])
+    assert seen["tiles"] == ["coop_192x256", "pingpong_192x128"]
 
 
 @pytest.mark.gpu

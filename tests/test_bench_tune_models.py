@@ -43,13 +43,14 @@ def test_tune_models_hands_finalize_to_each_tuner(tune_models, monkeypatch):
     assert "--finalize" not in calls[1]
 
 
-def test_tune_models_hands_rounds_and_min_gain_to_each_tuner_only_when_given(tune_models, monkeypatch):
+def test_tune_models_hands_rounds_min_gain_and_tiles_to_each_tuner_only_when_given(tune_models, monkeypatch):
     calls = []
     monkeypatch.setattr(tune_models.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
-    assert tune_models.main(["--models", "olmoe", "--rounds", "3", "--min-gain", "0.01", "--out", "t.json"]) == 0
-    assert calls[0][-4:] == ["--min-gain", "0.01", "--rounds", "3"]
+    assert tune_models.main(["--models", "olmoe", "--rounds", "3", "--min-gain", "0.01", "--tiles", "coop_192x256",
+                             "--out", "t.json"]) == 0
+    assert calls[0][-6:] == ["--min-gain", "0.01", "--rounds", "3", "--tiles", "coop_192x256"]
     assert tune_models.main(["--models", "olmoe", "--out", "t.json"]) == 0
-    assert "--rounds" not in calls[1] and "--min-gain" not in calls[1]
+    assert not {"--rounds", "--min-gain", "--tiles"} & set(calls[1])
 
 
 def test_tune_models_says_how_to_confirm_the_bench_models_tiles_in_a_loop(tune_models, monkeypatch, capsys):

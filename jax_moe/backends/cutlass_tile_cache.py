@@ -104,12 +104,16 @@ class TileCache:
     gemms: dict[str, Points] = dataclasses.field(default_factory=dict)
     figures: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
 
-    def record(self, key: str, rows_per_expert: float, tile: str, cell: Mapping[str, float]) -> None:
-        """Keep ``tile`` for GEMM ``key`` at ``rows_per_expert`` (replacing a point there) and its timings."""
+    def record(self, key: str, rows_per_expert: float, tile: str, cell: Mapping[str, float],
+               merge: bool = False) -> None:
+        """Keep ``tile`` for GEMM ``key`` at ``rows_per_expert`` (replacing a point there) and its timings
+        ``cell`` (tile -> ms); ``merge``: the point's earlier timings of tiles not in ``cell`` stay."""
         points = {r: t for r, t in self.gemms.get(key, ()) if r != rows_per_expert}
         points[float(rows_per_expert)] = tile
         self.gemms[key] = tuple(sorted(points.items()))
-        self.figures.setdefault(key, {})[rows_key(rows_per_expert)] = {t: float(ms) for t, ms in cell.items()}
+        cells = self.figures.setdefault(key, {})
+        earlier = cells.get(rows_key(rows_per_expert), {}) if merge else {}
+        cells[rows_key(rows_per_expert)] = {**earlier, **{t: float(ms) for t, ms in cell.items()}}
 
     def tile_for(self, key: str, rows_per_expert: float) -> str | None:
         """The tile of GEMM ``key``'s nearest point, or None where it has no points within
