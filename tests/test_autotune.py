@@ -33,12 +33,15 @@ def two_gemm_forward(w, x, topk_weights, topk_ids):
     return jnp.zeros_like(x, jnp.float32) + (100 * TILE_IDS[t1] + TILE_IDS[t2]) + 0 * w
 
 
-def synthetic_timer(times: dict):
+def synthetic_timer(times: dict, calls: list | None = None):
     """A timer that runs the program once and answers from the tiles it was traced with:
-    ``times[(gemm, tile)]`` ms off a 1.0 ms forward for each GEMM on that tile."""
+    ``times[(gemm, tile)]`` ms off a 1.0 ms forward for each GEMM on that tile; ``calls``, if given,
+    gains an entry per timing."""
     names = {i: name for name, i in TILE_IDS.items()}
 
     def timer(fn, inputs, vary):
+        if calls is not None:
+            calls.append(1)
         code = int(jax.block_until_ready(fn(*inputs[0]))[0, 0])
         t1, t2 = names[code // 100], names[code % 100]
         return 1.0 - times.get(("gemm1", t1), 0.0) - times.get(("gemm2", t2), 0.0)
@@ -97,14 +100,9 @@ def test_confirmation_rounds_alternate_the_two_forwards_and_keep_a_gain_their_me
     runs off against its closest tile (3 pairs of timings each), then today's forward and the tuned
     one are timed back to back three times; a 2% gain clears min_gain=1%, and the ms reported are
     medians."""
-    timer, calls = synthetic_timer({("gemm1", "pingpong_64x256"): 0.02}), []
-
-    def counted(fn, inputs, vary):
-        calls.append(1)
-        return timer(fn, inputs, vary)
-
+    calls = []
     report = autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), min_gain=0.01, rounds=3,
-                                   timer=counted, log=None)
+                                   timer=synthetic_timer({("gemm1", "pingpong_64x256"): 0.02}, calls), log=None)
     (fwd,) = report.forwards
     assert len(calls) == 1 + trials(GEMM1, GEMM2) + 2 * (2 * 3) + 2 * 3
     assert fwd.kept and fwd.default_ms == pytest.approx(1.0) and fwd.tuned_ms == pytest.approx(0.98)
@@ -230,14 +228,9 @@ def test_named_tiles_are_timed_against_todays_picks_alone_and_the_files_other_fi
     autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), path=path, timer=synthetic_timer({}),
                           log=None)
     swept = tc.load(path, ct.TILES).figures[GEMM1]["16"]
-    timer, calls = synthetic_timer({("gemm1", "coop_192x256"): 0.2}), []
-
-    def counted(fn, inputs, vary):
-        calls.append(1)
-        return timer(fn, inputs, vary)
-
+    calls = []
     report = autotune.tune_forward(two_gemm_forward, jnp.float32(0), CFG, (64,), path=path, tiles=["coop_192x256"],
-                                   timer=counted, log=None)
+                                   timer=synthetic_timer({("gemm1", "coop_192x256"): 0.2}, calls), log=None)
     by_key = {g.key: g for g in report.gemms}
     assert sorted(by_key[GEMM1].cell) == sorted({by_key[GEMM1].default, "coop_192x256"})
     assert list(by_key[GEMM2].cell) == [by_key[GEMM2].default]

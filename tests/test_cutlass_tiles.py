@@ -43,17 +43,23 @@ def test_the_plain_gemms_run_the_one_kind_tiles_as_another_so_they_are_not_tiles
     assert ct.tiles_for(kind) == tuple(t for t in ct.TILES if t not in ct.ONE_KIND_TILES)
 
 
-@pytest.mark.parametrize("kind, rows", [("bf16_kn_scatter", (96, 128, 160)), ("fp8_scatter", (96, 128, 160, 256, 352, 512))])
+@pytest.fixture
+def h200_shipped_tiles(monkeypatch):
+    """An H200 reading the package's own tile file: no user's cache, the shipped folder itself."""
+    monkeypatch.delenv(tile_cache.CACHE_ENV, raising=False)
+    monkeypatch.delenv(tile_cache.SHIPPED_ENV, raising=False)
+    monkeypatch.setattr(ct, "device_kind", lambda device=None: H200)
+
+
+@pytest.mark.parametrize("kind, rows", [("bf16_kn_scatter", (96, 128, 160)),
+                                        ("fp8_scatter", (96, 128, 160, 256, 352, 512))])
 def test_the_h200s_shipped_tiles_run_gpt_oss_120bs_gemm2_on_the_192_row_pingpong_tile_from_64_rows(kind, rows,
-                                                                                                 monkeypatch):
+                                                                                                 h200_shipped_tiles):
     """GPT-OSS-120B's GEMM2 (E=128, N=K=2880) with its un-permute fused, on the package's own H200
     file: the 192-row pingpong tile from the midpoint of its 32- and 128-row points (64 rows per
     expert) on. In bf16 it stops at the midpoint with the 256-row point (181 rows); FP8, whose
     epilogue also scales every row and column, keeps it through the 512-row point. GEMM1 keeps the
     cooperative 192-row tile, and the GEMM without the un-permute cannot run the pingpong one."""
-    monkeypatch.delenv(tile_cache.CACHE_ENV, raising=False)
-    monkeypatch.delenv(tile_cache.SHIPPED_ENV, raising=False)
-    monkeypatch.setattr(ct, "device_kind", lambda device=None: H200)
     e = 128
     probes = (48, 96, 128, 160, 256, 352, 512)
     picks = {r: ct.pick_tile(r * e, e, n=2880, k=2880, kind=kind) == "pingpong_192x128" for r in probes}
@@ -64,13 +70,11 @@ def test_the_h200s_shipped_tiles_run_gpt_oss_120bs_gemm2_on_the_192_row_pingpong
 
 
 @pytest.mark.parametrize("kind, rows", [("bf16_kn_act", (128, 512, 1024)), ("fp8_act", (128, 256, 512, 1024))])
-def test_the_h200s_shipped_tiles_run_gpt_oss_120bs_gemm1_on_the_192_row_tile_from_128_rows(kind, rows, monkeypatch):
+def test_the_h200s_shipped_tiles_run_gpt_oss_120bs_gemm1_on_the_192_row_tile_from_128_rows(kind, rows,
+                                                                                          h200_shipped_tiles):
     """GPT-OSS-120B's GEMM1 with its activation (E=128, N=5760, K=2880) on the package's own H200
     file: the cooperative 192-row tile at its points of 128 and 512 rows per expert (and past the
     last), in FP8 at 256 as well; bf16 at 256 keeps the unclustered 128x256 tile."""
-    monkeypatch.delenv(tile_cache.CACHE_ENV, raising=False)
-    monkeypatch.delenv(tile_cache.SHIPPED_ENV, raising=False)
-    monkeypatch.setattr(ct, "device_kind", lambda device=None: H200)
     e = 128
     probes = (128, 256, 512, 1024)
     picks = {r: ct.pick_tile(r * e, e, n=5760, k=2880, kind=kind) for r in probes}
